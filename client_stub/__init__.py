@@ -1,0 +1,1 @@
+"""Client stubs: the Python driver-API client and the native stub sources."""

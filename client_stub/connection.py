@@ -1,0 +1,187 @@
+"""One client connection (a ZeroMQ DEALER) to a front end or a context worker.
+
+Asynchronous calls are batched and sent without waiting; a synchronous call
+flushes the batch with `wantReply` and waits. Calls the server has not yet
+acknowledged stay in `unacked` so that a handoff can replay them.
+"""
+import collections
+import ctypes
+import itertools
+import os
+import time
+
+import numpy as np
+import zmq
+import zmq.utils.monitor
+
+from phos.schema import wire
+from phos.schema.cuda_types import CudaError, CUresult
+
+BATCH_CALLS = 64                 # flush an asynchronous batch after this many calls...
+BATCH_BYTES = 1 << 20            # ...or this many payload bytes
+ZERO_COPY = 64 << 10             # payloads above this are sent from the caller's buffer
+CONNECT_TIMEOUT = float(os.environ.get("PHOS_CONNECT_TIMEOUT", "5"))
+GONE_TIMEOUT = float(os.environ.get("PHOS_GONE_TIMEOUT", "10"))
+
+Result = collections.namedtuple("Result", "seq status message u64s f64 text data payload params")
+
+_zctx = None
+_monitor_ids = itertools.count()
+
+
+def zmq_context():
+    global _zctx
+    if _zctx is None or _zctx.closed:
+        _zctx = zmq.Context()
+    return _zctx
+
+
+def _configure_curve(sock):
+    """Encrypt and authenticate when the server asks for it (PHOS_SERVER_KEY, PHOS_CLIENT_KEY)."""
+    server_key = os.environ.get("PHOS_SERVER_KEY")
+    if not server_key:
+        return
+    import zmq.auth
+    sock.curve_serverkey, _ = zmq.auth.load_certificate(server_key)
+    client = os.environ.get("PHOS_CLIENT_KEY")
+    if not client:
+        raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, "PHOS_SERVER_KEY is set but PHOS_CLIENT_KEY is not")
+    sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(client)
+
+
+class Connection:
+    def __init__(self, endpoint):
+        self.endpoint = endpoint
+        self.sock = zmq_context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        _configure_curve(self.sock)
+        # a unique name: pyzmq's default reuses the fd number, which a closed socket may still hold
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
+                                                    f"inproc://phos-monitor-{next(_monitor_ids)}")
+        self.sock.connect(endpoint)
+        self.connected = False
+        self.seq = 0
+        self.batch = []          # (seq, name, args, payload) not yet sent
+        self.batch_bytes = 0
+        self.unacked = collections.deque()   # (seq, name, args, payload) sent, not yet acknowledged
+        self.dtoh = {}           # seq -> writer(frame) for asynchronous device-to-host copies
+        self.output = ""         # device printf text from the last reply
+
+    def close(self):
+        self.sock.disable_monitor()
+        self.monitor.close()
+        self.sock.close()
+
+    # -- sending ---------------------------------------------------------------------------
+    def post(self, name, args=None, payload=None, on_bytes=None, want_reply=False):
+        """Queue a call (sent at once if want_reply); returns its seq."""
+        self.seq += 1
+        big = payload is not None and len(payload) > ZERO_COPY
+        if payload is not None and not big:
+            payload = bytes(payload)      # capture now: the caller may reuse its buffer at once
+        self.batch.append((self.seq, name, args, payload))
+        if on_bytes is not None:
+            self.dtoh[self.seq] = on_bytes
+        if payload is not None:
+            self.batch_bytes += len(payload)
+        if want_reply or big or len(self.batch) >= BATCH_CALLS or self.batch_bytes >= BATCH_BYTES:
+            self.flush(want_reply)
+        return self.seq
+
+    def call(self, name, args=None, payload=None, timeout=None):
+        """Run a synchronous call: flush the batch, wait for the reply, return its Result."""
+        return self.wait(self.post(name, args, payload, want_reply=True), timeout)
+
+    def flush(self, want_reply=False):
+        if not self.batch:
+            return
+        req = wire.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=want_reply)
+        frames = [None]
+        for c, (seq, name, args, payload) in zip(req.init("calls", len(self.batch)), self.batch):
+            c.seq = seq
+            if args is None:
+                setattr(c, name, None)
+                continue
+            s = c.init(name)
+            for key, value in args.items():
+                if type(value) is tuple:      # a Dim3; fields default to 1
+                    d = s.init(key)
+                    if value[0] != 1: d.x = value[0]
+                    if value[1] != 1: d.y = value[1]
+                    if value[2] != 1: d.z = value[2]
+                else:
+                    setattr(s, key, value)
+            if payload is not None:
+                frames.append(payload)
+                s.payload = len(frames) - 1
+        frames[0] = req.to_bytes()
+        big = any(len(f) > ZERO_COPY for f in frames[1:])
+        tracker = self.sock.send_multipart(frames, copy=not big, track=big)
+        self.unacked.extend(self.batch)
+        self.batch, self.batch_bytes = [], 0
+        if big:                    # the caller may reuse its buffer once zmq has handed it off
+            tracker.wait()
+
+    # -- receiving -------------------------------------------------------------------------
+    def wait(self, seq, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        gone_since = None
+        while True:
+            if self.sock.poll(200):
+                frames = self.sock.recv_multipart(copy=False)
+                result = self.take_reply(frames, seq)
+                if result is not None:
+                    return result
+                continue
+            now = time.monotonic()
+            while self.monitor.poll(0):
+                event = zmq.utils.monitor.recv_monitor_message(self.monitor)["event"]
+                self.connected = event == zmq.EVENT_CONNECTED
+                gone_since = None if self.connected else now
+            if deadline is not None and now > deadline:
+                raise CudaError(CUresult.CUDA_ERROR_NO_DEVICE, f"no phos server answered at {self.endpoint} within {timeout:g} s")
+            if gone_since is not None and now - gone_since > GONE_TIMEOUT:
+                raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"the phos server at {self.endpoint} went away")
+
+    def take_reply(self, frames, seq):
+        """Apply a Reply: deliver copied bytes, drop acknowledged calls; return our Result if present."""
+        mine = None
+        with wire.decode(wire.Reply, frames[0].bytes) as reply:
+            while self.unacked and self.unacked[0][0] <= reply.ackSeq:
+                self.unacked.popleft()
+            self.output = reply.output
+            if reply.output:
+                print(reply.output, end="", flush=True)
+            for r in reply.results:
+                payload = frames[r.payload] if 0 < r.payload < len(frames) else None
+                res = Result(r.seq, r.status, r.message, list(r.u64s), r.f64, r.text, bytes(r.data), payload,
+                             [(p.offset, p.size) for p in r.params])
+                writer = self.dtoh.pop(r.seq, None)
+                if writer is not None and res.status == 0 and payload is not None:
+                    writer(payload)
+                if r.seq == seq or (r.seq == 0 and res.status):   # seq 0: the whole request was refused
+                    mine = res
+        return mine
+
+
+def host_bytes(src, nbytes):
+    """The first nbytes of a host buffer (bytes-like, NumPy array or int address), without copying buffers."""
+    if isinstance(src, int):
+        return ctypes.string_at(src, nbytes)
+    view = memoryview(src).cast("B")
+    if view.nbytes < nbytes:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"host buffer holds {view.nbytes} bytes, copy wants {nbytes}")
+    return view[:nbytes]
+
+
+def host_writer(dst, nbytes):
+    """A function that writes a received frame into a host buffer or int address."""
+    if isinstance(dst, int):
+        return lambda frame: ctypes.memmove(dst, np.frombuffer(frame.buffer, np.uint8).ctypes.data, nbytes)
+    view = memoryview(dst).cast("B")
+    if view.readonly or view.nbytes < nbytes:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"host buffer must be writable and hold {nbytes} bytes")
+
+    def write(frame):
+        view[:nbytes] = frame.buffer
+    return write

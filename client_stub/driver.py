@@ -1,0 +1,606 @@
+"""phos's drop-in for `cuda.bindings.driver`.
+
+Same names, argument order and `(CUresult, value, ...)` returns as cuda-python, so
+a program switches to phos by changing its import line:
+
+    from phos.client_stub import driver as cuda    # was: from cuda.bindings import driver as cuda
+
+PHOS_SERVER names the server (default ipc:///tmp/phos/phos.sock).
+"""
+import ctypes
+import os
+import threading
+
+from phos.client_stub.connection import CONNECT_TIMEOUT, Connection, host_bytes, host_writer
+from phos.schema import wire
+from phos.schema.cuda_types import ERROR_STRINGS, CudaError, CUdevice_attribute, CUresult  # noqa: F401 (re-exported)
+
+DEFAULT_SERVER = "ipc:///tmp/phos/phos.sock"
+SUCCESS = CUresult.CUDA_SUCCESS
+
+
+# -- handle types, shaped like cuda-python's: int() gives the value, getPtr() its address --
+class _Handle:
+    def __init__(self, init_value=0):
+        self._box = ctypes.c_uint64(int(init_value))
+
+    def __int__(self):
+        return self._box.value
+
+    __index__ = __int__
+
+    def getPtr(self):
+        return ctypes.addressof(self._box)
+
+    def __eq__(self, other):
+        return type(self) is type(other) and int(self) == int(other)
+
+    def __hash__(self):
+        return hash((type(self).__name__, int(self)))
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {int(self):#x}>"
+
+
+class CUdeviceptr(_Handle): pass
+class CUdevice(_Handle): pass
+class CUmodule(_Handle): pass
+class CUfunction(_Handle): pass
+class CUstream(_Handle): pass
+class CUevent(_Handle): pass
+
+
+class CUcontext(_Handle):
+    """A context: its worker connection lives in the client, keyed by the context id."""
+
+
+class CUuuid:
+    def __init__(self, raw=b"\0" * 16):
+        self.bytes = bytes(raw)
+
+    def __repr__(self):
+        return f"<CUuuid {self.bytes.hex()}>"
+
+
+class _State(threading.local):
+    stack = None
+
+
+_lock = threading.RLock()
+_front = None                 # Connection to the front end, made by cuInit
+_contexts = {}                # ctx id -> Connection to its worker
+_primary = {}                 # device -> [ctx id, refcount]
+_params = {}                  # (ctx id, function id) -> [(offset, size)]
+_tls = _State()
+last_error = ""               # the server's explanation of the last failure, for people
+
+
+def _stack():
+    if _tls.stack is None:
+        _tls.stack = []
+    return _tls.stack
+
+
+def _current():
+    stack = _stack()
+    if not stack:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_CONTEXT, "no current context")
+    return stack[-1], _contexts[stack[-1]]
+
+
+def _check(result):
+    if result.status != SUCCESS:
+        raise CudaError(result.status, result.message)
+    return result
+
+
+def _front_call(name, args=None):
+    if _front is None:
+        raise CudaError(CUresult.CUDA_ERROR_NOT_INITIALIZED, "call cuInit first")
+    with _lock:
+        return _check(_front.call(name, args))
+
+
+def _ctx_call(name, args=None, payload=None):
+    with _lock:
+        return _check(_current()[1].call(name, args, payload))
+
+
+def _ctx_post(name, args=None, payload=None, on_bytes=None):
+    with _lock:
+        _current()[1].post(name, args, payload, on_bytes)
+
+
+def _api(arity):
+    """Turn CudaError into cuda-python's (status, None, ...) return of `arity` values."""
+    def wrap(fn):
+        def call(*a, **kw):
+            global last_error
+            try:
+                out = fn(*a, **kw)
+                return (SUCCESS,) if out is None else (SUCCESS, *out) if isinstance(out, tuple) else (SUCCESS, out)
+            except CudaError as e:
+                last_error = e.message
+                if os.environ.get("PHOS_VERBOSE"):
+                    print(f"phos: {fn.__name__}: {e}", flush=True)
+                status = e.status if isinstance(e.status, CUresult) else CUresult.CUDA_ERROR_UNKNOWN
+                return (status, *([None] * arity))
+        call.__name__ = call.__qualname__ = fn.__name__
+        call.__doc__ = fn.__doc__
+        return call
+    return wrap
+
+
+def _stream_id(stream):
+    return 0 if stream is None else int(stream)
+
+
+def _reset_for_tests():
+    """Forget every connection, as a fresh process would (tests start many servers)."""
+    global _front
+    with _lock:
+        for conn in [_front, *_contexts.values()]:
+            if conn is not None:
+                conn.close()
+        _front = None
+        _contexts.clear()
+        _primary.clear()
+        _params.clear()
+        _tls.stack = []
+
+
+# -- initialisation and device ----------------------------------------------------------
+@_api(0)
+def cuInit(Flags=0):
+    global _front
+    with _lock:
+        if _front is not None:
+            return
+        conn = Connection(os.environ.get("PHOS_SERVER", DEFAULT_SERVER))
+        try:
+            res = conn.call("hello", {"version": wire.PROTOCOL_VERSION, "client": f"python pid {os.getpid()}"},
+                            timeout=CONNECT_TIMEOUT)
+        except CudaError:
+            conn.close()
+            raise
+        if res.status != SUCCESS:
+            conn.close()
+            raise CudaError(res.status, res.message)
+        _front = conn
+
+
+@_api(1)
+def cuDriverGetVersion():
+    return _front_call("driverGetVersion").u64s[0] if _front else 13000
+
+
+@_api(1)
+def cuDeviceGetCount():
+    return _front_call("deviceGetCount").u64s[0]
+
+
+@_api(1)
+def cuDeviceGet(ordinal):
+    if not 0 <= ordinal < _front_call("deviceGetCount").u64s[0]:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"device {ordinal} does not exist")
+    return CUdevice(ordinal)
+
+
+@_api(1)
+def cuDeviceGetName(length, dev):
+    return _front_call("deviceGetName", {"device": int(dev)}).text.encode()[:max(length - 1, 0)]
+
+
+@_api(1)
+def cuDeviceGetUuid(dev):
+    return CUuuid(_front_call("deviceGetUuid", {"device": int(dev)}).data)
+
+
+cuDeviceGetUuid_v2 = cuDeviceGetUuid
+
+
+@_api(1)
+def cuDeviceTotalMem(dev):
+    return _front_call("deviceTotalMem", {"device": int(dev)}).u64s[0]
+
+
+@_api(1)
+def cuDeviceGetAttribute(attrib, dev):
+    value = _front_call("deviceGetAttribute", {"attribute": int(attrib), "device": int(dev)}).u64s[0]
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@_api(2)
+def cuDeviceComputeCapability(dev):
+    return tuple(_front_call("deviceComputeCapability", {"device": int(dev)}).u64s)
+
+
+# -- contexts ---------------------------------------------------------------------------
+def _open_context(dev, flags):
+    res = _front_call("ctxCreate", {"flags": int(flags), "device": int(dev)})
+    ctx_id, endpoint, token = res.u64s[0], res.text, res.data
+    conn = Connection(endpoint)
+    _check(conn.call("attach", {"ctx": ctx_id, "token": token}))
+    _contexts[ctx_id] = conn
+    return ctx_id
+
+
+def _close_context(ctx_id):
+    conn = _contexts.pop(ctx_id)
+    try:
+        _check(conn.call("ctxDestroy"))
+    finally:
+        conn.close()
+        for key in [k for k in _params if k[0] == ctx_id]:
+            del _params[key]
+        for stack_ctx in list(_stack()):
+            if stack_ctx == ctx_id:
+                _stack().remove(ctx_id)
+
+
+@_api(1)
+def cuCtxCreate(ctxCreateParams, flags, dev):
+    """cuda-python 13 form: (params or None, flags, device)."""
+    with _lock:
+        ctx_id = _open_context(dev, flags)
+    _stack().append(ctx_id)
+    return CUcontext(ctx_id)
+
+
+@_api(0)
+def cuCtxDestroy(ctx):
+    with _lock:
+        if int(ctx) not in _contexts:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_CONTEXT, f"{int(ctx)} is not a live context")
+        _close_context(int(ctx))
+
+
+@_api(0)
+def cuCtxSynchronize():
+    _ctx_call("ctxSynchronize")
+
+
+@_api(0)
+def cuCtxSetCurrent(ctx):
+    stack = _stack()
+    if ctx is None or int(ctx) == 0:
+        if stack:
+            stack.pop()
+        return
+    if int(ctx) not in _contexts:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_CONTEXT, f"{int(ctx)} is not a live context")
+    if stack:
+        stack[-1] = int(ctx)
+    else:
+        stack.append(int(ctx))
+
+
+@_api(1)
+def cuCtxGetCurrent():
+    stack = _stack()
+    return CUcontext(stack[-1] if stack else 0)
+
+
+@_api(0)
+def cuCtxPushCurrent(ctx):
+    if int(ctx) not in _contexts:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_CONTEXT, f"{int(ctx)} is not a live context")
+    _stack().append(int(ctx))
+
+
+@_api(1)
+def cuCtxPopCurrent():
+    stack = _stack()
+    if not stack:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_CONTEXT, "no current context")
+    return CUcontext(stack.pop())
+
+
+@_api(1)
+def cuCtxGetDevice():
+    _current()
+    return CUdevice(0)
+
+
+@_api(1)
+def cuDevicePrimaryCtxRetain(dev):
+    with _lock:
+        entry = _primary.get(int(dev))
+        if entry is None:
+            entry = _primary[int(dev)] = [_open_context(dev, 0), 0]
+        entry[1] += 1
+        return CUcontext(entry[0])
+
+
+@_api(0)
+def cuDevicePrimaryCtxRelease(dev):
+    with _lock:
+        entry = _primary.get(int(dev))
+        if entry is None:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_CONTEXT, f"device {int(dev)} has no retained primary context")
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _primary[int(dev)]
+            _close_context(entry[0])
+
+
+# -- memory -----------------------------------------------------------------------------
+@_api(1)
+def cuMemAlloc(bytesize):
+    return CUdeviceptr(_ctx_call("memAlloc", {"size": int(bytesize)}).u64s[0])
+
+
+@_api(0)
+def cuMemFree(dptr):
+    _ctx_post("memFree", {"ptr": int(dptr)})
+
+
+@_api(2)
+def cuMemGetInfo():
+    return tuple(_ctx_call("memGetInfo").u64s)
+
+
+@_api(2)
+def cuMemGetAddressRange(dptr):
+    base, size = _ctx_call("memGetAddressRange", {"ptr": int(dptr)}).u64s
+    return CUdeviceptr(base), size
+
+
+def _htod(dst, src, n, stream):
+    _ctx_post("memcpyHtoD", {"dst": int(dst), "size": int(n), "stream": stream}, host_bytes(src, int(n)))
+
+
+def _dtoh(dst, src, n, stream, wait):
+    args = {"src": int(src), "size": int(n), "stream": stream}
+    write = host_writer(dst, int(n))
+    if wait:
+        res = _ctx_call("memcpyDtoH", args)
+        write(res.payload)
+    else:
+        _ctx_post("memcpyDtoH", args, on_bytes=write)
+
+
+@_api(0)
+def cuMemcpyHtoD(dstDevice, srcHost, ByteCount):
+    _htod(dstDevice, srcHost, ByteCount, 0)
+
+
+@_api(0)
+def cuMemcpyHtoDAsync(dstDevice, srcHost, ByteCount, hStream):
+    _htod(dstDevice, srcHost, ByteCount, _stream_id(hStream))
+
+
+@_api(0)
+def cuMemcpyDtoH(dstHost, srcDevice, ByteCount):
+    _dtoh(dstHost, srcDevice, ByteCount, 0, wait=True)
+
+
+@_api(0)
+def cuMemcpyDtoHAsync(dstHost, srcDevice, ByteCount, hStream):
+    """The bytes land in dstHost by the next synchronizing call, as with CUDA."""
+    _dtoh(dstHost, srcDevice, ByteCount, _stream_id(hStream), wait=False)
+
+
+@_api(0)
+def cuMemcpyDtoD(dstDevice, srcDevice, ByteCount):
+    _ctx_post("memcpyDtoD", {"dst": int(dstDevice), "src": int(srcDevice), "size": int(ByteCount)})
+
+
+@_api(0)
+def cuMemcpyDtoDAsync(dstDevice, srcDevice, ByteCount, hStream):
+    _ctx_post("memcpyDtoD", {"dst": int(dstDevice), "src": int(srcDevice), "size": int(ByteCount), "stream": _stream_id(hStream)})
+
+
+def _memset(dst, value, elem, n, stream):
+    _ctx_post("memset", {"dst": int(dst), "value": int(value), "elemSize": elem, "count": int(n), "stream": stream})
+
+
+@_api(0)
+def cuMemsetD8(dstDevice, uc, N):
+    _memset(dstDevice, uc, 1, N, 0)
+
+
+@_api(0)
+def cuMemsetD16(dstDevice, us, N):
+    _memset(dstDevice, us, 2, N, 0)
+
+
+@_api(0)
+def cuMemsetD32(dstDevice, ui, N):
+    _memset(dstDevice, ui, 4, N, 0)
+
+
+@_api(0)
+def cuMemsetD8Async(dstDevice, uc, N, hStream):
+    _memset(dstDevice, uc, 1, N, _stream_id(hStream))
+
+
+@_api(0)
+def cuMemsetD16Async(dstDevice, us, N, hStream):
+    _memset(dstDevice, us, 2, N, _stream_id(hStream))
+
+
+@_api(0)
+def cuMemsetD32Async(dstDevice, ui, N, hStream):
+    _memset(dstDevice, ui, 4, N, _stream_id(hStream))
+
+
+# -- modules and launches ---------------------------------------------------------------
+def _load(image):
+    if isinstance(image, int):
+        data = ctypes.string_at(image)      # a NUL-terminated PTX image in host memory
+    else:
+        data = bytes(memoryview(image).cast("B"))
+    return CUmodule(_ctx_call("moduleLoad", {}, data).u64s[0])
+
+
+@_api(1)
+def cuModuleLoadData(image):
+    return _load(image)
+
+
+@_api(1)
+def cuModuleLoadDataEx(image, numOptions=0, options=None, optionValues=None):
+    return _load(image)
+
+
+@_api(1)
+def cuModuleLoad(fname):
+    path = fname.decode() if isinstance(fname, bytes) else fname
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CudaError(CUresult.CUDA_ERROR_FILE_NOT_FOUND, f"{path}: {e.strerror}")
+    return _load(data)
+
+
+@_api(0)
+def cuModuleUnload(hmod):
+    _ctx_post("moduleUnload", {"id": int(hmod)})
+
+
+@_api(1)
+def cuModuleGetFunction(hmod, name):
+    name = name.decode() if isinstance(name, bytes) else name
+    res = _ctx_call("moduleGetFunction", {"module": int(hmod), "name": name})
+    _params[(_current()[0], res.u64s[0])] = res.params
+    return CUfunction(res.u64s[0])
+
+
+@_api(2)
+def cuModuleGetGlobal(hmod, name):
+    name = name.decode() if isinstance(name, bytes) else name
+    ptr, size = _ctx_call("moduleGetGlobal", {"module": int(hmod), "name": name}).u64s
+    return CUdeviceptr(ptr), size
+
+
+def _layout(func):
+    layout = _params.get((_current()[0], int(func)))
+    if layout is None:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_HANDLE, f"{int(func):#x} is not a function of the current context")
+    return layout
+
+
+@_api(2)
+def cuFuncGetParamInfo(func, paramIndex):
+    layout = _layout(func)
+    if not 0 <= paramIndex < len(layout):
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"parameter {paramIndex} does not exist ({len(layout)} parameters)")
+    return layout[paramIndex]
+
+
+def pack_params(layout, kernelParams):
+    """Pack cuda-python's kernelParams forms into one buffer laid out as the kernel wants."""
+    size = max((o + s for o, s in layout), default=0)
+    buf = bytearray(size)
+    if kernelParams is None or (isinstance(kernelParams, int) and kernelParams == 0):
+        if layout:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"the kernel takes {len(layout)} parameters, none given")
+        return bytes(buf)
+    if isinstance(kernelParams, tuple) and len(kernelParams) == 2 and isinstance(kernelParams[0], (tuple, list)):
+        values, types = kernelParams
+        if len(values) != len(layout) or len(types) != len(layout):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"the kernel takes {len(layout)} parameters, {len(values)} given")
+        for (off, sz), v, t in zip(layout, values, types):
+            if t is None:
+                addr = v.getPtr() if hasattr(v, "getPtr") else ctypes.addressof(v)
+                raw = ctypes.string_at(addr, sz)
+            else:
+                obj = t(int(v)) if isinstance(v, _Handle) else v if isinstance(v, t) else t(v)
+                raw = ctypes.string_at(ctypes.addressof(obj), min(ctypes.sizeof(obj), sz))
+            buf[off:off + len(raw)] = raw
+        return bytes(buf)
+    # an int address of, or a buffer holding, a void*[] with one pointer per parameter
+    if isinstance(kernelParams, int):
+        ptrs = (ctypes.c_void_p * len(layout)).from_address(kernelParams)
+    else:
+        ptrs = (ctypes.c_void_p * len(layout)).from_buffer_copy(memoryview(kernelParams).cast("B"))
+    for (off, sz), p in zip(layout, ptrs):
+        buf[off:off + sz] = ctypes.string_at(p, sz)
+    return bytes(buf)
+
+
+@_api(0)
+def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                   kernelParams, extra):
+    if extra not in (None, 0):
+        raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, "cuLaunchKernel: pass parameters in kernelParams, not extra")
+    params = pack_params(_layout(f), kernelParams)
+    _ctx_post("launch", {"function": int(f), "grid": (gridDimX, gridDimY, gridDimZ),
+                         "block": (blockDimX, blockDimY, blockDimZ), "sharedBytes": int(sharedMemBytes),
+                         "stream": _stream_id(hStream), "params": params})
+
+
+# -- streams and events -----------------------------------------------------------------
+@_api(1)
+def cuStreamCreate(Flags):
+    return CUstream(_ctx_call("streamCreate", {"flags": int(Flags)}).u64s[0])
+
+
+@_api(1)
+def cuStreamCreateWithPriority(flags, priority):
+    return CUstream(_ctx_call("streamCreate", {"flags": int(flags), "priority": int(priority)}).u64s[0])
+
+
+@_api(0)
+def cuStreamDestroy(hStream):
+    _ctx_post("streamDestroy", {"id": int(hStream)})
+
+
+@_api(0)
+def cuStreamSynchronize(hStream):
+    _ctx_call("streamSynchronize", {"id": _stream_id(hStream)})
+
+
+@_api(0)
+def cuStreamQuery(hStream):
+    _ctx_call("streamQuery", {"id": _stream_id(hStream)})
+
+
+@_api(0)
+def cuStreamWaitEvent(hStream, hEvent, Flags=0):
+    _ctx_post("streamWaitEvent", {"stream": _stream_id(hStream), "event": int(hEvent), "flags": int(Flags)})
+
+
+@_api(1)
+def cuEventCreate(Flags):
+    return CUevent(_ctx_call("eventCreate", {"flags": int(Flags)}).u64s[0])
+
+
+@_api(0)
+def cuEventRecord(hEvent, hStream):
+    _ctx_post("eventRecord", {"event": int(hEvent), "stream": _stream_id(hStream)})
+
+
+@_api(0)
+def cuEventSynchronize(hEvent):
+    _ctx_call("eventSynchronize", {"id": int(hEvent)})
+
+
+@_api(0)
+def cuEventQuery(hEvent):
+    _ctx_call("eventQuery", {"id": int(hEvent)})
+
+
+@_api(1)
+def cuEventElapsedTime(hStart, hEnd):
+    return _ctx_call("eventElapsedTime", {"start": int(hStart), "end": int(hEnd)}).f64
+
+
+@_api(0)
+def cuEventDestroy(hEvent):
+    _ctx_post("eventDestroy", {"id": int(hEvent)})
+
+
+# -- errors -----------------------------------------------------------------------------
+def cuGetErrorString(error):
+    text = ERROR_STRINGS.get(int(error))
+    return (SUCCESS, text.encode()) if text else (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+
+
+def cuGetErrorName(error):
+    try:
+        return SUCCESS, CUresult(int(error)).name.encode()
+    except ValueError:
+        return CUresult.CUDA_ERROR_INVALID_VALUE, None

@@ -1,0 +1,1 @@
+"""The phos GPU server: front end, context workers and backends."""

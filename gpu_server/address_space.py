@@ -1,0 +1,88 @@
+"""The device address range of one context: a fixed base, allocations inside it.
+
+Both backends place allocations here (DESIGN decision 3), so a restored or handed-off
+context gets the same addresses back. Every pointer a client passes is checked here.
+"""
+import bisect
+
+from phos.schema.cuda_types import CudaError, CUresult
+
+BASE = 0x7F0000000000
+
+
+class AddressSpace:
+    def __init__(self, size, align, base=BASE):
+        self.base, self.size, self.align = base, size, align
+        self.bases = []          # sorted allocation bases
+        self.sizes = {}          # base -> size
+        self.free = [(base, size)]  # sorted (start, length) holes
+        self.external = set()       # bases of ranges the device placed outside (module globals)
+
+    def alloc(self, nbytes, at=None):
+        """Reserve nbytes (rounded up to the alignment); `at` places it at a given address."""
+        if nbytes <= 0:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "allocation size must be positive")
+        length = -(-nbytes // self.align) * self.align
+        for i, (start, hole) in enumerate(self.free):
+            want = start if at is None else at
+            if start <= want and want + length <= start + hole:
+                pieces = [(start, want - start), (want + length, start + hole - want - length)]
+                self.free[i:i + 1] = [p for p in pieces if p[1]]
+                bisect.insort(self.bases, want)
+                self.sizes[want] = nbytes
+                return want
+        where = "" if at is None else f" at {at:#x}"
+        raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"no room for {nbytes} bytes{where}")
+
+    def adopt(self, ptr, nbytes):
+        """Record a range the device placed itself (a module global), so pointer checks accept it."""
+        bisect.insort(self.bases, ptr)
+        self.sizes[ptr] = nbytes
+        self.external.add(ptr)
+
+    def forget(self, ptr):
+        self.external.discard(ptr)
+        self.sizes.pop(ptr, None)
+        self.bases.remove(ptr)
+
+    def release(self, ptr):
+        """Forget the allocation at ptr; returns its size."""
+        if ptr not in self.sizes or ptr in self.external:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{ptr:#x} is not an allocation of this context")
+        nbytes = self.sizes.pop(ptr)
+        self.bases.remove(ptr)
+        length = -(-nbytes // self.align) * self.align
+        bisect.insort(self.free, (ptr, length))
+        merged = []
+        for start, hole in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + hole)
+            else:
+                merged.append((start, hole))
+        self.free = merged
+        return nbytes
+
+    def find(self, ptr):
+        """(base, size) of the allocation holding ptr, or None."""
+        i = bisect.bisect_right(self.bases, ptr) - 1
+        if i >= 0:
+            base = self.bases[i]
+            if ptr < base + self.sizes[base]:
+                return base, self.sizes[base]
+        return None
+
+    def check(self, ptr, nbytes, what="pointer"):
+        """Raise unless [ptr, ptr+nbytes) lies inside one allocation."""
+        hit = self.find(ptr)
+        if hit is None:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{what} {ptr:#x} is outside this context's allocations")
+        base, size = hit
+        if ptr + nbytes > base + size:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE,
+                            f"{what} {ptr:#x}+{nbytes} runs past the end of the {size}-byte allocation at {base:#x}")
+
+    def used(self):
+        return sum(n for b, n in self.sizes.items() if b not in self.external)
+
+    def allocations(self):
+        return [(b, self.sizes[b]) for b in self.bases if b not in self.external]

@@ -1,0 +1,247 @@
+"""A context worker: one OS process that owns one context (DESIGN decision 6).
+
+After the handshake the client talks to this process directly. The hot path is a
+tight synchronous ZeroMQ loop rather than an await per call: a worker serves one
+client, and an event-loop round per call would cost more than the call itself.
+
+Started by the front end as `python -m phos.gpu_server.worker ...`; it reads its
+session token (and CURVE secret, if any) from stdin, binds, then prints
+`READY <endpoint>` on stdout, or `ERROR <status> <message>` if the context could
+not be created.
+"""
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+import zmq.utils.monitor
+
+from phos.gpu_server.backend import load_backend
+from phos.gpu_server.calls import WORKER_CALLS
+from phos.schema import wire
+from phos.schema.cuda_types import STICKY, CudaError, CUresult
+
+log = logging.getLogger("phos.worker")
+ORPHAN_GRACE = float(os.environ.get("PHOS_ORPHAN_GRACE", "2"))   # seconds without a client before the context is freed
+ATTACH_TIMEOUT = float(os.environ.get("PHOS_ATTACH_TIMEOUT", "30"))
+FIRST_HANDLE = 0x1000     # below are reserved stream ids (0, 1, 2 name the default stream)
+
+
+class Session:
+    """One context's state: backend, virtual handles, error state."""
+
+    def __init__(self, backend, ctx_id, token):
+        self.backend, self.space = backend, backend.space
+        self.ctx_id, self.token = ctx_id, token
+        self.objects = {}          # virtual id -> (kind, object)
+        self.meta = {}             # virtual id -> extra facts kept for snapshots (module images)
+        self.next_id = FIRST_HANDLE
+        self.sticky = None         # (status, message) that fails every later call
+        self.deferred = None       # first failure of an asynchronous call since the last reply
+        self.closing = False
+
+    def add(self, kind, obj, **meta):
+        hid, self.next_id = self.next_id, self.next_id + 1
+        self.objects[hid] = (kind, obj)
+        if meta:
+            self.meta[hid] = meta
+        return hid
+
+    def handle(self, kind, hid):
+        found = self.objects.get(hid)
+        if found is None or found[0] != kind:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_HANDLE, f"{hid:#x} is not a {kind} of this context")
+        return found[1]
+
+    def drop(self, hid):
+        self.objects.pop(hid, None)
+        self.meta.pop(hid, None)
+
+    def execute(self, name, args, payloads, last):
+        """Run one call; returns (status, message, fields)."""
+        if self.sticky:
+            return (*self.sticky, {})
+        if last and self.deferred:
+            deferred, self.deferred = self.deferred, None
+            return (*deferred, {})
+        handler = WORKER_CALLS.get(name)
+        if handler is None:
+            return CUresult.CUDA_ERROR_NOT_SUPPORTED, f"call {name!r} is not served by a context worker", {}
+        try:
+            return CUresult.CUDA_SUCCESS, "", handler(self, args, payloads) or {}
+        except CudaError as e:
+            status, message = int(e.status), f"{name}: {e.message}"
+        except Exception as e:     # a bug of ours: fail the call loudly, keep serving
+            log.exception("context %d: %s raised", self.ctx_id, name)
+            status, message = int(CUresult.CUDA_ERROR_UNKNOWN), f"{name}: internal error: {type(e).__name__}: {e}"
+        if status in STICKY:
+            self.sticky = (status, message)
+        elif not last and self.deferred is None:
+            self.deferred = (status, message)
+        return status, message, {}
+
+
+def build_reply(ack_seq, results, output=""):
+    """Encode a Reply; results are (seq, status, message, fields). Returns the frames."""
+    reply = wire.Reply.new_message(ackSeq=ack_seq)
+    if output:
+        reply.output = output
+    frames = [None]
+    out = reply.init("results", len(results))
+    for r, (seq, status, message, fields) in zip(out, results):
+        r.seq, r.status = seq, int(status)
+        if message:
+            r.message = message
+        for key, value in fields.items():
+            if key == "payload":
+                frames.append(value)
+                r.payload = len(frames) - 1
+            elif key == "params":
+                ps = r.init("params", len(value))
+                for p, (off, size) in zip(ps, value):
+                    p.offset, p.size = off, size
+            else:
+                setattr(r, key, value)
+    frames[0] = reply.to_bytes()
+    return frames
+
+
+def error_reply(status, message):
+    return build_reply(0, [(0, status, message, {})])
+
+
+class Worker:
+    def __init__(self, session, sock):
+        self.session, self.sock = session, sock
+        self.attached = set()      # routing ids that presented the token
+        self.pending = []          # results waiting for the next reply
+        self.ack = 0
+
+    def handle(self, frames):
+        """Serve one message: [routing id, Request, payload...]."""
+        if len(frames) < 2:
+            log.warning("dropped a message with no request frame")
+            return
+        peer, body, payloads = frames[0].bytes, frames[1], frames[2:]
+        try:
+            with wire.decode(wire.Request, body) as req:
+                if req.version != wire.PROTOCOL_VERSION:
+                    return self.send(peer, error_reply(CUresult.CUDA_ERROR_NOT_SUPPORTED,
+                                     f"protocol version {req.version}; this server speaks {wire.PROTOCOL_VERSION}"))
+                self.run_calls(peer, req, payloads)
+        except wire.MALFORMED as e:
+            log.warning("malformed frame from a client: %s", wire.describe(e))
+            self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
+
+    def run_calls(self, peer, req, payloads):
+        calls = req.calls
+        if peer not in self.attached:
+            if not (len(calls) and calls[0].which() == "attach" and self.check_attach(calls[0].attach)):
+                return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_CONTEXT,
+                                 "not attached to this context: the first call must be attach with the session token"))
+            self.attached.add(peer)
+        n = len(calls)
+        for i, call in enumerate(calls):
+            name = call.which()
+            last = req.wantReply and i == n - 1
+            if name == "attach":
+                status, message, fields = CUresult.CUDA_SUCCESS, "", {"u64s": [self.session.ctx_id]}
+            else:
+                status, message, fields = self.session.execute(name, getattr(call, name), payloads, last)
+            self.ack = call.seq
+            if last or "payload" in fields or (name == "memcpyDtoH"):
+                self.pending.append((call.seq, status, message, fields))
+        if req.wantReply:
+            results, self.pending = self.pending, []
+            self.send(peer, build_reply(self.ack, results, self.session.backend.take_output()))
+
+    def check_attach(self, attach):
+        return attach.ctx == self.session.ctx_id and bytes(attach.token) == self.session.token
+
+    def send(self, peer, frames):
+        self.sock.send_multipart([peer, *frames], copy=False)
+
+    def serve(self, monitor):
+        """Loop until the context is destroyed or its client is gone for ORPHAN_GRACE seconds."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        connections, alone_since = 0, time.monotonic()
+        grace = ATTACH_TIMEOUT
+        while not self.session.closing:
+            ready = dict(poller.poll(250))
+            if self.sock in ready:
+                self.handle(self.sock.recv_multipart(copy=False))
+            if monitor in ready:
+                event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_ACCEPTED:
+                    connections += 1
+                elif event == zmq.EVENT_DISCONNECTED:
+                    connections -= 1
+                    if connections <= 0:
+                        alone_since, grace = time.monotonic(), ORPHAN_GRACE
+            if connections <= 0 and time.monotonic() - alone_since > grace:
+                log.info("context %d: client gone, freeing it", self.session.ctx_id)
+                return
+
+
+def _die_with_parent():
+    """Ask Linux to SIGTERM us when the front end dies, so no worker is orphaned."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="phos-worker")
+    ap.add_argument("--backend", required=True)
+    ap.add_argument("--endpoint", required=True, help="bind address, e.g. ipc:///tmp/w.sock or tcp://127.0.0.1:*")
+    ap.add_argument("--ctx", type=int, required=True)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--flags", type=int, default=0)
+    opts = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PHOS_LOG", "WARNING"), format="%(asctime)s %(name)s[%(process)d] %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    token = bytes.fromhex(sys.stdin.readline().strip())
+    curve_secret = sys.stdin.readline().strip().encode()
+    try:
+        backend = load_backend(opts.backend)(opts.device)
+    except CudaError as e:
+        print(f"ERROR {int(e.status)} {e.message}", flush=True)
+        return 1
+    except Exception as e:     # the device could not be opened: say why instead of dying silently
+        log.exception("context %d: backend %s failed to start", opts.ctx, opts.backend)
+        print(f"ERROR {int(CUresult.CUDA_ERROR_UNKNOWN)} {opts.backend} backend failed to start: {e}", flush=True)
+        return 1
+    zctx = zmq.Context()
+    sock = zctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)      # find peers that vanished without closing
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    if curve_secret:
+        sock.curve_server, sock.curve_secretkey = True, curve_secret
+    monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    sock.bind(opts.endpoint)
+    endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    print(f"READY {endpoint}", flush=True)
+    try:
+        Worker(Session(backend, opts.ctx, token), sock).serve(monitor)
+    finally:
+        backend.close()
+        sock.close(linger=500)
+        if endpoint.startswith("ipc://"):
+            try:
+                os.unlink(endpoint[len("ipc://"):])
+            except OSError:
+                pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

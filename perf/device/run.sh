@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything phos does on the H200, in one call: install, GPU tests, benchmarks.
+#
+#   run(command="bash perf/device/run.sh all", carry=[".whl", "phos/stub"])
+#
+# The device machine has CUDA 13, cuda-python and PyTorch but no pyzmq, pycapnp or
+# zstandard and no package manager: carry them as wheels in .whl/ (see the README's
+# "On a GPU" section for the download command) and the native stub built here in phos/stub/.
+# Steps: core (cuda-backend tests), stub (tests/apps native vs stub), bench (perf/*).
+set -uo pipefail
+OUT=${OUT:-/tmp/phos-device-out}
+mkdir -p "$OUT"
+steps=${*:-all}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/phos-site . >/dev/null || exit 1
+export PYTHONPATH=/tmp/phos-site:/tmp/site PYTHONUNBUFFERED=1
+status=0
+want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+step() {   # step NAME COMMAND...: run it, log it, remember a failure
+    local name=$1; shift
+    echo "=== $name: $*" | tee -a "$OUT/log.txt"
+    "$@" 2>&1 | tee -a "$OUT/log.txt"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc" | tee -a "$OUT/log.txt"
+    [ "$rc" = 0 ] || status=1
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/log.txt"
+if want core; then
+    step core-tests python3 -m pytest -q -p no:cacheprovider --backend cuda -m "not fuzz" \
+        tests/test_client_e2e.py tests/test_kernels_e2e.py tests/test_bad_input.py tests/test_server_lifecycle.py
+fi
+if want stub && [ -x tests/apps/run_native_vs_stub.sh ]; then
+    step stub-apps bash tests/apps/run_native_vs_stub.sh
+fi
+if want bench; then
+    step bench-rpc python3 perf/bench_rpc.py --backend cuda --json "$OUT/bench_rpc.json"
+    [ -f perf/bench_stub.sh ] && step bench-stub bash perf/bench_stub.sh
+fi
+exit $status

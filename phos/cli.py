@@ -1,0 +1,79 @@
+"""The `phos` command line."""
+import argparse
+import logging
+import os
+import sys
+
+DEFAULT_SERVER = "ipc:///tmp/phos/phos.sock"
+
+
+def default_server():
+    return os.environ.get("PHOS_SERVER", DEFAULT_SERVER)
+
+
+def load_curve(auth_dir):
+    """(public, secret, authorized-clients dir) from a directory made by `phos keygen`."""
+    import zmq.auth
+    public, secret = zmq.auth.load_certificate(os.path.join(auth_dir, "server.key_secret"))
+    clients = os.path.join(auth_dir, "clients")
+    if not os.path.isdir(clients):
+        raise SystemExit(f"phos: {clients} is missing: put the public keys of authorized clients there")
+    return public, secret, clients
+
+
+def cmd_server(opts):
+    from phos.gpu_server import frontend
+    logging.basicConfig(level=opts.log_level, format="%(asctime)s %(name)s[%(process)d] %(message)s")
+    curve = load_curve(opts.auth_dir) if opts.auth_dir else None
+    try:
+        frontend.run(opts.backend, opts.listen, curve)
+    except ValueError as e:
+        raise SystemExit(f"phos server: {e}")
+    return 0
+
+
+def cmd_keygen(opts):
+    import zmq.auth
+    os.makedirs(os.path.join(opts.dir, "clients"), exist_ok=True)
+    zmq.auth.create_certificates(opts.dir, "server")
+    zmq.auth.create_certificates(opts.dir, "client")
+    os.replace(os.path.join(opts.dir, "client.key"), os.path.join(opts.dir, "clients", "client.key"))
+    print(f"server keys and one client key pair written to {opts.dir}; "
+          f"clients use PHOS_SERVER_KEY={opts.dir}/server.key PHOS_CLIENT_KEY={opts.dir}/client.key_secret")
+    return 0
+
+
+def cmd_run(opts):
+    from phos import stub_run
+    argv = opts.argv[1:] if opts.argv[:1] == ["--"] else opts.argv
+    if not argv:
+        raise SystemExit("phos run: give the program to run after --")
+    return stub_run.run(argv, opts.server)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="phos", description="GPU API remoting with snapshottable contexts")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("server", help="run a GPU server")
+    p.add_argument("--backend", choices=["cuda", "emu"], default="emu")
+    p.add_argument("--listen", default=default_server(), help="ipc://PATH or tcp://127.0.0.1:PORT")
+    p.add_argument("--auth-dir", help="CURVE keys made by `phos keygen`; required for non-loopback tcp")
+    p.add_argument("--log-level", default=os.environ.get("PHOS_LOG", "WARNING"))
+    p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("keygen", help="make CURVE keys for a server reachable from other hosts")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_keygen)
+
+    p = sub.add_parser("run", help="run an unmodified CUDA program against a phos server")
+    p.add_argument("--server", default=os.environ.get("PHOS_SERVER"), help="server address; default: start a local emu server")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_run)
+
+    opts = ap.parse_args(argv)
+    return opts.func(opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Wire schemas: phos.capnp (data plane) and admin.proto (control plane)."""

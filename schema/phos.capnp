@@ -1,0 +1,139 @@
+@0x945b8f6e2c5d67c5;
+# phos data plane. One ZeroMQ message = one Request frame (this schema) followed by
+# zero or more raw payload frames. Bulk bytes never travel inside a capnp message:
+# a call names its payload by index (1 = the first frame after the Request).
+#
+# A Request carries a batch of calls. The receiver answers a Request only when the
+# sender asks (`wantReply`, set when its last call is synchronous); that Reply acknowledges every call up to
+# `ackSeq` and carries the results of all calls that produced values since the
+# previous Reply. Errors of asynchronous calls are reported by the next Reply.
+#
+# Session flow
+#  1. A DEALER connects to the server's front end (PHOS_SERVER). Its first call is
+#     `hello`; a version mismatch is refused with CUDA_ERROR_NOT_SUPPORTED and a message.
+#     Device calls (driverGetVersion, device*) are answered by the front end.
+#  2. `ctxCreate` on the front end starts a context worker; its Result holds
+#     u64s=[ctx id], text=the worker's endpoint, data=the session token.
+#  3. The client opens a second DEALER to that endpoint. Its first call is
+#     `attach{ctx, token}`; every context call then goes there. ctxDestroy ends it.
+#  Stream id 0 is the default stream (CU_STREAM_LEGACY=1 and CU_STREAM_PER_THREAD=2
+#  mean it too). Every other id is one the worker handed out.
+#
+# Results. A Reply holds one Result for the call that asked for it (the last) and one
+# for each earlier asynchronous call that returned bytes (memcpyDtoH on a stream).
+# If an asynchronous call failed since the previous Reply, the last call is not run:
+# its Result carries the first such failure, the message naming the failed call.
+# Sticky errors (illegal address, launch failure, trap) fail every later call.
+
+const protocolVersion :UInt32 = 1;
+
+struct Request {
+  version @0 :UInt32;          # protocolVersion of the sender; checked on every frame
+  calls @1 :List(Call);
+  wantReply @2 :Bool;          # set when the last call is synchronous: the sender waits
+}
+
+struct Reply {
+  ackSeq @0 :UInt64;           # every call with seq <= ackSeq has been executed
+  results @1 :List(Result);
+  output @2 :Text;             # device-side printf output since the previous Reply
+}
+
+struct Result {
+  seq @0 :UInt64;
+  status @1 :UInt32;           # a CUresult value
+  message @2 :Text;            # why it failed, for people
+  u64s @3 :List(UInt64);       # scalar results, in the order of the driver API's outputs
+  f64 @4 :Float64;             # eventElapsedTime
+  text @5 :Text;               # device name, worker endpoint
+  data @6 :Data;               # small binary results: UUID, session token
+  payload @7 :UInt32;          # index of a payload frame holding bulk bytes (0: none)
+  params @8 :List(ParamInfo);  # moduleGetFunction: the kernel's parameter layout
+}
+
+struct ParamInfo {
+  offset @0 :UInt32;
+  size @1 :UInt32;
+}
+
+struct Dim3 { x @0 :UInt32 = 1; y @1 :UInt32 = 1; z @2 :UInt32 = 1; }  # defaults of 1 keep 1-D launches cheap to encode
+
+struct Call {
+  seq @0 :UInt64;              # increasing per session; replay and acks use it
+  union {
+    # handshake and sessions (front end)
+    hello @1 :Hello;
+    ctxCreate @2 :CtxCreate;
+    attach @3 :Attach;         # first call on a worker connection
+    # device (front end)
+    driverGetVersion @4 :Void;
+    deviceGetCount @5 :Void;
+    deviceGetName @6 :Device;
+    deviceGetUuid @7 :Device;
+    deviceTotalMem @8 :Device;
+    deviceGetAttribute @9 :DeviceAttribute;
+    deviceComputeCapability @10 :Device;
+    # context (worker)
+    ctxDestroy @11 :Void;
+    ctxSynchronize @12 :Void;
+    # memory
+    memAlloc @13 :MemAlloc;
+    memFree @14 :Pointer;
+    memGetInfo @15 :Void;
+    memGetAddressRange @16 :Pointer;
+    memcpyHtoD @17 :MemcpyHtoD;
+    memcpyDtoH @18 :MemcpyDtoH;
+    memcpyDtoD @19 :MemcpyDtoD;
+    memset @20 :Memset;
+    # modules and functions
+    moduleLoad @21 :ModuleLoad;
+    moduleUnload @22 :Handle;
+    moduleGetFunction @23 :ModuleSymbol;
+    moduleGetGlobal @24 :ModuleSymbol;
+    launch @25 :Launch;
+    # streams
+    streamCreate @26 :StreamCreate;
+    streamDestroy @27 :Handle;
+    streamSynchronize @28 :Handle;
+    streamQuery @29 :Handle;
+    streamWaitEvent @30 :StreamWaitEvent;
+    # events
+    eventCreate @31 :Flags;
+    eventRecord @32 :EventRecord;
+    eventSynchronize @33 :Handle;
+    eventQuery @34 :Handle;
+    eventElapsedTime @35 :EventPair;
+    eventDestroy @36 :Handle;
+  }
+}
+
+struct Hello {
+  version @0 :UInt32;
+  client @1 :Text;             # free-form, for logs
+}
+struct CtxCreate { flags @0 :UInt32; device @1 :Int32; }
+struct Attach { ctx @0 :UInt64; token @1 :Data; }
+struct Device { device @0 :Int32; }
+struct DeviceAttribute { attribute @0 :Int32; device @1 :Int32; }
+struct Handle { id @0 :UInt64; }       # module, function, stream or event id; stream 0 = default
+struct Pointer { ptr @0 :UInt64; }
+struct Flags { flags @0 :UInt32; }
+struct MemAlloc { size @0 :UInt64; }
+struct MemcpyHtoD { dst @0 :UInt64; size @1 :UInt64; stream @2 :UInt64; payload @3 :UInt32; }
+struct MemcpyDtoH { src @0 :UInt64; size @1 :UInt64; stream @2 :UInt64; }
+struct MemcpyDtoD { dst @0 :UInt64; src @1 :UInt64; size @2 :UInt64; stream @3 :UInt64; }
+struct Memset { dst @0 :UInt64; value @1 :UInt32; elemSize @2 :UInt8; count @3 :UInt64; stream @4 :UInt64; }
+struct ModuleLoad { payload @0 :UInt32; }                 # the image: PTX, cubin or fatbin
+struct ModuleSymbol { module @0 :UInt64; name @1 :Text; }
+struct Launch {
+  function @0 :UInt64;
+  grid @1 :Dim3;
+  block @2 :Dim3;
+  sharedBytes @3 :UInt32;
+  stream @4 :UInt64;
+  params @5 :Data;             # packed by the parameter layout of moduleGetFunction
+}
+struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
+struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
+struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }
+struct EventPair { start @0 :UInt64; end @1 :UInt64; }

@@ -1,0 +1,1 @@
+"""Snapshots of contexts: engine, image format and stores."""

@@ -1,0 +1,207 @@
+"""Bad input of every kind gets a clear error, and the server and other sessions carry on."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import capnp
+import numpy as np
+import zmq
+
+from conftest import wait_until
+from phos.schema import wire
+from phos.schema.cuda_types import CUresult
+
+
+def request(*calls, version=wire.PROTOCOL_VERSION, want_reply=True):
+    """Encode a Request from (name, args) pairs."""
+    msg = wire.Request.new_message(version=version, wantReply=want_reply)
+    for c, (seq, (name, args)) in zip(msg.init("calls", len(calls)), enumerate(calls, 1)):
+        c.seq = seq
+        if args is None:
+            setattr(c, name, None)
+        else:
+            fields = c.init(name)
+            for key, value in args.items():
+                setattr(fields, key, value)
+    return msg.to_bytes()
+
+
+def results(sock):
+    frames = sock.recv_multipart()
+    with wire.decode(wire.Reply, frames[0]) as reply:
+        return [(r.status, r.message) for r in reply.results]
+
+
+def assert_server_healthy(raw):
+    raw.send(request(("deviceGetCount", None)))
+    assert results(raw) == [(0, "")]
+
+
+def test_malformed_frame(raw, server):
+    raw.send(b"\x00\x01garbage that is not capnp\xff" * 3)
+    [(status, message)] = results(raw)
+    assert status == CUresult.CUDA_ERROR_INVALID_VALUE and "malformed" in message
+    assert "malformed frame from a client" in server.output()
+    assert_server_healthy(raw)
+
+
+def test_empty_frame(raw, server):
+    raw.send(b"")
+    [(status, message)] = results(raw)
+    assert status == CUresult.CUDA_ERROR_INVALID_VALUE and "root pointer" in message and "stack" not in message
+    assert_server_healthy(raw)
+
+
+def test_oversized_control_frame(raw):
+    raw.send(b"\0" * (wire.MAX_CONTROL_FRAME + 8))
+    [(status, message)] = results(raw)
+    assert status == CUresult.CUDA_ERROR_INVALID_VALUE and "exceeds" in message
+    assert_server_healthy(raw)
+
+
+def test_protocol_version_mismatch(raw):
+    raw.send(request(("hello", {"version": 999}), version=999))
+    [(status, message)] = results(raw)
+    assert status == CUresult.CUDA_ERROR_NOT_SUPPORTED and "999" in message
+    raw.send(request(("deviceGetCount", None), version=2))
+    [(status, message)] = results(raw)
+    assert status == CUresult.CUDA_ERROR_NOT_SUPPORTED and "protocol version" in message
+
+
+def test_unknown_call(raw, tmp_path):
+    # A newer client's schema with a call this server has never heard of.
+    src = open(wire.phos_capnp.__file__ if hasattr(wire.phos_capnp, "__file__") else
+               os.path.join(os.path.dirname(wire.__file__), "phos.capnp")).read()
+    src = src.replace("@0x945b8f6e2c5d67c5;", "@0xd3c1b2a4f5e6d7c8;")
+    src = src.replace("    eventDestroy @36 :Handle;\n", "    eventDestroy @36 :Handle;\n    teleport @37 :Void;\n")
+    path = tmp_path / "future.capnp"
+    path.write_text(src)
+    future = capnp.load(str(path))
+    msg = future.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=True)
+    call = msg.init("calls", 1)[0]
+    call.seq, call.teleport = 1, None
+    raw.send(msg.to_bytes())
+    [(status, message)] = results(raw)
+    assert status in (CUresult.CUDA_ERROR_INVALID_VALUE, CUresult.CUDA_ERROR_NOT_SUPPORTED) and message
+    assert_server_healthy(raw)
+
+
+def test_context_call_on_front_end(raw):
+    raw.send(request(("memAlloc", {"size": 16})))
+    [(status, message)] = results(raw)
+    assert status == CUresult.CUDA_ERROR_INVALID_CONTEXT and "worker" in message
+
+
+def test_bad_device(raw):
+    raw.send(request(("deviceGetName", {"device": 7}), ("ctxCreate", {"device": -1, "flags": 0})))
+    statuses = [s for s, _ in results(raw)]
+    assert statuses == [CUresult.CUDA_ERROR_INVALID_DEVICE] * 2
+
+
+def open_worker(raw):
+    raw.send(request(("ctxCreate", {"device": 0, "flags": 0})))
+    frames = raw.recv_multipart()
+    with wire.decode(wire.Reply, frames[0]) as reply:
+        r = reply.results[0]
+        assert r.status == 0, r.message
+        ctx, endpoint, token = r.u64s[0], r.text, bytes(r.data)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10000)
+    sock.connect(endpoint)
+    return sock, ctx, token, endpoint
+
+
+def test_worker_requires_the_session_token(raw):
+    sock, ctx, token, _ = open_worker(raw)
+    sock.send(request(("memAlloc", {"size": 16})))
+    [(status, message)] = results(sock)
+    assert status == CUresult.CUDA_ERROR_INVALID_CONTEXT and "attach" in message
+    sock.send(request(("attach", {"ctx": ctx, "token": b"x" * 16})))
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_CONTEXT
+    sock.send(request(("attach", {"ctx": ctx, "token": token}), ("memAlloc", {"size": 16})))
+    assert [s for s, _ in results(sock)] == [0]
+    sock.send(request(("ctxDestroy", None)))
+    results(sock)
+    sock.close()
+
+
+def test_worker_malformed_frames_and_payload_mismatch(raw):
+    sock, ctx, token, _ = open_worker(raw)
+    sock.send(request(("attach", {"ctx": ctx, "token": token}), ("memAlloc", {"size": 64})))
+    frames = sock.recv_multipart()
+    with wire.decode(wire.Reply, frames[0]) as reply:
+        ptr = reply.results[0].u64s[0]
+    sock.send(b"\xff" * 40)
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_VALUE
+    # the call names payload frame 1 of 64 bytes but sends 3 bytes, then a frame that does not exist
+    sock.send_multipart([request(("memcpyHtoD", {"dst": ptr, "size": 64, "payload": 1})), b"abc"])
+    [(status, message)] = results(sock)
+    assert status == CUresult.CUDA_ERROR_INVALID_VALUE and "3 bytes" in message
+    sock.send(request(("memcpyHtoD", {"dst": ptr, "size": 64, "payload": 2})))
+    [(status, message)] = results(sock)
+    assert status == CUresult.CUDA_ERROR_INVALID_VALUE and "missing" in message
+    # huge sizes are refused by the bounds check, not attempted
+    sock.send(request(("memcpyDtoH", {"src": ptr, "size": 2**63})))
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_VALUE
+    sock.send(request(("memAlloc", {"size": 2**62})))
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_OUT_OF_MEMORY
+    sock.send(request(("memset", {"dst": ptr, "value": 1 << 20, "elemSize": 1, "count": 1})))
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_VALUE
+    sock.send(request(("launch", {"function": 0x1234})))
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_HANDLE
+    # still serving
+    sock.send(request(("memcpyDtoH", {"src": ptr, "size": 64})))
+    frames = sock.recv_multipart()
+    assert len(frames) == 2 and len(frames[1]) == 64
+    sock.send(request(("ctxDestroy", None)))
+    results(sock)
+    sock.close()
+
+
+def test_other_sessions_handles_and_pointers(cu, raw):
+    """Session B cannot use A's handles or memory; A is unaffected."""
+    err, a_ptr = cu.cuMemAlloc(4096)
+    cu.cuMemsetD8(a_ptr, 7, 4096)
+    err, a_stream = cu.cuStreamCreate(0)
+    err, a_event = cu.cuEventCreate(0)
+    sock, ctx, token, _ = open_worker(raw)
+    sock.send(request(("attach", {"ctx": ctx, "token": token}), ("memcpyDtoH", {"src": int(a_ptr), "size": 16})))
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_VALUE
+    for name, args in [("streamSynchronize", {"id": int(a_stream)}), ("eventQuery", {"id": int(a_event)}),
+                       ("memset", {"dst": int(a_ptr), "value": 0, "elemSize": 1, "count": 16})]:
+        sock.send(request((name, args)))
+        assert results(sock)[0][0] in (CUresult.CUDA_ERROR_INVALID_HANDLE, CUresult.CUDA_ERROR_INVALID_VALUE), name
+    sock.send(request(("ctxDestroy", None)))
+    results(sock)
+    sock.close()
+    out = np.zeros(4096, np.uint8)
+    assert cu.cuMemcpyDtoH(out, a_ptr, 4096) == (0,) and (out == 7).all()
+    assert cu.cuStreamSynchronize(a_stream) == (0,)
+
+
+def test_peer_vanishes_mid_call(server, cu):
+    """A client SIGKILLed while its copy is in flight: its worker goes, the server and others stay."""
+    script = textwrap.dedent(f"""
+        import os, numpy as np
+        os.environ["PHOS_SERVER"] = {server.address!r}
+        from phos.client_stub import driver as cu
+        cu.cuInit(0); cu.cuCtxCreate(None, 0, 0)
+        err, p = cu.cuMemAlloc(64 << 20)
+        print("ready", flush=True)
+        data = np.ones(64 << 20, np.uint8)
+        while True:
+            cu.cuMemcpyHtoD(p, data, data.nbytes); cu.cuMemcpyDtoH(data, p, data.nbytes)
+    """)
+    before = set(server.workers())
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    mine = set(server.workers()) - before
+    assert len(mine) == 1
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert wait_until(lambda: not (set(server.workers()) & mine), timeout=8), "worker outlived its dead client"
+    err, p = cu.cuMemAlloc(16)
+    assert err == 0 and cu.cuCtxSynchronize() == (0,)
