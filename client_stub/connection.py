@@ -7,6 +7,7 @@ acknowledged stay in `unacked` so that a handoff can replay them.
 import collections
 import ctypes
 import itertools
+import mmap
 import os
 import time
 
@@ -22,6 +23,12 @@ BATCH_BYTES = 1 << 20            # ...or this many payload bytes
 ZERO_COPY = 64 << 10             # payloads above this are sent from the caller's buffer
 CONNECT_TIMEOUT = float(os.environ.get("PHOS_CONNECT_TIMEOUT", "5"))
 GONE_TIMEOUT = float(os.environ.get("PHOS_GONE_TIMEOUT", "10"))
+# Spin this long for a reply before sleeping in poll: a wake-up costs more than a short spin
+# where cores are plentiful. Off on small machines, where the spin would starve the peer.
+SPIN = float(os.environ.get("PHOS_SPIN_US", "100" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
+STAGING_SLOT = 32 << 20          # bulk copies go through a shared staging area in slots this big...
+STAGING_MIN = 256 << 10          # ...when at least this big and the worker shares our host
+STAGING_HEADER = 4096
 
 Result = collections.namedtuple("Result", "seq status message u64s f64 text data payload params")
 
@@ -66,6 +73,11 @@ class Connection:
         self.unacked = collections.deque()   # (seq, name, args, payload) sent, not yet acknowledged
         self.dtoh = {}           # seq -> writer(frame) for asynchronous device-to-host copies
         self.output = ""         # device printf text from the last reply
+        self.keep = set()        # seqs whose Results are kept for a later collect()
+        self.kept = {}           # seq -> Result
+        self.late_error = None   # a kept Result that failed, reported by the next synchronous call
+        self.staging = None      # numpy view of the shared staging area, once the worker mapped it
+        self.slot_seq = [0, 0]   # the last call that used each staging slot
 
     def close(self):
         self.sock.disable_monitor()
@@ -90,7 +102,10 @@ class Connection:
 
     def call(self, name, args=None, payload=None, timeout=None):
         """Run a synchronous call: flush the batch, wait for the reply, return its Result."""
-        return self.wait(self.post(name, args, payload, want_reply=True), timeout)
+        result = self.wait(self.post(name, args, payload, want_reply=True), timeout)
+        if self.late_error is not None and result.status == 0:
+            result, self.late_error = self.late_error, None
+        return result
 
     def flush(self, want_reply=False):
         if not self.batch:
@@ -124,10 +139,16 @@ class Connection:
 
     # -- receiving -------------------------------------------------------------------------
     def wait(self, seq, timeout=None):
+        if seq in self.kept:
+            return self.kept.pop(seq)
         deadline = None if timeout is None else time.monotonic() + timeout
         gone_since = None
+        if SPIN:
+            end = time.perf_counter() + SPIN
+            while not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.perf_counter() < end:
+                pass
         while True:
-            if self.sock.poll(200):
+            if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN or self.sock.poll(200):
                 frames = self.sock.recv_multipart(copy=False)
                 result = self.take_reply(frames, seq)
                 if result is not None:
@@ -161,7 +182,116 @@ class Connection:
                     writer(payload)
                 if r.seq == seq or (r.seq == 0 and res.status):   # seq 0: the whole request was refused
                     mine = res
+                elif r.seq in self.keep:      # a staged copy nobody waits for: its failure is deferred
+                    self.keep.discard(r.seq)
+                    self.kept[r.seq] = res
+                    if res.status and self.late_error is None:
+                        self.late_error = res
         return mine
+
+
+    # -- the shared staging area ------------------------------------------------------------
+    def offer_staging(self):
+        """Make a staging file the worker may map: (path, cookie, size), or None if it can't share our host."""
+        if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://127.") or os.environ.get("PHOS_STAGING") == "1"):
+            return None
+        if os.environ.get("PHOS_STAGING") == "0" or not os.path.isdir("/dev/shm"):
+            return None
+        size = STAGING_HEADER + 2 * STAGING_SLOT
+        cookie = os.urandom(16)
+        path = f"/dev/shm/phos-{os.getpid()}-{cookie.hex()[:12]}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            area = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        area[:16] = cookie
+        self._offer = (path, area)
+        return path, cookie, size
+
+    def accept_staging(self, accepted):
+        """The worker answered the offer; the file is unlinked either way, so nothing leaks."""
+        path, area = self._offer
+        os.unlink(path)
+        self.staging = np.frombuffer(area, np.uint8) if accepted else None
+        if not accepted:
+            area.close()
+
+    def _slot(self, i):
+        """Staging slot i once the worker is done with it; returns (offset, view)."""
+        if self.slot_seq[i]:
+            self.collect(self.slot_seq[i])
+        off = STAGING_HEADER + i * STAGING_SLOT
+        return off, self.staging[off:off + STAGING_SLOT]
+
+    def collect(self, seq):
+        """Wait for a kept call (take_reply defers its failure to the next synchronous call)."""
+        if seq in self.keep or seq in self.kept:
+            self.wait(seq)
+
+    def copy_to_device(self, dst, src, nbytes, stream):
+        """Host-to-device copy; returns once the caller's buffer may be reused."""
+        if self.staging is None or nbytes < STAGING_MIN:
+            self.post("memcpyHtoD", {"dst": dst, "size": nbytes, "stream": stream}, host_bytes(src, nbytes))
+            return
+        view = np.frombuffer(host_bytes(src, nbytes), np.uint8)
+        for n, start in enumerate(range(0, nbytes, STAGING_SLOT)):
+            i = n % 2
+            chunk = view[start:start + STAGING_SLOT]
+            off, slot = self._slot(i)
+            slot[:len(chunk)] = chunk
+            seq = self.post("memcpyHtoD", {"dst": dst + start, "size": len(chunk), "stream": stream, "viaShm": True,
+                                           "shmOffset": off, "chunkOffset": start, "totalSize": nbytes}, want_reply=True)
+            self.keep.add(seq)
+            self.slot_seq[i] = seq
+
+    def copy_from_device(self, dst, src, nbytes, stream):
+        """Device-to-host copy, waiting for the bytes. Returns a failed Result, or None."""
+        if self.staging is None or nbytes < STAGING_MIN:
+            write = host_writer(dst, nbytes)
+            res = self.call("memcpyDtoH", {"src": src, "size": nbytes, "stream": stream})
+            if res.status == 0:
+                write(res.payload)
+            return res if res.status else None
+        out = np.frombuffer(host_bytes_writable(dst, nbytes), np.uint8)
+        chunks = list(range(0, nbytes, STAGING_SLOT))
+        inflight = collections.deque()
+
+        def issue(n):
+            i = n % 2
+            off, slot = self._slot(i)
+            size = min(STAGING_SLOT, nbytes - chunks[n])
+            seq = self.post("memcpyDtoH", {"src": src + chunks[n], "size": size, "stream": stream, "viaShm": True,
+                                           "shmOffset": off, "chunkOffset": chunks[n], "totalSize": nbytes}, want_reply=True)
+            self.slot_seq[i] = 0          # waited for below, in order
+            inflight.append((seq, n, slot[:size]))
+
+        for n in range(min(2, len(chunks))):
+            issue(n)
+        failure = None
+        while inflight:
+            seq, n, slot = inflight.popleft()
+            res = self.wait(seq)
+            if res.status:
+                failure = failure or res
+            else:
+                out[chunks[n]:chunks[n] + len(slot)] = slot
+            if n + 2 < len(chunks) and failure is None:
+                issue(n + 2)
+        if self.late_error is not None and failure is None:
+            failure, self.late_error = self.late_error, None
+        return failure
+
+
+def host_bytes_writable(dst, nbytes):
+    """A writable view of a host buffer or int address."""
+    if isinstance(dst, int):
+        return (ctypes.c_char * nbytes).from_address(dst)
+    view = memoryview(dst).cast("B")
+    if view.readonly or view.nbytes < nbytes:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"host buffer must be writable and hold {nbytes} bytes")
+    return view[:nbytes]
 
 
 def host_bytes(src, nbytes):

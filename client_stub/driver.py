@@ -11,7 +11,7 @@ import ctypes
 import os
 import threading
 
-from phos.client_stub.connection import CONNECT_TIMEOUT, Connection, host_bytes, host_writer
+from phos.client_stub.connection import CONNECT_TIMEOUT, Connection, host_writer
 from phos.schema import wire
 from phos.schema.cuda_types import ERROR_STRINGS, CudaError, CUdevice_attribute, CUresult  # noqa: F401 (re-exported)
 
@@ -220,7 +220,13 @@ def _open_context(dev, flags):
     res = _front_call("ctxCreate", {"flags": int(flags), "device": int(dev)})
     ctx_id, endpoint, token = res.u64s[0], res.text, res.data
     conn = Connection(endpoint)
-    _check(conn.call("attach", {"ctx": ctx_id, "token": token}))
+    args = {"ctx": ctx_id, "token": token}
+    offer = conn.offer_staging()
+    if offer:
+        args.update(shmPath=offer[0], shmCookie=offer[1], shmSize=offer[2])
+    res = _check(conn.call("attach", args))
+    if offer:
+        conn.accept_staging(len(res.u64s) > 1 and res.u64s[1] == 1)
     _contexts[ctx_id] = conn
     return ctx_id
 
@@ -347,17 +353,19 @@ def cuMemGetAddressRange(dptr):
 
 
 def _htod(dst, src, n, stream):
-    _ctx_post("memcpyHtoD", {"dst": int(dst), "size": int(n), "stream": stream}, host_bytes(src, int(n)))
+    with _lock:
+        _current()[1].copy_to_device(int(dst), src, int(n), stream)
 
 
 def _dtoh(dst, src, n, stream, wait):
-    args = {"src": int(src), "size": int(n), "stream": stream}
-    write = host_writer(dst, int(n))
-    if wait:
-        res = _ctx_call("memcpyDtoH", args)
-        write(res.payload)
-    else:
-        _ctx_post("memcpyDtoH", args, on_bytes=write)
+    with _lock:
+        conn = _current()[1]
+        if wait:
+            failure = conn.copy_from_device(dst, int(src), int(n), stream)
+            if failure is not None:
+                _check(failure)
+        else:
+            conn.post("memcpyDtoH", {"src": int(src), "size": int(n), "stream": stream}, on_bytes=host_writer(dst, int(n)))
 
 
 @_api(0)

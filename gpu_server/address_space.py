@@ -7,7 +7,10 @@ import bisect
 
 from phos.schema.cuda_types import CudaError, CUresult
 
-BASE = 0x7F0000000000
+# Far below where Linux places mmap()s (top-down from 0x7fff...): a base inside that area,
+# such as DESIGN's 0x7f0000000000, collided with the worker's own libraries on the H200 and
+# the fixed-address reservation failed now and then. The GPU's 49-bit space has room here.
+BASE = 0x600000000000
 
 
 class AddressSpace:

@@ -4,6 +4,8 @@ Each handler takes (session, args, payloads) and returns a dict of Result fields
 (u64s, f64, text, data, payload, params) or None. Handlers check every handle and
 pointer against the calling session's own objects before touching the backend.
 """
+import numpy as np
+
 from phos.schema.cuda_types import CudaError, CUresult
 
 STREAM_ALIASES = (0, 1, 2)   # default stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
@@ -41,15 +43,29 @@ def mem_get_address_range(s, a, p):
     return {"u64s": list(hit)}
 
 
+def _check_copy(s, ptr, a, what):
+    """Check the whole copy a chunk belongs to, so that a bad copy fails in every chunk."""
+    if a.totalSize:
+        if a.chunkOffset + a.size > a.totalSize or a.chunkOffset > ptr:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk {a.chunkOffset}+{a.size} lies outside its {a.totalSize}-byte copy")
+        s.space.check(ptr - a.chunkOffset, a.totalSize, what)
+    s.space.check(ptr, a.size, what)
+
+
 def memcpy_htod(s, a, p):
-    data = _payload(p, a.payload, a.size)
-    s.space.check(a.dst, a.size, "destination")
-    s.backend.htod(a.dst, data, _stream(s, a.stream))
+    data = s.staging(a.shmOffset, a.size) if a.viaShm else _payload(p, a.payload, a.size)
+    _check_copy(s, a.dst, a, "destination")
+    stream = _stream(s, a.stream)
+    s.backend.htod(a.dst, data, stream)
+    if a.viaShm and stream is not None:
+        s.backend.stream_sync(stream)     # the client reuses the staging slot once we reply
 
 
 def memcpy_dtoh(s, a, p):
-    s.space.check(a.src, a.size, "source")
-    return {"payload": s.backend.dtoh(a.src, a.size, _stream(s, a.stream))}
+    _check_copy(s, a.src, a, "source")
+    out = s.staging(a.shmOffset, a.size) if a.viaShm else np.empty(a.size, np.uint8)
+    s.backend.dtoh(a.src, out, _stream(s, a.stream))
+    return None if a.viaShm else {"payload": out}
 
 
 def memcpy_dtod(s, a, p):

@@ -10,7 +10,7 @@ from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.schema.cuda_types import CudaError, CUresult
 
-RESERVE = 1 << 40     # virtual range per context; costs no memory until mapped
+GiB = 1 << 30
 
 
 def ok(result, what):
@@ -44,7 +44,9 @@ class CudaBackend:
             out.append(DeviceInfo(name, uuid, ok(cu.cuDeviceTotalMem(dev), "cuDeviceTotalMem"), attrs))
         return out
 
-    driver_version = property(lambda self: ok(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+    @staticmethod
+    def driver_version():
+        return ok(cu.cuDriverGetVersion(), "cuDriverGetVersion")
 
     def __init__(self, device=0):
         _init()
@@ -63,13 +65,23 @@ class CudaBackend:
         self.access = access
         granularity = ok(cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                          "cuMemGetAllocationGranularity")
-        base = int(ok(cu.cuMemAddressReserve(RESERVE, 0, BASE, 0), "cuMemAddressReserve"))
-        if base != BASE:
-            cu.cuMemAddressFree(base, RESERVE)
-            raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"the driver placed the context's range at {base:#x}, not {BASE:#x}")
-        self.space = AddressSpace(RESERVE, granularity)
+        self.reserved = self._reserve(ok(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
+        self.space = AddressSpace(self.reserved, granularity)
         self.handles = {}            # base -> (mapped length, physical handle)
+        self.registered = []         # pinned host ranges (the staging area)
         self.output = ""
+
+    @staticmethod
+    def _reserve(total):
+        """Reserve the context's virtual range at BASE: as large as the driver allows, at least the device's memory."""
+        for size in (4 * total, 2 * total, total):
+            size = -(-size // GiB) * GiB
+            err, base = cu.cuMemAddressReserve(size, 0, BASE, 0)
+            if int(err) == 0 and int(base) == BASE:
+                return size
+            if int(err) == 0:
+                cu.cuMemAddressFree(base, size)
+        raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"could not reserve the context's address range at {BASE:#x}")
 
     # memory
     def alloc(self, nbytes, at=None):
@@ -102,14 +114,18 @@ class CudaBackend:
         else:
             ok(cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream), "cuMemcpyHtoDAsync")
 
-    def dtoh(self, src, nbytes, stream):
-        out = np.empty(nbytes, np.uint8)
+    def dtoh(self, src, out, stream):
         if stream is None:
-            ok(cu.cuMemcpyDtoH(out.ctypes.data, src, nbytes), "cuMemcpyDtoH")
+            ok(cu.cuMemcpyDtoH(out.ctypes.data, src, out.nbytes), "cuMemcpyDtoH")
         else:
-            ok(cu.cuMemcpyDtoHAsync(out.ctypes.data, src, nbytes, stream), "cuMemcpyDtoHAsync")
+            ok(cu.cuMemcpyDtoHAsync(out.ctypes.data, src, out.nbytes, stream), "cuMemcpyDtoHAsync")
             ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        return out
+
+    def register_host(self, buf):
+        """Pin the shared staging area, so copies through it run at full link speed."""
+        err = cu.cuMemHostRegister(buf.ctypes.data, buf.nbytes, 0)[0]
+        if int(err) == 0:
+            self.registered.append(buf.ctypes.data)
 
     def dtod(self, dst, src, nbytes, stream):
         ok(cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream or 0), "cuMemcpyDtoDAsync")
@@ -206,8 +222,10 @@ class CudaBackend:
 
     def close(self):
         cu.cuCtxSynchronize()
+        for addr in self.registered:
+            cu.cuMemHostUnregister(addr)
         for ptr, (length, handle) in self.handles.items():
             cu.cuMemUnmap(ptr, length)
             cu.cuMemRelease(handle)
-        cu.cuMemAddressFree(BASE, RESERVE)
+        cu.cuMemAddressFree(BASE, self.reserved)
         cu.cuDevicePrimaryCtxRelease(self.device)

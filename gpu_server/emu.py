@@ -32,6 +32,10 @@ class EmuBackend:
         return [DeviceInfo("phos emu (PTX interpreter)", uuid.uuid5(uuid.NAMESPACE_DNS, "phos.emu").bytes,
                            EMU_MEMORY, EMU_ATTRIBUTES)]
 
+    @staticmethod
+    def driver_version():
+        return 13000        # the CUDA version whose PTX the interpreter follows
+
     def __init__(self, device=0):
         if device != 0:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"emu has one device, not {device}")
@@ -52,8 +56,11 @@ class EmuBackend:
     def htod(self, dst, data, stream):
         self.mem.view(dst, len(data))[:] = memoryview(data).cast("B")
 
-    def dtoh(self, src, nbytes, stream):
-        return self.mem.view(src, nbytes).copy()
+    def dtoh(self, src, out, stream):
+        out[:] = self.mem.view(src, len(out))
+
+    def register_host(self, buf):
+        pass            # host memory is all the same to the CPU
 
     def dtod(self, dst, src, nbytes, stream):
         self.mem.view(dst, nbytes)[:] = self.mem.view(src, nbytes)

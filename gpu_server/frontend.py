@@ -80,7 +80,7 @@ class FrontEnd:
         return {"text": self.backend_name, "u64s": [len(self.devices)]}
 
     async def driver_get_version(self, a):
-        return {"u64s": [getattr(self.backend, "driver_version", 13000)]}
+        return {"u64s": [self.backend.driver_version()]}
 
     async def device_get_count(self, a):
         return {"u64s": [len(self.devices)]}

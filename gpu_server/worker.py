@@ -12,11 +12,13 @@ not be created.
 import argparse
 import ctypes
 import logging
+import mmap
 import os
 import signal
 import sys
 import time
 
+import numpy as np
 import zmq
 import zmq.utils.monitor
 
@@ -43,6 +45,31 @@ class Session:
         self.sticky = None         # (status, message) that fails every later call
         self.deferred = None       # first failure of an asynchronous call since the last reply
         self.closing = False
+        self.shm = None            # the client's staging area, when it shares our host
+
+    def staging(self, offset, nbytes):
+        """A range of the shared staging area, checked."""
+        if self.shm is None:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "no shared staging area is attached")
+        if offset + nbytes > len(self.shm):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"staging range {offset}+{nbytes} exceeds the {len(self.shm)}-byte area")
+        return self.shm[offset:offset + nbytes]
+
+    def map_staging(self, path, cookie, size):
+        """Map the client's staging file if it is really theirs (same host, same cookie)."""
+        try:
+            with open(path, "r+b") as f:
+                if os.fstat(f.fileno()).st_size < size or size < len(cookie):
+                    return False
+                area = mmap.mmap(f.fileno(), size)
+        except (OSError, ValueError):
+            return False
+        if len(cookie) < 16 or area[:len(cookie)] != cookie:
+            area.close()
+            return False
+        self.shm = np.frombuffer(area, np.uint8)
+        self.backend.register_host(self.shm)
+        return True
 
     def add(self, kind, obj, **meta):
         hid, self.next_id = self.next_id, self.next_id + 1
@@ -149,7 +176,9 @@ class Worker:
             name = call.which()
             last = req.wantReply and i == n - 1
             if name == "attach":
-                status, message, fields = CUresult.CUDA_SUCCESS, "", {"u64s": [self.session.ctx_id]}
+                a = call.attach
+                shm = bool(a.shmPath) and self.session.map_staging(a.shmPath, bytes(a.shmCookie), a.shmSize)
+                status, message, fields = CUresult.CUDA_SUCCESS, "", {"u64s": [self.session.ctx_id, int(shm)]}
             else:
                 status, message, fields = self.session.execute(name, getattr(call, name), payloads, last)
             self.ack = call.seq

@@ -94,15 +94,19 @@ def start_server(backend, listen):
     return proc
 
 
+def run_child(kind, args, env=None):
+    """Measure in a fresh process, so each client's global state starts clean."""
+    out = subprocess.run([sys.executable, __file__, "--child", kind, "--launches", str(args.launches),
+                          "--sizes", args.sizes, "--rounds", str(args.rounds)], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{kind} measurement failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_phos(backend, listen, args):
-    """Measure phos in a fresh process, so the client's global state starts clean."""
     server = start_server(backend, listen)
     try:
-        env = dict(os.environ, PHOS_SERVER=listen)
-        out = subprocess.run([sys.executable, __file__, "--child", "phos", "--launches", str(args.launches),
-                              "--sizes", args.sizes, "--rounds", str(args.rounds)],
-                             env=env, capture_output=True, text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return run_child("phos", args, dict(os.environ, PHOS_SERVER=listen))
     finally:
         server.terminate()
         server.wait()
@@ -134,9 +138,7 @@ def main():
         return
     rows = {}
     if args.backend == "cuda":
-        out = subprocess.run([sys.executable, __file__, "--child", "native", "--launches", str(args.launches),
-                              "--sizes", args.sizes, "--rounds", str(args.rounds)], capture_output=True, text=True, check=True)
-        rows["native cuda-python"] = json.loads(out.stdout.strip().splitlines()[-1])
+        rows["native cuda-python"] = run_child("native", args)
     with tempfile.TemporaryDirectory() as tmp:
         rows["phos ipc://"] = run_phos(args.backend, f"ipc://{tmp}/bench.sock", args)
         rows["phos tcp://127.0.0.1"] = run_phos(args.backend, "tcp://127.0.0.1:45871", args)

@@ -112,15 +112,32 @@ struct Hello {
   client @1 :Text;             # free-form, for logs
 }
 struct CtxCreate { flags @0 :UInt32; device @1 :Int32; }
-struct Attach { ctx @0 :UInt64; token @1 :Data; }
+struct Attach {
+  ctx @0 :UInt64;
+  token @1 :Data;
+  # Optional staging area for bulk bytes when client and worker share a host: a file the
+  # client made (e.g. in /dev/shm) whose first 16 bytes equal shmCookie. The Result's
+  # u64s[1] is 1 if the worker mapped it; calls then name byte ranges of it (viaShm).
+  shmPath @2 :Text;
+  shmCookie @3 :Data;
+  shmSize @4 :UInt64;
+}
 struct Device { device @0 :Int32; }
 struct DeviceAttribute { attribute @0 :Int32; device @1 :Int32; }
 struct Handle { id @0 :UInt64; }       # module, function, stream or event id; stream 0 = default
 struct Pointer { ptr @0 :UInt64; }
 struct Flags { flags @0 :UInt32; }
 struct MemAlloc { size @0 :UInt64; }
-struct MemcpyHtoD { dst @0 :UInt64; size @1 :UInt64; stream @2 :UInt64; payload @3 :UInt32; }
-struct MemcpyDtoH { src @0 :UInt64; size @1 :UInt64; stream @2 :UInt64; }
+# A copy split into chunks names the whole copy too (chunkOffset into it, totalSize), so
+# the worker checks the whole range with every chunk: a bad copy fails entirely, as in CUDA.
+struct MemcpyHtoD {
+  dst @0 :UInt64; size @1 :UInt64; stream @2 :UInt64; payload @3 :UInt32;
+  viaShm @4 :Bool; shmOffset @5 :UInt64; chunkOffset @6 :UInt64; totalSize @7 :UInt64;
+}
+struct MemcpyDtoH {
+  src @0 :UInt64; size @1 :UInt64; stream @2 :UInt64;
+  viaShm @3 :Bool; shmOffset @4 :UInt64; chunkOffset @5 :UInt64; totalSize @6 :UInt64;
+}
 struct MemcpyDtoD { dst @0 :UInt64; src @1 :UInt64; size @2 :UInt64; stream @3 :UInt64; }
 struct Memset { dst @0 :UInt64; value @1 :UInt32; elemSize @2 :UInt8; count @3 :UInt64; stream @4 :UInt64; }
 struct ModuleLoad { payload @0 :UInt32; }                 # the image: PTX, cubin or fatbin

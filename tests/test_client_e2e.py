@@ -3,9 +3,12 @@
 CI runs these on emu; perf/device/run.sh runs the same file with --backend cuda on the H200.
 """
 import ctypes
+import os
 
 import numpy as np
 import pytest
+
+from phos.gpu_server.address_space import BASE
 
 OK = 0
 
@@ -33,7 +36,7 @@ def test_device_queries(cu):
 def test_alloc_copy_memset_roundtrip(cu):
     n = 1 << 20
     err, ptr = cu.cuMemAlloc(n * 4)
-    assert err == OK and int(ptr) >= 0x7F0000000000     # the fixed base of DESIGN decision 3
+    assert err == OK and int(ptr) >= BASE               # the fixed base of DESIGN decision 3
     src = np.random.default_rng(1).random(n, dtype=np.float32)
     assert cu.cuMemcpyHtoD(ptr, src, src.nbytes) == (OK,)
     assert cu.cuMemsetD32(ptr, 0x3F800000, 16) == (OK,)          # 1.0f
@@ -123,7 +126,7 @@ def test_unknown_handles_are_refused(cu):
     err, s = cu.cuStreamCreate(0)
     assert cu.cuEventRecord(cu.CUevent(int(s)), 0) == (OK,)         # a stream id used as an event...
     assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_HANDLE   # ...is refused
-    assert cu.cuMemFree(0x7F0000000000 + 7) == (OK,)
+    assert cu.cuMemFree(BASE + 7) == (OK,)
     assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
 
 
@@ -176,3 +179,33 @@ def test_copy_sizes(cu, size):
     out = np.zeros(size, np.uint8)
     assert cu.cuMemcpyDtoH(out, ptr, size) == (OK,)
     assert np.array_equal(out, data)
+
+
+def test_large_copies_through_the_staging_area(cu):
+    n = (80 << 20) + 12345                       # more than two staging slots, not slot-aligned
+    conn = cu._contexts[int(cu.cuCtxGetCurrent()[1])]
+    assert conn.staging is not None, "a local worker should map the staging area"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"phos-{os.getpid()}-")], "staging file left behind"
+    err, ptr = cu.cuMemAlloc(n)
+    data = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+    assert cu.cuMemcpyHtoD(ptr, data, n) == (OK,)
+    out = np.zeros(n, np.uint8)
+    assert cu.cuMemcpyDtoH(out, ptr, n) == (OK,)
+    assert np.array_equal(out, data)
+    # a staged copy past the end fails at the next synchronizing call, and nothing is lost after
+    assert cu.cuMemcpyHtoD(int(ptr) + 4096, data, n) == (OK,)
+    assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
+    assert cu.cuMemcpyDtoH(out, int(ptr) + 4096, n)[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
+    assert cu.cuMemcpyDtoH(out, ptr, n) == (OK,) and np.array_equal(out, data)
+    cu.cuMemFree(ptr)
+
+
+def test_staging_refused_for_a_forged_cookie(cu):
+    conn = cu._contexts[int(cu.cuCtxGetCurrent()[1])]
+    path, cookie, size = conn.offer_staging()
+    with open(path, "r+b") as f:
+        f.write(b"\0" * 16)                       # not what we will claim
+    res = conn.call("attach", {"ctx": int(cu.cuCtxGetCurrent()[1]), "token": b"", "shmPath": path,
+                               "shmCookie": cookie, "shmSize": size})
+    os.unlink(path)
+    assert res.status == 0 and res.u64s[1] == 0   # already attached: the call succeeds, the area is refused

@@ -12,8 +12,10 @@ OUT=${OUT:-/tmp/phos-device-out}
 mkdir -p "$OUT"
 steps=${*:-all}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+rm -rf /tmp/phos-site   # a warm machine keeps the last copy; pip --target would not replace it
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/phos-site . >/dev/null || exit 1
-export PYTHONPATH=/tmp/phos-site:/tmp/site PYTHONUNBUFFERED=1
+# PYTHONSAFEPATH: the checkout's own phos/ folder must not shadow the installed package
+export PYTHONPATH=/tmp/phos-site:/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 status=0
 want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 step() {   # step NAME COMMAND...: run it, log it, remember a failure
@@ -34,6 +36,7 @@ if want stub && [ -x tests/apps/run_native_vs_stub.sh ]; then
     step stub-apps bash tests/apps/run_native_vs_stub.sh
 fi
 if want bench; then
+    step transport-floor python3 perf/transport_floor.py
     step bench-rpc python3 perf/bench_rpc.py --backend cuda --json "$OUT/bench_rpc.json"
     [ -f perf/bench_stub.sh ] && step bench-stub bash perf/bench_stub.sh
 fi
