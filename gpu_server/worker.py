@@ -30,6 +30,8 @@ from phos.schema.cuda_types import STICKY, CudaError, CUresult
 log = logging.getLogger("phos.worker")
 ORPHAN_GRACE = float(os.environ.get("PHOS_ORPHAN_GRACE", "2"))   # seconds without a client before the context is freed
 ATTACH_TIMEOUT = float(os.environ.get("PHOS_ATTACH_TIMEOUT", "30"))
+# After a message, keep checking for the next one this long before sleeping in poll.
+SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
 FIRST_HANDLE = 0x1000     # below are reserved stream ids (0, 1, 2 name the default stream)
 
 
@@ -201,10 +203,18 @@ class Worker:
         poller.register(monitor, zmq.POLLIN)
         connections, alone_since = 0, time.monotonic()
         grace = ATTACH_TIMEOUT
+        last = 0.0
         while not self.session.closing:
+            if SPIN and time.perf_counter() - last < SPIN:
+                # a client mid-burst: catch its next message without the cost of sleeping in poll
+                if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self.handle(self.sock.recv_multipart(copy=False))
+                    last = time.perf_counter()
+                continue
             ready = dict(poller.poll(250))
             if self.sock in ready:
                 self.handle(self.sock.recv_multipart(copy=False))
+                last = time.perf_counter()
             if monitor in ready:
                 event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
                 if event == zmq.EVENT_ACCEPTED:
