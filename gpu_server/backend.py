@@ -26,6 +26,11 @@ class Function:
     name: str
     params: list          # [(offset, size)] per parameter
 
+    @property
+    def param_bytes(self):
+        """Size of the packed parameter buffer a launch must send."""
+        return max((off + size for off, size in self.params), default=0)
+
 
 def load_backend(name):
     """The backend class for a name; imported lazily so `emu` never needs cuda-python."""

@@ -100,7 +100,7 @@ def module_unload(s, a, p):
 
 def module_get_function(s, a, p):
     fn = s.backend.get_function(s.handle("module", a.module), a.name)
-    fn.module_id = a.module
+    fn.module_id, fn.size = a.module, fn.param_bytes
     fid = s.add("function", fn)
     return {"u64s": [fid], "params": fn.params}
 
@@ -116,10 +116,10 @@ def launch(s, a, p):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: grid {grid} and block {block} must be non-zero")
     if block[0] * block[1] * block[2] > 1024:
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {block[0] * block[1] * block[2]} threads per block exceeds 1024")
-    need = max((off + size for off, size in fn.params), default=0)
-    if len(a.params) != need:
-        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {len(a.params)} parameter bytes, kernel takes {need}")
-    s.backend.launch(fn, grid, block, a.sharedBytes, _stream(s, a.stream), a.params)
+    params = a.params
+    if len(params) != fn.size:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {len(params)} parameter bytes, kernel takes {fn.size}")
+    s.backend.launch(fn, grid, block, a.sharedBytes, _stream(s, a.stream), params)
 
 
 def stream_create(s, a, p):

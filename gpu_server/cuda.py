@@ -166,10 +166,15 @@ class CudaBackend:
         return ptr, size
 
     def launch(self, function, grid, block, shared_bytes, stream, params):
-        buf = np.frombuffer(bytearray(params) or bytearray(8), np.uint8)
-        ptrs = np.array([buf.ctypes.data + off for off, _ in function.params], np.uint64)
-        ok(cu.cuLaunchKernel(function.handle, *grid, *block, shared_bytes, stream or 0,
-                             ptrs.ctypes.data if len(ptrs) else 0, 0), f"launch of {function.name}")
+        args = getattr(function, "args", None)
+        if args is None:     # one argument buffer per function, reused: the driver copies it at launch
+            buf = np.zeros(max(function.param_bytes, 8), np.uint8)
+            ptrs = np.array([buf.ctypes.data + off for off, _ in function.params] or [0], np.uint64)
+            args = function.args = (buf, ptrs, ptrs.ctypes.data if function.params else 0)
+        args[0][:len(params)] = np.frombuffer(params, np.uint8)
+        err = cu.cuLaunchKernel(function.handle, *grid, *block, shared_bytes, stream or 0, args[2], 0)[0]
+        if err:
+            ok((err,), f"launch of {function.name}")
 
     def take_output(self):
         return ""      # device printf goes to the worker's stdout on a real GPU

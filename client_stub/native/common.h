@@ -1,0 +1,40 @@
+// Helpers shared by every part of the native stub: exporting, logging, settings.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+// Everything is hidden (-fvisibility=hidden) except the CUDA entry points marked here;
+// the version scripts (libcuda.map, libcudart.map) are the second fence.
+#define PHOS_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace phos {
+
+// "phos: <message>" on stderr, always.
+void log_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+// The same, only with PHOS_VERBOSE=1 (or PHOS_DEBUG=1) in the environment.
+void log_verbose(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+bool verbose();
+
+// Settings from the environment, read once.
+std::string env_string(const char* name, const char* fallback);
+double env_seconds(const char* name, double fallback);
+long env_long(const char* name, long fallback);
+
+struct Settings {
+    std::string server;          // PHOS_SERVER: the front end's ZeroMQ endpoint
+    double connect_timeout;      // PHOS_CONNECT_TIMEOUT: seconds to wait for hello / attach
+    double gone_timeout;         // PHOS_GONE_TIMEOUT: seconds disconnected before a call fails
+    long batch_calls;            // PHOS_BATCH_CALLS: flush an asynchronous batch at this many calls
+    long batch_bytes;            // PHOS_BATCH_BYTES: ... or this many payload bytes
+    double batch_age;            // PHOS_BATCH_AGE_US (as seconds): ... or when its first call is this old
+    long inline_copy_max;        // host->device copies up to this size are captured and sent async
+    long unacked_calls_max;      // bound of the replay log, in calls
+    long unacked_bytes_max;      // ... and in captured payload bytes
+};
+const Settings& settings();
+
+inline constexpr const char* kDefaultServer = "ipc:///tmp/phos/phos.sock";
+
+}  // namespace phos

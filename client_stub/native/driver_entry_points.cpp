@@ -1,0 +1,232 @@
+// Driver API: cuGetProcAddress and its table, error names, the older variants of calls
+// that CUDA 13's cuda.h maps to newer symbols, and the per-thread-stream variants.
+#include <cstring>
+#include <string>
+#include <unordered_map>
+
+#include "driver_state.h"
+#include "unsupported.h"
+
+using namespace phos;
+using namespace phos::driver;
+
+// -- older variants: same behaviour, the ABI of an earlier cuda.h -------------------------
+// cuda.h #defines these names to their newest variant; undo that to define the old ones.
+#undef cuCtxCreate
+#undef cuCtxDestroy
+#undef cuCtxPushCurrent
+#undef cuCtxPopCurrent
+#undef cuStreamDestroy
+#undef cuEventDestroy
+#undef cuEventElapsedTime
+#undef cuDeviceGetUuid
+#undef cuDevicePrimaryCtxRelease
+#undef cuDevicePrimaryCtxReset
+#undef cuDevicePrimaryCtxSetFlags
+#undef cuMemHostRegister
+#undef cuGetProcAddress
+
+PHOS_EXPORT CUresult cuCtxCreate_v2(CUcontext* pctx, unsigned int flags, CUdevice dev);
+PHOS_EXPORT CUresult cuCtxCreate_v3(CUcontext* pctx, CUexecAffinityParam* affinity, int count, unsigned int flags,
+                                    CUdevice dev);
+PHOS_EXPORT CUresult cuFuncGetParamCount(CUfunction f, size_t* count);
+
+PHOS_EXPORT CUresult cuCtxCreate(CUcontext* pctx, unsigned int flags, CUdevice dev) { return cuCtxCreate_v2(pctx, flags, dev); }
+PHOS_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { return cuCtxDestroy_v2(ctx); }
+PHOS_EXPORT CUresult cuCtxPushCurrent(CUcontext ctx) { return cuCtxPushCurrent_v2(ctx); }
+PHOS_EXPORT CUresult cuCtxPopCurrent(CUcontext* pctx) { return cuCtxPopCurrent_v2(pctx); }
+PHOS_EXPORT CUresult cuStreamDestroy(CUstream stream) { return cuStreamDestroy_v2(stream); }
+PHOS_EXPORT CUresult cuEventDestroy(CUevent event) { return cuEventDestroy_v2(event); }
+PHOS_EXPORT CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) { return cuEventElapsedTime_v2(ms, start, end); }
+PHOS_EXPORT CUresult cuDeviceGetUuid(CUuuid* uuid, CUdevice dev) { return cuDeviceGetUuid_v2(uuid, dev); }
+PHOS_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2(dev); }
+PHOS_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return cuDevicePrimaryCtxReset_v2(dev); }
+PHOS_EXPORT CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags) { return cuDevicePrimaryCtxSetFlags_v2(dev, flags); }
+PHOS_EXPORT CUresult cuMemHostRegister(void* p, size_t n, unsigned int flags) { return cuMemHostRegister_v2(p, n, flags); }
+
+// CUDA 13 forms that name the context explicitly.
+PHOS_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx) {
+    Guard g(state().lock);
+    if (!ctx) return cuCtxSynchronize();
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(ctx, HandleKind::context)) return CUDA_ERROR_INVALID_CONTEXT;
+    if ((err = make_usable(ctx)) != CUDA_SUCCESS) return err;
+    return context_call(ctx, wire::Call::plain(wire::Kind::ctxSynchronize));
+}
+
+PHOS_EXPORT CUresult cuCtxGetDevice_v2(CUdevice* device, CUcontext ctx) {
+    if (!device) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!ctx) return cuCtxGetDevice(device);
+    if (!is_handle(ctx, HandleKind::context)) return CUDA_ERROR_INVALID_CONTEXT;
+    *device = ctx->device;
+    return CUDA_SUCCESS;
+}
+
+// -- per-thread default stream variants --------------------------------------------------
+// phos gives every thread the legacy default stream: these behave like the plain calls.
+
+#define PER_THREAD(name, base, params, args) \
+    PHOS_EXPORT CUresult name params;        \
+    PHOS_EXPORT CUresult name params { return base args; }
+
+PER_THREAD(cuMemcpy_ptds, cuMemcpy, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
+PER_THREAD(cuMemcpyAsync_ptsz, cuMemcpyAsync, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st))
+PER_THREAD(cuMemcpyHtoD_v2_ptds, cuMemcpyHtoD_v2, (CUdeviceptr d, const void* s, size_t n), (d, s, n))
+PER_THREAD(cuMemcpyDtoH_v2_ptds, cuMemcpyDtoH_v2, (void* d, CUdeviceptr s, size_t n), (d, s, n))
+PER_THREAD(cuMemcpyDtoD_v2_ptds, cuMemcpyDtoD_v2, (CUdeviceptr d, CUdeviceptr s, size_t n), (d, s, n))
+PER_THREAD(cuMemcpyHtoDAsync_v2_ptsz, cuMemcpyHtoDAsync_v2, (CUdeviceptr d, const void* s, size_t n, CUstream st), (d, s, n, st))
+PER_THREAD(cuMemcpyDtoHAsync_v2_ptsz, cuMemcpyDtoHAsync_v2, (void* d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st))
+PER_THREAD(cuMemcpyDtoDAsync_v2_ptsz, cuMemcpyDtoDAsync_v2, (CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st), (d, s, n, st))
+PER_THREAD(cuMemsetD8_v2_ptds, cuMemsetD8_v2, (CUdeviceptr d, unsigned char v, size_t n), (d, v, n))
+PER_THREAD(cuMemsetD16_v2_ptds, cuMemsetD16_v2, (CUdeviceptr d, unsigned short v, size_t n), (d, v, n))
+PER_THREAD(cuMemsetD32_v2_ptds, cuMemsetD32_v2, (CUdeviceptr d, unsigned int v, size_t n), (d, v, n))
+PER_THREAD(cuMemsetD8Async_ptsz, cuMemsetD8Async, (CUdeviceptr d, unsigned char v, size_t n, CUstream st), (d, v, n, st))
+PER_THREAD(cuMemsetD16Async_ptsz, cuMemsetD16Async, (CUdeviceptr d, unsigned short v, size_t n, CUstream st), (d, v, n, st))
+PER_THREAD(cuMemsetD32Async_ptsz, cuMemsetD32Async, (CUdeviceptr d, unsigned int v, size_t n, CUstream st), (d, v, n, st))
+PER_THREAD(cuLaunchKernel_ptsz, cuLaunchKernel,
+           (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh,
+            CUstream st, void** kp, void** ex),
+           (f, gx, gy, gz, bx, by, bz, sh, st, kp, ex))
+PER_THREAD(cuLaunchKernelEx_ptsz, cuLaunchKernelEx, (const CUlaunchConfig* c, CUfunction f, void** kp, void** ex), (c, f, kp, ex))
+PER_THREAD(cuStreamSynchronize_ptsz, cuStreamSynchronize, (CUstream st), (st))
+PER_THREAD(cuStreamQuery_ptsz, cuStreamQuery, (CUstream st), (st))
+PER_THREAD(cuStreamWaitEvent_ptsz, cuStreamWaitEvent, (CUstream st, CUevent e, unsigned fl), (st, e, fl))
+PER_THREAD(cuStreamGetFlags_ptsz, cuStreamGetFlags, (CUstream st, unsigned* fl), (st, fl))
+PER_THREAD(cuStreamGetPriority_ptsz, cuStreamGetPriority, (CUstream st, int* p), (st, p))
+PER_THREAD(cuStreamGetCtx_ptsz, cuStreamGetCtx, (CUstream st, CUcontext* c), (st, c))
+PER_THREAD(cuStreamGetId_ptsz, cuStreamGetId, (CUstream st, unsigned long long* id), (st, id))
+PER_THREAD(cuEventRecord_ptsz, cuEventRecord, (CUevent e, CUstream st), (e, st))
+PER_THREAD(cuEventRecordWithFlags_ptsz, cuEventRecordWithFlags, (CUevent e, CUstream st, unsigned fl), (e, st, fl))
+
+// -- errors ------------------------------------------------------------------------------
+
+namespace {
+struct ErrorText {
+    int value;
+    const char* name;
+    const char* text;
+};
+const ErrorText kErrors[] = {
+#define PHOS_ERROR(name, value, text) {value, #name, text},
+#include "tables/driver_errors.def"
+#undef PHOS_ERROR
+};
+const ErrorText* find_error(CUresult e) {
+    for (const auto& t : kErrors)
+        if (t.value == static_cast<int>(e)) return &t;
+    return nullptr;
+}
+}  // namespace
+
+PHOS_EXPORT CUresult cuGetErrorString(CUresult error, const char** text) {
+    if (!text) return CUDA_ERROR_INVALID_VALUE;
+    const ErrorText* t = find_error(error);
+    *text = t ? t->text : nullptr;
+    return t ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+PHOS_EXPORT CUresult cuGetErrorName(CUresult error, const char** name) {
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    const ErrorText* t = find_error(error);
+    *name = t ? t->name : nullptr;
+    return t ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+// -- cuGetProcAddress --------------------------------------------------------------------
+
+PHOS_EXPORT CUresult cuGetProcAddress(const char*, void**, int, cuuint64_t);
+
+namespace {
+struct ProcEntry {
+    const char* name;
+    int version;
+    void* function;
+    bool per_thread;
+};
+
+const ProcEntry kEntries[] = {
+#define ENTRY(name, version, symbol) {#name, version, reinterpret_cast<void*>(&symbol), false},
+#define ENTRY_PER_THREAD(name, version, symbol) {#name, version, reinterpret_cast<void*>(&symbol), true},
+#include "driver_entry_points.def"
+#undef ENTRY
+#undef ENTRY_PER_THREAD
+};
+
+// "cuGraphAddKernelNode_v2_ptsz" -> "cuGraphAddKernelNode": how unsupported stubs are found.
+std::string base_name(std::string n) {
+    for (const char* suffix : {"_ptds", "_ptsz"}) {
+        size_t k = std::strlen(suffix);
+        if (n.size() > k && n.compare(n.size() - k, k, suffix) == 0) n.resize(n.size() - k);
+    }
+    size_t v = n.rfind("_v");
+    if (v != std::string::npos && v + 2 < n.size() && n.find_first_not_of("0123456789", v + 2) == std::string::npos)
+        n.resize(v);
+    return n;
+}
+
+void* unsupported_stub(const char* symbol) {
+    static const auto* stubs = [] {
+        auto* m = new std::unordered_map<std::string, void*>();
+        for (size_t i = 0; i < phos_unsupported_driver_count; i++) {
+            const auto& s = phos_unsupported_driver[i];
+            m->emplace(base_name(s.name), s.function);   // the first (plain) variant wins
+        }
+        return m;
+    }();
+    auto it = stubs->find(base_name(symbol));
+    return it == stubs->end() ? nullptr : it->second;
+}
+
+CUresult lookup(const char* symbol, void** pfn, int version, cuuint64_t flags, CUdriverProcAddressQueryResult* status) {
+    if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+    const ProcEntry* best = nullptr;
+    const ProcEntry* best_per_thread = nullptr;
+    bool known = false;
+    for (const auto& e : kEntries) {
+        if (std::strcmp(e.name, symbol) != 0) continue;
+        known = true;
+        if (e.version > version) continue;
+        const ProcEntry*& slot = e.per_thread ? best_per_thread : best;
+        if (!slot || e.version > slot->version) slot = &e;
+    }
+    if ((flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) && best_per_thread) best = best_per_thread;
+    CUdriverProcAddressQueryResult result = CU_GET_PROC_ADDRESS_SUCCESS;
+    *pfn = best ? best->function : nullptr;
+    if (!best && known) {
+        result = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+    } else if (!best) {
+        *pfn = unsupported_stub(symbol);    // known to CUDA, not to phos: fails loudly if called
+        if (!*pfn) result = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    }
+    if (status) *status = result;
+    return *pfn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+}  // namespace
+
+PHOS_EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version, cuuint64_t flags,
+                                         CUdriverProcAddressQueryResult* status) {
+    return lookup(symbol, pfn, version, flags, status);
+}
+
+PHOS_EXPORT CUresult cuGetProcAddress(const char* symbol, void** pfn, int version, cuuint64_t flags) {
+    return lookup(symbol, pfn, version, flags, nullptr);
+}
+
+// NVIDIA's runtime asks its driver for private tables; phos replaces that runtime too.
+PHOS_EXPORT CUresult cuGetExportTable(const void** table, const CUuuid*) {
+    static bool said = false;
+    if (!said) {
+        said = true;
+        log_error("unsupported CUDA call cuGetExportTable (only NVIDIA's own libcudart asks for it; "
+                  "run with phos/stub first on LD_LIBRARY_PATH so that phos's libcudart is used)");
+    }
+    if (table) *table = nullptr;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+extern "C" int phos_unsupported_call(const char* name, std::atomic<bool>* said) {
+    if (!said->exchange(true)) log_error("unsupported CUDA call %s", name);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}

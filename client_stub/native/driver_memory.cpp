@@ -1,0 +1,416 @@
+// Driver API: device memory, copies, memsets, page-locked host memory, pointer queries.
+//
+// Copy semantics follow CUDA's "API synchronization behavior":
+//  * host->device: the bytes are captured (copied, or borrowed from pinned memory for an
+//    async copy) and the call returns without a round trip; a large pageable copy is sent
+//    from the caller's buffer and waits for the server, so no buffer is borrowed past return.
+//  * device->host: waits for the bytes, except an async copy into pinned memory, whose
+//    bytes land by the next synchronizing call (they ride on its Reply).
+// Pointers are checked here against the allocations the stub has seen, so a bad pointer
+// fails at once, as it does on a GPU.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "driver_state.h"
+
+namespace phos::driver {
+
+const DeviceRange* find_device_range(uint64_t ptr, uint64_t* base) {
+    State& s = state();
+    for (auto* ranges : {&s.allocations, &s.globals}) {
+        auto it = ranges->upper_bound(ptr);
+        if (it == ranges->begin()) continue;
+        --it;
+        if (ptr < it->first + it->second.size) {
+            if (base) *base = it->first;
+            return &it->second;
+        }
+    }
+    return nullptr;
+}
+
+bool device_range_ok(uint64_t ptr, size_t n) {
+    uint64_t base = 0;
+    const DeviceRange* r = find_device_range(ptr, &base);
+    return r && ptr + n <= base + r->size && ptr + n >= ptr;
+}
+
+const HostRange* find_host_range(const void* p, uintptr_t* base) {
+    State& s = state();
+    uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    auto it = s.host.upper_bound(a);
+    if (it == s.host.begin()) return nullptr;
+    --it;
+    if (a >= it->first + it->second.size) return nullptr;
+    if (base) *base = it->first;
+    return &it->second;
+}
+
+bool is_pinned(const void* p, size_t n) {
+    uintptr_t base = 0;
+    const HostRange* r = find_host_range(p, &base);
+    return r && reinterpret_cast<uintptr_t>(p) + n <= base + r->size;
+}
+
+CUresult stream_id(CUstream stream, CUctx_st* ctx, uint64_t* id) {
+    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+        *id = 0;
+        return CUDA_SUCCESS;
+    }
+    if (!is_handle(stream, HandleKind::stream) || stream->ctx != ctx) return CUDA_ERROR_INVALID_HANDLE;
+    *id = stream->id;
+    return CUDA_SUCCESS;
+}
+
+// -- copies shared by the entry points -----------------------------------------------------
+
+static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool async_api) {
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    uint64_t sid = 0;
+    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    if (n == 0) return CUDA_SUCCESS;
+    if (!src || !device_range_ok(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    if (async_api && is_pinned(src, n)) {
+        // The application may not touch pinned memory until the copy completes: borrow it.
+        ctx->conn->post(wire::Call::memcpy_htod(dst, sid, wire::Payload::borrow(src, n)));
+    } else if (n <= static_cast<size_t>(settings().inline_copy_max)) {
+        ctx->conn->post(wire::Call::memcpy_htod(dst, sid, wire::Payload::copy_of(src, n)));
+    } else {
+        return context_call(ctx, wire::Call::memcpy_htod(dst, sid, wire::Payload::borrow(src, n)));
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    uint64_t sid = 0;
+    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    if (n == 0) return CUDA_SUCCESS;
+    if (!dst || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    HostDestination to{dst, n};
+    if (async_api && is_pinned(dst, n)) {
+        ctx->conn->post(wire::Call::memcpy_dtoh(src, n, sid), &to);
+        return CUDA_SUCCESS;
+    }
+    return context_call(ctx, wire::Call::memcpy_dtoh(src, n, sid), nullptr, &to);
+}
+
+static CUresult copy_on_device(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    uint64_t sid = 0;
+    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    if (n == 0) return CUDA_SUCCESS;
+    if (!device_range_ok(dst, n) || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    ctx->conn->post(wire::Call::memcpy_dtod(dst, src, n, sid));
+    return CUDA_SUCCESS;
+}
+
+static CUresult fill(CUdeviceptr dst, uint32_t value, int elem_size, size_t count, CUstream stream) {
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    uint64_t sid = 0;
+    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    if (count == 0) return CUDA_SUCCESS;
+    if (dst % static_cast<unsigned>(elem_size) != 0 || !device_range_ok(dst, count * elem_size))
+        return CUDA_ERROR_INVALID_VALUE;
+    ctx->conn->post(wire::Call::memset(dst, value, elem_size, count, sid));
+    return CUDA_SUCCESS;
+}
+
+// cuMemcpy/cuMemcpyAsync infer the direction from the addresses (unified addressing).
+static CUresult copy_any(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
+    const bool dst_dev = find_device_range(dst) != nullptr;
+    const bool src_dev = find_device_range(src) != nullptr;
+    void* dst_host = reinterpret_cast<void*>(dst);
+    const void* src_host = reinterpret_cast<const void*>(src);
+    if (dst_dev && src_dev) return copy_on_device(dst, src, n, stream);
+    if (dst_dev) return copy_to_device(dst, src_host, n, stream, async_api);
+    if (src_dev) return copy_to_host(dst_host, src, n, stream, async_api);
+    // Host to host: let device->host copies that may target these bytes land first.
+    synchronize_busy_contexts();
+    if (n) std::memmove(dst_host, src_host, n);
+    return CUDA_SUCCESS;
+}
+
+static size_t page_round(size_t n) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    return (n + page - 1) / page * page;
+}
+
+static CUresult host_alloc(void** pp, size_t n, unsigned flags) {
+    if (!pp || n == 0) return CUDA_ERROR_INVALID_VALUE;
+    void* p = nullptr;
+    if (posix_memalign(&p, static_cast<size_t>(sysconf(_SC_PAGESIZE)), page_round(n)) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    state().host[reinterpret_cast<uintptr_t>(p)] = HostRange{n, flags, true};
+    *pp = p;
+    return CUDA_SUCCESS;
+}
+
+}  // namespace phos::driver
+
+using namespace phos;
+using namespace phos::driver;
+
+// ======================================================================================
+// Exported entry points
+// ======================================================================================
+
+PHOS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytesize) {
+    if (!dptr || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    wire::Result r;
+    err = context_call(ctx, wire::Call::mem_alloc(bytesize), &r);
+    if (err != CUDA_SUCCESS) return err;
+    if (r.u64s.empty()) return CUDA_ERROR_UNKNOWN;
+    state().allocations[r.u64s[0]] = DeviceRange{bytesize, ctx};
+    *dptr = r.u64s[0];
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    State& s = state();
+    Guard g(s.lock);
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    auto it = s.allocations.find(dptr);
+    if (it == s.allocations.end()) return CUDA_ERROR_INVALID_VALUE;
+    CUctx_st* owner = it->second.ctx;
+    s.allocations.erase(it);
+    owner->conn->post(wire::Call::mem_free(dptr));
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    wire::Result r;
+    err = context_call(ctx, wire::Call::plain(wire::Kind::memGetInfo), &r);
+    if (err != CUDA_SUCCESS) return err;
+    if (free_bytes) *free_bytes = r.u64s.size() > 0 ? r.u64s[0] : 0;
+    if (total_bytes) *total_bytes = r.u64s.size() > 1 ? r.u64s[1] : 0;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr dptr) {
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    uint64_t b = 0;
+    const DeviceRange* r = find_device_range(dptr, &b);
+    if (!r) return CUDA_ERROR_NOT_FOUND;
+    if (base) *base = b;
+    if (size) *size = r->size;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+    Guard g(state().lock);
+    return copy_to_device(dst, src, n, nullptr, false);
+}
+
+PHOS_EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream stream) {
+    Guard g(state().lock);
+    return copy_to_device(dst, src, n, stream, true);
+}
+
+PHOS_EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+    Guard g(state().lock);
+    return copy_to_host(dst, src, n, nullptr, false);
+}
+
+PHOS_EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream stream) {
+    Guard g(state().lock);
+    return copy_to_host(dst, src, n, stream, true);
+}
+
+PHOS_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    Guard g(state().lock);
+    return copy_on_device(dst, src, n, nullptr);
+}
+
+PHOS_EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+    Guard g(state().lock);
+    return copy_on_device(dst, src, n, stream);
+}
+
+PHOS_EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    Guard g(state().lock);
+    return copy_any(dst, src, n, nullptr, false);
+}
+
+PHOS_EXPORT CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+    Guard g(state().lock);
+    return copy_any(dst, src, n, stream, true);
+}
+
+PHOS_EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
+    Guard g(state().lock);
+    return fill(dst, value, 1, n, nullptr);
+}
+
+PHOS_EXPORT CUresult cuMemsetD16_v2(CUdeviceptr dst, unsigned short value, size_t n) {
+    Guard g(state().lock);
+    return fill(dst, value, 2, n, nullptr);
+}
+
+PHOS_EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int value, size_t n) {
+    Guard g(state().lock);
+    return fill(dst, value, 4, n, nullptr);
+}
+
+PHOS_EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, CUstream stream) {
+    Guard g(state().lock);
+    return fill(dst, value, 1, n, stream);
+}
+
+PHOS_EXPORT CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short value, size_t n, CUstream stream) {
+    Guard g(state().lock);
+    return fill(dst, value, 2, n, stream);
+}
+
+PHOS_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_t n, CUstream stream) {
+    Guard g(state().lock);
+    return fill(dst, value, 4, n, stream);
+}
+
+// -- page-locked host memory: ordinary memory the stub tracks as "pinned" ------------------
+
+PHOS_EXPORT CUresult cuMemAllocHost_v2(void** pp, size_t bytesize) {
+    Guard g(state().lock);
+    return host_alloc(pp, bytesize, 0);
+}
+
+PHOS_EXPORT CUresult cuMemHostAlloc(void** pp, size_t bytesize, unsigned int flags) {
+    Guard g(state().lock);
+    return host_alloc(pp, bytesize, flags);
+}
+
+PHOS_EXPORT CUresult cuMemFreeHost(void* p) {
+    State& s = state();
+    Guard g(s.lock);
+    auto it = s.host.find(reinterpret_cast<uintptr_t>(p));
+    if (it == s.host.end() || !it->second.allocated) return CUDA_ERROR_INVALID_VALUE;
+    synchronize_busy_contexts();   // copies may still read or write these bytes
+    s.host.erase(it);
+    free(p);
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemHostRegister_v2(void* p, size_t bytesize, unsigned int flags) {
+    State& s = state();
+    Guard g(s.lock);
+    if (!p || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    auto next = s.host.lower_bound(a);
+    if (find_host_range(p) || (next != s.host.end() && next->first < a + bytesize))
+        return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    s.host[a] = HostRange{bytesize, flags, false};
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemHostUnregister(void* p) {
+    State& s = state();
+    Guard g(s.lock);
+    auto it = s.host.find(reinterpret_cast<uintptr_t>(p));
+    if (it == s.host.end() || it->second.allocated) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+    synchronize_busy_contexts();
+    s.host.erase(it);
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemHostGetFlags(unsigned int* flags, void* p) {
+    if (!flags) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    const HostRange* r = find_host_range(p);
+    if (!r) return CUDA_ERROR_INVALID_VALUE;
+    *flags = r->flags;
+    return CUDA_SUCCESS;
+}
+
+// -- pointer attributes ------------------------------------------------------------------
+
+static CUresult pointer_attribute(void* data, CUpointer_attribute attribute, CUdeviceptr ptr) {
+    uint64_t dbase = 0;
+    uintptr_t hbase = 0;
+    const DeviceRange* dev = find_device_range(ptr, &dbase);
+    const HostRange* host = dev ? nullptr : find_host_range(reinterpret_cast<void*>(ptr), &hbase);
+    if (!dev && !host) return CUDA_ERROR_INVALID_VALUE;
+    CUctx_st* ctx = dev ? dev->ctx : nullptr;
+    if (!ctx && !context_stack().empty()) ctx = context_stack().back();
+    switch (attribute) {
+    case CU_POINTER_ATTRIBUTE_CONTEXT: *static_cast<CUcontext*>(data) = ctx; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+        *static_cast<unsigned*>(data) = dev ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
+        return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_DEVICE_POINTER:
+        if (!dev) return CUDA_ERROR_NOT_SUPPORTED;   // host memory is not mapped into a remote device
+        *static_cast<CUdeviceptr*>(data) = ptr;
+        return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+        if (!host) return CUDA_ERROR_INVALID_VALUE;
+        *static_cast<void**>(data) = reinterpret_cast<void*>(ptr);
+        return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *static_cast<int*>(data) = 0; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *static_cast<int*>(data) = ctx ? ctx->device : 0; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+        *static_cast<CUdeviceptr*>(data) = dev ? dbase : hbase;
+        return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *static_cast<size_t*>(data) = dev ? dev->size : host->size; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_MAPPED: *static_cast<int*>(data) = 1; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID: *static_cast<unsigned long long*>(data) = dev ? dbase : hbase; return CUDA_SUCCESS;
+    default: return CUDA_ERROR_NOT_SUPPORTED;
+    }
+}
+
+PHOS_EXPORT CUresult cuPointerGetAttribute(void* data, CUpointer_attribute attribute, CUdeviceptr ptr) {
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    return pointer_attribute(data, attribute, ptr);
+}
+
+// Like the driver, an unknown pointer is not an error here: its attributes read as empty.
+PHOS_EXPORT CUresult cuPointerGetAttributes(unsigned int count, CUpointer_attribute* attributes, void** data,
+                                            CUdeviceptr ptr) {
+    if (!attributes || !data) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    for (unsigned i = 0; i < count; i++) {
+        if (!data[i]) continue;
+        err = pointer_attribute(data[i], attributes[i], ptr);
+        if (err == CUDA_ERROR_INVALID_VALUE) {
+            switch (attributes[i]) {
+            case CU_POINTER_ATTRIBUTE_CONTEXT:
+            case CU_POINTER_ATTRIBUTE_DEVICE_POINTER:
+            case CU_POINTER_ATTRIBUTE_HOST_POINTER:
+            case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
+            case CU_POINTER_ATTRIBUTE_RANGE_SIZE:
+            case CU_POINTER_ATTRIBUTE_BUFFER_ID: std::memset(data[i], 0, 8); break;
+            case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *static_cast<int*>(data[i]) = -2; break;
+            default: *static_cast<unsigned*>(data[i]) = 0; break;
+            }
+        } else if (err != CUDA_SUCCESS) {
+            return err;
+        }
+    }
+    return CUDA_SUCCESS;
+}

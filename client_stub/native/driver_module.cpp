@@ -1,0 +1,380 @@
+// Driver API: modules, functions, kernel launches and occupancy.
+#include <elf.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "driver_state.h"
+
+namespace phos::driver {
+
+constexpr uint32_t kFatbinMagic = 0xBA55ED50;
+constexpr uint32_t kFatbinWrapperMagic = 0x466243B1;
+
+// A fatbin: {u32 magic; u16 version; u16 header_size; u64 size of what follows}.
+static size_t fatbin_size(const uint8_t* p) {
+    uint16_t header_size;
+    uint64_t size;
+    std::memcpy(&header_size, p + 6, 2);
+    std::memcpy(&size, p + 8, 8);
+    return header_size + size;
+}
+
+// A cubin: the furthest byte any header, section or segment names.
+static size_t elf_size(const uint8_t* p) {
+    Elf64_Ehdr eh;
+    std::memcpy(&eh, p, sizeof eh);
+    size_t end = std::max<size_t>(sizeof eh, eh.e_shoff + size_t(eh.e_shnum) * eh.e_shentsize);
+    end = std::max<size_t>(end, eh.e_phoff + size_t(eh.e_phnum) * eh.e_phentsize);
+    for (unsigned i = 0; i < eh.e_shnum && eh.e_shentsize >= sizeof(Elf64_Shdr); i++) {
+        Elf64_Shdr sh;
+        std::memcpy(&sh, p + eh.e_shoff + size_t(i) * eh.e_shentsize, sizeof sh);
+        if (sh.sh_type != SHT_NOBITS) end = std::max<size_t>(end, sh.sh_offset + sh.sh_size);
+    }
+    return end;
+}
+
+// The bytes of a module image handed to cuModuleLoadData and friends: a fatbin, a fatbin
+// wrapper (what __cudaRegisterFatBinary gets), a cubin, or NUL-terminated PTX text.
+static bool image_bytes(const void* image, const void** data, size_t* size) {
+    const auto* p = static_cast<const uint8_t*>(image);
+    uint32_t magic;
+    std::memcpy(&magic, p, 4);
+    if (magic == kFatbinMagic) {
+        *data = p;
+        *size = fatbin_size(p);
+    } else if (magic == kFatbinWrapperMagic) {
+        const uint8_t* fatbin;
+        std::memcpy(&fatbin, p + 8, sizeof fatbin);
+        if (!fatbin) return false;
+        std::memcpy(&magic, fatbin, 4);
+        if (magic != kFatbinMagic) return false;
+        *data = fatbin;
+        *size = fatbin_size(fatbin);
+    } else if (std::memcmp(p, ELFMAG, SELFMAG) == 0) {
+        *data = p;
+        *size = elf_size(p);
+    } else {
+        *data = p;
+        *size = std::strlen(static_cast<const char*>(image));
+    }
+    return *size > 0;
+}
+
+static CUresult load_module(CUmodule* module, wire::Payload image) {
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    wire::Result r;
+    err = context_call(ctx, wire::Call::module_load(std::move(image)), &r);
+    if (err != CUDA_SUCCESS) return err;
+    auto* m = new CUmod_st();
+    m->ctx = ctx;
+    m->id = r.u64s.empty() ? 0 : r.u64s[0];
+    ctx->modules.insert(m);
+    state().handles[m] = HandleKind::module;
+    *module = m;
+    return CUDA_SUCCESS;
+}
+
+static CUresult load_module_from_memory(CUmodule* module, const void* image) {
+    if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
+    const void* data;
+    size_t size;
+    if (!image_bytes(image, &data, &size)) return CUDA_ERROR_INVALID_IMAGE;
+    // Borrowing is safe: loading is synchronous, so the bytes are read before we return.
+    return load_module(module, wire::Payload::borrow(data, size));
+}
+
+static CUresult check_launch_shape(const CUctx_st* ctx, const unsigned grid[3], const unsigned block[3],
+                                   unsigned shared_bytes) {
+    const DeviceLimits& l = ctx->limits;
+    uint64_t threads = uint64_t(block[0]) * block[1] * block[2];
+    for (int i = 0; i < 3; i++) {
+        if (grid[i] == 0 || block[i] == 0) return CUDA_ERROR_INVALID_VALUE;
+        if (block[i] > static_cast<unsigned>(l.max_block[i]) || grid[i] > static_cast<unsigned>(l.max_grid[i]))
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (threads > static_cast<uint64_t>(l.max_threads_per_block)) return CUDA_ERROR_INVALID_VALUE;
+    if (shared_bytes > static_cast<unsigned>(l.max_shared_optin)) return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+// Packs the arguments the way the kernel lays them out (moduleGetFunction's params).
+static CUresult pack_params(const CUfunc_st* f, void** kernel_params, void** extra, std::string& out) {
+    out.assign(f->params_size, '\0');
+    if (kernel_params && extra) return CUDA_ERROR_INVALID_VALUE;
+    if (kernel_params) {
+        for (size_t i = 0; i < f->params.size(); i++) {
+            if (!kernel_params[i]) return CUDA_ERROR_INVALID_VALUE;
+            std::memcpy(&out[f->params[i].offset], kernel_params[i], f->params[i].size);
+        }
+        return CUDA_SUCCESS;
+    }
+    if (extra) {
+        const void* buffer = nullptr;
+        size_t size = 0;
+        for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buffer = extra[i + 1];
+            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) size = *static_cast<size_t*>(extra[i + 1]);
+            else return CUDA_ERROR_INVALID_VALUE;
+        }
+        if (f->params_size == 0) return CUDA_SUCCESS;
+        if (!buffer || size < f->params_size) return CUDA_ERROR_INVALID_VALUE;
+        std::memcpy(&out[0], buffer, f->params_size);
+        return CUDA_SUCCESS;
+    }
+    return f->params.empty() ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], unsigned shared_bytes,
+                       CUstream stream, void** kernel_params, void** extra) {
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    CUctx_st* ctx = f->ctx;
+    uint64_t sid = 0;
+    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    if ((err = check_launch_shape(ctx, grid, block, shared_bytes)) != CUDA_SUCCESS) return err;
+    std::string params;
+    if ((err = pack_params(f, kernel_params, extra, params)) != CUDA_SUCCESS) return err;
+    ctx->conn->post(wire::Call::launch(f->id, wire::Dim3{grid[0], grid[1], grid[2]},
+                                       wire::Dim3{block[0], block[1], block[2]}, shared_bytes, sid, std::move(params)));
+    return CUDA_SUCCESS;
+}
+
+// Registers per thread that phos assumes for occupancy: the server reports no register counts.
+constexpr int kAssumedRegistersPerThread = 32;
+
+static CUresult occupancy(int* blocks, CUfunction f, int block_size, size_t dynamic_shared) {
+    if (!blocks || block_size <= 0) return CUDA_ERROR_INVALID_VALUE;
+    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    int dev = f->ctx->device;
+    int warp = 32, threads_sm = 2048, blocks_sm = 32, shared_sm = 228 << 10, regs_sm = 65536;
+    device_attribute(dev, CU_DEVICE_ATTRIBUTE_WARP_SIZE, &warp);
+    device_attribute(dev, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, &threads_sm);
+    device_attribute(dev, CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR, &blocks_sm);
+    device_attribute(dev, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, &shared_sm);
+    device_attribute(dev, CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR, &regs_sm);
+    if (block_size > f->ctx->limits.max_threads_per_block) {
+        *blocks = 0;
+        return CUDA_SUCCESS;
+    }
+    // Whole warps per block; then the tightest of threads, blocks, shared memory and registers.
+    const int64_t threads = int64_t((block_size + warp - 1) / warp) * warp;
+    int64_t n = std::min<int64_t>(threads_sm / threads, blocks_sm);
+    if (dynamic_shared > 0) n = std::min<int64_t>(n, int64_t(shared_sm) / int64_t(dynamic_shared));
+    n = std::min<int64_t>(n, regs_sm / (threads * kAssumedRegistersPerThread));
+    *blocks = static_cast<int>(std::max<int64_t>(n, 0));
+    return CUDA_SUCCESS;
+}
+
+}  // namespace phos::driver
+
+using namespace phos;
+using namespace phos::driver;
+
+// ======================================================================================
+// Exported entry points
+// ======================================================================================
+
+PHOS_EXPORT CUresult cuModuleLoadData(CUmodule* module, const void* image) {
+    Guard g(state().lock);
+    return load_module_from_memory(module, image);
+}
+
+PHOS_EXPORT CUresult cuModuleLoadFatBinary(CUmodule* module, const void* fatbin) {
+    Guard g(state().lock);
+    return load_module_from_memory(module, fatbin);
+}
+
+PHOS_EXPORT CUresult cuModuleLoadDataEx(CUmodule* module, const void* image, unsigned int count, CUjit_option* options,
+                                        void** values) {
+    Guard g(state().lock);
+    // JIT options steer NVIDIA's compiler, which phos does not run here; answer the log
+    // options with empty logs so callers that print them print nothing.
+    for (unsigned i = 0; options && values && i < count; i++) {
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER || options[i] == CU_JIT_ERROR_LOG_BUFFER) {
+            if (values[i]) *static_cast<char*>(values[i]) = '\0';
+        } else if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES || options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) {
+            values[i] = nullptr;
+        }
+    }
+    return load_module_from_memory(module, image);
+}
+
+PHOS_EXPORT CUresult cuModuleLoad(CUmodule* module, const char* fname) {
+    if (!module || !fname) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    std::ifstream f(fname, std::ios::binary);
+    if (!f) return CUDA_ERROR_FILE_NOT_FOUND;
+    std::ostringstream bytes;
+    bytes << f.rdbuf();
+    std::string image = bytes.str();
+    if (image.empty()) return CUDA_ERROR_INVALID_IMAGE;
+    const void* data;
+    size_t size;
+    image.push_back('\0');   // so PTX text reads as a C string
+    if (!image_bytes(image.data(), &data, &size)) return CUDA_ERROR_INVALID_IMAGE;
+    return load_module(module, wire::Payload::copy_of(data, size));
+}
+
+PHOS_EXPORT CUresult cuModuleUnload(CUmodule module) {
+    State& s = state();
+    Guard g(s.lock);
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(module, HandleKind::module)) return CUDA_ERROR_INVALID_HANDLE;
+    module->ctx->conn->post(wire::Call::with_id(wire::Kind::moduleUnload, module->id));
+    for (auto& f : module->functions) s.handles.erase(f.second.get());
+    module->ctx->modules.erase(module);
+    s.handles.erase(module);
+    delete module;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuModuleGetFunction(CUfunction* out, CUmodule module, const char* name) {
+    if (!out || !name) return CUDA_ERROR_INVALID_VALUE;
+    State& s = state();
+    Guard g(s.lock);
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(module, HandleKind::module)) return CUDA_ERROR_INVALID_HANDLE;
+    auto it = module->functions.find(name);
+    if (it == module->functions.end()) {
+        wire::Result r;
+        err = context_call(module->ctx, wire::Call::module_symbol(wire::Kind::moduleGetFunction, module->id, name), &r);
+        if (err != CUDA_SUCCESS) return err;
+        auto f = std::make_unique<CUfunc_st>();
+        f->ctx = module->ctx;
+        f->module = module;
+        f->id = r.u64s.empty() ? 0 : r.u64s[0];
+        f->name = name;
+        f->params = r.params;
+        for (const auto& p : f->params) f->params_size = std::max<size_t>(f->params_size, size_t(p.offset) + p.size);
+        s.handles[f.get()] = HandleKind::function;
+        it = module->functions.emplace(name, std::move(f)).first;
+    }
+    *out = it->second.get();
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr* dptr, size_t* bytes, CUmodule module, const char* name) {
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(module, HandleKind::module)) return CUDA_ERROR_INVALID_HANDLE;
+    wire::Result r;
+    err = context_call(module->ctx, wire::Call::module_symbol(wire::Kind::moduleGetGlobal, module->id, name), &r);
+    if (err != CUDA_SUCCESS) return err;
+    if (r.u64s.size() < 2) return CUDA_ERROR_UNKNOWN;
+    state().globals[r.u64s[0]] = DeviceRange{static_cast<size_t>(r.u64s[1]), module->ctx};
+    if (dptr) *dptr = r.u64s[0];
+    if (bytes) *bytes = r.u64s[1];
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuFuncGetParamInfo(CUfunction f, size_t index, size_t* offset, size_t* size) {
+    Guard g(state().lock);
+    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    if (index >= f->params.size()) return CUDA_ERROR_INVALID_VALUE;
+    if (offset) *offset = f->params[index].offset;
+    if (size) *size = f->params[index].size;
+    return CUDA_SUCCESS;
+}
+
+// CUDA 13.1 added this; cuda-python asks for it.
+PHOS_EXPORT CUresult cuFuncGetParamCount(CUfunction f, size_t* count) {
+    if (!count) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    *count = f->params.size();
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuFuncGetName(const char** name, CUfunction f) {
+    if (!name) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    *name = f->name.c_str();
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuFuncGetModule(CUmodule* module, CUfunction f) {
+    if (!module) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    *module = f->module;
+    return CUDA_SUCCESS;
+}
+
+// The server reports each kernel's parameter layout and nothing else, so the
+// resource figures here are what a plain kernel has: no static shared, constant or
+// local memory, and kAssumedRegistersPerThread registers.
+PHOS_EXPORT CUresult cuFuncGetAttribute(int* value, CUfunction_attribute attribute, CUfunction f) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    const int dev = f->ctx->device;
+    int major = 9, minor = 0;
+    switch (attribute) {
+    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *value = f->ctx->limits.max_threads_per_block; break;
+    case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
+    case CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES:
+    case CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES:
+    case CU_FUNC_ATTRIBUTE_CACHE_MODE_CA: *value = 0; break;
+    case CU_FUNC_ATTRIBUTE_NUM_REGS: *value = kAssumedRegistersPerThread; break;
+    case CU_FUNC_ATTRIBUTE_PTX_VERSION:
+    case CU_FUNC_ATTRIBUTE_BINARY_VERSION:
+        device_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, &major);
+        device_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, &minor);
+        *value = major * 10 + minor;
+        break;
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *value = 48 << 10; break;   // the default opt-in
+    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *value = -1; break;
+    default:
+        log_error("cuFuncGetAttribute: attribute %d is not supported", static_cast<int>(attribute));
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuFuncSetCacheConfig(CUfunction f, CUfunc_cache) {
+    Guard g(state().lock);
+    return is_handle(f, HandleKind::function) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;   // a hint
+}
+
+PHOS_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                                    unsigned int by, unsigned int bz, unsigned int shared_bytes, CUstream stream,
+                                    void** kernel_params, void** extra) {
+    Guard g(state().lock);
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    return launch(f, grid, block, shared_bytes, stream, kernel_params, extra);
+}
+
+PHOS_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** kernel_params, void** extra) {
+    if (!config) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    for (unsigned i = 0; i < config->numAttrs; i++) {
+        log_error("cuLaunchKernelEx: launch attribute %d is not supported", static_cast<int>(config->attrs[i].id));
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    const unsigned grid[3] = {config->gridDimX, config->gridDimY, config->gridDimZ};
+    const unsigned block[3] = {config->blockDimX, config->blockDimY, config->blockDimZ};
+    return launch(f, grid, block, config->sharedMemBytes, config->hStream, kernel_params, extra);
+}
+
+PHOS_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, CUfunction f, int block_size,
+                                                                 size_t dynamic_shared) {
+    Guard g(state().lock);
+    return occupancy(blocks, f, block_size, dynamic_shared);
+}
+
+PHOS_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* blocks, CUfunction f, int block_size,
+                                                                          size_t dynamic_shared, unsigned int) {
+    Guard g(state().lock);
+    return occupancy(blocks, f, block_size, dynamic_shared);
+}

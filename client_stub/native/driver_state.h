@@ -1,0 +1,153 @@
+// The driver's objects and process-wide state, shared by the driver_*.cpp files.
+//
+// A CUcontext, CUmodule, CUfunction, CUstream or CUevent the application holds is a
+// pointer to one of the structs below; the server's ids never leave this library
+// (they are small integers, and 1 and 2 would collide with CU_STREAM_LEGACY and
+// CU_STREAM_PER_THREAD). Every entry point takes `state().lock`.
+#pragma once
+
+#include <cuda.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "common.h"
+#include "session.h"
+#include "wire.h"
+
+#if !defined(CUDA_VERSION) || CUDA_VERSION < 13000
+#error "phos's native stub implements the CUDA 13 ABI: build it against CUDA 13 headers (CUDA_HOME)"
+#endif
+
+// Launch checks use these device limits; fetched once per device.
+struct DeviceLimits {
+    int max_threads_per_block = 1024;
+    int max_block[3] = {1024, 1024, 64};
+    int max_grid[3] = {2147483647, 65535, 65535};
+    int max_shared_optin = 48 << 10;
+};
+
+struct CUctx_st {
+    uint64_t uid = 0;             // unique in the process, new each time the context is (re)opened
+    uint64_t server_id = 0;       // the front end's ctx id
+    int device = 0;
+    unsigned flags = 0;
+    bool primary = false;
+    bool live = false;            // false once destroyed; a primary context reopens on next use
+    int primary_refs = 0;
+    int cache_config = 0;         // a hint only: recorded and reported back
+    std::unique_ptr<phos::Connection> conn;
+    DeviceLimits limits;
+    std::unordered_set<CUmod_st*> modules;
+    std::unordered_set<CUstream_st*> streams;
+    std::unordered_set<CUevent_st*> events;
+};
+
+struct CUfunc_st {
+    CUctx_st* ctx = nullptr;
+    CUmod_st* module = nullptr;
+    uint64_t id = 0;
+    std::string name;
+    std::vector<phos::wire::ParamInfo> params;
+    size_t params_size = 0;       // bytes of the packed parameter buffer
+};
+
+struct CUmod_st {
+    CUctx_st* ctx = nullptr;
+    uint64_t id = 0;
+    std::map<std::string, std::unique_ptr<CUfunc_st>> functions;   // by name: asked once
+};
+
+struct CUstream_st {
+    CUctx_st* ctx = nullptr;
+    uint64_t id = 0;
+    unsigned flags = 0;
+    int priority = 0;
+};
+
+struct CUevent_st {
+    CUctx_st* ctx = nullptr;
+    uint64_t id = 0;
+    unsigned flags = 0;
+};
+
+namespace phos::driver {
+
+enum class HandleKind : uint8_t { context, module, function, stream, event };
+
+struct DeviceRange {           // a device allocation or a module global
+    size_t size = 0;
+    CUctx_st* ctx = nullptr;
+};
+
+struct HostRange {             // page-locked ("pinned") host memory, as the application sees it
+    size_t size = 0;
+    unsigned flags = 0;
+    bool allocated = false;    // by cuMemAllocHost/cuMemHostAlloc (else cuMemHostRegister)
+};
+
+struct State {
+    std::recursive_mutex lock;
+    bool init_done = false;
+    bool exiting = false;                              // after the exit handler: every call fails
+    CUresult init_result = CUDA_ERROR_NOT_INITIALIZED;
+    std::unique_ptr<Connection> front;
+    int device_count = 0;
+    int driver_version = 0;
+    std::map<std::pair<int, int>, std::pair<CUresult, int>> attributes;   // (device, attribute) -> answer
+    std::map<int, std::string> device_names;
+    std::map<int, std::string> device_uuids;
+    std::map<int, size_t> device_memory;
+    std::map<int, DeviceLimits> limits;
+    std::vector<CUctx_st*> primary;                    // per device; never freed
+    std::vector<CUctx_st*> contexts;                   // every open context
+    std::unordered_map<const void*, HandleKind> handles;
+    std::map<uint64_t, DeviceRange> allocations;       // base -> range
+    std::map<uint64_t, DeviceRange> globals;           // module globals, for pointer checks
+    std::map<uintptr_t, HostRange> host;               // base -> pinned range
+    uint64_t next_uid = 1;
+};
+
+State& state();
+using Guard = std::lock_guard<std::recursive_mutex>;
+
+// The calling thread's context stack (cuCtxPushCurrent/PopCurrent, cuCtxSetCurrent).
+std::vector<CUctx_st*>& context_stack();
+
+bool is_handle(const void* p, HandleKind kind);
+CUresult require_init();
+// The current context, reopened if it is a primary context that was reset.
+CUresult current_context(CUctx_st** ctx);
+CUresult make_usable(CUctx_st* ctx);
+CUresult open_context(CUctx_st* ctx);
+void close_context(CUctx_st* ctx);
+
+// Runs a synchronous call on a context; reports failures the way the stub's policy says.
+CUresult context_call(CUctx_st* ctx, wire::Call call, wire::Result* result = nullptr,
+                      const HostDestination* out = nullptr);
+CUresult front_call(wire::Call call, wire::Result* result);
+CUresult status_of(const wire::Result& r, wire::Kind kind);
+
+CUresult device_attribute(int device, int attribute, int* value);
+CUresult check_device(CUdevice dev);
+
+// Stream handle -> server stream id on ctx (the NULL, legacy and per-thread streams are 0).
+CUresult stream_id(CUstream stream, CUctx_st* ctx, uint64_t* id);
+
+// Pointer bookkeeping.
+const DeviceRange* find_device_range(uint64_t ptr, uint64_t* base = nullptr);
+bool device_range_ok(uint64_t ptr, size_t n);
+const HostRange* find_host_range(const void* p, uintptr_t* base = nullptr);
+bool is_pinned(const void* p, size_t n);
+
+// Waits for every context with work in flight (before host memory it may use goes away).
+void synchronize_busy_contexts();
+
+void start_flusher();
+
+}  // namespace phos::driver

@@ -1,0 +1,228 @@
+// Driver API: streams and events. The server runs each stream's calls in order and
+// gives the default stream its legacy semantics; the stub only names streams and events.
+#include "driver_state.h"
+
+using namespace phos;
+using namespace phos::driver;
+
+static CUresult create_stream(CUstream* out, unsigned flags, int priority) {
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    wire::Result r;
+    err = context_call(ctx, wire::Call::stream_create(flags, priority), &r);
+    if (err != CUDA_SUCCESS) return err;
+    auto* s = new CUstream_st();
+    s->ctx = ctx;
+    s->id = r.u64s.empty() ? 0 : r.u64s[0];
+    s->flags = flags;
+    s->priority = priority;
+    ctx->streams.insert(s);
+    state().handles[s] = HandleKind::stream;
+    *out = s;
+    return CUDA_SUCCESS;
+}
+
+// A synchronous call about a stream; the default streams go to the current context.
+static CUresult stream_query_call(wire::Kind kind, CUstream stream) {
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    CUctx_st* ctx;
+    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+        if ((err = current_context(&ctx)) != CUDA_SUCCESS) return err;
+    } else if (is_handle(stream, HandleKind::stream)) {
+        ctx = stream->ctx;
+    } else {
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    uint64_t sid = 0;
+    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    return context_call(ctx, wire::Call::with_id(kind, sid));
+}
+
+static CUresult event_call(wire::Kind kind, CUevent event) {
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
+    return context_call(event->ctx, wire::Call::with_id(kind, event->id));
+}
+
+static CUresult record_event(CUevent event, CUstream stream) {
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t sid = 0;
+    if ((err = stream_id(stream, event->ctx, &sid)) != CUDA_SUCCESS) return err;
+    event->ctx->conn->post(wire::Call::event_record(event->id, sid));
+    return CUDA_SUCCESS;
+}
+
+static CUresult elapsed_time(float* ms, CUevent start, CUevent end) {
+    if (!ms) return CUDA_ERROR_INVALID_VALUE;
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(start, HandleKind::event) || !is_handle(end, HandleKind::event) || start->ctx != end->ctx)
+        return CUDA_ERROR_INVALID_HANDLE;
+    wire::Result r;
+    err = context_call(start->ctx, wire::Call::event_elapsed(start->id, end->id), &r);
+    if (err == CUDA_SUCCESS) *ms = static_cast<float>(r.f64);
+    return err;
+}
+
+// ======================================================================================
+// Exported entry points
+// ======================================================================================
+
+PHOS_EXPORT CUresult cuStreamCreate(CUstream* stream, unsigned int flags) {
+    Guard g(state().lock);
+    return create_stream(stream, flags, 0);
+}
+
+PHOS_EXPORT CUresult cuStreamCreateWithPriority(CUstream* stream, unsigned int flags, int priority) {
+    Guard g(state().lock);
+    return create_stream(stream, flags, priority);
+}
+
+PHOS_EXPORT CUresult cuStreamDestroy_v2(CUstream stream) {
+    State& s = state();
+    Guard g(s.lock);
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
+    // Work already queued on the stream still runs, as with CUDA.
+    stream->ctx->conn->post(wire::Call::with_id(wire::Kind::streamDestroy, stream->id));
+    stream->ctx->streams.erase(stream);
+    s.handles.erase(stream);
+    delete stream;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuStreamSynchronize(CUstream stream) {
+    Guard g(state().lock);
+    return stream_query_call(wire::Kind::streamSynchronize, stream);
+}
+
+PHOS_EXPORT CUresult cuStreamQuery(CUstream stream) {
+    Guard g(state().lock);
+    return stream_query_call(wire::Kind::streamQuery, stream);
+}
+
+PHOS_EXPORT CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
+    Guard g(state().lock);
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t sid = 0;
+    if ((err = stream_id(stream, event->ctx, &sid)) != CUDA_SUCCESS) return err;
+    event->ctx->conn->post(wire::Call::stream_wait_event(sid, event->id, flags));
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuStreamGetFlags(CUstream stream, unsigned int* flags) {
+    if (!flags) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+        *flags = 0;
+        return CUDA_SUCCESS;
+    }
+    if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
+    *flags = stream->flags;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuStreamGetPriority(CUstream stream, int* priority) {
+    if (!priority) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+        *priority = 0;
+        return CUDA_SUCCESS;
+    }
+    if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
+    *priority = stream->priority;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuStreamGetCtx(CUstream stream, CUcontext* pctx) {
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+        CUctx_st* ctx;
+        CUresult err = current_context(&ctx);
+        if (err == CUDA_SUCCESS) *pctx = ctx;
+        return err;
+    }
+    if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
+    *pctx = stream->ctx;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuStreamGetId(CUstream stream, unsigned long long* id) {
+    if (!id) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+        *id = reinterpret_cast<uintptr_t>(stream);
+        return CUDA_SUCCESS;
+    }
+    if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
+    *id = stream->id;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuEventCreate(CUevent* event, unsigned int flags) {
+    if (!event) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    wire::Result r;
+    err = context_call(ctx, wire::Call::event_create(flags), &r);
+    if (err != CUDA_SUCCESS) return err;
+    auto* e = new CUevent_st();
+    e->ctx = ctx;
+    e->id = r.u64s.empty() ? 0 : r.u64s[0];
+    e->flags = flags;
+    ctx->events.insert(e);
+    state().handles[e] = HandleKind::event;
+    *event = e;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuEventRecord(CUevent event, CUstream stream) {
+    Guard g(state().lock);
+    return record_event(event, stream);
+}
+
+// CU_EVENT_RECORD_EXTERNAL only matters inside graphs, which phos does not capture.
+PHOS_EXPORT CUresult cuEventRecordWithFlags(CUevent event, CUstream stream, unsigned int) {
+    Guard g(state().lock);
+    return record_event(event, stream);
+}
+
+PHOS_EXPORT CUresult cuEventSynchronize(CUevent event) {
+    Guard g(state().lock);
+    return event_call(wire::Kind::eventSynchronize, event);
+}
+
+PHOS_EXPORT CUresult cuEventQuery(CUevent event) {
+    Guard g(state().lock);
+    return event_call(wire::Kind::eventQuery, event);
+}
+
+PHOS_EXPORT CUresult cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) {
+    Guard g(state().lock);
+    return elapsed_time(ms, start, end);
+}
+
+PHOS_EXPORT CUresult cuEventDestroy_v2(CUevent event) {
+    State& s = state();
+    Guard g(s.lock);
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
+    event->ctx->conn->post(wire::Call::with_id(wire::Kind::eventDestroy, event->id));
+    event->ctx->events.erase(event);
+    s.handles.erase(event);
+    delete event;
+    return CUDA_SUCCESS;
+}

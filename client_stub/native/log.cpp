@@ -1,0 +1,74 @@
+#include "common.h"
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+
+namespace phos {
+
+static void vlog(const char* fmt, va_list ap) {
+    char line[2048];
+    vsnprintf(line, sizeof line, fmt, ap);
+    fprintf(stderr, "phos: %s\n", line);   // one call, so lines from threads don't interleave
+}
+
+void log_error(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vlog(fmt, ap);
+    va_end(ap);
+}
+
+bool verbose() {
+    static const bool on = env_long("PHOS_VERBOSE", 0) != 0 || env_long("PHOS_DEBUG", 0) != 0;
+    return on;
+}
+
+void log_verbose(const char* fmt, ...) {
+    if (!verbose()) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vlog(fmt, ap);
+    va_end(ap);
+}
+
+std::string env_string(const char* name, const char* fallback) {
+    const char* v = getenv(name);
+    return (v && *v) ? v : fallback;
+}
+
+double env_seconds(const char* name, double fallback) {
+    const char* v = getenv(name);
+    if (!v || !*v) return fallback;
+    char* end = nullptr;
+    double d = strtod(v, &end);
+    return (end != v && d >= 0) ? d : fallback;
+}
+
+long env_long(const char* name, long fallback) {
+    const char* v = getenv(name);
+    if (!v || !*v) return fallback;
+    char* end = nullptr;
+    long n = strtol(v, &end, 0);
+    return end != v ? n : fallback;
+}
+
+const Settings& settings() {
+    static const Settings s = [] {
+        Settings t;
+        t.server = env_string("PHOS_SERVER", kDefaultServer);
+        t.connect_timeout = env_seconds("PHOS_CONNECT_TIMEOUT", 5.0);
+        t.gone_timeout = env_seconds("PHOS_GONE_TIMEOUT", 10.0);
+        t.batch_calls = env_long("PHOS_BATCH_CALLS", 64);
+        t.batch_bytes = env_long("PHOS_BATCH_BYTES", 1 << 20);
+        t.batch_age = env_long("PHOS_BATCH_AGE_US", 1000) * 1e-6;
+        t.inline_copy_max = env_long("PHOS_INLINE_COPY_MAX", 64 << 10);
+        t.unacked_calls_max = env_long("PHOS_UNACKED_CALLS_MAX", 1 << 16);
+        t.unacked_bytes_max = env_long("PHOS_UNACKED_BYTES_MAX", 256L << 20);
+        if (t.batch_calls < 1) t.batch_calls = 1;
+        return t;
+    }();
+    return s;
+}
+
+}  // namespace phos

@@ -1,0 +1,167 @@
+#include "transport.h"
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
+#include "common.h"
+
+namespace phos {
+
+using Clock = std::chrono::steady_clock;
+
+// One ZeroMQ context for the process, never terminated: zmq_ctx_term at exit would
+// wait for sockets that other threads may still hold.
+static void* zmq_context() {
+    static void* ctx = [] {
+        void* c = zmq_ctx_new();
+        zmq_ctx_set(c, ZMQ_BLOCKY, 0);
+        return c;
+    }();
+    return ctx;
+}
+
+void Message::clear() {
+    for (auto& f : frames_) zmq_msg_close(&f);
+    frames_.clear();
+}
+
+static void set_int(void* socket, int option, int value) {
+    zmq_setsockopt(socket, option, &value, sizeof value);
+}
+
+Socket::Socket(const std::string& endpoint) : endpoint_(endpoint) {
+    static std::atomic<unsigned> next_monitor{0};
+    void* ctx = zmq_context();
+    socket_ = zmq_socket(ctx, ZMQ_DEALER);
+    if (!socket_) {
+        error_ = std::string("cannot create a ZeroMQ socket: ") + zmq_strerror(zmq_errno());
+        return;
+    }
+    set_int(socket_, ZMQ_LINGER, 0);
+    set_int(socket_, ZMQ_SNDHWM, 0);              // never drop or block on a long batch queue
+    set_int(socket_, ZMQ_RCVHWM, 0);
+    set_int(socket_, ZMQ_HEARTBEAT_IVL, 1000);    // notice a server that vanished without closing
+    set_int(socket_, ZMQ_HEARTBEAT_TIMEOUT, 5000);
+    set_int(socket_, ZMQ_RECONNECT_IVL, 50);
+    set_int(socket_, ZMQ_RECONNECT_IVL_MAX, 1000);
+
+    std::string monitor_address = "inproc://phos-monitor-" + std::to_string(next_monitor++);
+    if (zmq_socket_monitor(socket_, monitor_address.c_str(), ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) == 0) {
+        monitor_ = zmq_socket(ctx, ZMQ_PAIR);
+        set_int(monitor_, ZMQ_LINGER, 0);
+        if (zmq_connect(monitor_, monitor_address.c_str()) != 0) {
+            zmq_close(monitor_);
+            monitor_ = nullptr;
+        }
+    }
+    if (zmq_connect(socket_, endpoint.c_str()) != 0) {
+        error_ = "cannot connect to " + endpoint + ": " + zmq_strerror(zmq_errno());
+        zmq_close(socket_);
+        socket_ = nullptr;
+    }
+}
+
+Socket::~Socket() {
+    if (monitor_) zmq_close(monitor_);
+    if (socket_) {
+        zmq_socket_monitor(socket_, nullptr, 0);
+        zmq_close(socket_);
+    }
+}
+
+// zmq calls this (from its I/O thread) once it no longer needs an owned payload.
+static void release_owned(void*, void* hint) {
+    delete static_cast<std::shared_ptr<const std::string>*>(hint);
+}
+
+bool Socket::send(const std::string& request, const std::vector<const wire::Payload*>& payloads) {
+    zmq_msg_t msg;
+    zmq_msg_init_size(&msg, request.size());
+    std::memcpy(zmq_msg_data(&msg), request.data(), request.size());
+    int more = payloads.empty() ? 0 : ZMQ_SNDMORE;
+    if (zmq_msg_send(&msg, socket_, more) < 0) {
+        zmq_msg_close(&msg);
+        error_ = std::string("send failed: ") + zmq_strerror(zmq_errno());
+        return false;
+    }
+    for (size_t i = 0; i < payloads.size(); i++) {
+        const wire::Payload& p = *payloads[i];
+        if (p.owned) {
+            auto* keep = new std::shared_ptr<const std::string>(p.owned);
+            zmq_msg_init_data(&msg, const_cast<char*>(p.owned->data()), p.size, release_owned, keep);
+        } else {
+            zmq_msg_init_data(&msg, const_cast<void*>(p.borrowed), p.size, nullptr, nullptr);
+        }
+        if (zmq_msg_send(&msg, socket_, i + 1 < payloads.size() ? ZMQ_SNDMORE : 0) < 0) {
+            zmq_msg_close(&msg);
+            error_ = std::string("send failed: ") + zmq_strerror(zmq_errno());
+            return false;
+        }
+    }
+    return true;
+}
+
+void Socket::drain_monitor() {
+    if (!monitor_) return;
+    while (true) {
+        zmq_msg_t event, address;
+        zmq_msg_init(&event);
+        if (zmq_msg_recv(&event, monitor_, ZMQ_DONTWAIT) < 0) {
+            zmq_msg_close(&event);
+            return;
+        }
+        uint16_t id = 0;
+        if (zmq_msg_size(&event) >= 2) std::memcpy(&id, zmq_msg_data(&event), 2);
+        zmq_msg_close(&event);
+        zmq_msg_init(&address);                       // the second frame names the endpoint
+        zmq_msg_recv(&address, monitor_, 0);
+        zmq_msg_close(&address);
+        if (id == ZMQ_EVENT_CONNECTED) {
+            connected_ = ever_connected_ = true;
+        } else if (id == ZMQ_EVENT_DISCONNECTED && connected_) {
+            connected_ = false;
+            disconnected_since_ = Clock::now();
+        }
+    }
+}
+
+Socket::Wait Socket::receive(Message& message, double timeout) {
+    message.clear();
+    const auto start = Clock::now();
+    while (true) {
+        zmq_pollitem_t items[2] = {{socket_, 0, ZMQ_POLLIN, 0}, {monitor_, 0, ZMQ_POLLIN, 0}};
+        int n = zmq_poll(items, monitor_ ? 2 : 1, 100);
+        if (n < 0 && zmq_errno() != EINTR) {
+            error_ = std::string("poll failed: ") + zmq_strerror(zmq_errno());
+            return Wait::gone;
+        }
+        if (monitor_ && (items[1].revents & ZMQ_POLLIN)) drain_monitor();
+        if (items[0].revents & ZMQ_POLLIN) {
+            while (true) {
+                message.frames_.emplace_back();
+                zmq_msg_t& f = message.frames_.back();
+                zmq_msg_init(&f);
+                if (zmq_msg_recv(&f, socket_, 0) < 0) {
+                    if (zmq_errno() == EINTR) {
+                        zmq_msg_close(&f);
+                        message.frames_.pop_back();
+                        continue;
+                    }
+                    error_ = std::string("receive failed: ") + zmq_strerror(zmq_errno());
+                    return Wait::gone;
+                }
+                if (!zmq_msg_more(&f)) return Wait::message;
+            }
+        }
+        const auto now = Clock::now();
+        if (timeout >= 0 && std::chrono::duration<double>(now - start).count() > timeout) return Wait::timeout;
+        if (timeout < 0 && ever_connected_ && !connected_ &&
+            std::chrono::duration<double>(now - disconnected_since_).count() > settings().gone_timeout) {
+            return Wait::gone;
+        }
+    }
+}
+
+}  // namespace phos

@@ -1,0 +1,67 @@
+// ZeroMQ transport: one DEALER socket to a front end or a context worker.
+//
+// libzmq is linked statically with hidden symbols, so an application's own libzmq
+// (pyzmq's, say) and ours never see each other.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <zmq.h>
+
+#include "wire.h"
+
+namespace phos {
+
+// The frames of one received message; closes them when it goes away.
+class Message {
+public:
+    Message() = default;
+    Message(const Message&) = delete;
+    Message& operator=(const Message&) = delete;
+    ~Message() { clear(); }
+
+    void clear();
+    size_t count() const { return frames_.size(); }
+    const void* data(size_t i) { return zmq_msg_data(&frames_[i]); }
+    size_t size(size_t i) { return zmq_msg_size(&frames_[i]); }
+
+private:
+    friend class Socket;
+    std::vector<zmq_msg_t> frames_;
+};
+
+class Socket {
+public:
+    explicit Socket(const std::string& endpoint);
+    Socket(const Socket&) = delete;
+    Socket& operator=(const Socket&) = delete;
+    ~Socket();
+
+    bool ok() const { return socket_ != nullptr; }
+    const std::string& endpoint() const { return endpoint_; }
+    const std::string& error() const { return error_; }
+
+    // Sends the Request frame then one frame per payload. Payloads go zero-copy: an owned
+    // one stays alive until zmq is done with it, a borrowed one must outlive the reply.
+    bool send(const std::string& request, const std::vector<const wire::Payload*>& payloads);
+
+    enum class Wait { message, timeout, gone };
+    // Waits for the next message. With timeout < 0 it waits as long as the peer is
+    // connected, and gives up once it has been disconnected for PHOS_GONE_TIMEOUT.
+    Wait receive(Message& message, double timeout);
+
+private:
+    void drain_monitor();
+
+    std::string endpoint_;
+    std::string error_;
+    void* socket_ = nullptr;
+    void* monitor_ = nullptr;
+    bool connected_ = false;
+    bool ever_connected_ = false;
+    std::chrono::steady_clock::time_point disconnected_since_;
+};
+
+}  // namespace phos

@@ -1,0 +1,118 @@
+// The calls of schema/phos.capnp as plain C++ values, and their Cap'n Proto encoding.
+//
+// A Call is kept in a batch, then in the replay log until the server acknowledges it,
+// so it owns everything it needs (or borrows memory that outlives the acknowledgement).
+// Only wire.cpp sees Cap'n Proto types.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace phos::wire {
+
+enum class Kind : uint8_t {
+    hello, ctxCreate, attach,
+    driverGetVersion, deviceGetCount, deviceGetName, deviceGetUuid, deviceTotalMem,
+    deviceGetAttribute, deviceComputeCapability,
+    ctxDestroy, ctxSynchronize,
+    memAlloc, memFree, memGetInfo, memGetAddressRange,
+    memcpyHtoD, memcpyDtoH, memcpyDtoD, memset,
+    moduleLoad, moduleUnload, moduleGetFunction, moduleGetGlobal, launch,
+    streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
+    eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
+};
+const char* kind_name(Kind kind);
+
+struct Dim3 {
+    uint32_t x = 1, y = 1, z = 1;
+};
+
+// Bulk bytes that travel as their own frame after the Request frame.
+struct Payload {
+    std::shared_ptr<const std::string> owned;  // bytes captured from the caller
+    const void* borrowed = nullptr;             // caller memory, unchanged until acknowledged
+    size_t size = 0;
+
+    const void* data() const { return owned ? static_cast<const void*>(owned->data()) : borrowed; }
+    static Payload copy_of(const void* src, size_t n);
+    static Payload borrow(const void* src, size_t n);
+};
+
+// One call. Each kind uses the fields its schema struct has; the factories below say which.
+struct Call {
+    uint64_t seq = 0;
+    Kind kind = Kind::hello;
+    uint64_t address = 0;     // dst (memcpyHtoD, memcpyDtoD, memset), src (memcpyDtoH), ptr, ctx (attach)
+    uint64_t address2 = 0;    // src of memcpyDtoD
+    uint64_t size = 0;        // bytes; element count for memset
+    uint64_t stream = 0;      // stream id (0 = default)
+    uint64_t id = 0;          // a Handle's id; module; function; event; start event
+    uint64_t id2 = 0;         // end event; event of streamWaitEvent
+    uint32_t flags = 0;       // flags; memset value; launch shared bytes; hello version
+    int32_t device = 0;       // device ordinal
+    int32_t number = 0;       // device attribute; stream priority; memset element size
+    Dim3 grid, block;
+    std::string text;         // hello client; symbol name
+    std::string bytes;        // attach token; packed launch parameters
+    Payload payload;          // memcpyHtoD bytes; moduleLoad image
+
+    bool has_payload() const { return kind == Kind::memcpyHtoD || kind == Kind::moduleLoad; }
+
+    static Call plain(Kind kind) { Call c; c.kind = kind; return c; }
+    static Call with_id(Kind kind, uint64_t id) { Call c; c.kind = kind; c.id = id; return c; }
+    static Call on_device(Kind kind, int device) { Call c; c.kind = kind; c.device = device; return c; }
+    static Call hello(uint32_t version, std::string client);
+    static Call ctx_create(uint32_t flags, int device);
+    static Call attach(uint64_t ctx, std::string token);
+    static Call device_attribute(int attribute, int device);
+    static Call mem_alloc(uint64_t size);
+    static Call mem_free(uint64_t ptr);
+    static Call memcpy_htod(uint64_t dst, uint64_t stream, Payload bytes);
+    static Call memcpy_dtoh(uint64_t src, uint64_t size, uint64_t stream);
+    static Call memcpy_dtod(uint64_t dst, uint64_t src, uint64_t size, uint64_t stream);
+    static Call memset(uint64_t dst, uint32_t value, int elem_size, uint64_t count, uint64_t stream);
+    static Call module_load(Payload image);
+    static Call module_symbol(Kind kind, uint64_t module, std::string name);
+    static Call launch(uint64_t function, Dim3 grid, Dim3 block, uint32_t shared_bytes, uint64_t stream,
+                       std::string params);
+    static Call stream_create(uint32_t flags, int priority);
+    static Call stream_wait_event(uint64_t stream, uint64_t event, uint32_t flags);
+    static Call event_create(uint32_t flags);
+    static Call event_record(uint64_t event, uint64_t stream);
+    static Call event_elapsed(uint64_t start, uint64_t end);
+};
+
+struct ParamInfo {
+    uint32_t offset = 0, size = 0;
+};
+
+struct Result {
+    uint64_t seq = 0;
+    uint32_t status = 0;          // a CUresult
+    std::string message;
+    std::vector<uint64_t> u64s;
+    double f64 = 0;
+    std::string text;
+    std::string data;
+    uint32_t payload = 0;         // index of the reply frame holding bulk bytes (0: none)
+    std::vector<ParamInfo> params;
+};
+
+struct Reply {
+    uint64_t ack_seq = 0;
+    std::vector<Result> results;
+    std::string output;           // device-side printf output
+};
+
+extern const uint32_t kProtocolVersion;
+
+// Encodes calls[0..n) as one Request frame (standard unpacked Cap'n Proto framing).
+// Payload indices are assigned in call order: the k-th call with a payload names frame k.
+void encode_request(const Call* const* calls, size_t n, bool want_reply, std::string& frame);
+
+// Decodes a Reply frame; on a malformed frame returns false and says why in `error`.
+bool decode_reply(const void* frame, size_t size, Reply& reply, std::string& error);
+
+}  // namespace phos::wire

@@ -1,0 +1,64 @@
+#!/bin/sh
+# Native vs phos on a GPU machine (the lead runs it on the H200): builds perf/bench_stub.cu,
+# runs it with NVIDIA's libcudart, then through phos's native stub against a `cuda` server
+# over ipc, and prints one table.
+#   perf/bench_stub.sh [--server ADDR] [bench_stub options: --big-mib N --launches N --rtt N]
+# Targets: sync_rtt_us <= 25 over ipc; launch_us <= 2x native.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+NVCC=${NVCC:-$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")}
+PYTHON=${PYTHON:-python3}
+backend=${PHOS_BENCH_BACKEND:-cuda}
+server=""
+if [ "${1:-}" = "--server" ]; then server=$2; shift 2; fi
+
+work=$(mktemp -d)
+server_pid=""
+cleanup() {
+    [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
+    rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+# Rebuild the stub where the build tools are; a GPU machine may only have it prebuilt.
+make -s -C "$root/client_stub/native" 2>"$work/make.log" || {
+    [ -f "$root/phos/stub/libcudart.so.13" ] || { cat "$work/make.log"; exit 1; }
+    echo "note: using the prebuilt phos/stub (cannot rebuild here: $(tail -1 "$work/make.log"))"
+}
+$NVCC -cudart shared -O2 -gencode arch=compute_90,code=compute_90 -gencode arch=compute_90,code=sm_90 \
+    -o "$work/bench_stub" "$here/bench_stub.cu"
+
+if [ "$backend" = cuda ]; then
+    LD_LIBRARY_PATH="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        "$work/bench_stub" "$@" > "$work/native.txt"
+else
+    : > "$work/native.txt"   # no GPU here: phos only
+fi
+
+if [ -z "$server" ]; then
+    server="ipc://$work/phos.sock"
+    (cd "$root" && exec $PYTHON -m phos.cli server --backend "$backend" --listen "$server") > "$work/server.log" 2>&1 &
+    server_pid=$!
+    for _ in $(seq 600); do [ -S "$work/phos.sock" ] && break; sleep 0.1; done
+    [ -S "$work/phos.sock" ] || { echo "the $backend server did not start:"; cat "$work/server.log"; exit 1; }
+fi
+LD_LIBRARY_PATH="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PHOS_SERVER=$server \
+    "$work/bench_stub" "$@" > "$work/phos.txt"
+
+$PYTHON - "$work/native.txt" "$work/phos.txt" <<'PY'
+import sys
+def read(path):
+    with open(path) as f:
+        return dict((k, float(v)) for k, v in (line.split() for line in f if line.strip()))
+native, phos = read(sys.argv[1]), read(sys.argv[2])
+targets = {"sync_rtt_us": lambda n, p: p <= 25, "launch_us": lambda n, p: n is not None and p <= 2 * n}
+print(f"{'figure':34} {'native':>10} {'phos':>10} {'phos/native':>12}  target")
+for name, p in phos.items():
+    n = native.get(name)
+    ratio = f"{p / n:.2f}" if n else "-"
+    check = targets.get(name)
+    verdict = "" if check is None else ("met" if check(n, p) else "MISSED")
+    print(f"{name:34} {n if n is not None else '-':>10} {p:>10} {ratio:>12}  {verdict}")
+PY

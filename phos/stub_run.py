@@ -1,0 +1,96 @@
+"""`phos run [--server ADDR] -- ./app ARGS`: run an unmodified CUDA program on phos.
+
+The program finds phos's libcudart.so.13 and libcuda.so.1 first on LD_LIBRARY_PATH
+(phos/stub, built by `make -C client_stub/native`), and its calls go to the server named
+by PHOS_SERVER. Without --server, a local emu server is started on a private ipc socket
+for the program's lifetime and stopped after it.
+
+Only programs linked with `nvcc -cudart shared` load libcudart.so.13 and can be
+redirected; nvcc links the runtime statically by default.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
+SERVER_START_TIMEOUT = float(os.environ.get("PHOS_SERVER_START_TIMEOUT", "60"))
+
+
+def stub_environment(server, base=None):
+    """The environment a program needs to run on phos: the stub first on the library path."""
+    env = dict(os.environ if base is None else base)
+    path = env.get("LD_LIBRARY_PATH", "")
+    env["LD_LIBRARY_PATH"] = STUB_DIR + (os.pathsep + path if path else "")
+    env["PHOS_SERVER"] = server
+    return env
+
+
+def _check_stub():
+    missing = [n for n in ("libcudart.so.13", "libcuda.so.1") if not os.path.exists(os.path.join(STUB_DIR, n))]
+    if missing:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        raise SystemExit(f"phos run: {', '.join(missing)} not found in {STUB_DIR}; "
+                         f"build the native stub with `make -C {os.path.join(root, 'client_stub', 'native')}`")
+
+
+class _LocalServer:
+    """An emu server on a private ipc socket, stopped (with its workers) on exit."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="phos-run-")
+        self.address = f"ipc://{self.dir}/phos.sock"
+        self.log = open(os.path.join(self.dir, "server.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "phos.cli", "server", "--backend", "emu", "--listen", self.address],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while not os.path.exists(self.address[len("ipc://"):]):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                text = self._output()
+                self.stop()
+                raise SystemExit(f"phos run: the local emu server did not start:\n{text}")
+            time.sleep(0.02)
+
+    def _output(self):
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)     # the front end stops its workers
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run(argv: list[str], server: str | None) -> int:
+    """Run argv on phos and return its exit status (128 + N if killed by signal N)."""
+    if not argv:
+        raise SystemExit("phos run: give the program to run after --")
+    _check_stub()
+    local = None if server else _LocalServer()
+    try:
+        env = stub_environment(server or local.address)
+        try:
+            proc = subprocess.Popen(argv, env=env)
+        except OSError as e:
+            raise SystemExit(f"phos run: cannot run {argv[0]}: {e.strerror}")
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:        # the program got the SIGINT too; wait for it
+                continue
+        return 128 - code if code < 0 else code
+    finally:
+        if local is not None:
+            local.stop()

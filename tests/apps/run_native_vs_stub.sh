@@ -1,0 +1,59 @@
+#!/bin/sh
+# GPU check (run by the lead on the H200): every test program natively (NVIDIA's
+# libcudart and driver), then through phos's native stub against a `cuda` server, and
+# the two outputs compared. Exits non-zero if a program fails or the outputs differ.
+#   tests/apps/run_native_vs_stub.sh [--server ADDR]
+# Without --server it starts `phos server --backend cuda` on a private ipc socket.
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+PYTHON=${PYTHON:-python3}
+server=""
+[ "${1:-}" = "--server" ] && server=$2
+
+work=$(mktemp -d)
+server_pid=""
+cleanup() {
+    [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
+    rm -rf "$work"
+}
+trap cleanup EXIT INT TERM
+
+# Rebuild the stub where the build tools are; a GPU machine may only have it prebuilt.
+make -s -C "$root/client_stub/native" 2>"$work/make.log" || {
+    [ -f "$root/phos/stub/libcudart.so.13" ] || { cat "$work/make.log"; exit 1; }
+    echo "note: using the prebuilt phos/stub (cannot rebuild here: $(tail -1 "$work/make.log"))"
+}
+sh "$here/build_apps.sh" "$work/bin"
+
+if [ -z "$server" ]; then
+    server="ipc://$work/phos.sock"
+    (cd "$root" && exec $PYTHON -m phos.cli server --backend cuda --listen "$server") > "$work/server.log" 2>&1 &
+    server_pid=$!
+    for _ in $(seq 600); do [ -S "$work/phos.sock" ] && break; sleep 0.1; done
+    [ -S "$work/phos.sock" ] || { echo "the cuda server did not start:"; cat "$work/server.log"; exit 1; }
+fi
+
+native_path="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+stub_path="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+bad=0
+for app in vector_add matmul_tiled streams_events atomics symbols threads device_reset errors device_query no_gpu driver_api; do
+    args=""
+    [ "$app" = driver_api ] && args="$work/bin/driver_kernels.ptx"
+    set +e
+    LD_LIBRARY_PATH=$native_path "$work/bin/$app" $args > "$work/$app.native" 2>&1
+    native_rc=$?
+    LD_LIBRARY_PATH=$stub_path PHOS_SERVER=$server "$work/bin/$app" $args > "$work/$app.phos" 2> "$work/$app.phos.err"
+    phos_rc=$?
+    set -e
+    if [ $native_rc -eq 0 ] && [ $phos_rc -eq 0 ] && diff -q "$work/$app.native" "$work/$app.phos" >/dev/null; then
+        echo "same       $app"
+    else
+        bad=1
+        echo "DIFFERENT  $app (native exit $native_rc, phos exit $phos_rc)"
+        diff "$work/$app.native" "$work/$app.phos" | sed 's/^/    /' || true
+        sed 's/^/    stderr: /' "$work/$app.phos.err"
+    fi
+done
+exit $bad
