@@ -32,12 +32,13 @@ if want core; then
     step core-tests python3 -m pytest -q -p no:cacheprovider --backend cuda -m "not fuzz" \
         tests/test_client_e2e.py tests/test_kernels_e2e.py tests/test_bad_input.py tests/test_server_lifecycle.py
 fi
-if want stub && [ -x tests/apps/run_native_vs_stub.sh ]; then
-    step stub-apps bash tests/apps/run_native_vs_stub.sh
+if want stub; then
+    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_stub.py
+    step stub-apps sh tests/apps/run_native_vs_stub.sh
 fi
 if want bench; then
     step transport-floor python3 perf/transport_floor.py
     step bench-rpc python3 perf/bench_rpc.py --backend cuda --json "$OUT/bench_rpc.json"
-    [ -f perf/bench_stub.sh ] && step bench-stub bash perf/bench_stub.sh
+    step bench-stub sh perf/bench_stub.sh
 fi
 exit $status
