@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 rm -rf /tmp/phos-site   # a warm machine keeps the last copy; pip --target would not replace it
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/phos-site . >/dev/null || exit 1
 # PYTHONSAFEPATH: the checkout's own phos/ folder must not shadow the installed package
-export PYTHONPATH=/tmp/phos-site:/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+export PYTHONPATH=/tmp/phos-site:/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PHOS_STUB_DIR=$PWD/phos/stub
 status=0
 want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 step() {   # step NAME COMMAND...: run it, log it, remember a failure

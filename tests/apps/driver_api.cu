@@ -25,6 +25,12 @@ struct Affine {
     int pad[3];
 };
 
+// Counts a failed expectation and names its line, so a difference from NVIDIA's driver is easy to find.
+static int check(int line, bool bad) {
+    if (bad) printf("check at line %d failed\n", line);
+    return bad ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
     if (argc < 2) {
         printf("usage: driver_api KERNELS.ptx\n");
@@ -46,7 +52,7 @@ int main(int argc, char** argv) {
     int wrong = 0;
     size_t offsets[4], sizes[4];
     for (int i = 0; i < 4; i++) CHECK(cuFuncGetParamInfo(affine, i, &offsets[i], &sizes[i]));
-    wrong += cuFuncGetParamInfo(affine, 4, &offsets[0], &sizes[0]) != CUDA_ERROR_INVALID_VALUE;
+    wrong += check(__LINE__, cuFuncGetParamInfo(affine, 4, &offsets[0], &sizes[0]) != CUDA_ERROR_INVALID_VALUE);
     printf("params: (%zu,%zu) (%zu,%zu) (%zu,%zu) (%zu,%zu)\n", offsets[0], sizes[0], offsets[1], sizes[1], offsets[2],
            sizes[2], offsets[3], sizes[3]);
 
@@ -93,14 +99,14 @@ int main(int argc, char** argv) {
     for (int i = 0; i < n; i++) wrong += pinned[i] != 2.0f * i;
     float ms = -1;
     CHECK(cuEventElapsedTime(&ms, start, stop));
-    wrong += ms < 0;
+    wrong += check(__LINE__, ms < 0);
 
     CUdeviceptr launches;
     size_t launches_size = 0;
     int launches_value = 0;
     CHECK(cuModuleGetGlobal(&launches, &launches_size, module, "launches"));
     CHECK(cuMemcpyDtoH(&launches_value, launches, sizeof launches_value));
-    wrong += launches_size != sizeof(int) || launches_value != 2;
+    wrong += check(__LINE__, launches_size != sizeof(int) || launches_value != 2);
 
     CHECK(cuMemsetD32(d, 0x40400000, n));   // 3.0f
     CHECK(cuMemcpyDtoH(x.data(), d, n * sizeof(float)));
@@ -108,17 +114,17 @@ int main(int argc, char** argv) {
 
     unsigned type = 0;
     CHECK(cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, d));
-    wrong += type != CU_MEMORYTYPE_DEVICE;
+    wrong += check(__LINE__, type != CU_MEMORYTYPE_DEVICE);
     CUdeviceptr base;
     size_t size;
     CHECK(cuMemGetAddressRange(&base, &size, d + 40));
-    wrong += base != d || size != n * sizeof(float);
+    wrong += check(__LINE__, base != d || size != n * sizeof(float));
 
     void* fn = nullptr;
     CUdriverProcAddressQueryResult status;
     CHECK(cuGetProcAddress("cuMemAlloc", &fn, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &status));
-    wrong += fn == nullptr || status != CU_GET_PROC_ADDRESS_SUCCESS;
-    wrong += cuGetProcAddress("cuNoSuchFunction", &fn, 12000, 0, &status) != CUDA_ERROR_NOT_FOUND || fn != nullptr;
+    wrong += check(__LINE__, fn == nullptr || status != CU_GET_PROC_ADDRESS_SUCCESS);
+    wrong += check(__LINE__, cuGetProcAddress("cuNoSuchFunction", &fn, 12000, 0, &status) != CUDA_ERROR_NOT_FOUND || fn != nullptr);
 
     CHECK(cuEventDestroy(start));
     CHECK(cuEventDestroy(stop));
