@@ -119,13 +119,7 @@ class Connection:
                 continue
             s = c.init(name)
             for key, value in args.items():
-                if type(value) is tuple:      # a Dim3; fields default to 1
-                    d = s.init(key)
-                    if value[0] != 1: d.x = value[0]
-                    if value[1] != 1: d.y = value[1]
-                    if value[2] != 1: d.z = value[2]
-                else:
-                    setattr(s, key, value)
+                setattr(s, key, value)
             if payload is not None:
                 frames.append(payload)
                 s.payload = len(frames) - 1

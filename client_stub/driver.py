@@ -535,9 +535,9 @@ def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockD
     if extra not in (None, 0):
         raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, "cuLaunchKernel: pass parameters in kernelParams, not extra")
     params = pack_params(_layout(f), kernelParams)
-    _ctx_post("launch", {"function": int(f), "grid": (gridDimX, gridDimY, gridDimZ),
-                         "block": (blockDimX, blockDimY, blockDimZ), "sharedBytes": int(sharedMemBytes),
-                         "stream": _stream_id(hStream), "params": params})
+    config = wire.LAUNCH_CONFIG.pack(gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                                     int(sharedMemBytes), 0, _stream_id(hStream))
+    _ctx_post("launch", {"function": int(f), "config": config, "params": params})
 
 
 # -- streams and events -----------------------------------------------------------------

@@ -7,6 +7,7 @@ pointer against the calling session's own objects before touching the backend.
 import numpy as np
 
 from phos.schema.cuda_types import CudaError, CUresult
+from phos.schema.wire import LAUNCH_CONFIG
 
 STREAM_ALIASES = (0, 1, 2)   # default stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
@@ -111,15 +112,18 @@ def module_get_global(s, a, p):
 
 def launch(s, a, p):
     fn = s.handle("function", a.function)
-    grid, block = (a.grid.x, a.grid.y, a.grid.z), (a.block.x, a.block.y, a.block.z)
-    if 0 in grid or 0 in block:
-        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: grid {grid} and block {block} must be non-zero")
-    if block[0] * block[1] * block[2] > 1024:
-        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {block[0] * block[1] * block[2]} threads per block exceeds 1024")
+    config = a.config
+    if len(config) != LAUNCH_CONFIG.size:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: config holds {len(config)} bytes, not {LAUNCH_CONFIG.size}")
+    gx, gy, gz, bx, by, bz, shared, _, stream = LAUNCH_CONFIG.unpack(config)
+    if not (gx and gy and gz and bx and by and bz):
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: grid {(gx, gy, gz)} and block {(bx, by, bz)} must be non-zero")
+    if bx * by * bz > 1024:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {bx * by * bz} threads per block exceeds 1024")
     params = a.params
     if len(params) != fn.size:
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {len(params)} parameter bytes, kernel takes {fn.size}")
-    s.backend.launch(fn, grid, block, a.sharedBytes, _stream(s, a.stream), params)
+    s.backend.launch(fn, (gx, gy, gz), (bx, by, bz), shared, _stream(s, stream), params)
 
 
 def stream_create(s, a, p):

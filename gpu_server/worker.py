@@ -173,20 +173,22 @@ class Worker:
                 return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_CONTEXT,
                                  "not attached to this context: the first call must be attach with the session token"))
             self.attached.add(peer)
-        n = len(calls)
+        n, want_reply = len(calls), req.wantReply
+        execute = self.session.execute
         for i, call in enumerate(calls):
             name = call.which()
-            last = req.wantReply and i == n - 1
+            last = want_reply and i == n - 1
             if name == "attach":
                 a = call.attach
                 shm = bool(a.shmPath) and self.session.map_staging(a.shmPath, bytes(a.shmCookie), a.shmSize)
                 status, message, fields = CUresult.CUDA_SUCCESS, "", {"u64s": [self.session.ctx_id, int(shm)]}
             else:
-                status, message, fields = self.session.execute(name, getattr(call, name), payloads, last)
-            self.ack = call.seq
-            if last or "payload" in fields or (name == "memcpyDtoH"):
+                status, message, fields = execute(name, getattr(call, name), payloads, last)
+            if last or fields or status:      # only these need their seq: reading it costs a microsecond
                 self.pending.append((call.seq, status, message, fields))
-        if req.wantReply:
+        if n:
+            self.ack = calls[n - 1].seq
+        if want_reply:
             results, self.pending = self.pending, []
             self.send(peer, build_reply(self.ack, results, self.session.backend.take_output()))
 

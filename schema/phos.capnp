@@ -56,7 +56,6 @@ struct ParamInfo {
   size @1 :UInt32;
 }
 
-struct Dim3 { x @0 :UInt32 = 1; y @1 :UInt32 = 1; z @2 :UInt32 = 1; }  # defaults of 1 keep 1-D launches cheap to encode
 
 struct Call {
   seq @0 :UInt64;              # increasing per session; replay and acks use it
@@ -144,11 +143,11 @@ struct ModuleLoad { payload @0 :UInt32; }                 # the image: PTX, cubi
 struct ModuleSymbol { module @0 :UInt64; name @1 :Text; }
 struct Launch {
   function @0 :UInt64;
-  grid @1 :Dim3;
-  block @2 :Dim3;
-  sharedBytes @3 :UInt32;
-  stream @4 :UInt64;
-  params @5 :Data;             # packed by the parameter layout of moduleGetFunction
+  # grid x, y, z, block x, y, z, shared bytes and a zero as eight little-endian UInt32s,
+  # then the stream id as a little-endian UInt64 (40 bytes). One field instead of nine:
+  # launches are the hot path, and each field costs the worker a read.
+  config @1 :Data;
+  params @2 :Data;             # packed by the parameter layout of moduleGetFunction
 }
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }

@@ -3,6 +3,7 @@
 A message is [Request or Reply frame, payload frame 1, payload frame 2, ...].
 """
 import os
+import struct
 
 import capnp
 
@@ -12,6 +13,8 @@ phos_capnp = capnp.load(os.path.join(os.path.dirname(__file__), "phos.capnp"))
 PROTOCOL_VERSION = phos_capnp.protocolVersion
 MAX_CONTROL_FRAME = 1 << 20          # a Request or Reply frame; bulk bytes go in payload frames
 TRAVERSAL_LIMIT_WORDS = MAX_CONTROL_FRAME // 8 * 2
+
+LAUNCH_CONFIG = struct.Struct("<8IQ")   # Launch.config: grid xyz, block xyz, shared bytes, 0, stream
 
 Request = phos_capnp.Request
 Reply = phos_capnp.Reply

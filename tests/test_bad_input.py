@@ -152,6 +152,8 @@ def test_worker_malformed_frames_and_payload_mismatch(raw):
     assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_VALUE
     sock.send(request(("launch", {"function": 0x1234})))
     assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_HANDLE
+    sock.send(request(("moduleGetFunction", {"module": 0x1234, "name": "k"})))
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_HANDLE
     # still serving
     sock.send(request(("memcpyDtoH", {"src": ptr, "size": 64})))
     frames = sock.recv_multipart()

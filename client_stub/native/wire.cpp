@@ -170,11 +170,14 @@ static capnp::Data::Reader as_data(const std::string& s) {
     return capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(s.data()), s.size());
 }
 
-static void set_dim3(::Dim3::Builder d, const Dim3& v) {
-    // The schema's defaults are 1, so only other values cost bytes.
-    if (v.x != 1) d.setX(v.x);
-    if (v.y != 1) d.setY(v.y);
-    if (v.z != 1) d.setZ(v.z);
+// Launch.config: grid xyz, block xyz, shared bytes, 0 (little-endian UInt32s), then the stream (UInt64).
+static std::string launch_config(const Dim3& grid, const Dim3& block, uint32_t shared_bytes, uint64_t stream) {
+    const uint32_t words[8] = {grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes, 0};
+    std::string out(40, '\0');
+    for (int i = 0; i < 8; i++)
+        for (int b = 0; b < 4; b++) out[4 * i + b] = char(words[i] >> (8 * b));
+    for (int b = 0; b < 8; b++) out[32 + b] = char(stream >> (8 * b));
+    return out;
 }
 
 static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_index) {
@@ -265,10 +268,8 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     case Kind::launch: {
         auto l = out.initLaunch();
         l.setFunction(c.id);
-        set_dim3(l.initGrid(), c.grid);
-        set_dim3(l.initBlock(), c.block);
-        l.setSharedBytes(c.flags);
-        l.setStream(c.stream);
+        std::string config = launch_config(c.grid, c.block, c.flags, c.stream);
+        l.setConfig(as_data(config));
         l.setParams(as_data(c.bytes));
         break;
     }
