@@ -28,7 +28,7 @@ GONE_TIMEOUT = float(os.environ.get("PHOS_GONE_TIMEOUT", "10"))
 SPIN = float(os.environ.get("PHOS_SPIN_US", "100" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
 STAGING_SLOT = 32 << 20          # bulk copies go through a shared staging area in slots this big...
 STAGING_MIN = 256 << 10          # ...when at least this big and the worker shares our host
-STAGING_HEADER = 4096
+DOORBELL = wire.Request.new_message(version=wire.PROTOCOL_VERSION, doorbell=True).to_bytes()
 
 Result = collections.namedtuple("Result", "seq status message u64s f64 text data payload params")
 
@@ -78,6 +78,9 @@ class Connection:
         self.late_error = None   # a kept Result that failed, reported by the next synchronous call
         self.staging = None      # numpy view of the shared staging area, once the worker mapped it
         self.slot_seq = [0, 0]   # the last call that used each staging slot
+        self.box = None          # its mailbox (wire.Mailbox), for synchronous calls
+        self.box_seq = 0         # seq of our last mailbox request
+        self.box_waiting = False # its reply has not been read yet
 
     def close(self):
         self.sock.disable_monitor()
@@ -85,7 +88,7 @@ class Connection:
         self.sock.close()
 
     # -- sending ---------------------------------------------------------------------------
-    def post(self, name, args=None, payload=None, on_bytes=None, want_reply=False):
+    def post(self, name, args=None, payload=None, on_bytes=None, want_reply=False, via_box=False):
         """Queue a call (sent at once if want_reply); returns its seq."""
         self.seq += 1
         big = payload is not None and len(payload) > ZERO_COPY
@@ -97,17 +100,18 @@ class Connection:
         if payload is not None:
             self.batch_bytes += len(payload)
         if want_reply or big or len(self.batch) >= BATCH_CALLS or self.batch_bytes >= BATCH_BYTES:
-            self.flush(want_reply)
+            self.flush(want_reply, via_box)
         return self.seq
 
     def call(self, name, args=None, payload=None, timeout=None):
         """Run a synchronous call: flush the batch, wait for the reply, return its Result."""
-        result = self.wait(self.post(name, args, payload, want_reply=True), timeout)
+        result = self.wait(self.post(name, args, payload, want_reply=True, via_box=True), timeout)
         if self.late_error is not None and result.status == 0:
             result, self.late_error = self.late_error, None
         return result
 
-    def flush(self, want_reply=False):
+    def flush(self, want_reply=False, via_box=False):
+        """Send the batch. via_box: the caller waits for the reply at once, so the mailbox may carry it."""
         if not self.batch:
             return
         req = wire.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=want_reply)
@@ -124,9 +128,17 @@ class Connection:
                 frames.append(payload)
                 s.payload = len(frames) - 1
         frames[0] = req.to_bytes()
+        self.unacked.extend(self.batch)
+        if via_box and self.box is not None and len(frames) == 1:
+            self.batch, self.batch_bytes = [], 0
+            if self.box.put(0, self.box_seq + 1, frames[0]):
+                self.box_seq += 1
+                self.box_waiting = True
+                if not self.box.awake[0]:          # the worker may be asleep: ring
+                    self.sock.send(DOORBELL)
+                return
         big = any(len(f) > ZERO_COPY for f in frames[1:])
         tracker = self.sock.send_multipart(frames, copy=not big, track=big)
-        self.unacked.extend(self.batch)
         self.batch, self.batch_bytes = [], 0
         if big:                    # the caller may reuse its buffer once zmq has handed it off
             tracker.wait()
@@ -137,15 +149,17 @@ class Connection:
             return self.kept.pop(seq)
         deadline = None if timeout is None else time.monotonic() + timeout
         gone_since = None
-        if SPIN:
-            end = time.perf_counter() + SPIN
-            while not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and time.perf_counter() < end:
-                pass
+        spin_end = time.perf_counter() + SPIN
         while True:
-            if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN or self.sock.poll(200):
-                frames = self.sock.recv_multipart(copy=False)
+            frames = self.next_reply()
+            if frames is None and time.perf_counter() < spin_end:
+                continue
+            if frames is None and self.sock.poll(1 if self.box_waiting else 200):
+                frames = self.next_reply()
+            if frames is not None:
                 result = self.take_reply(frames, seq)
                 if result is not None:
+                    self.box_waiting = False     # answered over the socket if it did not fit the box
                     return result
                 continue
             now = time.monotonic()
@@ -158,10 +172,20 @@ class Connection:
             if gone_since is not None and now - gone_since > GONE_TIMEOUT:
                 raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"the phos server at {self.endpoint} went away")
 
+    def next_reply(self):
+        """A reply's frames if one has arrived, in the mailbox or on the socket; else None."""
+        if self.box_waiting and self.box.seq(1) == self.box_seq:
+            self.box_waiting = False
+            return [self.box.take(1)]
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return self.sock.recv_multipart(copy=False)
+        return None
+
     def take_reply(self, frames, seq):
         """Apply a Reply: deliver copied bytes, drop acknowledged calls; return our Result if present."""
         mine = None
-        with wire.decode(wire.Reply, frames[0].bytes) as reply:
+        body = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        with wire.decode(wire.Reply, body) as reply:
             while self.unacked and self.unacked[0][0] <= reply.ackSeq:
                 self.unacked.popleft()
             if reply._has("output"):
@@ -189,7 +213,7 @@ class Connection:
             return None
         if os.environ.get("PHOS_STAGING") == "0" or not os.path.isdir("/dev/shm"):
             return None
-        size = STAGING_HEADER + 2 * STAGING_SLOT
+        size = wire.SLOTS_OFFSET + 2 * STAGING_SLOT
         cookie = os.urandom(16)
         path = f"/dev/shm/phos-{os.getpid()}-{cookie.hex()[:12]}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -207,14 +231,16 @@ class Connection:
         path, area = self._offer
         os.unlink(path)
         self.staging = np.frombuffer(area, np.uint8) if accepted else None
-        if not accepted:
+        if accepted:
+            self.box = wire.Mailbox(self.staging)
+        else:
             area.close()
 
     def _slot(self, i):
         """Staging slot i once the worker is done with it; returns (offset, view)."""
         if self.slot_seq[i]:
             self.collect(self.slot_seq[i])
-        off = STAGING_HEADER + i * STAGING_SLOT
+        off = wire.SLOTS_OFFSET + i * STAGING_SLOT
         return off, self.staging[off:off + STAGING_SLOT]
 
     def collect(self, seq):

@@ -32,7 +32,8 @@ ORPHAN_GRACE = float(os.environ.get("PHOS_ORPHAN_GRACE", "2"))   # seconds witho
 ATTACH_TIMEOUT = float(os.environ.get("PHOS_ATTACH_TIMEOUT", "30"))
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
-FIRST_HANDLE = 0x1000     # below are reserved stream ids (0, 1, 2 name the default stream)
+FIRST_HANDLE = 0x1000
+BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
 
 
 class Session:
@@ -48,6 +49,7 @@ class Session:
         self.deferred = None       # first failure of an asynchronous call since the last reply
         self.closing = False
         self.shm = None            # the client's staging area, when it shares our host
+        self.box = None            # its mailbox (wire.Mailbox)
 
     def staging(self, offset, nbytes):
         """A range of the shared staging area, checked."""
@@ -70,6 +72,7 @@ class Session:
             area.close()
             return False
         self.shm = np.frombuffer(area, np.uint8)
+        self.box = wire.Mailbox(self.shm)
         self.backend.register_host(self.shm)
         return True
 
@@ -149,6 +152,9 @@ class Worker:
         self.attached = set()      # routing ids that presented the token
         self.pending = []          # results waiting for the next reply
         self.ack = 0
+        self.box_peer = None       # routing id of the client whose mailbox is mapped
+        self.box_seen = 0          # seq of the last mailbox request taken
+        self.box_by_socket = False # answer it over the socket
 
     def handle(self, frames):
         """Serve one message: [routing id, Request, payload...]."""
@@ -161,6 +167,8 @@ class Worker:
                 if req.version != wire.PROTOCOL_VERSION:
                     return self.send(peer, error_reply(CUresult.CUDA_ERROR_NOT_SUPPORTED,
                                      f"protocol version {req.version}; this server speaks {wire.PROTOCOL_VERSION}"))
+                if req.doorbell:
+                    return self.serve_box(by_socket=True) if peer in self.attached else None
                 self.run_calls(peer, req, payloads)
         except wire.MALFORMED as e:
             log.warning("malformed frame from a client: %s", wire.describe(e))
@@ -168,7 +176,7 @@ class Worker:
 
     def run_calls(self, peer, req, payloads):
         calls = req.calls
-        if peer not in self.attached:
+        if peer is not BOX and peer not in self.attached:
             if not (len(calls) and calls[0].which() == "attach" and self.check_attach(calls[0].attach)):
                 return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_CONTEXT,
                                  "not attached to this context: the first call must be attach with the session token"))
@@ -181,6 +189,8 @@ class Worker:
             if name == "attach":
                 a = call.attach
                 shm = bool(a.shmPath) and self.session.map_staging(a.shmPath, bytes(a.shmCookie), a.shmSize)
+                if shm:
+                    self.box_peer, self.box_seen = peer, self.session.box.seq(0)
                 status, message, fields = CUresult.CUDA_SUCCESS, "", {"u64s": [self.session.ctx_id, int(shm)]}
             else:
                 status, message, fields = execute(name, getattr(call, name), payloads, last)
@@ -192,10 +202,41 @@ class Worker:
             results, self.pending = self.pending, []
             self.send(peer, build_reply(self.ack, results, self.session.backend.take_output()))
 
+    def box_ready(self):
+        box = self.session.box
+        return box is not None and box.seq(0) != self.box_seen
+
+    def serve_box(self, by_socket=False):
+        """Run the request waiting in the mailbox, after every call sent before it by socket.
+
+        by_socket: a doorbell woke us, so the client is likely asleep in poll: answer there."""
+        if not self.box_ready():
+            return
+        box = self.session.box
+        self.box_seen = box.seq(0)
+        self.box_by_socket = by_socket
+        try:
+            with wire.decode(wire.Request, box.take(0)) as req:
+                if req.version != wire.PROTOCOL_VERSION or req.doorbell:
+                    return self.send(BOX, error_reply(CUresult.CUDA_ERROR_NOT_SUPPORTED, "bad mailbox request"))
+                first = req.calls[0].seq if len(req.calls) else 0
+                deadline = time.monotonic() + ORPHAN_GRACE + 10
+                while self.ack < first - 1 and time.monotonic() < deadline:   # its predecessors are in the socket
+                    if self.sock.poll(100):
+                        self.handle(self.sock.recv_multipart(copy=False))
+                self.run_calls(BOX, req, [])
+        except wire.MALFORMED as e:
+            log.warning("malformed mailbox request: %s", wire.describe(e))
+            self.send(BOX, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
+
     def check_attach(self, attach):
         return attach.ctx == self.session.ctx_id and bytes(attach.token) == self.session.token
 
     def send(self, peer, frames):
+        if peer is BOX:      # answer in the reply box when it fits, else over the socket
+            if not self.box_by_socket and len(frames) == 1 and self.session.box.put(1, self.box_seen, frames[0]):
+                return
+            peer = self.box_peer
         self.sock.send_multipart([peer, *frames], copy=False)
 
     def serve(self, monitor):
@@ -205,15 +246,24 @@ class Worker:
         poller.register(monitor, zmq.POLLIN)
         connections, alone_since = 0, time.monotonic()
         grace = ATTACH_TIMEOUT
-        last = 0.0
+        last, awake = 0.0, False
         while not self.session.closing:
-            if SPIN and time.perf_counter() - last < SPIN:
+            hot = SPIN and time.perf_counter() - last < SPIN
+            box = self.session.box
+            if box is not None and hot != awake:
+                box.awake[0] = awake = hot      # clients ring the doorbell only while we sleep
+            if self.box_ready():
+                self.serve_box()
+                last = time.perf_counter()
+                continue
+            if hot:
                 # a client mid-burst: catch its next message without the cost of sleeping in poll
                 if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self.handle(self.sock.recv_multipart(copy=False))
                     last = time.perf_counter()
                 continue
-            ready = dict(poller.poll(250))
+            # with a mailbox, wake now and then: a doorbell can cross our going to sleep
+            ready = dict(poller.poll(10 if box is not None else 250))
             if self.sock in ready:
                 self.handle(self.sock.recv_multipart(copy=False))
                 last = time.perf_counter()

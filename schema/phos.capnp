@@ -24,6 +24,25 @@
 # If an asynchronous call failed since the previous Reply, the last call is not run:
 # its Result carries the first such failure, the message naming the failed call.
 # Sticky errors (illegal address, launch failure, trap) fail every later call.
+#
+# The shared staging area (same host only; see Attach). The client creates a file,
+# offers it in attach, and unlinks it once the worker answered. Layout, little-endian:
+#   [0, 16)                 cookie: random bytes the worker compares with Attach.shmCookie
+#   [16, 24)                UInt64 workerAwake: 1 while the worker watches the mailbox, else 0
+#   [4096, 4096+64K)        request box: UInt64 seq, UInt64 len, then len bytes of a Request frame
+#   [4096+64K, 4096+128K)   reply box:   UInt64 seq, UInt64 len, then len bytes of a Reply frame
+#   [4096+128K, end)        bulk slots; memcpyHtoD/DtoH with viaShm name byte offsets into the file
+# The mailbox skips the socket for synchronous calls. A client may put a Request there
+# when it wants a reply, has no payload frames and no memcpyDtoH answered by frames: it
+# writes the bytes, then len, then seq (1, 2, 3... per connection), and if workerAwake
+# is 0 it sends a Request with doorbell=true and no calls over the socket. The worker
+# first runs every call sent earlier over the socket (up to the box's first seq), then
+# answers in the reply box (bytes, len, then seq = the request box's seq), or over the
+# socket if the Reply has payload frames or exceeds the box, or if a doorbell woke the
+# worker for it (its client is likely asleep in poll too). The client watches both.
+# The box holds one request: a client uses it only for a call it waits for at once, and
+# sends nothing over the socket until that call is answered (else the worker could run
+# a later socket message before the earlier mailbox request).
 
 const protocolVersion :UInt32 = 1;
 
@@ -31,6 +50,7 @@ struct Request {
   version @0 :UInt32;          # protocolVersion of the sender; checked on every frame
   calls @1 :List(Call);
   wantReply @2 :Bool;          # set when the last call is synchronous: the sender waits
+  doorbell @3 :Bool;           # no calls: a request waits in the shared mailbox (below)
 }
 
 struct Reply {

@@ -1,0 +1,44 @@
+"""The shared mailbox for synchronous calls, with both sides spinning as on a many-core host."""
+import os
+import subprocess
+import sys
+import textwrap
+
+from conftest import ServerProc
+
+
+def test_sync_calls_through_the_mailbox(backend, tmp_path, monkeypatch):
+    monkeypatch.setenv("PHOS_SPIN_US", "300")            # the server's workers inherit it
+    srv = ServerProc(backend, tmp_path)
+    try:
+        script = textwrap.dedent(f"""
+            import numpy as np
+            from phos.client_stub import driver as cu
+            assert cu.cuInit(0)[0] == 0
+            err, ctx = cu.cuCtxCreate(None, 0, 0)
+            conn = cu._contexts[int(ctx)]
+            assert conn.box is not None
+            err, p = cu.cuMemAlloc(1 << 20)
+            for i in range(300):                           # sync calls mixed with async ones
+                assert cu.cuMemsetD32(p, i, 1 << 18) == (0,)
+                assert cu.cuCtxSynchronize() == (0,)
+                if i % 50 == 0:
+                    out = np.zeros(1 << 18, np.uint32)
+                    assert cu.cuMemcpyDtoH(out, p, out.nbytes) == (0,) and (out == i).all()
+            err, s = cu.cuStreamCreate(0)
+            small = np.arange(100, dtype=np.uint32)
+            got = np.zeros(100, np.uint32)
+            cu.cuMemcpyHtoDAsync(p, small, small.nbytes, s)
+            cu.cuMemcpyDtoHAsync(got, p, got.nbytes, s)     # its bytes come as a frame: the reply uses the socket
+            assert cu.cuStreamSynchronize(s) == (0,) and (got == small).all()
+            assert cu.cuMemsetD8(int(p) + (1 << 20) - 1, 0, 2) == (0,)
+            assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE   # deferred, through the box
+            assert cu.cuCtxSynchronize() == (0,)
+            print("box requests", conn.box_seq)
+        """)
+        env = dict(os.environ, PHOS_SERVER=srv.address, PHOS_SPIN_US="300")
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout.split()[-1]) > 300, out.stdout
+    finally:
+        srv.stop()
