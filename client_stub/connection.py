@@ -114,6 +114,9 @@ class Connection:
         """Send the batch. via_box: the caller waits for the reply at once, so the mailbox may carry it."""
         if not self.batch:
             return
+        if want_reply and len(self.batch) == 1 and self.batch[0][2] is None and self.batch[0][1] in wire.BARE_CALLS:
+            seq, name, _, _ = self.batch[0]
+            return self.send_frames([wire.BARE_CALLS[name].fill(seq)], via_box)
         req = wire.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=want_reply)
         frames = [None]
         for c, (seq, name, args, payload) in zip(req.init("calls", len(self.batch)), self.batch):
@@ -128,6 +131,10 @@ class Connection:
                 frames.append(payload)
                 s.payload = len(frames) - 1
         frames[0] = req.to_bytes()
+        self.send_frames(frames, via_box)
+
+    def send_frames(self, frames, via_box):
+        """Send an encoded batch: through the mailbox when allowed and possible, else the socket."""
         self.unacked.extend(self.batch)
         if via_box and self.box is not None and len(frames) == 1:
             self.batch, self.batch_bytes = [], 0
@@ -183,27 +190,38 @@ class Connection:
 
     def take_reply(self, frames, seq):
         """Apply a Reply: deliver copied bytes, drop acknowledged calls; return our Result if present."""
-        mine = None
         body = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        plain = wire.PLAIN_REPLY.read(body)
+        if plain is not None:        # the commonest reply, read without capnp
+            self.acknowledge(plain[0])
+            return self.route(Result(plain[1], 0, "", [], 0.0, "", b"", None, []), seq)
+        mine = None
         with wire.decode(wire.Reply, body) as reply:
-            while self.unacked and self.unacked[0][0] <= reply.ackSeq:
-                self.unacked.popleft()
+            self.acknowledge(reply.ackSeq)
             if reply._has("output"):
                 self.output = reply.output
                 print(self.output, end="", flush=True)
             for r in reply.results:
-                res = read_result(r, frames)
-                writer = self.dtoh.pop(res.seq, None)
-                if writer is not None and res.status == 0 and res.payload is not None:
-                    writer(res.payload)
-                if res.seq == seq or (res.seq == 0 and res.status):   # seq 0: the whole request was refused
-                    mine = res
-                elif res.seq in self.keep:      # a staged copy nobody waits for: its failure is deferred
-                    self.keep.discard(res.seq)
-                    self.kept[res.seq] = res
-                    if res.status and self.late_error is None:
-                        self.late_error = res
+                mine = self.route(read_result(r, frames), seq) or mine
         return mine
+
+    def acknowledge(self, ack_seq):
+        while self.unacked and self.unacked[0][0] <= ack_seq:
+            self.unacked.popleft()
+
+    def route(self, res, seq):
+        """Deliver one Result; returns it if it answers `seq`."""
+        writer = self.dtoh.pop(res.seq, None)
+        if writer is not None and res.status == 0 and res.payload is not None:
+            writer(res.payload)
+        if res.seq == seq or (res.seq == 0 and res.status):   # seq 0: the whole request was refused
+            return res
+        if res.seq in self.keep:      # a staged copy nobody waits for: its failure is deferred
+            self.keep.discard(res.seq)
+            self.kept[res.seq] = res
+            if res.status and self.late_error is None:
+                self.late_error = res
+        return None
 
 
     # -- the shared staging area ------------------------------------------------------------

@@ -3,6 +3,8 @@
 Allocations are VMM mappings inside one range reserved at the fixed base
 (DESIGN decision 3), so a restored or handed-off context keeps its addresses.
 """
+import ctypes
+
 import numpy as np
 from cuda.bindings import driver as cu
 
@@ -19,6 +21,12 @@ def ok(result, what):
     if int(err) != 0:
         raise CudaError(int(err), f"{what} failed: {cu.cuGetErrorString(err)[1].decode(errors='replace')}")
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+
+
+# Launches are the hot path: calling the driver through ctypes costs a third of cuda-python's wrapper.
+_cuLaunchKernel = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+_cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+_cuLaunchKernel.restype = ctypes.c_int
 
 
 def _init():
@@ -170,9 +178,10 @@ class CudaBackend:
         if args is None:     # one argument buffer per function, reused: the driver copies it at launch
             buf = np.zeros(max(function.param_bytes, 8), np.uint8)
             ptrs = np.array([buf.ctypes.data + off for off, _ in function.params] or [0], np.uint64)
-            args = function.args = (buf, ptrs, ptrs.ctypes.data if function.params else 0)
-        args[0][:len(params)] = np.frombuffer(params, np.uint8)
-        err = cu.cuLaunchKernel(function.handle, *grid, *block, shared_bytes, stream or 0, args[2], 0)[0]
+            args = function.args = (buf, ptrs, ptrs.ctypes.data if function.params else 0, buf.ctypes.data,
+                                    int(function.handle))
+        ctypes.memmove(args[3], params, len(params))
+        err = _cuLaunchKernel(args[4], *grid, *block, shared_bytes, int(stream) if stream else 0, args[2], None)
         if err:
             ok((err,), f"launch of {function.name}")
 
