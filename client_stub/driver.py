@@ -500,12 +500,11 @@ def cuFuncGetParamInfo(func, paramIndex):
 
 def pack_params(layout, kernelParams):
     """Pack cuda-python's kernelParams forms into one buffer laid out as the kernel wants."""
-    size = max((o + s for o, s in layout), default=0)
-    buf = bytearray(size)
     if kernelParams is None or (isinstance(kernelParams, int) and kernelParams == 0):
         if layout:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"the kernel takes {len(layout)} parameters, none given")
-        return bytes(buf)
+        return b""
+    buf = bytearray(max((o + s for o, s in layout), default=0))
     if isinstance(kernelParams, tuple) and len(kernelParams) == 2 and isinstance(kernelParams[0], (tuple, list)):
         values, types = kernelParams
         if len(values) != len(layout) or len(types) != len(layout):
