@@ -1,0 +1,693 @@
+"""The phos image format: a manifest plus content-addressed chunks, checked on read.
+
+Layout in a store (see store.py):
+
+- **Chunks.** A chunk's key is the hex of its pfp1 fingerprint (fingerprint.py). Its
+  stored blob is a 40-byte little-endian header, then the payload:
+
+      offset size field
+      0      4    magic b"PHCK"
+      4      2    chunk format version (1)
+      6      2    compression: 0 = raw, 1 = zstd (one frame, content size in its header)
+      8      8    raw length (bytes of the chunk's contents)
+      16     8    stored length (bytes of payload after the header)
+      24     16   fingerprint of the raw contents (equals the key)
+
+  The writer stores raw bytes when zstd does not make them smaller. The reader checks
+  every field, refuses a declared length over its limit before allocating anything,
+  decompresses to at most the declared length, and re-fingerprints the result.
+
+- **Manifests.** Canonical JSON (sorted keys, no whitespace, ASCII, no NaN) of:
+
+      {"format": "phos-image", "version": 1, "name": str, "parent": str | null,
+       "created": unix time, "cut_seq": int, "backend": "cuda" | "emu" | ...,
+       "device": {"name", "uuid" (hex), "cc": [major, minor], "total_mem"},
+       "address_space": {"base", "size"}                      (optional)
+       "modules":     [{"id", "name", "kind", "image": key, "size"}],
+       "functions":   [{"id", "module", "name", "params": [[offset, size], ...]}],
+       "globals":     [{"module", "name", "address", "size", "chunk_size", "chunks": [key]}],
+       "streams":     [{"id", "flags", "priority"}],
+       "events":      [{"id", "flags"}],
+       "allocations": [{"address", "size", "chunk_size", "chunks": [key]}],
+       "error":       {"status", "message"},
+       "metadata":    {...}    e.g. {"mode": "concurrent", "paused": false, "pause_ms": 0.4,
+                                      "recopied_chunks": 0}}
+
+  A region (allocation or global) of `size` bytes has ceil(size / chunk_size) chunks;
+  chunk j holds bytes [j*chunk_size, min(size, (j+1)*chunk_size)). Entries may carry
+  extra fields; the ones above are required and type-checked.
+
+  Beside it, a digest line: b"blake2b-256:<hex>\\n", or b"blake2b-256-keyed:<hex>\\n"
+  when the writer had a server secret (BLAKE2b in keyed mode, person
+  b"phos-manifest-v1", over the manifest's exact bytes). A reader given a key refuses
+  unkeyed images, so the digest cannot be stripped and recomputed.
+
+Every failure raises ImageError with a message naming the image, chunk or field.
+
+Incremental images: chunks are shared by every image in a store, so ImageWriter stores
+only chunks the store does not already hold. Deleting an image removes the chunks no
+other manifest references (delete_image / gc).
+"""
+import hashlib
+import hmac
+import json
+import math
+import re
+import struct
+import threading
+import time
+
+import zstandard
+
+from .fingerprint import fingerprint
+from .store import DirStore, ImageError, MemoryStore, check_key, check_name  # noqa: F401 (re-exported)
+
+FORMAT = "phos-image"
+VERSION = 1
+CHUNK_MAGIC = b"PHCK"
+CHUNK_VERSION = 1
+COMP_RAW = 0
+COMP_ZSTD = 1
+COMPRESSIONS = {COMP_RAW: "raw", COMP_ZSTD: "zstd"}
+HEADER = struct.Struct("<4sHHQQ16s")
+HEADER_SIZE = HEADER.size                 # 40
+
+DEFAULT_CHUNK_SIZE = 2 << 20              # the VMM granularity on the H200
+MAX_CHUNK_BYTES = 256 << 20               # largest chunk a reader accepts
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_JSON_DEPTH = 32
+U64 = 1 << 64
+
+DIGEST_PERSON = b"phos-manifest-v1"
+DIGEST_PLAIN = b"blake2b-256"
+DIGEST_KEYED = b"blake2b-256-keyed"
+_QUOTED_KEY_RE = re.compile(rb'"([0-9a-f]{32})"')
+_HEX_RE = re.compile(r"(?:[0-9a-f]{2}){0,64}")
+
+
+# ---------------------------------------------------------------------------------
+# chunks
+
+_tls = threading.local()
+
+
+def _compressor(level):
+    cache = getattr(_tls, "cctx", None)
+    if cache is None:
+        cache = _tls.cctx = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    return c
+
+
+def _decompressor():
+    d = getattr(_tls, "dctx", None)
+    if d is None:
+        d = _tls.dctx = zstandard.ZstdDecompressor()
+    return d
+
+
+def encode_chunk(data, fp=None, level=1):
+    """The stored blob of a chunk (header + payload) and its fingerprint."""
+    raw = memoryview(data).cast("B")
+    if len(raw) > MAX_CHUNK_BYTES:
+        raise ImageError(f"chunk of {len(raw)} bytes is over the limit of {MAX_CHUNK_BYTES}")
+    if fp is None:
+        fp = fingerprint(raw)
+    comp, payload = COMP_RAW, raw
+    if level is not None and len(raw) >= 64:
+        z = _compressor(level).compress(raw)
+        if len(z) < len(raw):
+            comp, payload = COMP_ZSTD, z
+    header = HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, comp, len(raw), len(payload), fp)
+    return header + bytes(payload), fp
+
+
+def decode_chunk(blob, key, expected_len=None, max_len=MAX_CHUNK_BYTES):
+    """The verified contents of a stored chunk blob; ImageError on any mismatch."""
+    check_key(key)
+    blob = memoryview(blob).cast("B")
+    if len(blob) < HEADER_SIZE:
+        raise ImageError(f"chunk {key} is truncated: {len(blob)} bytes, shorter than its {HEADER_SIZE}-byte header")
+    magic, version, comp, raw_len, stored_len, fp = HEADER.unpack_from(blob)
+    if magic != CHUNK_MAGIC:
+        raise ImageError(f"chunk {key} is not a phos chunk: magic {bytes(magic)!r}, expected {CHUNK_MAGIC!r}")
+    if version != CHUNK_VERSION:
+        raise ImageError(f"chunk {key} has unsupported chunk format version {version} "
+                         f"(this reader supports {CHUNK_VERSION})")
+    if comp not in COMPRESSIONS:
+        raise ImageError(f"chunk {key} has unknown compression id {comp}")
+    if fp.hex() != key:
+        raise ImageError(f"chunk {key} header names fingerprint {fp.hex()}, not its key")
+    if raw_len > max_len:
+        raise ImageError(f"chunk {key} declares {raw_len} bytes, over the limit of {max_len}")
+    if expected_len is not None and raw_len != expected_len:
+        raise ImageError(f"chunk {key} holds {raw_len} bytes, expected {expected_len}")
+    payload = blob[HEADER_SIZE:]
+    if stored_len != len(payload):
+        what = "truncated" if len(payload) < stored_len else "longer than its header says"
+        raise ImageError(f"chunk {key} is {what}: header says {stored_len} payload bytes, found {len(payload)}")
+    if comp == COMP_RAW:
+        if stored_len != raw_len:
+            raise ImageError(f"chunk {key} is stored raw but its header says {stored_len} stored "
+                             f"and {raw_len} raw bytes")
+        data = bytes(payload)
+    else:
+        try:
+            declared = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError as e:
+            raise ImageError(f"chunk {key}: compressed payload is corrupt ({e})") from None
+        if declared != raw_len:
+            raise ImageError(f"chunk {key}: compressed frame declares {declared} bytes, header says {raw_len}")
+        try:
+            data = _decompressor().decompress(payload, max_output_size=raw_len, allow_extra_data=False)
+        except zstandard.ZstdError as e:
+            raise ImageError(f"chunk {key}: compressed payload is corrupt ({e})") from None
+        if len(data) != raw_len:
+            raise ImageError(f"chunk {key} decompressed to {len(data)} bytes, header says {raw_len}")
+    found = fingerprint(data).hex()
+    if found != key:
+        raise ImageError(f"chunk {key} is corrupt: its contents fingerprint to {found}")
+    return data
+
+
+def read_chunk(store, key, expected_len=None, max_len=MAX_CHUNK_BYTES):
+    """The verified contents of chunk `key` in `store`."""
+    check_key(key)
+    return decode_chunk(store.get_chunk(key, max_bytes=HEADER_SIZE + max_len), key, expected_len, max_len)
+
+
+def chunk_lengths(size, chunk_size):
+    """Lengths of a region's chunks: full chunks, then the remainder."""
+    n = -(-size // chunk_size) if size else 0
+    return [min(chunk_size, size - j * chunk_size) for j in range(n)]
+
+
+def read_region(store, entry, max_len=MAX_CHUNK_BYTES):
+    """The verified contents of an allocation or global entry of a Manifest, as a bytearray."""
+    size, cs, keys = entry["size"], entry["chunk_size"], entry["chunks"]
+    lengths = chunk_lengths(size, cs)
+    if len(lengths) != len(keys):
+        raise ImageError(f"region at {entry.get('address', 0):#x} has {len(keys)} chunks, expected {len(lengths)}")
+    out = bytearray(size)
+    for j, (k, n) in enumerate(zip(keys, lengths)):
+        out[j * cs:j * cs + n] = read_chunk(store, k, expected_len=n, max_len=max_len)
+    return out
+
+
+# ---------------------------------------------------------------------------------
+# manifests
+
+def canonical_json(obj):
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False).encode("ascii")
+    except (TypeError, ValueError) as e:
+        raise ImageError(f"manifest cannot be written as canonical JSON: {e}") from None
+
+
+def _digest_key(key):
+    if isinstance(key, str):
+        key = key.encode()
+    key = bytes(key)
+    if not key:
+        raise ImageError("the manifest key is empty")
+    return key if len(key) <= 64 else hashlib.blake2b(key, digest_size=64).digest()
+
+
+def manifest_digest(data, key=None):
+    """The digest line stored beside a manifest."""
+    if key is None:
+        h = hashlib.blake2b(data, digest_size=32, person=DIGEST_PERSON)
+        return DIGEST_PLAIN + b":" + h.hexdigest().encode() + b"\n"
+    h = hashlib.blake2b(data, digest_size=32, person=DIGEST_PERSON, key=_digest_key(key))
+    return DIGEST_KEYED + b":" + h.hexdigest().encode() + b"\n"
+
+
+def _check_digest(name, data, digest, key):
+    m = re.fullmatch(rb"(blake2b-256|blake2b-256-keyed):([0-9a-f]{64})\n?", bytes(digest))
+    if not m:
+        raise ImageError(f"image {name!r}: digest file is malformed ({bytes(digest[:80])!r})")
+    algo = m.group(1)
+    if algo == DIGEST_KEYED and key is None:
+        raise ImageError(f"image {name!r} is signed with a server key; give the key to verify it")
+    if algo == DIGEST_PLAIN and key is not None:
+        raise ImageError(f"image {name!r} is not signed, but a key was given: refusing an unsigned manifest")
+    expected = manifest_digest(data, key).strip().split(b":")[1]
+    if not hmac.compare_digest(expected, m.group(2)):
+        raise ImageError(f"image {name!r}: manifest digest mismatch: the digest file says "
+                         f"{m.group(2).decode()}, the manifest hashes to {expected.decode()} "
+                         "(the manifest was modified or corrupted" + (", or the key is wrong)" if key else ")"))
+
+
+def _depth_ok(obj, limit=MAX_JSON_DEPTH):
+    stack = [(obj, 0)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o)
+    return True
+
+
+class _V:
+    """Field checks that raise ImageError naming the field's path."""
+
+    def __init__(self, image):
+        self.image = image
+
+    def fail(self, path, msg):
+        raise ImageError(f"image {self.image!r}: manifest field {path}: {msg}")
+
+    def get(self, obj, field, path, optional=False):
+        if not isinstance(obj, dict):
+            self.fail(path, f"expected an object, found {type(obj).__name__}")
+        if field not in obj:
+            if optional:
+                return None
+            self.fail(f"{path}.{field}" if path else field, "missing")
+        return obj[field]
+
+    def int(self, obj, field, path, lo=0, hi=U64 - 1, optional=False):
+        p = f"{path}.{field}" if path else field
+        v = self.get(obj, field, path, optional)
+        if v is None and optional:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool):
+            self.fail(p, f"expected an integer, found {type(v).__name__}")
+        if not lo <= v <= hi:
+            self.fail(p, f"{v} is out of range [{lo}, {hi}]")
+        return v
+
+    def str(self, obj, field, path, optional=False, maxlen=4096):
+        p = f"{path}.{field}" if path else field
+        v = self.get(obj, field, path, optional)
+        if v is None and optional:
+            return None
+        if not isinstance(v, str):
+            self.fail(p, f"expected a string, found {type(v).__name__}")
+        if len(v) > maxlen:
+            self.fail(p, f"string of {len(v)} characters is over the limit of {maxlen}")
+        return v
+
+    def key(self, v, path):
+        if not isinstance(v, str) or len(v) != 32 or not re.fullmatch(r"[0-9a-f]{32}", v):
+            self.fail(path, f"expected a chunk key (32 lowercase hex digits), found {v!r:.80}")
+        return v
+
+    def list(self, obj, field, path):
+        p = f"{path}.{field}" if path else field
+        v = self.get(obj, field, path)
+        if not isinstance(v, list):
+            self.fail(p, f"expected a list, found {type(v).__name__}")
+        return v
+
+    def obj(self, obj, field, path, optional=False):
+        p = f"{path}.{field}" if path else field
+        v = self.get(obj, field, path, optional)
+        if v is None and optional:
+            return None
+        if not isinstance(v, dict):
+            self.fail(p, f"expected an object, found {type(v).__name__}")
+        return v
+
+    def region(self, e, p):
+        self.int(e, "address", p)
+        size = self.int(e, "size", p)
+        cs = self.int(e, "chunk_size", p, lo=1, hi=MAX_CHUNK_BYTES)
+        if e["address"] + size > U64:
+            self.fail(f"{p}.size", f"region {e['address']:#x}+{size} runs past the 64-bit address space")
+        chunks = self.list(e, "chunks", p)
+        want = -(-size // cs)
+        if len(chunks) != want:
+            self.fail(f"{p}.chunks", f"{len(chunks)} chunks, expected {want} for {size} bytes in "
+                                     f"chunks of {cs}")
+        for j, k in enumerate(chunks):
+            self.key(k, f"{p}.chunks[{j}]")
+
+
+def validate_manifest(m, name=None):
+    """Check a manifest dict's structure, types and consistency; ImageError on the first problem."""
+    v = _V(name if name is not None else (m.get("name") if isinstance(m, dict) else None))
+    if not isinstance(m, dict):
+        raise ImageError(f"image {v.image!r}: manifest is not a JSON object")
+    if m.get("format") != FORMAT:
+        raise ImageError(f"image {v.image!r}: not a phos image: format is {m.get('format')!r:.80}, "
+                         f"expected {FORMAT!r}")
+    ver = m.get("version")
+    if ver != VERSION:
+        raise ImageError(f"image {v.image!r}: unsupported image version {ver!r:.40} "
+                         f"(this reader supports version {VERSION})")
+    mname = v.str(m, "name", "", maxlen=128)
+    if name is not None and mname != name:
+        v.fail("name", f"the manifest is for image {mname!r}, stored as {name!r}")
+    parent = m.get("parent")
+    if "parent" not in m:
+        v.fail("parent", "missing")
+    if parent is not None:
+        v.str(m, "parent", "", maxlen=128)
+    created = v.get(m, "created", "")
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created):
+        v.fail("created", f"expected a timestamp, found {created!r:.40}")
+    v.int(m, "cut_seq", "")
+    v.str(m, "backend", "", maxlen=64)
+
+    dev = v.obj(m, "device", "")
+    v.str(dev, "name", "device", maxlen=256)
+    uuid = v.str(dev, "uuid", "device", maxlen=128)
+    if not _HEX_RE.fullmatch(uuid):
+        v.fail("device.uuid", f"expected lowercase hex, found {uuid!r:.80}")
+    cc = v.get(dev, "cc", "device")
+    if (not isinstance(cc, list) or len(cc) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1000 for x in cc)):
+        v.fail("device.cc", f"expected [major, minor], found {cc!r:.80}")
+    v.int(dev, "total_mem", "device")
+
+    aspace = v.obj(m, "address_space", "", optional=True)
+    if aspace is not None:
+        v.int(aspace, "base", "address_space")
+        v.int(aspace, "size", "address_space")
+
+    ids = {}
+
+    def unique(kind, i, p):
+        if (kind, i) in ids:
+            v.fail(p, f"{kind} id {i} is used twice (also at {ids[(kind, i)]})")
+        ids[(kind, i)] = p
+
+    modules = set()
+    for j, e in enumerate(v.list(m, "modules", "")):
+        p = f"modules[{j}]"
+        i = v.int(e, "id", p)
+        unique("module", i, p + ".id")
+        modules.add(i)
+        v.str(e, "name", p)
+        v.str(e, "kind", p, maxlen=64)
+        v.key(v.get(e, "image", p), p + ".image")
+        v.int(e, "size", p, hi=MAX_CHUNK_BYTES)
+    for j, e in enumerate(v.list(m, "functions", "")):
+        p = f"functions[{j}]"
+        unique("function", v.int(e, "id", p), p + ".id")
+        mod = v.int(e, "module", p)
+        if mod not in modules:
+            v.fail(p + ".module", f"module {mod} is not in the image")
+        v.str(e, "name", p)
+        params = v.list(e, "params", p)
+        for k, pr in enumerate(params):
+            if (not isinstance(pr, list) or len(pr) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 32) for x in pr)):
+                v.fail(f"{p}.params[{k}]", f"expected [offset, size], found {pr!r:.80}")
+    for j, e in enumerate(v.list(m, "globals", "")):
+        p = f"globals[{j}]"
+        mod = v.int(e, "module", p)
+        if mod not in modules:
+            v.fail(p + ".module", f"module {mod} is not in the image")
+        v.str(e, "name", p)
+        v.region(e, p)
+    for j, e in enumerate(v.list(m, "streams", "")):
+        p = f"streams[{j}]"
+        unique("stream", v.int(e, "id", p), p + ".id")
+        v.int(e, "flags", p, hi=(1 << 32) - 1)
+        v.int(e, "priority", p, lo=-(1 << 31), hi=(1 << 31) - 1)
+    for j, e in enumerate(v.list(m, "events", "")):
+        p = f"events[{j}]"
+        unique("event", v.int(e, "id", p), p + ".id")
+        v.int(e, "flags", p, hi=(1 << 32) - 1)
+    spans = []
+    for j, e in enumerate(v.list(m, "allocations", "")):
+        p = f"allocations[{j}]"
+        v.region(e, p)
+        if e["size"]:
+            spans.append((e["address"], e["address"] + e["size"], p))
+    spans.sort()
+    for (a0, a1, p0), (b0, b1, p1) in zip(spans, spans[1:]):
+        if b0 < a1:
+            v.fail(p1 + ".address", f"allocation {b0:#x}..{b1:#x} overlaps {p0} at {a0:#x}..{a1:#x}")
+
+    err = v.obj(m, "error", "")
+    v.int(err, "status", "error", lo=-(1 << 63), hi=U64 - 1)
+    v.str(err, "message", "error", maxlen=65536)
+    v.obj(m, "metadata", "")
+    if not _depth_ok(m):
+        raise ImageError(f"image {v.image!r}: manifest nests deeper than {MAX_JSON_DEPTH} levels")
+    return m
+
+
+class Manifest:
+    """A verified manifest. Fields are attributes; to_dict() gives the JSON object."""
+
+    def __init__(self, data, raw=None):
+        self._data = data
+        self.raw = raw if raw is not None else canonical_json(data)
+
+    def __getattr__(self, field):
+        try:
+            return self.__dict__["_data"][field]
+        except KeyError:
+            raise AttributeError(field) from None
+
+    def __getitem__(self, field):
+        return self._data[field]
+
+    def to_dict(self):
+        return json.loads(self.raw)
+
+    def to_json(self, indent=2):
+        return json.dumps(self._data, sort_keys=True, indent=indent)
+
+    def regions(self):
+        """(kind, entry) for every allocation and global."""
+        return [("allocation", e) for e in self._data["allocations"]] + \
+               [("global", e) for e in self._data["globals"]]
+
+    def chunk_refs(self):
+        """[(key, where)] for every chunk the image references, with a readable location."""
+        refs = [(e["image"], f"modules[{j}].image") for j, e in enumerate(self._data["modules"])]
+        for kind in ("globals", "allocations"):
+            for j, e in enumerate(self._data[kind]):
+                refs.extend((k, f"{kind}[{j}].chunks[{c}] at {e['address'] + c * e['chunk_size']:#x}")
+                            for c, k in enumerate(e["chunks"]))
+        return refs
+
+    def chunk_keys(self):
+        return {k for k, _ in self.chunk_refs()}
+
+    @property
+    def total_bytes(self):
+        return sum(e["size"] for e in self._data["allocations"]) + sum(e["size"] for e in self._data["globals"])
+
+    def __repr__(self):
+        return (f"Manifest({self._data['name']!r}, {len(self._data['allocations'])} allocations, "
+                f"{self.total_bytes} bytes)")
+
+
+def _parse_manifest(name, raw):
+    def no_constants(c):
+        raise ValueError(f"{c} is not allowed")
+    try:
+        text = bytes(raw).decode("ascii")
+        data = json.loads(text, parse_constant=no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ImageError(f"image {name!r}: manifest is not valid JSON ({str(e)[:200]})") from None
+    if isinstance(data, dict) and (data.get("format") != FORMAT or data.get("version") != VERSION):
+        validate_manifest(data, name)        # raises the format/version error
+    if not _depth_ok(data):
+        raise ImageError(f"image {name!r}: manifest nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        canon = canonical_json(data)
+    except ImageError:
+        canon = None
+    if canon != bytes(raw):
+        raise ImageError(f"image {name!r}: manifest is not in canonical form (rewritten or hand-edited)")
+    return data
+
+
+def read_image(store, name, key=None, check_chunks=True):
+    """The verified Manifest of image `name`: format, version, digest, fields and chunks present."""
+    check_name(name)
+    raw, digest = store.get_manifest(name, max_bytes=MAX_MANIFEST_BYTES)
+    _check_digest(name, raw, digest, key)
+    data = _parse_manifest(name, raw)
+    validate_manifest(data, name)
+    man = Manifest(data, bytes(raw))
+    if check_chunks:
+        for k, where in man.chunk_refs():
+            if not store.has_chunk(k):
+                raise ImageError(f"image {name!r}: chunk {k} ({where}) is missing from the store")
+    return man
+
+
+def list_images(store):
+    return store.list_images()
+
+
+# ---------------------------------------------------------------------------------
+# writing
+
+class ImageWriter:
+    """Writes one image: add chunks, then commit the manifest.
+
+    Chunks the store already holds are not written again, so an image taken after a
+    previous one of the same context stores only what changed. The writer holds the
+    store's shared session from creation to commit/abort, so garbage collection cannot
+    remove a chunk it reuses. Use it as a context manager, or call commit() or abort().
+    """
+
+    def __init__(self, store, name, parent=None, key=None, level=1):
+        check_name(name)
+        if parent is not None:
+            check_name(parent)
+            if not store.has_image(parent):
+                raise ImageError(f"parent image {parent!r} is not in the store")
+        if store.has_image(name):
+            raise ImageError(f"image {name!r} already exists in the store")
+        self.store, self.name, self.parent, self.key, self.level = store, name, parent, key, level
+        self.new_chunks = self.reused_chunks = 0
+        self.raw_bytes = self.stored_bytes = 0
+        self._mu = threading.Lock()
+        self._session = store.session()
+        self._session.__enter__()
+        self._open = True
+
+    def _check_open(self):
+        if not self._open:
+            raise ImageError(f"image writer for {self.name!r} is closed")
+
+    def add_chunk(self, data):
+        """Store one chunk (unless the store holds it already) and return its key."""
+        self._check_open()
+        raw = memoryview(data).cast("B")
+        fp = fingerprint(raw)
+        k = fp.hex()
+        if self.store.has_chunk(k):
+            with self._mu:
+                self.reused_chunks += 1
+            return k
+        blob, _ = encode_chunk(raw, fp, self.level)
+        self.store.put_chunk(k, blob)
+        with self._mu:
+            self.new_chunks += 1
+            self.raw_bytes += len(raw)
+            self.stored_bytes += len(blob)
+        return k
+
+    def reuse_chunk(self, key):
+        """True when the store already holds chunk `key` (e.g. a device-side fingerprint
+        matched): the caller may then reference it without sending the bytes."""
+        self._check_open()
+        if self.store.has_chunk(check_key(key)):
+            with self._mu:
+                self.reused_chunks += 1
+            return True
+        return False
+
+    def add_region(self, data, chunk_size=DEFAULT_CHUNK_SIZE):
+        """Split a buffer into chunks and add each; returns their keys."""
+        mv = memoryview(data).cast("B")
+        return [self.add_chunk(mv[o:o + chunk_size]) for o in range(0, len(mv), chunk_size)]
+
+    def commit(self, manifest):
+        """Complete, validate and store the manifest; returns the Manifest."""
+        self._check_open()
+        try:
+            m = dict(manifest)
+            m.setdefault("format", FORMAT)
+            m.setdefault("version", VERSION)
+            m.setdefault("name", self.name)
+            m.setdefault("parent", self.parent)
+            m.setdefault("created", time.time())
+            m.setdefault("cut_seq", 0)
+            for f in ("modules", "functions", "globals", "streams", "events", "allocations"):
+                m.setdefault(f, [])
+            m.setdefault("error", {"status": 0, "message": ""})
+            m.setdefault("metadata", {})
+            if m["parent"] != self.parent:
+                raise ImageError(f"image {self.name!r}: manifest names parent {m['parent']!r}, "
+                                 f"the writer {self.parent!r}")
+            validate_manifest(m, self.name)
+            raw = canonical_json(m)
+            if len(raw) > MAX_MANIFEST_BYTES:
+                raise ImageError(f"image {self.name!r}: manifest of {len(raw)} bytes is over the limit")
+            man = Manifest(json.loads(raw), raw)
+            for k, where in man.chunk_refs():
+                if not self.store.has_chunk(k):
+                    raise ImageError(f"image {self.name!r}: chunk {k} ({where}) was never added to the store")
+            if self.store.has_image(self.name):
+                raise ImageError(f"image {self.name!r} already exists in the store")
+            self.store.put_manifest(self.name, raw, manifest_digest(raw, self.key))
+            return man
+        finally:
+            self.close()
+
+    def close(self):
+        if self._open:
+            self._open = False
+            self._session.__exit__(None, None, None)
+
+    abort = close
+
+    def stats(self):
+        return {"new_chunks": self.new_chunks, "reused_chunks": self.reused_chunks,
+                "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------
+# deleting
+
+def referenced_chunks(store):
+    """Every chunk key any manifest in the store mentions (conservative: any quoted key).
+
+    Raises ImageError when a manifest cannot be read, so that gc never frees chunks an
+    unreadable image may need.
+    """
+    refs = set()
+    for name in store.list_images():
+        raw, _ = store.get_manifest(name, max_bytes=MAX_MANIFEST_BYTES)
+        refs.update(m.decode() for m in _QUOTED_KEY_RE.findall(bytes(raw)))
+    return refs
+
+
+def gc(store):
+    """Delete chunks no manifest references. Returns (chunks, bytes) freed, or None when a
+    writer or reader session is active (try again later)."""
+    with store.try_gc_lock() as ok:
+        if not ok:
+            return None
+        refs = referenced_chunks(store)
+        before = store.stats()["chunk_bytes"]
+        freed = 0
+        for k in store.list_chunks():
+            if k not in refs:
+                store.delete_chunk(k)
+                freed += 1
+        return freed, before - store.stats()["chunk_bytes"]
+
+
+def delete_image(store, name, key=None, verify=False):
+    """Remove an image and the chunks that no other image references.
+
+    Returns gc's result. With verify, the image is read (and checked) first, so that only
+    a genuine image is deleted. Images whose parent is `name` keep working: they list
+    all their chunks themselves.
+    """
+    check_name(name)
+    if verify:
+        read_image(store, name, key=key, check_chunks=False)
+    store.delete_image(name)
+    return gc(store)

@@ -1,0 +1,359 @@
+"""Where images live: a directory (the default) or memory (for handoff).
+
+A store holds opaque blobs under two namespaces and knows nothing of their format:
+
+- chunks, keyed by a 32-hex-digit content key (image.py writes the encoded chunk),
+- images, each a manifest blob plus a digest blob, keyed by a name.
+
+Both stores have the same interface:
+
+    put_chunk(key, blob)         has_chunk(key) -> bool     get_chunk(key, max_bytes) -> bytes
+    list_chunks() -> [key]       delete_chunk(key)
+    put_manifest(name, manifest, digest)                    get_manifest(name, max_bytes) -> (manifest, digest)
+    list_images() -> [name]      has_image(name)            delete_image(name)
+    stats() -> {"bytes", "chunks", "images"}
+    session()                    a context manager held while writing an image or streaming its
+                                 chunks (shared; across processes for DirStore, via flock)
+    try_gc_lock()                a context manager yielding True when no session is active
+                                 (exclusive, never waits); garbage collection runs under it
+
+Missing or oversized entries raise ImageError; names and keys are checked so that no
+path can leave the store's directory.
+"""
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import tempfile
+import threading
+
+KEY_RE = re.compile(r"[0-9a-f]{32}")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
+
+
+class ImageError(Exception):
+    """An image or chunk is missing, corrupt, truncated, tampered with or unsupported."""
+
+
+def check_key(key):
+    if not isinstance(key, str) or not KEY_RE.fullmatch(key):
+        raise ImageError(f"invalid chunk key {key!r}: expected 32 lowercase hex digits")
+    return key
+
+
+def check_name(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or ".." in name:
+        raise ImageError(f"invalid image name {name!r}: use 1-128 characters of [A-Za-z0-9._@+-], "
+                         "starting with a letter or digit")
+    return name
+
+
+class _SharedExclusive:
+    """In-process counterpart of the store lock: sessions share it, gc takes it alone."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._sessions = 0
+        self._gc = False
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cv:
+            self._cv.wait_for(lambda: not self._gc)
+            self._sessions += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._sessions -= 1
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def try_exclusive(self):
+        with self._cv:
+            ok = not self._gc and self._sessions == 0
+            if ok:
+                self._gc = True
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._cv:
+                    self._gc = False
+                    self._cv.notify_all()
+
+
+class MemoryStore:
+    """Everything in dicts; thread-safe. Used for handoff and tests."""
+
+    def __init__(self):
+        self._mu = threading.Lock()
+        self._chunks = {}
+        self._images = {}
+        self._lock = _SharedExclusive()
+
+    # chunks
+    def put_chunk(self, key, blob):
+        check_key(key)
+        with self._mu:
+            self._chunks.setdefault(key, bytes(blob))
+
+    def has_chunk(self, key):
+        check_key(key)
+        return key in self._chunks
+
+    def get_chunk(self, key, max_bytes=None):
+        check_key(key)
+        try:
+            blob = self._chunks[key]
+        except KeyError:
+            raise ImageError(f"chunk {key} is missing from the store") from None
+        if max_bytes is not None and len(blob) > max_bytes:
+            raise ImageError(f"chunk {key} is {len(blob)} bytes, over the limit of {max_bytes}")
+        return blob
+
+    def list_chunks(self):
+        with self._mu:
+            return sorted(self._chunks)
+
+    def delete_chunk(self, key):
+        check_key(key)
+        with self._mu:
+            self._chunks.pop(key, None)
+
+    # images
+    def put_manifest(self, name, manifest, digest):
+        check_name(name)
+        with self._mu:
+            self._images[name] = (bytes(manifest), bytes(digest))
+
+    def get_manifest(self, name, max_bytes=None):
+        check_name(name)
+        try:
+            manifest, digest = self._images[name]
+        except KeyError:
+            raise ImageError(f"image {name!r} is not in the store") from None
+        if max_bytes is not None and len(manifest) > max_bytes:
+            raise ImageError(f"manifest of image {name!r} is {len(manifest)} bytes, over the limit of {max_bytes}")
+        return manifest, digest
+
+    def has_image(self, name):
+        check_name(name)
+        return name in self._images
+
+    def list_images(self):
+        with self._mu:
+            return sorted(self._images)
+
+    def delete_image(self, name):
+        check_name(name)
+        with self._mu:
+            if self._images.pop(name, None) is None:
+                raise ImageError(f"image {name!r} is not in the store")
+
+    def stats(self):
+        with self._mu:
+            return {"bytes": sum(len(b) for b in self._chunks.values())
+                    + sum(len(m) + len(d) for m, d in self._images.values()),
+                    "chunk_bytes": sum(len(b) for b in self._chunks.values()),
+                    "chunks": len(self._chunks), "images": len(self._images)}
+
+    # locking between writers and garbage collection
+    def session(self):
+        return self._lock.shared()
+
+    def try_gc_lock(self):
+        return self._lock.try_exclusive()
+
+    def __repr__(self):
+        return f"MemoryStore({len(self._chunks)} chunks, {len(self._images)} images)"
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _read_bounded(path, max_bytes, what):
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        if max_bytes is not None:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise ImageError(f"{what} is {size} bytes, over the limit of {max_bytes}")
+            data = f.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise ImageError(f"{what} is over the limit of {max_bytes} bytes")
+            return data
+        return f.read()
+
+
+class DirStore:
+    """A directory: images/<name>.json and images/<name>.digest, chunks/ab/abcdef....
+
+    Every file is written to a temporary file in the same directory, fsynced, then
+    renamed into place, so a reader sees a whole file or none. A manifest is renamed
+    into place after its digest, and it is what makes an image visible.
+    """
+
+    def __init__(self, path, fsync=True):
+        self.path = os.path.abspath(os.fspath(path))
+        self.fsync = fsync
+        self._images = os.path.join(self.path, "images")
+        self._chunks = os.path.join(self.path, "chunks")
+        os.makedirs(self._images, exist_ok=True)
+        os.makedirs(self._chunks, exist_ok=True)
+        self._lockfile = os.path.join(self.path, ".lock")
+        self._local = _SharedExclusive()
+
+    def _chunk_path(self, key):
+        check_key(key)
+        return os.path.join(self._chunks, key[:2], key)
+
+    def _write_atomic(self, path, data):
+        d = os.path.dirname(path)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    # chunks
+    def put_chunk(self, key, blob):
+        path = self._chunk_path(key)
+        if os.path.exists(path):
+            return
+        d = os.path.dirname(path)
+        new_dir = not os.path.isdir(d)
+        os.makedirs(d, exist_ok=True)
+        self._write_atomic(path, blob)
+        if self.fsync and new_dir:
+            _fsync_dir(self._chunks)
+
+    def has_chunk(self, key):
+        return os.path.isfile(self._chunk_path(key))
+
+    def get_chunk(self, key, max_bytes=None):
+        data = _read_bounded(self._chunk_path(key), max_bytes, f"chunk {key}")
+        if data is None:
+            raise ImageError(f"chunk {key} is missing from the store {self.path}")
+        return data
+
+    def list_chunks(self):
+        out = []
+        for sub in sorted(os.listdir(self._chunks)):
+            d = os.path.join(self._chunks, sub)
+            if len(sub) != 2 or not os.path.isdir(d):
+                continue
+            out.extend(k for k in sorted(os.listdir(d)) if KEY_RE.fullmatch(k) and k[:2] == sub)
+        return out
+
+    def delete_chunk(self, key):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._chunk_path(key))
+
+    # images
+    def _image_paths(self, name):
+        check_name(name)
+        return os.path.join(self._images, name + ".json"), os.path.join(self._images, name + ".digest")
+
+    def put_manifest(self, name, manifest, digest):
+        mpath, dpath = self._image_paths(name)
+        self._write_atomic(dpath, digest)
+        self._write_atomic(mpath, manifest)
+        if self.fsync:
+            _fsync_dir(self._images)
+
+    def get_manifest(self, name, max_bytes=None):
+        mpath, dpath = self._image_paths(name)
+        manifest = _read_bounded(mpath, max_bytes, f"manifest of image {name!r}")
+        if manifest is None:
+            raise ImageError(f"image {name!r} is not in the store {self.path}")
+        digest = _read_bounded(dpath, 4096, f"digest of image {name!r}")
+        if digest is None:
+            raise ImageError(f"image {name!r}: digest file {dpath} is missing")
+        return manifest, digest
+
+    def has_image(self, name):
+        return os.path.isfile(self._image_paths(name)[0])
+
+    def list_images(self):
+        return sorted(f[:-5] for f in os.listdir(self._images)
+                      if f.endswith(".json") and NAME_RE.fullmatch(f[:-5]) and ".." not in f[:-5])
+
+    def delete_image(self, name):
+        mpath, dpath = self._image_paths(name)
+        try:
+            os.unlink(mpath)
+        except FileNotFoundError:
+            raise ImageError(f"image {name!r} is not in the store {self.path}") from None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dpath)
+        if self.fsync:
+            _fsync_dir(self._images)
+
+    def stats(self):
+        chunk_bytes = chunks = 0
+        for key in self.list_chunks():
+            with contextlib.suppress(FileNotFoundError):
+                chunk_bytes += os.stat(self._chunk_path(key)).st_size
+                chunks += 1
+        image_bytes = images = 0
+        for f in os.listdir(self._images):
+            if f.endswith(".json") or f.endswith(".digest"):
+                with contextlib.suppress(FileNotFoundError):
+                    image_bytes += os.stat(os.path.join(self._images, f)).st_size
+                images += f.endswith(".json")
+        return {"bytes": chunk_bytes + image_bytes, "chunk_bytes": chunk_bytes, "chunks": chunks, "images": images}
+
+    # locking: flock on <store>/.lock works across processes and across open files of one process
+    @contextlib.contextmanager
+    def session(self):
+        with self._local.shared():
+            fd = os.open(self._lockfile, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                yield
+            finally:
+                os.close(fd)
+
+    @contextlib.contextmanager
+    def try_gc_lock(self):
+        with self._local.try_exclusive() as ok:
+            if not ok:
+                yield False
+                return
+            fd = os.open(self._lockfile, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                    yield False
+                    return
+                yield True
+            finally:
+                os.close(fd)
+
+    def __repr__(self):
+        return f"DirStore({self.path!r})"

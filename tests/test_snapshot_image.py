@@ -1,0 +1,532 @@
+"""Snapshot storage layer: fingerprint, image format, stores, verification on read."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import phos.snapshot.fingerprint as fpmod
+from phos.snapshot.fingerprint import fingerprint, fingerprints, reference_fingerprint
+from phos.snapshot.image import (HEADER, HEADER_SIZE, ImageError, ImageWriter, canonical_json, decode_chunk,
+                                 delete_image, encode_chunk, gc, manifest_digest, read_chunk, read_image,
+                                 read_region, validate_manifest)
+from phos.snapshot.store import DirStore, MemoryStore
+
+# ------------------------------------------------------------------ fingerprint
+
+KNOWN = {
+    b"": "3338822534e18f2973c2cd5f9cdfc9dd",
+    bytes(range(256)) * 17: "b3ec6b17740d8ce79967b02b3c9e55e3",
+}
+
+
+def test_fingerprint_known_answers():
+    for data, hexfp in KNOWN.items():
+        assert fingerprint(data).hex() == hexfp
+        assert reference_fingerprint(data).hex() == hexfp
+
+
+def test_fingerprint_matches_word_at_a_time_reference():
+    rng = random.Random(1)
+    for n in list(range(0, 70)) + [1000, 8191 * 8 + 3, fpmod.BLOCK_WORDS * 8 * 2 + 5]:
+        data = rng.randbytes(n)
+        assert fingerprint(data) == reference_fingerprint(data), n
+
+
+def test_fingerprint_deterministic_and_buffer_types():
+    data = os.urandom(100_003)
+    fp = fingerprint(data)
+    assert len(fp) == 16
+    assert fingerprint(data) == fp
+    assert fingerprint(bytearray(data)) == fp
+    assert fingerprint(memoryview(data)) == fp
+    assert fingerprint(np.frombuffer(data, dtype=np.uint8)) == fp
+    assert fingerprint(np.frombuffer(data[:100_000], dtype=np.uint32)) == fingerprint(data[:100_000])
+
+
+def test_fingerprint_single_bit_flips():
+    rng = random.Random(2)
+    for size in (1, 8, 13, 4096, 1 << 20):
+        data = bytearray(rng.randbytes(size))
+        base = fingerprint(data)
+        for _ in range(40 if size > 8 else 8 * size):
+            bit = rng.randrange(size * 8)
+            data[bit // 8] ^= 1 << (bit % 8)
+            assert fingerprint(data) != base, (size, bit)
+            data[bit // 8] ^= 1 << (bit % 8)
+        assert fingerprint(data) == base
+
+
+def test_fingerprint_word_reorder_and_length():
+    rng = random.Random(3)
+    words = np.frombuffer(rng.randbytes(8 * 512), dtype="<u8").copy()
+    base = fingerprint(words)
+    for _ in range(50):
+        i, j = rng.sample(range(512), 2)
+        w = words.copy()
+        w[i], w[j] = w[j], w[i]
+        assert fingerprint(w) != base
+    assert fingerprint(words[::-1].copy()) != base
+    # zero padding: same words after padding, different lengths
+    assert fingerprint(b"ab") != fingerprint(b"ab\0")
+    assert fingerprint(b"ab") != fingerprint(b"ab" + bytes(6))
+    z = bytes(4096)
+    assert len({fingerprint(z[:n]) for n in range(0, 4097, 1)}) == 4097
+    assert fingerprint(words.tobytes()) != fingerprint(words.tobytes() + bytes(8))
+
+
+def test_fingerprints_chunks():
+    data = os.urandom(10 * 4096 + 123)
+    fps = fingerprints(data, 4096)
+    assert len(fps) == 11
+    assert fps == [fingerprint(data[o:o + 4096]) for o in range(0, len(data), 4096)]
+    assert fingerprints(b"", 4096) == []
+    # the same chunk contents at a different offset have the same fingerprint
+    assert fingerprints(data[:4096] * 3, 4096) == [fps[0]] * 3
+
+
+# ------------------------------------------------------------------ stores and images
+
+@pytest.fixture(params=["dir", "memory"])
+def store(request, tmp_path):
+    return DirStore(tmp_path / "store") if request.param == "dir" else MemoryStore()
+
+
+def set_chunk_blob(store, key, blob):
+    if isinstance(store, MemoryStore):
+        store._chunks[key] = bytes(blob)
+    else:
+        with open(store._chunk_path(key), "wb") as f:
+            f.write(blob)
+
+
+def remove_chunk(store, key):
+    store.delete_chunk(key)
+
+
+def set_manifest(store, name, raw, digest=None):
+    if isinstance(store, MemoryStore):
+        store._images[name] = (bytes(raw), store._images[name][1] if digest is None else digest)
+    else:
+        mpath, dpath = store._image_paths(name)
+        with open(mpath, "wb") as f:
+            f.write(raw)
+        if digest is not None:
+            with open(dpath, "wb") as f:
+                f.write(digest)
+
+
+CS = 4096
+
+
+def make_contents(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        0x7F0000000000: rng.integers(0, 256, 50 * CS, dtype=np.uint8).tobytes(),        # 50 chunks
+        0x7F0000200000: bytes(3 * CS + 100),                                           # zeros, partial last
+        0x7F0000400000: (np.arange(2500, dtype=np.float32) * 0.5).tobytes(),           # compressible floats
+        0x7F0000600000: b"",
+    }
+
+
+def write_image(store, name, contents, parent=None, key=None, globals_data=b"\x01\x02\x03\x04" * 5):
+    with ImageWriter(store, name, parent=parent, key=key) as w:
+        ptx = b"//\n.version 8.0\n.target sm_90\n.visible .entry axpy(.param .u64 x)\n{ ret; }\n"
+        mod_key = w.add_chunk(ptx)
+        allocs = [{"address": a, "size": len(d), "chunk_size": CS, "chunks": w.add_region(d, CS)}
+                  for a, d in contents.items()]
+        man = w.commit({
+            "backend": "emu",
+            "device": {"name": "NVIDIA H200", "uuid": "0123456789abcdef0123456789abcdef",
+                       "cc": [9, 0], "total_mem": 150 << 30},
+            "address_space": {"base": 0x7F0000000000, "size": 1 << 36},
+            "cut_seq": 1234,
+            "modules": [{"id": 1, "name": "axpy.ptx", "kind": "ptx", "image": mod_key, "size": len(ptx)}],
+            "functions": [{"id": 2, "module": 1, "name": "axpy", "params": [[0, 8], [8, 4], [16, 8]]}],
+            "globals": [{"module": 1, "name": "counter", "address": 0x7E0000000000, "size": len(globals_data),
+                         "chunk_size": CS, "chunks": w.add_region(globals_data, CS)}],
+            "streams": [{"id": 3, "flags": 1, "priority": -1}],
+            "events": [{"id": 4, "flags": 2}],
+            "allocations": allocs,
+            "error": {"status": 0, "message": ""},
+            "metadata": {"paused": False, "pause_ms": 0.25, "recopied_chunks": 0, "mode": "concurrent"},
+        })
+    return man, w
+
+
+def test_round_trip(store):
+    contents = make_contents()
+    man, w = write_image(store, "ctx1-0001", contents)
+    assert w.new_chunks > 0
+    got = read_image(store, "ctx1-0001")
+    assert got.to_dict() == man.to_dict()
+    assert got.name == "ctx1-0001" and got.parent is None and got.version == 1
+    assert got.format == "phos-image" and got.cut_seq == 1234 and got.backend == "emu"
+    assert got.device["cc"] == [9, 0]
+    assert got.functions[0]["params"] == [[0, 8], [8, 4], [16, 8]]
+    assert got.metadata["mode"] == "concurrent"
+    for e in got.allocations:
+        assert bytes(read_region(store, e)) == contents[e["address"]]
+    assert bytes(read_region(store, got.globals[0])) == b"\x01\x02\x03\x04" * 5
+    assert read_chunk(store, got.modules[0]["image"], expected_len=got.modules[0]["size"]).startswith(b"//")
+    assert store.list_images() == ["ctx1-0001"]
+    st_ = store.stats()
+    assert st_["chunks"] == len(store.list_chunks()) and st_["images"] == 1
+    # the floats and zeros compressed: fewer bytes stored than raw
+    assert st_["chunk_bytes"] < sum(len(d) for d in contents.values()) + 60 * HEADER_SIZE
+    # the manifest is canonical JSON with a format header, readable as plain JSON
+    raw, digest = store.get_manifest("ctx1-0001")
+    d = json.loads(raw)
+    assert d["format"] == "phos-image" and d["version"] == 1
+    assert digest.startswith(b"blake2b-256:")
+    # an existing image is never overwritten
+    with pytest.raises(ImageError, match="already exists"):
+        ImageWriter(store, "ctx1-0001")
+
+
+def test_incremental_stores_only_changed_chunk(store):
+    contents = make_contents()
+    write_image(store, "base", contents)
+    before = store.stats()
+    changed = dict(contents)
+    buf = bytearray(contents[0x7F0000000000])
+    buf[17 * CS + 5] ^= 0xFF                   # one byte in chunk 17 of 50
+    changed[0x7F0000000000] = bytes(buf)
+    man, w = write_image(store, "incr", changed, parent="base")
+    after = store.stats()
+    assert w.new_chunks == 1
+    assert after["chunks"] == before["chunks"] + 1
+    assert after["chunk_bytes"] - before["chunk_bytes"] <= CS + HEADER_SIZE
+    assert read_image(store, "incr").parent == "base"
+    assert bytes(read_region(store, read_image(store, "incr").allocations[0])) == bytes(buf)
+    with pytest.raises(ImageError, match="parent image 'nope'"):
+        ImageWriter(store, "x", parent="nope")
+
+
+def test_corrupt_chunk_bit_flip(store):
+    man, _ = write_image(store, "img", make_contents())
+    key = man.allocations[0]["chunks"][3]
+    blob = bytearray(store.get_chunk(key))
+    blob[HEADER_SIZE + 100] ^= 0x10
+    set_chunk_blob(store, key, blob)
+    read_image(store, "img")                   # the manifest is fine; the chunk is checked on read
+    with pytest.raises(ImageError, match=f"chunk {key} is corrupt"):
+        read_region(store, man.allocations[0])
+
+
+def test_corrupt_compressed_chunk(store):
+    man, _ = write_image(store, "img", make_contents())
+    key = man.allocations[2]["chunks"][0]       # floats: stored compressed
+    blob = bytearray(store.get_chunk(key))
+    assert HEADER.unpack_from(blob)[2] == 1
+    blob[-3] ^= 0x01
+    set_chunk_blob(store, key, blob)
+    with pytest.raises(ImageError, match=key):
+        read_chunk(store, key)
+
+
+def test_truncated_chunk(store):
+    man, _ = write_image(store, "img", make_contents())
+    key = man.allocations[0]["chunks"][0]
+    blob = store.get_chunk(key)
+    set_chunk_blob(store, key, blob[:-10])
+    with pytest.raises(ImageError, match=f"chunk {key} is truncated"):
+        read_chunk(store, key)
+    set_chunk_blob(store, key, blob[:20])
+    with pytest.raises(ImageError, match=f"chunk {key} is truncated.*header"):
+        read_chunk(store, key)
+
+
+def test_missing_chunk(store):
+    man, _ = write_image(store, "img", make_contents())
+    key = man.allocations[0]["chunks"][7]
+    remove_chunk(store, key)
+    with pytest.raises(ImageError, match=rf"chunk {key} \(allocations\[0\]\.chunks\[7\] at 0x7f0000007000\) is missing"):
+        read_image(store, "img")
+    with pytest.raises(ImageError, match=f"chunk {key} is missing"):
+        read_chunk(store, key)
+
+
+def test_tampered_manifest(store):
+    write_image(store, "img", make_contents())
+    raw, digest = store.get_manifest("img")
+    bad = raw.replace(b'"address":139637976727552', b'"address":139637976731648', 1)
+    assert bad != raw
+    set_manifest(store, "img", bad)
+    with pytest.raises(ImageError, match="manifest digest mismatch"):
+        read_image(store, "img")
+
+
+def test_keyed_manifest(store):
+    secret = b"server secret"
+    write_image(store, "img", make_contents(), key=secret)
+    assert read_image(store, "img", key=secret).name == "img"
+    with pytest.raises(ImageError, match="signed with a server key"):
+        read_image(store, "img")
+    with pytest.raises(ImageError, match="digest mismatch.*key is wrong"):
+        read_image(store, "img", key=b"another")
+    # an attacker edits the manifest and writes a fresh unkeyed digest: refused under the key
+    raw, _ = store.get_manifest("img")
+    bad = raw.replace(b'"cut_seq":1234', b'"cut_seq":1235')
+    set_manifest(store, "img", bad, manifest_digest(bad))
+    with pytest.raises(ImageError, match="not signed"):
+        read_image(store, "img", key=secret)
+
+
+def rewrite(store, name, mutate):
+    raw, _ = store.get_manifest(name)
+    d = json.loads(raw)
+    mutate(d)
+    new = canonical_json(d)
+    set_manifest(store, name, new, manifest_digest(new))
+
+
+def test_wrong_format_version_and_fields(store):
+    write_image(store, "img", make_contents())
+    rewrite(store, "img", lambda d: d.update(version=2))
+    with pytest.raises(ImageError, match="unsupported image version 2"):
+        read_image(store, "img")
+    rewrite(store, "img", lambda d: d.update(version=1, format="criu"))
+    with pytest.raises(ImageError, match="not a phos image: format is 'criu'"):
+        read_image(store, "img")
+    rewrite(store, "img", lambda d: d.update(format="phos-image"))
+    read_image(store, "img")
+    rewrite(store, "img", lambda d: d["allocations"][1].update(address=d["allocations"][0]["address"] + 8))
+    with pytest.raises(ImageError, match=r"allocations\[1\]\.address.*overlaps"):
+        read_image(store, "img")
+    rewrite(store, "img", lambda d: d["allocations"][1].update(address="0x10"))
+    with pytest.raises(ImageError, match=r"allocations\[1\]\.address: expected an integer"):
+        read_image(store, "img")
+    rewrite(store, "img", lambda d: (d["allocations"][1].update(address=0x7F0000200000),
+                                     d["allocations"][0]["chunks"].pop()))
+    with pytest.raises(ImageError, match=r"allocations\[0\]\.chunks: 49 chunks, expected 50"):
+        read_image(store, "img")
+    # a manifest renamed into another image's name
+    raw, digest = store.get_manifest("img")
+    store.put_manifest("other", raw, digest)
+    with pytest.raises(ImageError, match="stored as 'other'"):
+        read_image(store, "other")
+
+
+def test_non_canonical_and_garbage_manifest(store):
+    write_image(store, "img", make_contents())
+    raw, _ = store.get_manifest("img")
+    pretty = json.dumps(json.loads(raw), indent=1).encode()
+    set_manifest(store, "img", pretty, manifest_digest(pretty))
+    with pytest.raises(ImageError, match="canonical"):
+        read_image(store, "img")
+    for junk in (b"", b"\xff\xfe", b"[" * 100000, b'{"format":"phos-image","version":1', b"null", b"1e999999"):
+        set_manifest(store, "img", junk, manifest_digest(junk))
+        with pytest.raises(ImageError):
+            read_image(store, "img")
+    set_manifest(store, "img", raw, b"sha1:abc\n")
+    with pytest.raises(ImageError, match="digest file is malformed"):
+        read_image(store, "img")
+
+
+def test_hostile_chunk_headers():
+    data = os.urandom(1000)
+    blob, fp = encode_chunk(data, level=None)
+    key = fp.hex()
+    assert decode_chunk(blob, key) == data
+    _, v, c, raw_len, stored_len, f = HEADER.unpack_from(blob)
+    huge = HEADER.pack(b"PHCK", v, c, 1 << 62, stored_len, f) + blob[HEADER_SIZE:]
+    with pytest.raises(ImageError, match="over the limit"):
+        decode_chunk(huge, key)
+    with pytest.raises(ImageError, match="magic"):
+        decode_chunk(b"XXXX" + blob[4:], key)
+    with pytest.raises(ImageError, match="unknown compression id 7"):
+        decode_chunk(HEADER.pack(b"PHCK", v, 7, raw_len, stored_len, f) + blob[HEADER_SIZE:], key)
+    with pytest.raises(ImageError, match="chunk format version 9"):
+        decode_chunk(HEADER.pack(b"PHCK", 9, c, raw_len, stored_len, f) + blob[HEADER_SIZE:], key)
+    with pytest.raises(ImageError, match="not its key"):
+        decode_chunk(blob, "0" * 32)
+    with pytest.raises(ImageError, match="expected 999"):
+        decode_chunk(blob, key, expected_len=999)
+    # a zstd frame that claims more than the header, or no content size: refused before inflating
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(50 << 20))
+    hdr = HEADER.pack(b"PHCK", 1, 1, 1000, len(bomb), f)
+    with pytest.raises(ImageError, match="declares 52428800 bytes, header says 1000"):
+        decode_chunk(hdr + bomb, key)
+    nosize = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(data)
+    with pytest.raises(ImageError, match="compressed"):
+        decode_chunk(HEADER.pack(b"PHCK", 1, 1, 1000, len(nosize), f) + nosize, key)
+
+
+def test_delete_keeps_shared_chunks(store):
+    contents = make_contents()
+    write_image(store, "a", contents)
+    changed = dict(contents)
+    changed[0x7F0000000000] = os.urandom(10 * CS) + contents[0x7F0000000000][10 * CS:]
+    write_image(store, "b", changed, parent="a")
+    n_before = store.stats()["chunks"]
+    freed = delete_image(store, "a")
+    assert freed[0] == 10 and freed[1] > 0              # only a's ten unique chunks go
+    assert store.stats()["chunks"] == n_before - 10
+    b = read_image(store, "b")                           # b still complete, though its parent is gone
+    for e in b.allocations:
+        assert bytes(read_region(store, e)) == changed[e["address"]]
+    with pytest.raises(ImageError, match="not in the store"):
+        read_image(store, "a")
+    with pytest.raises(ImageError, match="not in the store"):
+        delete_image(store, "a")
+    delete_image(store, "b")
+    assert store.stats()["chunks"] == 0 and store.list_images() == []
+
+
+def test_gc_waits_for_writers(store):
+    write_image(store, "a", make_contents())
+    w = ImageWriter(store, "b")
+    k = w.add_chunk(b"x" * 100)
+    store.delete_image("a")
+    assert gc(store) is None                             # a writer is active: nothing is freed
+    assert store.has_chunk(k)
+    w.commit({"backend": "emu", "device": {"name": "d", "uuid": "", "cc": [9, 0], "total_mem": 1},
+              "allocations": [{"address": 4096, "size": 100, "chunk_size": 4096, "chunks": [k]}]})
+    freed, _ = gc(store)
+    assert freed > 0 and store.has_chunk(k)
+    assert bytes(read_region(store, read_image(store, "b").allocations[0])) == b"x" * 100
+
+
+def test_invalid_names_and_keys(store):
+    for bad in ("../x", "", "a/b", ".hidden", "x" * 200):
+        with pytest.raises(ImageError):
+            ImageWriter(store, bad)
+        with pytest.raises(ImageError):
+            read_image(store, bad)
+    with pytest.raises(ImageError, match="invalid chunk key"):
+        read_chunk(store, "../../etc/passwd")
+
+
+def test_commit_refuses_unadded_chunk(store):
+    with pytest.raises(ImageError, match="never added"):
+        with ImageWriter(store, "img") as w:
+            w.commit({"backend": "emu", "device": {"name": "d", "uuid": "ab", "cc": [9, 0], "total_mem": 1},
+                      "allocations": [{"address": 0, "size": 1, "chunk_size": 4096, "chunks": ["ab" * 16]}]})
+    assert store.list_images() == []
+
+
+# ------------------------------------------------------------------ random damage
+
+_SMALL = os.urandom(300) + bytes(700)
+_CHUNKS = {name: encode_chunk(d, level=lvl) for name, (d, lvl) in
+           {"raw": (os.urandom(1000), None), "zstd": (_SMALL, 1)}.items()}
+
+
+@st.composite
+def damage(draw, n):
+    ops = draw(st.lists(st.tuples(st.sampled_from(["flip", "set", "cut", "insert", "delete"]),
+                                  st.integers(0, max(0, n - 1)), st.integers(0, 255)), min_size=1, max_size=4))
+    return ops
+
+
+def apply_damage(blob, ops):
+    b = bytearray(blob)
+    for op, pos, val in ops:
+        pos = min(pos, max(0, len(b) - 1))
+        if op == "flip" and b:
+            b[pos] ^= 1 << (val % 8)
+        elif op == "set" and b:
+            b[pos] = val
+        elif op == "cut":
+            del b[pos:]
+        elif op == "insert":
+            b[pos:pos] = bytes([val])
+        elif op == "delete" and b:
+            del b[pos]
+    return bytes(b)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.sampled_from(["raw", "zstd"]), data=st.data())
+def test_random_chunk_damage(which, data):
+    blob, fp = _CHUNKS[which]
+    original = decode_chunk(blob, fp.hex())
+    bad = apply_damage(blob, data.draw(damage(len(blob))))
+    try:
+        out = decode_chunk(bad, fp.hex())
+    except ImageError:
+        return
+    assert out == original                   # only harmless "damage" (e.g. a byte set to itself) passes
+
+
+_MAN_STORE = MemoryStore()
+_MAN, _ = write_image(_MAN_STORE, "img", {0x1000: os.urandom(3 * CS), 0x100000: bytes(CS + 1)})
+_MAN_RAW, _MAN_DIGEST = _MAN_STORE.get_manifest("img")
+
+
+def _fresh_store():
+    s = MemoryStore()
+    s._chunks = _MAN_STORE._chunks
+    return s
+
+
+def _check_read(s, name="img"):
+    try:
+        man = read_image(s, name)
+    except ImageError:
+        return None
+    for e in man.allocations + man.globals:   # a manifest that passes must be self-consistent
+        try:
+            read_region(s, e)
+        except ImageError:
+            pass
+    return man
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), redigest=st.booleans())
+def test_random_manifest_byte_damage(data, redigest):
+    bad = apply_damage(_MAN_RAW, data.draw(damage(len(_MAN_RAW))))
+    s = _fresh_store()
+    s.put_manifest("img", bad, manifest_digest(bad) if redigest else _MAN_DIGEST)
+    man = _check_read(s)
+    if man is not None and not redigest:
+        assert man.raw == _MAN_RAW
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False,
+                     allow_infinity=False) | st.text(max_size=8),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                     max_leaves=6)
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+_MAN_PATHS = [p for p in _paths(json.loads(_MAN_RAW)) if p]
+
+
+@settings(max_examples=400, deadline=None)
+@given(path=st.sampled_from(_MAN_PATHS), value=_json, delete=st.booleans())
+def test_random_manifest_field_damage(path, value, delete):
+    """Replace or delete any one field (digest recomputed, as by someone without the key):
+    the reader refuses with ImageError or returns a manifest that passes every check."""
+    d = json.loads(_MAN_RAW)
+    parent = d
+    for p in path[:-1]:
+        parent = parent[p]
+    if delete:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    try:
+        raw = canonical_json(d)
+    except ImageError:
+        return
+    s = _fresh_store()
+    s.put_manifest("img", raw, manifest_digest(raw))
+    man = _check_read(s)
+    if man is not None:
+        validate_manifest(man.to_dict(), "img")
