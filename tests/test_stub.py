@@ -125,6 +125,300 @@ def test_no_server_is_no_device_within_the_timeout(apps, tmp_path):
     assert 1.5 < elapsed < 5
 
 
+# -- the shared staging area: bulk copies and the mailbox ------------------------------------
+#
+# A worker that shares the client's host maps a file the stub offers at attach: copies of
+# 256 KiB and more go through its two slots, and synchronous calls through its mailbox.
+
+BIG_COPIES_CU = r"""
+// Large copies (through phos's shared staging area when the server shares the host):
+// both directions, pageable and pinned, synchronous and asynchronous, at odd sizes and
+// offsets; then a bad large copy, which must fail entirely and leave the context usable.
+#include <dirent.h>
+#include <unistd.h>
+#include <cstring>
+#include <string>
+#include "common.h"
+
+__global__ void sample(const unsigned char* p, size_t n, size_t stride, unsigned* out, int count) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) {
+        size_t at = (size_t)i * stride;
+        out[i] = at < n ? p[at] : 0xffffffffu;
+    }
+}
+
+static unsigned char pattern(size_t i, unsigned seed) { return (unsigned char)((i >> 12) * 7 + i * 13 + seed); }
+
+static void fill(unsigned char* p, size_t n, unsigned seed, size_t base = 0) {
+    for (size_t i = 0; i < n; i++) p[i] = pattern(base + i, seed);
+}
+
+static size_t wrong(const unsigned char* p, size_t n, unsigned seed, size_t base = 0) {
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += p[i] != pattern(base + i, seed);
+    return bad;
+}
+
+static size_t not_byte(const unsigned char* p, size_t n, unsigned char v) {
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += p[i] != v;
+    return bad;
+}
+
+static int staging_files_left() {   // phos unlinks its staging file once the worker answered
+    std::string prefix = "phos-" + std::to_string(getpid()) + "-";
+    int n = 0;
+    if (DIR* d = opendir("/dev/shm")) {
+        while (dirent* e = readdir(d)) n += strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0;
+        closedir(d);
+    }
+    return n;
+}
+
+int main() {
+    const size_t N = (80u << 20) + 12345;        // three staging chunks, the last one odd
+    const size_t off = (33u << 20) + 7, len = (40u << 20) + 3;
+    CHECK(cudaFree(0));
+    printf("staging files left: %d\n", staging_files_left());
+    unsigned char* d;
+    CHECK(cudaMalloc(&d, N));
+    const int count = 4096;
+    const size_t stride = N / count + 1;
+    unsigned* d_samples;
+    CHECK(cudaMalloc(&d_samples, count * sizeof(unsigned)));
+    unsigned* samples = (unsigned*)malloc(count * sizeof(unsigned));
+    cudaStream_t s;
+    CHECK(cudaStreamCreate(&s));
+
+    for (int pinned = 0; pinned < 2; pinned++) {
+        const char* kind = pinned ? "pinned" : "pageable";
+        unsigned char *a, *a2, *b;
+        if (pinned) {
+            CHECK(cudaMallocHost(&a, N));
+            CHECK(cudaMallocHost(&a2, len));
+            CHECK(cudaMallocHost(&b, N));
+        } else {
+            a = (unsigned char*)malloc(N);
+            a2 = (unsigned char*)malloc(len);
+            b = (unsigned char*)malloc(N);
+        }
+        fill(a, N, pinned);
+        fill(a2, len, 100 + pinned);
+
+        // host->device, checked on the device by a kernel, then device->host
+        CHECK(cudaMemcpy(d, a, N, cudaMemcpyHostToDevice));
+        sample<<<count / 256, 256>>>(d, N, stride, d_samples, count);
+        CHECK(cudaGetLastError());
+        CHECK(cudaMemcpy(samples, d_samples, count * sizeof(unsigned), cudaMemcpyDeviceToHost));
+        size_t bad_samples = 0;
+        for (int i = 0; i < count; i++) bad_samples += (size_t)i * stride < N && samples[i] != a[(size_t)i * stride];
+        memset(b, 0, N);
+        CHECK(cudaMemcpy(b, d, N, cudaMemcpyDeviceToHost));
+        size_t bad_whole = wrong(b, N, pinned);
+
+        // a range at odd offsets, device->host
+        memset(b, 0, N);
+        CHECK(cudaMemcpy(b, d + off, len, cudaMemcpyDeviceToHost));
+        size_t bad_range = wrong(b, len, pinned, off) + not_byte(b + len, N - len, 0);
+
+        // asynchronous both ways on a stream: overwrite a range, read all back
+        memset(b, 0, N);
+        CHECK(cudaMemcpyAsync(d + off, a2, len, cudaMemcpyHostToDevice, s));
+        CHECK(cudaMemcpyAsync(b, d, N, cudaMemcpyDeviceToHost, s));
+        CHECK(cudaStreamSynchronize(s));
+        size_t bad_async = wrong(b, off, pinned) + wrong(b + off, len, 100 + pinned) +
+                           wrong(b + off + len, N - off - len, pinned, off + len);
+
+        // device->device (ranges apart) stays on the device, ordered after the copy before it
+        const size_t moved = (30u << 20) + 5, to = N - moved;
+        CHECK(cudaMemcpy(d, a, N, cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(d + to, d, moved, cudaMemcpyDeviceToDevice));
+        memset(b, 0, N);
+        CHECK(cudaMemcpy(b, d, N, cudaMemcpyDeviceToHost));
+        size_t bad_dtod = wrong(b, to, pinned) + wrong(b + to, moved, pinned, 0);
+
+        printf("%s: samples wrong=%zu, whole wrong=%zu, range wrong=%zu, async wrong=%zu, dtod wrong=%zu\n", kind,
+               bad_samples, bad_whole, bad_range, bad_async, bad_dtod);
+        if (pinned) {
+            CHECK(cudaFreeHost(a));
+            CHECK(cudaFreeHost(a2));
+            CHECK(cudaFreeHost(b));
+        } else {
+            free(a);
+            free(a2);
+            free(b);
+        }
+    }
+
+    // A copy larger than its allocation fails as a whole: nothing is written either side.
+    const size_t small_bytes = 64u << 20;
+    unsigned char* small;
+    CHECK(cudaMalloc(&small, small_bytes));
+    CHECK(cudaMemset(small, 0x5a, small_bytes));
+    unsigned char* a = (unsigned char*)malloc(N);
+    unsigned char* b = (unsigned char*)malloc(N);
+    fill(a, N, 7);
+    memset(b, 0xee, N);
+    cudaError_t up = cudaMemcpy(small, a, N, cudaMemcpyHostToDevice);
+    cudaError_t up_last = cudaGetLastError();
+    cudaError_t down = cudaMemcpy(b, small, N, cudaMemcpyDeviceToHost);
+    cudaError_t down_last = cudaGetLastError();
+    printf("too large: h2d %s (last %s), d2h %s (last %s), host untouched wrong=%zu\n", cudaGetErrorName(up),
+           cudaGetErrorName(up_last), cudaGetErrorName(down), cudaGetErrorName(down_last), not_byte(b, N, 0xee));
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(b, small, small_bytes, cudaMemcpyDeviceToHost));
+    printf("after: device untouched wrong=%zu\n", not_byte(b, small_bytes, 0x5a));
+    CHECK(cudaMemcpy(small, a, small_bytes, cudaMemcpyHostToDevice));
+    memset(b, 0, N);
+    CHECK(cudaMemcpy(b, small, small_bytes, cudaMemcpyDeviceToHost));
+    printf("after: context usable wrong=%zu\n", wrong(b, small_bytes, 7));
+    CHECK(cudaFree(small));
+    CHECK(cudaFree(d));
+    CHECK(cudaFree(d_samples));
+    CHECK(cudaStreamDestroy(s));
+    free(a);
+    free(b);
+    free(samples);
+    printf("staging files left: %d\n", staging_files_left());
+    printf("PASS\n");
+    return 0;
+}
+"""
+
+BIG_COPIES_OUT = [
+    "staging files left: 0",
+    "pageable: samples wrong=0, whole wrong=0, range wrong=0, async wrong=0, dtod wrong=0",
+    "pinned: samples wrong=0, whole wrong=0, range wrong=0, async wrong=0, dtod wrong=0",
+    "too large: h2d cudaErrorInvalidValue (last cudaErrorInvalidValue), "
+    "d2h cudaErrorInvalidValue (last cudaErrorInvalidValue), host untouched wrong=0",
+    "after: device untouched wrong=0",
+    "after: context usable wrong=0",
+    "staging files left: 0",
+    "PASS",
+]
+
+
+@pytest.fixture(scope="session")
+def big_copies(apps):
+    """A program of large copies (80 MiB + odd bytes), built like tests/apps."""
+    src = apps / "big_copies.cu"
+    src.write_text(BIG_COPIES_CU)
+    exe = apps / "big_copies"
+    r = subprocess.run([NVCC, "-cudart", "shared", "-gencode", "arch=compute_90,code=compute_90",
+                        "-gencode", "arch=compute_90,code=sm_90", "-I", APPS, "-o", str(exe), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"building big_copies failed:\n{r.stdout}\n{r.stderr}"
+    return exe
+
+
+def run_stub(server, exe, *args, timeout=300, **env):
+    return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env=stub_env(server.address, PHOS_VERBOSE="1", **env))
+
+
+def stub_stats(stderr):
+    """The stub's per-context counts (PHOS_VERBOSE), summed over contexts."""
+    found = re.findall(r"(\d+) requests through the mailbox, (\d+) over the socket, (\d+) doorbells, "
+                       r"(\d+) bytes staged", stderr)
+    assert found, f"no statistics in the stub's verbose output:\n{stderr}"
+    totals = [sum(int(f[i]) for f in found) for i in range(4)]
+    return dict(zip(["mailbox", "socket", "doorbells", "staged"], totals))
+
+
+# The mailbox is used by default while both sides spin (many-core hosts); PHOS_MAILBOX=1
+# forces it, with the doorbell, wherever these tests run.
+MAILBOX_SETTINGS = [{"PHOS_MAILBOX": "1", "PHOS_SPIN_US": "0"}, {"PHOS_MAILBOX": "1", "PHOS_SPIN_US": "50"}]
+MAILBOX_IDS = ["mailbox-no-spin", "mailbox-spinning"]
+
+
+@pytest.mark.parametrize("settings", [{}] + MAILBOX_SETTINGS, ids=["default"] + MAILBOX_IDS)
+def test_large_copies_go_through_the_staging_area(big_copies, server, settings):
+    """80 MiB + odd bytes both ways, pageable and pinned, sync and async, at odd offsets; a
+    copy larger than its allocation fails whole, touches nothing, and the context lives on."""
+    r = run_stub(server, big_copies, **settings)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == BIG_COPIES_OUT, r.stdout + r.stderr
+    assert "the worker mapped the staging area" in r.stderr
+    assert "ctxDestroy" not in r.stderr and "malformed" not in r.stderr, r.stderr   # the exit's doorbell too
+    stats = stub_stats(r.stderr)
+    assert stats["staged"] >= 10 * (80 << 20), stats     # the bulk bytes went through it
+    if settings:   # the mailbox forced: synchronous calls skip the socket
+        assert stats["mailbox"] > 0, stats
+        if (os.cpu_count() or 1) <= 4:
+            assert stats["doorbells"] > 0, stats   # workers do not spin here: the socket wakes them
+
+
+def test_large_copies_without_the_staging_area(big_copies, server):
+    """PHOS_STAGING=0: nothing offered, every byte in frames, the same results."""
+    r = run_stub(server, big_copies, PHOS_STAGING="0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == BIG_COPIES_OUT, r.stdout + r.stderr
+    assert "staging area" not in r.stderr
+    stats = stub_stats(r.stderr)
+    assert stats["mailbox"] == stats["doorbells"] == stats["staged"] == 0, stats
+
+
+@pytest.mark.parametrize("app", ["streams_events", "errors", "threads"])
+def test_programs_through_the_mailbox(apps, server, app):
+    """Synchronous calls through the mailbox: same output as over the socket, errors included."""
+    plain = run_stub(server, apps / app, PHOS_STAGING="0")
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    for settings in MAILBOX_SETTINGS:
+        boxed = run_stub(server, apps / app, **settings)
+        assert boxed.returncode == 0, boxed.stdout + boxed.stderr
+        assert boxed.stdout == plain.stdout, settings
+        assert "malformed" not in boxed.stderr, boxed.stderr   # (errors' ctxDestroy at exit fails: the fault sticks)
+        assert stub_stats(boxed.stderr)["mailbox"] > 0, settings
+
+
+def test_mailbox_with_a_spinning_worker(apps, big_copies, backend, tmp_path):
+    """Workers that spin (as on a many-core host) watch the box and answer there: a client
+    that spins (PHOS_SPIN_US=50) uses the mailbox by default and sees Replies at once; one
+    that does not spin (the mailbox forced) finds them in short sleeps."""
+    from conftest import ServerProc
+    saved = os.environ.get("PHOS_SPIN_US")
+    os.environ["PHOS_SPIN_US"] = "300"          # the server's workers inherit it
+    try:
+        srv = ServerProc(backend, tmp_path)
+    finally:
+        if saved is None:
+            del os.environ["PHOS_SPIN_US"]
+        else:
+            os.environ["PHOS_SPIN_US"] = saved
+    try:
+        for settings in ({"PHOS_SPIN_US": "50"}, {"PHOS_SPIN_US": "0", "PHOS_MAILBOX": "1"}):
+            r = run_stub(srv, apps / "streams_events", **settings)
+            assert r.returncode == 0 and r.stdout.rstrip().endswith("PASS"), r.stdout + r.stderr
+            assert stub_stats(r.stderr)["mailbox"] > 0, r.stderr
+            r = run_stub(srv, big_copies, **settings)
+            assert r.returncode == 0 and r.stdout.splitlines() == BIG_COPIES_OUT, r.stdout + r.stderr
+            assert stub_stats(r.stderr)["mailbox"] > 0, r.stderr
+    finally:
+        srv.stop()
+
+
+def test_staging_file_is_unlinked_after_attach(stub, server):
+    """The file exists only between the offer and the worker's answer: mapped, never left behind."""
+    r = _python(f"""
+        import ctypes, os
+        drv = ctypes.CDLL({LIBCUDA!r})
+        assert drv.cuInit(0) == 0
+        ctx = ctypes.c_void_p()
+        assert drv.cuCtxCreate_v4(ctypes.byref(ctx), None, 0, 0) == 0
+        prefix = f"phos-{{os.getpid()}}-"
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+        with open("/proc/self/maps") as f:
+            mapped = [line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" + prefix in line]
+        assert drv.cuCtxDestroy_v2(ctx) == 0
+        print("left", len(left), "mapped", sorted(set(mapped)))
+    """, env=stub_env(server.address))
+    assert r.returncode == 0, r.stdout + r.stderr
+    left, mapped = r.stdout.split(" mapped ")
+    assert left == "left 0"
+    assert re.fullmatch(r"\['/dev/shm/phos-\d+-[0-9a-f]{12} \(deleted\)'\]", mapped.strip()), mapped
+
+
 # -- what the libraries export and need ----------------------------------------------------
 
 def _exports(lib):

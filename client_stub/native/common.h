@@ -32,6 +32,10 @@ struct Settings {
     long inline_copy_max;        // host->device copies up to this size are captured and sent async
     long unacked_calls_max;      // bound of the replay log, in calls
     long unacked_bytes_max;      // ... and in captured payload bytes
+    int staging;                 // PHOS_STAGING: 1 offer a shared staging area always, 0 never, -1 on ipc/loopback
+    int mailbox;                 // PHOS_MAILBOX: synchronous calls through the staging area's mailbox:
+                                 // 1 always, 0 never, -1 (default) while we spin and the worker is awake
+    double spin;                 // PHOS_SPIN_US (as seconds): spin this long for a reply before sleeping
 };
 const Settings& settings();
 

@@ -168,6 +168,7 @@ static void finish_at_exit() {
         if (!ctx->live || !ctx->conn) continue;
         wire::Result r = ctx->conn->call(wire::Call::plain(wire::Kind::ctxDestroy), nullptr, timeout);
         if (r.status != CUDA_SUCCESS) log_verbose("at exit, ctxDestroy: %s", r.message.c_str());
+        log_verbose("context %llu: %s", (unsigned long long)ctx->server_id, ctx->conn->stats().c_str());
         ctx->live = false;
     }
 }
@@ -182,7 +183,7 @@ CUresult open_context(CUctx_st* ctx) {
         return CUDA_ERROR_UNKNOWN;
     }
     auto conn = std::make_unique<Connection>(r.text, true);
-    wire::Result a = conn->call(wire::Call::attach(r.u64s[0], r.data), nullptr, settings().connect_timeout);
+    wire::Result a = conn->attach(r.u64s[0], r.data, settings().connect_timeout);
     if (a.status != CUDA_SUCCESS) {
         log_error("attach to %s: %s", r.text.c_str(), a.message.c_str());
         return static_cast<CUresult>(a.status);
@@ -211,6 +212,7 @@ void close_context(CUctx_st* ctx) {
     if (ctx->conn) {
         wire::Result r = ctx->conn->call(wire::Call::plain(wire::Kind::ctxDestroy));
         if (r.status != CUDA_SUCCESS) log_verbose("ctxDestroy: %s", r.message.c_str());
+        log_verbose("context %llu: %s", (unsigned long long)ctx->server_id, ctx->conn->stats().c_str());
         ctx->conn.reset();
     }
     ctx->live = false;

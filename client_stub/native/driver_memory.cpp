@@ -4,8 +4,11 @@
 //  * host->device: the bytes are captured (copied, or borrowed from pinned memory for an
 //    async copy) and the call returns without a round trip; a large pageable copy is sent
 //    from the caller's buffer and waits for the server, so no buffer is borrowed past return.
-//  * device->host: waits for the bytes, except an async copy into pinned memory, whose
-//    bytes land by the next synchronizing call (they ride on its Reply).
+//    With a shared staging area, copies of 256 KiB and more are copied into it and the
+//    call returns; a failure is reported by the next synchronizing call.
+//  * device->host: waits for the bytes, except a small async copy into pinned memory, whose
+//    bytes land by the next synchronizing call (they ride on its Reply). With a staging
+//    area, copies of 256 KiB and more come through it, and wait.
 // Pointers are checked here against the allocations the stub has seen, so a bad pointer
 // fails at once, as it does on a GPU.
 #include <sys/mman.h>
@@ -75,7 +78,9 @@ static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstr
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!src || !device_range_ok(dst, n)) return CUDA_ERROR_INVALID_VALUE;
-    if (async_api && is_pinned(src, n)) {
+    if (n >= staging::kMinCopy && ctx->conn->staging()) {
+        ctx->conn->copy_to_device_staged(dst, src, n, sid);
+    } else if (async_api && is_pinned(src, n)) {
         // The application may not touch pinned memory until the copy completes: borrow it.
         ctx->conn->post(wire::Call::memcpy_htod(dst, sid, wire::Payload::borrow(src, n)));
     } else if (n <= static_cast<size_t>(settings().inline_copy_max)) {
@@ -94,6 +99,11 @@ static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stre
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!dst || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    if (n >= staging::kMinCopy && ctx->conn->staging()) {
+        // Waits, even for an asynchronous copy into pinned memory: CUDA allows it to
+        // complete early, and the bytes are here sooner than through frames.
+        return status_of(ctx->conn->copy_from_device_staged(dst, src, n, sid), wire::Kind::memcpyDtoH);
+    }
     HostDestination to{dst, n};
     if (async_api && is_pinned(dst, n)) {
         ctx->conn->post(wire::Call::memcpy_dtoh(src, n, sid), &to);

@@ -4,6 +4,10 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include <unistd.h>
+
+#include <algorithm>
+
 namespace phos {
 
 static void vlog(const char* fmt, va_list ap) {
@@ -65,6 +69,14 @@ const Settings& settings() {
         t.inline_copy_max = env_long("PHOS_INLINE_COPY_MAX", 64 << 10);
         t.unacked_calls_max = env_long("PHOS_UNACKED_CALLS_MAX", 1 << 16);
         t.unacked_bytes_max = env_long("PHOS_UNACKED_BYTES_MAX", 256L << 20);
+        const std::string staging = env_string("PHOS_STAGING", "");
+        t.staging = staging == "0" ? 0 : staging == "1" ? 1 : -1;
+        const std::string mailbox = env_string("PHOS_MAILBOX", "");
+        t.mailbox = mailbox == "0" ? 0 : mailbox == "1" ? 1 : -1;
+        // Spinning beats a wake-up where cores are plentiful; on small machines it would
+        // starve the worker the spinning thread waits for.
+        const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        t.spin = std::max(0L, env_long("PHOS_SPIN_US", cores > 4 ? 100 : 0)) * 1e-6;
         if (t.batch_calls < 1) t.batch_calls = 1;
         return t;
     }();

@@ -1,5 +1,6 @@
 // The protocol of one connection (schema/phos.capnp, header comment): sequence numbers,
-// batching of asynchronous calls, synchronous calls, replies, and the replay log.
+// batching of asynchronous calls, synchronous calls, replies, the replay log, and the
+// shared staging area (bulk copies and the mailbox) when the worker shares our host.
 //
 // Not thread-safe by itself: the driver holds its lock around every use.
 #pragma once
@@ -9,12 +10,25 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "transport.h"
 #include "wire.h"
 
 namespace phos {
+
+// The shared staging area's layout (schema/phos.capnp, header comment).
+namespace staging {
+constexpr size_t kCookieBytes = 16;
+constexpr size_t kAwakeOffset = 16;                    // UInt64 workerAwake
+constexpr size_t kBoxOffset = 4096;                    // request box; the reply box follows
+constexpr size_t kBoxSize = 64 << 10;                  // UInt64 seq, UInt64 len, then a frame
+constexpr size_t kSlotsOffset = kBoxOffset + 2 * kBoxSize;
+constexpr size_t kSlotSize = 32 << 20;                 // two bulk slots, used in turn
+constexpr size_t kAreaSize = kSlotsOffset + 2 * kSlotSize;
+constexpr size_t kMinCopy = 256 << 10;                 // smaller copies travel in frames
+}  // namespace staging
 
 // Where the bytes of a device->host copy go once its Result arrives.
 struct HostDestination {
@@ -27,9 +41,19 @@ public:
     // `batching`: asynchronous calls wait in a batch (context workers); otherwise every
     // call is sent at once (the front end, which only gets synchronous calls).
     Connection(const std::string& endpoint, bool batching);
+    ~Connection();
+    Connection(const Connection&) = delete;
+    Connection& operator=(const Connection&) = delete;
 
     const std::string& endpoint() const { return socket_.endpoint(); }
     bool ok() const { return socket_.ok(); }
+
+    // The first call to a context worker. Offers a shared staging area when the worker
+    // may share our host (ipc://, tcp://127.x, or PHOS_STAGING=1; never with PHOS_STAGING=0);
+    // the file is unlinked as soon as the worker answered, whatever it answered.
+    wire::Result attach(uint64_t ctx, std::string token, double timeout);
+    // The worker mapped the staging area: bulk copies and the mailbox use it.
+    bool staging() const { return shm_ != nullptr; }
 
     // Queues an asynchronous call; its failure is reported by a later synchronous call.
     // `write_back`: for a device->host copy whose bytes arrive with a later Reply.
@@ -39,15 +63,35 @@ public:
     // `out` receives the Result's payload bytes. `timeout` < 0: wait while connected.
     wire::Result call(wire::Call call, const HostDestination* out = nullptr, double timeout = -1);
 
+    // Bulk copies through the staging area (only when staging()), in slot-sized chunks.
+    // Host->device returns once `src` may be reused; a failure is reported by the next
+    // synchronous call. Device->host waits for the bytes and returns the copy's Result.
+    void copy_to_device_staged(uint64_t dst, const void* src, size_t n, uint64_t stream);
+    wire::Result copy_from_device_staged(void* dst, uint64_t src, size_t n, uint64_t stream);
+
     // Sends the batch if its first call has waited longer than PHOS_BATCH_AGE_US.
     void flush_if_stale();
 
     bool has_pending() const { return !batch_.empty() || !write_backs_.empty() || borrowed_unacked_ > 0; }
     size_t unacked() const { return unacked_.size(); }
+    // "N requests through the mailbox, M over the socket, ..." (for PHOS_VERBOSE).
+    std::string stats() const;
 
 private:
-    bool send_batch(bool want_reply);
-    bool apply_reply(Message& message, uint64_t want_seq, const HostDestination* out, wire::Result& mine);
+    bool send_batch(bool want_reply, bool use_box = false);
+    bool send_socket(size_t begin, size_t end, bool want_reply);
+    bool boxable(const wire::Call& c) const;
+    bool use_mailbox() const;
+    void post_to_box();
+    bool box_answered(const char** frame, size_t* size);
+    uint64_t send_now(wire::Call call);
+    bool wait_for(uint64_t seq, const HostDestination* out, double timeout, wire::Result& mine);
+    bool apply_reply(const void* frame, size_t size, Message* message, uint64_t want_seq, const HostDestination* out,
+                     wire::Result& mine);
+    void collect(uint64_t seq);
+    void collect_all();
+    void defer(const wire::Result& r);
+    wire::Result take_deferred();
     void trim_log(uint64_t ack_seq);
     void bound_log();
     static wire::Result failure(uint32_t status, std::string message);
@@ -63,10 +107,20 @@ private:
     size_t unacked_owned_bytes_ = 0;
     size_t borrowed_unacked_ = 0;                       // unacknowledged calls borrowing caller memory
     std::unordered_map<uint64_t, HostDestination> write_backs_;   // seq -> destination
-    uint32_t deferred_status_ = 0;                      // an asynchronous failure seen by a probe
+    uint32_t deferred_status_ = 0;                      // an asynchronous failure the server already reported
     std::string deferred_message_;
     std::string frame_;                                 // reused encoding buffer
     bool said_gone_ = false;
+
+    // The shared staging area, once the worker mapped it.
+    char* shm_ = nullptr;
+    uint64_t slot_seq_[2] = {0, 0};                     // the staged host->device chunk last in each slot
+    unsigned next_slot_ = 0;
+    std::unordered_set<uint64_t> kept_;                 // staged host->device chunks not yet answered
+    uint64_t box_seq_ = 0;                              // our last mailbox request
+    bool box_waiting_ = false;                          // ... whose Reply has not come yet
+    std::string bell_;                                  // the doorbell Request, encoded once
+    uint64_t box_requests_ = 0, socket_requests_ = 0, doorbells_ = 0, staged_bytes_ = 0;
 };
 
 }  // namespace phos

@@ -1,5 +1,7 @@
 #include "transport.h"
 
+#include <poll.h>
+
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -127,41 +129,55 @@ void Socket::drain_monitor() {
     }
 }
 
-Socket::Wait Socket::receive(Message& message, double timeout) {
+bool Socket::readable() {
+    int events = 0;
+    size_t size = sizeof events;
+    return zmq_getsockopt(socket_, ZMQ_EVENTS, &events, &size) == 0 && (events & ZMQ_POLLIN);
+}
+
+void Socket::wait_readable(double seconds) {
+    if (readable()) return;          // also re-arms ZMQ_FD, which signals only changes
+    int fd = -1;
+    size_t size = sizeof fd;
+    if (zmq_getsockopt(socket_, ZMQ_FD, &fd, &size) != 0) return;
+    struct pollfd p = {fd, POLLIN, 0};
+    struct timespec t;
+    t.tv_sec = static_cast<time_t>(seconds);
+    t.tv_nsec = static_cast<long>((seconds - static_cast<double>(t.tv_sec)) * 1e9);
+    ppoll(&p, 1, &t, nullptr);
+}
+
+Socket::Wait Socket::receive_once(Message& message, int poll_ms) {
     message.clear();
-    const auto start = Clock::now();
-    while (true) {
-        zmq_pollitem_t items[2] = {{socket_, 0, ZMQ_POLLIN, 0}, {monitor_, 0, ZMQ_POLLIN, 0}};
-        int n = zmq_poll(items, monitor_ ? 2 : 1, 100);
-        if (n < 0 && zmq_errno() != EINTR) {
-            error_ = std::string("poll failed: ") + zmq_strerror(zmq_errno());
-            return Wait::gone;
-        }
-        if (monitor_ && (items[1].revents & ZMQ_POLLIN)) drain_monitor();
-        if (items[0].revents & ZMQ_POLLIN) {
-            while (true) {
-                message.frames_.emplace_back();
-                zmq_msg_t& f = message.frames_.back();
-                zmq_msg_init(&f);
-                if (zmq_msg_recv(&f, socket_, 0) < 0) {
-                    if (zmq_errno() == EINTR) {
-                        zmq_msg_close(&f);
-                        message.frames_.pop_back();
-                        continue;
-                    }
-                    error_ = std::string("receive failed: ") + zmq_strerror(zmq_errno());
-                    return Wait::gone;
+    zmq_pollitem_t items[2] = {{socket_, 0, ZMQ_POLLIN, 0}, {monitor_, 0, ZMQ_POLLIN, 0}};
+    int n = zmq_poll(items, monitor_ ? 2 : 1, poll_ms);
+    if (n < 0 && zmq_errno() != EINTR) {
+        error_ = std::string("poll failed: ") + zmq_strerror(zmq_errno());
+        return Wait::gone;
+    }
+    if (monitor_ && (items[1].revents & ZMQ_POLLIN)) drain_monitor();
+    if (items[0].revents & ZMQ_POLLIN) {
+        while (true) {
+            message.frames_.emplace_back();
+            zmq_msg_t& f = message.frames_.back();
+            zmq_msg_init(&f);
+            if (zmq_msg_recv(&f, socket_, 0) < 0) {
+                if (zmq_errno() == EINTR) {
+                    zmq_msg_close(&f);
+                    message.frames_.pop_back();
+                    continue;
                 }
-                if (!zmq_msg_more(&f)) return Wait::message;
+                error_ = std::string("receive failed: ") + zmq_strerror(zmq_errno());
+                return Wait::gone;
             }
-        }
-        const auto now = Clock::now();
-        if (timeout >= 0 && std::chrono::duration<double>(now - start).count() > timeout) return Wait::timeout;
-        if (timeout < 0 && ever_connected_ && !connected_ &&
-            std::chrono::duration<double>(now - disconnected_since_).count() > settings().gone_timeout) {
-            return Wait::gone;
+            if (!zmq_msg_more(&f)) return Wait::message;
         }
     }
+    if (ever_connected_ && !connected_ &&
+        std::chrono::duration<double>(Clock::now() - disconnected_since_).count() > settings().gone_timeout) {
+        return Wait::gone;
+    }
+    return Wait::timeout;
 }
 
 }  // namespace phos

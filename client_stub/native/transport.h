@@ -48,9 +48,14 @@ public:
     bool send(const std::string& request, const std::vector<const wire::Payload*>& payloads);
 
     enum class Wait { message, timeout, gone };
-    // Waits for the next message. With timeout < 0 it waits as long as the peer is
-    // connected, and gives up once it has been disconnected for PHOS_GONE_TIMEOUT.
-    Wait receive(Message& message, double timeout);
+    // Waits at most poll_ms (0: only looks) for the next message: message, timeout, or gone
+    // once the peer has been disconnected for PHOS_GONE_TIMEOUT.
+    Wait receive_once(Message& message, int poll_ms);
+    // A message waits to be received (cheap: no system call when nothing changed).
+    bool readable();
+    // Sleeps until a message may have arrived or `seconds` passed (finer than zmq_poll's
+    // milliseconds); then readable() says whether one did.
+    void wait_readable(double seconds);
 
 private:
     void drain_monitor();

@@ -63,6 +63,14 @@ Call Call::attach(uint64_t ctx, std::string token) {
     c.bytes = std::move(token);
     return c;
 }
+Call Call::attach_with_staging(uint64_t ctx, std::string token, std::string shm_path, std::string shm_cookie,
+                               uint64_t shm_size) {
+    Call c = attach(ctx, std::move(token));
+    c.text = std::move(shm_path);
+    c.bytes2 = std::move(shm_cookie);
+    c.size = shm_size;
+    return c;
+}
 Call Call::device_attribute(int attribute, int device) {
     Call c = plain(Kind::deviceGetAttribute);
     c.number = attribute;
@@ -92,6 +100,27 @@ Call Call::memcpy_dtoh(uint64_t src, uint64_t size, uint64_t stream) {
     c.address = src;
     c.size = size;
     c.stream = stream;
+    return c;
+}
+Call Call::memcpy_htod_staged(uint64_t dst, uint64_t size, uint64_t stream, uint64_t shm_offset,
+                              uint64_t chunk_offset, uint64_t total_size) {
+    Call c = plain(Kind::memcpyHtoD);
+    c.address = dst;
+    c.size = size;
+    c.stream = stream;
+    c.flags = kViaShm;
+    c.id = shm_offset;
+    c.id2 = chunk_offset;
+    c.address2 = total_size;
+    return c;
+}
+Call Call::memcpy_dtoh_staged(uint64_t src, uint64_t size, uint64_t stream, uint64_t shm_offset,
+                              uint64_t chunk_offset, uint64_t total_size) {
+    Call c = memcpy_dtoh(src, size, stream);
+    c.flags = kViaShm;
+    c.id = shm_offset;
+    c.id2 = chunk_offset;
+    c.address2 = total_size;
     return c;
 }
 Call Call::memcpy_dtod(uint64_t dst, uint64_t src, uint64_t size, uint64_t stream) {
@@ -199,6 +228,11 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
         auto a = out.initAttach();
         a.setCtx(c.address);
         a.setToken(as_data(c.bytes));
+        if (!c.text.empty()) {
+            a.setShmPath(c.text.c_str());
+            a.setShmCookie(as_data(c.bytes2));
+            a.setShmSize(c.size);
+        }
         break;
     }
     case Kind::driverGetVersion: out.setDriverGetVersion(); break;
@@ -224,7 +258,14 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
         m.setDst(c.address);
         m.setSize(c.size);
         m.setStream(c.stream);
-        m.setPayload(payload_index);
+        if (c.flags & Call::kViaShm) {
+            m.setViaShm(true);
+            m.setShmOffset(c.id);
+            m.setChunkOffset(c.id2);
+            m.setTotalSize(c.address2);
+        } else {
+            m.setPayload(payload_index);
+        }
         break;
     }
     case Kind::memcpyDtoH: {
@@ -232,6 +273,12 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
         m.setSrc(c.address);
         m.setSize(c.size);
         m.setStream(c.stream);
+        if (c.flags & Call::kViaShm) {
+            m.setViaShm(true);
+            m.setShmOffset(c.id);
+            m.setChunkOffset(c.id2);
+            m.setTotalSize(c.address2);
+        }
         break;
     }
     case Kind::memcpyDtoD: {
@@ -308,6 +355,8 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     }
 }
 
+static void write_frame(capnp::MessageBuilder& message, std::string& frame);
+
 void encode_request(const Call* const* calls, size_t n, bool want_reply, std::string& frame) {
     capnp::MallocMessageBuilder message(2048);   // first segment in words; grows as needed
     auto request = message.initRoot<::Request>();
@@ -319,7 +368,19 @@ void encode_request(const Call* const* calls, size_t n, bool want_reply, std::st
         const Call& c = *calls[i];
         encode_call(c, list[static_cast<unsigned>(i)], c.has_payload() ? next_payload++ : 0);
     }
-    // Standard framing: u32 (segments - 1), u32 size of each segment, pad to 8 bytes, segments.
+    write_frame(message, frame);
+}
+
+void encode_doorbell(std::string& frame) {
+    capnp::MallocMessageBuilder message(16);
+    auto request = message.initRoot<::Request>();
+    request.setVersion(::PROTOCOL_VERSION);
+    request.setDoorbell(true);
+    write_frame(message, frame);
+}
+
+// Standard framing: u32 (segments - 1), u32 size of each segment, pad to 8 bytes, segments.
+static void write_frame(capnp::MessageBuilder& message, std::string& frame) {
     auto segments = message.getSegmentsForOutput();
     size_t table_words = (segments.size() + 2) / 2;
     size_t total = table_words;

@@ -45,20 +45,25 @@ struct Call {
     uint64_t seq = 0;
     Kind kind = Kind::hello;
     uint64_t address = 0;     // dst (memcpyHtoD, memcpyDtoD, memset), src (memcpyDtoH), ptr, ctx (attach)
-    uint64_t address2 = 0;    // src of memcpyDtoD
-    uint64_t size = 0;        // bytes; element count for memset
+    uint64_t address2 = 0;    // src of memcpyDtoD; totalSize of a staged copy
+    uint64_t size = 0;        // bytes; element count for memset; shmSize (attach)
     uint64_t stream = 0;      // stream id (0 = default)
-    uint64_t id = 0;          // a Handle's id; module; function; event; start event
-    uint64_t id2 = 0;         // end event; event of streamWaitEvent
-    uint32_t flags = 0;       // flags; memset value; launch shared bytes; hello version
+    uint64_t id = 0;          // a Handle's id; module; function; event; start event; shmOffset of a staged copy
+    uint64_t id2 = 0;         // end event; event of streamWaitEvent; chunkOffset of a staged copy
+    uint32_t flags = 0;       // flags; memset value; launch shared bytes; hello version; kViaShm (copies)
     int32_t device = 0;       // device ordinal
     int32_t number = 0;       // device attribute; stream priority; memset element size
     Dim3 grid, block;
-    std::string text;         // hello client; symbol name
+    std::string text;         // hello client; symbol name; shmPath (attach)
     std::string bytes;        // attach token; packed launch parameters
+    std::string bytes2;       // shmCookie (attach)
     Payload payload;          // memcpyHtoD bytes; moduleLoad image
 
-    bool has_payload() const { return kind == Kind::memcpyHtoD || kind == Kind::moduleLoad; }
+    static constexpr uint32_t kViaShm = 1;   // a copy whose bytes lie in the shared staging area
+    bool via_shm() const { return (kind == Kind::memcpyHtoD || kind == Kind::memcpyDtoH) && (flags & kViaShm); }
+    bool has_payload() const { return (kind == Kind::memcpyHtoD && !(flags & kViaShm)) || kind == Kind::moduleLoad; }
+    // Its Result comes with a payload frame (so its Reply cannot travel through the mailbox).
+    bool answered_by_frames() const { return kind == Kind::memcpyDtoH && !(flags & kViaShm); }
 
     static Call plain(Kind kind) { Call c; c.kind = kind; return c; }
     static Call with_id(Kind kind, uint64_t id) { Call c; c.kind = kind; c.id = id; return c; }
@@ -66,11 +71,20 @@ struct Call {
     static Call hello(uint32_t version, std::string client);
     static Call ctx_create(uint32_t flags, int device);
     static Call attach(uint64_t ctx, std::string token);
+    // attach, offering the shared staging area (schema/phos.capnp, Attach).
+    static Call attach_with_staging(uint64_t ctx, std::string token, std::string shm_path, std::string shm_cookie,
+                                    uint64_t shm_size);
     static Call device_attribute(int attribute, int device);
     static Call mem_alloc(uint64_t size);
     static Call mem_free(uint64_t ptr);
     static Call memcpy_htod(uint64_t dst, uint64_t stream, Payload bytes);
     static Call memcpy_dtoh(uint64_t src, uint64_t size, uint64_t stream);
+    // One chunk of a copy through the staging area: its bytes at shm_offset of the area;
+    // chunk_offset and total_size name the whole copy, which the worker checks every time.
+    static Call memcpy_htod_staged(uint64_t dst, uint64_t size, uint64_t stream, uint64_t shm_offset,
+                                   uint64_t chunk_offset, uint64_t total_size);
+    static Call memcpy_dtoh_staged(uint64_t src, uint64_t size, uint64_t stream, uint64_t shm_offset,
+                                   uint64_t chunk_offset, uint64_t total_size);
     static Call memcpy_dtod(uint64_t dst, uint64_t src, uint64_t size, uint64_t stream);
     static Call memset(uint64_t dst, uint32_t value, int elem_size, uint64_t count, uint64_t stream);
     static Call module_load(Payload image);
@@ -111,6 +125,9 @@ extern const uint32_t kProtocolVersion;
 // Encodes calls[0..n) as one Request frame (standard unpacked Cap'n Proto framing).
 // Payload indices are assigned in call order: the k-th call with a payload names frame k.
 void encode_request(const Call* const* calls, size_t n, bool want_reply, std::string& frame);
+
+// A Request with doorbell=true and no calls: "a request waits in the mailbox".
+void encode_doorbell(std::string& frame);
 
 // Decodes a Reply frame; on a malformed frame returns false and says why in `error`.
 bool decode_reply(const void* frame, size_t size, Reply& reply, std::string& error);
