@@ -500,9 +500,9 @@ def test_cu_get_proc_address_answers_by_name_and_version(stub, tmp_path):
             lookup("cuFuncGetParamInfo", 12040)[1] == address("cuFuncGetParamInfo"),
             lookup("cuEventElapsedTime", 12080)[1] == address("cuEventElapsedTime_v2"),
             lookup("cuMemcpyHtoD", 7000, 2)[1] == address("cuMemcpyHtoD_v2_ptds"),
-            lookup("cuFuncGetParamInfo", 12000)[0] == 500,          # version not sufficient
+            lookup("cuFuncGetParamInfo", 12000)[::2] == (0, 2),     # version not sufficient: said by the status
             lookup("cuGraphCreate", 10000)[1] == address("cuGraphCreate"),   # known: a loud stub
-            lookup("cuNoSuchCall", 12000) == (500, 0, 1),
+            lookup("cuNoSuchCall", 12000) == (0, 0, 1),             # as NVIDIA's driver answers (H200)
         ]
         print(checks)
     """, env=stub_env(f"ipc://{tmp_path}/nobody.sock"))

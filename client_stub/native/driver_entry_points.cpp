@@ -200,7 +200,12 @@ CUresult lookup(const char* symbol, void** pfn, int version, cuuint64_t flags, C
         *pfn = unsupported_stub(symbol);    // known to CUDA, not to phos: fails loudly if called
         if (!*pfn) result = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
     }
-    if (status) *status = result;
+    // NVIDIA's driver (580, on the H200) answers a missing name with CUDA_SUCCESS when the
+    // caller asked for the status, which then says why; without a status, NOT_FOUND.
+    if (status) {
+        *status = result;
+        return CUDA_SUCCESS;
+    }
     return *pfn ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
 }
 }  // namespace

@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
     fn = nullptr;
     CUresult missing = cuGetProcAddress("cuNoSuchFunction", &fn, 12000, 0, &status);
     printf("cuGetProcAddress(missing): result=%d status=%d\n", (int)missing, (int)status);
-    wrong += check(__LINE__, fn != nullptr || (missing != CUDA_ERROR_NOT_FOUND && status != CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
+    wrong += check(__LINE__, fn != nullptr || missing != CUDA_SUCCESS || status != CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
 
     CHECK(cuEventDestroy(start));
     CHECK(cuEventDestroy(stop));
