@@ -38,25 +38,31 @@ def _check_stub():
                          f"build the native stub with `make -C {os.path.join(root, 'client_stub', 'native')}`")
 
 
-class _LocalServer:
-    """An emu server on a private ipc socket, stopped (with its workers) on exit."""
+class LocalServer:
+    """A `phos server` child process, stopped (with its workers) by stop().
 
-    def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="phos-run-")
-        self.address = f"ipc://{self.dir}/phos.sock"
+    `phos run` starts an emu server on a private ipc socket; the tests start others.
+    Without a directory it makes one for the socket and log, and removes it on stop.
+    """
+
+    def __init__(self, backend="emu", directory=None, listen=None, extra=()):
+        self.owned = directory is None
+        self.dir = tempfile.mkdtemp(prefix="phos-run-") if self.owned else str(directory)
+        self.address = listen or f"ipc://{self.dir}/phos.sock"
         self.log = open(os.path.join(self.dir, "server.log"), "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "phos.cli", "server", "--backend", "emu", "--listen", self.address],
+            [sys.executable, "-m", "phos.cli", "server", "--backend", backend, "--listen", self.address,
+             "--log-level", "INFO", *extra],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while not os.path.exists(self.address[len("ipc://"):]):
+        while "listening on" not in self.output():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                text = self._output()
+                text = self.output()
                 self.stop()
-                raise SystemExit(f"phos run: the local emu server did not start:\n{text}")
+                raise SystemExit(f"phos: the {backend} server did not start:\n{text}")
             time.sleep(0.02)
 
-    def _output(self):
+    def output(self):
         self.log.flush()
         with open(self.log.name) as f:
             return f.read()
@@ -70,7 +76,8 @@ class _LocalServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.owned:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def run(argv: list[str], server: str | None) -> int:
@@ -78,7 +85,7 @@ def run(argv: list[str], server: str | None) -> int:
     if not argv:
         raise SystemExit("phos run: give the program to run after --")
     _check_stub()
-    local = None if server else _LocalServer()
+    local = None if server else LocalServer()
     try:
         env = stub_environment(server or local.address)
         try:

@@ -1,12 +1,12 @@
 """Shared fixtures: a real phos server process per test module, on the chosen backend."""
 import os
-import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import zmq
+
+from phos.stub_run import LocalServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,40 +21,16 @@ def backend(request):
     return request.config.getoption("--backend")
 
 
-class ServerProc:
-    """A `phos server` child process listening on a private ipc socket."""
+class ServerProc(LocalServer):
+    """A real `phos server` for a test, in the test's tmp dir; workers() lists its context workers."""
 
     def __init__(self, backend, tmpdir, listen=None, extra=()):
-        self.address = listen or f"ipc://{tmpdir}/phos.sock"
-        self.log = open(os.path.join(tmpdir, "server.log"), "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "phos.cli", "server", "--backend", backend,
-                                      "--listen", self.address, "--log-level", "INFO", *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while "listening on" not in self.output():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{self.output()}")
-            time.sleep(0.05)
-
-    def output(self):
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()
+        super().__init__(backend, tmpdir, listen, extra)
 
     def workers(self):
         """Pids of this server's live context workers."""
         out = subprocess.run(["pgrep", "-f", f"phos.gpu_server.worker.*{self.address}"], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                raise
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
