@@ -1,5 +1,6 @@
 // Driver API: cuGetProcAddress and its table, error names, the older variants of calls
 // that CUDA 13's cuda.h maps to newer symbols, and the per-thread-stream variants.
+#include "error_table.h"
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -103,33 +104,24 @@ PER_THREAD(cuEventRecordWithFlags_ptsz, cuEventRecordWithFlags, (CUevent e, CUst
 // -- errors ------------------------------------------------------------------------------
 
 namespace {
-struct ErrorText {
-    int value;
-    const char* name;
-    const char* text;
-};
-const ErrorText kErrors[] = {
+const phos::ErrorText kErrors[] = {
 #define PHOS_ERROR(name, value, text) {value, #name, text},
 #include "tables/driver_errors.def"
 #undef PHOS_ERROR
 };
-const ErrorText* find_error(CUresult e) {
-    for (const auto& t : kErrors)
-        if (t.value == static_cast<int>(e)) return &t;
-    return nullptr;
-}
+const phos::ErrorText* find_error(CUresult e) { return phos::lookup_error(kErrors, static_cast<int>(e)); }
 }  // namespace
 
 PHOS_EXPORT CUresult cuGetErrorString(CUresult error, const char** text) {
     if (!text) return CUDA_ERROR_INVALID_VALUE;
-    const ErrorText* t = find_error(error);
+    const phos::ErrorText* t = find_error(error);
     *text = t ? t->text : nullptr;
     return t ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 PHOS_EXPORT CUresult cuGetErrorName(CUresult error, const char** name) {
     if (!name) return CUDA_ERROR_INVALID_VALUE;
-    const ErrorText* t = find_error(error);
+    const phos::ErrorText* t = find_error(error);
     *name = t ? t->name : nullptr;
     return t ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }

@@ -1,25 +1,17 @@
 // Runtime errors: names, texts, the per-thread last error, and driver -> runtime codes.
+#include "error_table.h"
 #include "runtime_state.h"
 #include "unsupported.h"
 
 namespace phos::runtime {
 
 namespace {
-struct ErrorText {
-    int value;
-    const char* name;
-    const char* text;
-};
-const ErrorText kErrors[] = {
+const phos::ErrorText kErrors[] = {
 #define PHOS_ERROR(name, value, text) {value, #name, text},
 #include "tables/runtime_errors.def"
 #undef PHOS_ERROR
 };
-const ErrorText* find_error(int value) {
-    for (const auto& e : kErrors)
-        if (e.value == value) return &e;
-    return nullptr;
-}
+const phos::ErrorText* find_error(int value) { return phos::lookup_error(kErrors, value); }
 
 thread_local cudaError_t last_error = cudaSuccess;
 }  // namespace
@@ -52,12 +44,12 @@ cudaError_t to_runtime(CUresult result) {
 using namespace phos::runtime;
 
 PHOS_EXPORT const char* cudaGetErrorString(cudaError_t error) {
-    const ErrorText* e = find_error(error);
+    const phos::ErrorText* e = find_error(error);
     return e ? e->text : "unrecognized error code";
 }
 
 PHOS_EXPORT const char* cudaGetErrorName(cudaError_t error) {
-    const ErrorText* e = find_error(error);
+    const phos::ErrorText* e = find_error(error);
     return e ? e->name : "unrecognized error code";
 }
 
