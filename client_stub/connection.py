@@ -66,13 +66,11 @@ class Connection:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
                                                     f"inproc://phos-monitor-{next(_monitor_ids)}")
         self.sock.connect(endpoint)
-        self.connected = False
         self.seq = 0
         self.batch = []          # (seq, name, args, payload) not yet sent
         self.batch_bytes = 0
         self.unacked = collections.deque()   # (seq, name, args, payload) sent, not yet acknowledged
         self.dtoh = {}           # seq -> writer(frame) for asynchronous device-to-host copies
-        self.output = ""         # device printf text from the last reply
         self.keep = set()        # seqs whose Results are kept for a later collect()
         self.kept = {}           # seq -> Result
         self.late_error = None   # a kept Result that failed, reported by the next synchronous call
@@ -136,8 +134,8 @@ class Connection:
     def send_frames(self, frames, via_box):
         """Send an encoded batch: through the mailbox when allowed and possible, else the socket."""
         self.unacked.extend(self.batch)
+        self.batch, self.batch_bytes = [], 0
         if via_box and self.box is not None and len(frames) == 1:
-            self.batch, self.batch_bytes = [], 0
             if self.box.put(0, self.box_seq + 1, frames[0]):
                 self.box_seq += 1
                 self.box_waiting = True
@@ -146,7 +144,6 @@ class Connection:
                 return
         big = any(len(f) > ZERO_COPY for f in frames[1:])
         tracker = self.sock.send_multipart(frames, copy=not big, track=big)
-        self.batch, self.batch_bytes = [], 0
         if big:                    # the caller may reuse its buffer once zmq has handed it off
             tracker.wait()
 
@@ -172,8 +169,7 @@ class Connection:
             now = time.monotonic()
             while self.monitor.poll(0):
                 event = zmq.utils.monitor.recv_monitor_message(self.monitor)["event"]
-                self.connected = event == zmq.EVENT_CONNECTED
-                gone_since = None if self.connected else now
+                gone_since = None if event == zmq.EVENT_CONNECTED else now
             if deadline is not None and now > deadline:
                 raise CudaError(CUresult.CUDA_ERROR_NO_DEVICE, f"no phos server answered at {self.endpoint} within {timeout:g} s")
             if gone_since is not None and now - gone_since > GONE_TIMEOUT:
@@ -198,9 +194,8 @@ class Connection:
         mine = None
         with wire.decode(wire.Reply, body) as reply:
             self.acknowledge(reply.ackSeq)
-            if reply._has("output"):
-                self.output = reply.output
-                print(self.output, end="", flush=True)
+            if reply._has("output"):          # device printf: show it where the application runs
+                print(reply.output, end="", flush=True)
             for r in reply.results:
                 mine = self.route(read_result(r, frames), seq) or mine
         return mine
@@ -351,12 +346,8 @@ def host_bytes(src, nbytes):
 
 def host_writer(dst, nbytes):
     """A function that writes a received frame into a host buffer or int address."""
-    if isinstance(dst, int):
-        return lambda frame: ctypes.memmove(dst, np.frombuffer(frame.buffer, np.uint8).ctypes.data, nbytes)
-    view = memoryview(dst).cast("B")
-    if view.readonly or view.nbytes < nbytes:
-        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"host buffer must be writable and hold {nbytes} bytes")
+    out = np.frombuffer(host_bytes_writable(dst, nbytes), np.uint8)
 
     def write(frame):
-        view[:nbytes] = frame.buffer
+        out[:] = np.frombuffer(frame.buffer, np.uint8)
     return write

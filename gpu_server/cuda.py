@@ -77,7 +77,6 @@ class CudaBackend:
         self.space = AddressSpace(self.reserved, granularity)
         self.handles = {}            # base -> (mapped length, physical handle)
         self.registered = []         # pinned host ranges (the staging area)
-        self.output = ""
 
     @staticmethod
     def _reserve(total):

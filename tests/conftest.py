@@ -24,9 +24,6 @@ def backend(request):
 class ServerProc(LocalServer):
     """A real `phos server` for a test, in the test's tmp dir; workers() lists its context workers."""
 
-    def __init__(self, backend, tmpdir, listen=None, extra=()):
-        super().__init__(backend, tmpdir, listen, extra)
-
     def workers(self):
         """Pids of this server's live context workers."""
         out = subprocess.run(["pgrep", "-f", f"phos.gpu_server.worker.*{self.address}"], capture_output=True, text=True)
