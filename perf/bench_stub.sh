@@ -14,19 +14,7 @@ backend=${PHOS_BENCH_BACKEND:-cuda}
 server=""
 if [ "${1:-}" = "--server" ]; then server=$2; shift 2; fi
 
-work=$(mktemp -d)
-server_pid=""
-cleanup() {
-    [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
-    rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
-
-# Rebuild the stub where the build tools are; a GPU machine may only have it prebuilt.
-make -s -C "$root/client_stub/native" 2>"$work/make.log" || {
-    [ -f "$root/phos/stub/libcudart.so.13" ] || { cat "$work/make.log"; exit 1; }
-    echo "note: using the prebuilt phos/stub (cannot rebuild here: $(tail -1 "$work/make.log"))"
-}
+. "$root/tests/apps/stub_session.sh"
 $NVCC -cudart shared -O2 -gencode arch=compute_90,code=compute_90 -gencode arch=compute_90,code=sm_90 \
     -o "$work/bench_stub" "$here/bench_stub.cu"
 
@@ -37,13 +25,7 @@ else
     : > "$work/native.txt"   # no GPU here: phos only
 fi
 
-if [ -z "$server" ]; then
-    server="ipc://$work/phos.sock"
-    (cd "$root" && exec $PYTHON -m phos.cli server --backend "$backend" --listen "$server") > "$work/server.log" 2>&1 &
-    server_pid=$!
-    for _ in $(seq 600); do [ -S "$work/phos.sock" ] && break; sleep 0.1; done
-    [ -S "$work/phos.sock" ] || { echo "the $backend server did not start:"; cat "$work/server.log"; exit 1; }
-fi
+[ -n "$server" ] || start_server "$backend"
 LD_LIBRARY_PATH="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PHOS_SERVER=$server \
     "$work/bench_stub" "$@" > "$work/phos.txt"
 

@@ -12,28 +12,10 @@ PYTHON=${PYTHON:-python3}
 server=""
 [ "${1:-}" = "--server" ] && server=$2
 
-work=$(mktemp -d)
-server_pid=""
-cleanup() {
-    [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null
-    rm -rf "$work"
-}
-trap cleanup EXIT INT TERM
-
-# Rebuild the stub where the build tools are; a GPU machine may only have it prebuilt.
-make -s -C "$root/client_stub/native" 2>"$work/make.log" || {
-    [ -f "$root/phos/stub/libcudart.so.13" ] || { cat "$work/make.log"; exit 1; }
-    echo "note: using the prebuilt phos/stub (cannot rebuild here: $(tail -1 "$work/make.log"))"
-}
+. "$root/tests/apps/stub_session.sh"
 sh "$here/build_apps.sh" "$work/bin"
 
-if [ -z "$server" ]; then
-    server="ipc://$work/phos.sock"
-    (cd "$root" && exec $PYTHON -m phos.cli server --backend cuda --listen "$server") > "$work/server.log" 2>&1 &
-    server_pid=$!
-    for _ in $(seq 600); do [ -S "$work/phos.sock" ] && break; sleep 0.1; done
-    [ -S "$work/phos.sock" ] || { echo "the cuda server did not start:"; cat "$work/server.log"; exit 1; }
-fi
+[ -n "$server" ] || start_server cuda
 
 native_path="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 stub_path="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
