@@ -9,6 +9,7 @@ import ctypes
 import itertools
 import mmap
 import os
+import sys
 import time
 
 import numpy as np
@@ -18,11 +19,13 @@ import zmq.utils.monitor
 from phos.schema import wire
 from phos.schema.cuda_types import CudaError, CUresult
 
-BATCH_CALLS = 64                 # flush an asynchronous batch after this many calls...
-BATCH_BYTES = 1 << 20            # ...or this many payload bytes
+BATCH_CALLS = 64                 # flush an asynchronous batch after this many calls (launches too)...
+BATCH_BYTES = 1 << 20            # ...or this many payload bytes...
+BATCH_LAUNCH_BYTES = 256 << 10   # ...or launch records: the Request frame stays under wire.MAX_CONTROL_FRAME
 ZERO_COPY = 64 << 10             # payloads above this are sent from the caller's buffer
 CONNECT_TIMEOUT = float(os.environ.get("PHOS_CONNECT_TIMEOUT", "5"))
 GONE_TIMEOUT = float(os.environ.get("PHOS_GONE_TIMEOUT", "10"))
+REATTACH_TIMEOUT = float(os.environ.get("PHOS_REATTACH_TIMEOUT", "60"))   # look for a restored context this long
 # Spin this long for a reply before sleeping in poll: a wake-up costs more than a short spin
 # where cores are plentiful. Off on small machines, where the spin would starve the peer.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "100" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
@@ -37,9 +40,16 @@ _monitor_ids = itertools.count()
 
 
 def zmq_context():
+    """The process's ZeroMQ context: a gevent-aware one when gevent has patched the process
+    (locust users are greenlets), so a call waiting in poll lets the other greenlets run."""
     global _zctx
     if _zctx is None or _zctx.closed:
-        _zctx = zmq.Context()
+        gevent_monkey = sys.modules.get("gevent.monkey")
+        if gevent_monkey is not None and gevent_monkey.is_module_patched("socket"):
+            import zmq.green as zmq_green
+            _zctx = zmq_green.Context()
+        else:
+            _zctx = zmq.Context()
     return _zctx
 
 
@@ -58,16 +68,10 @@ def _configure_curve(sock):
 
 class Connection:
     def __init__(self, endpoint):
-        self.endpoint = endpoint
-        self.sock = zmq_context().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        _configure_curve(self.sock)
-        # a unique name: pyzmq's default reuses the fd number, which a closed socket may still hold
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
-                                                    f"inproc://phos-monitor-{next(_monitor_ids)}")
-        self.sock.connect(endpoint)
+        self.open_socket(endpoint)
         self.seq = 0
-        self.batch = []          # (seq, name, args, payload) not yet sent
+        self.batch = []          # (seq, name, args, payload) not yet sent; args of launchBatch: its blob
+        self.batch_calls = 0     # calls in the batch, each launch of a launchBatch counted
         self.batch_bytes = 0
         self.unacked = collections.deque()   # (seq, name, args, payload) sent, not yet acknowledged
         self.dtoh = {}           # seq -> writer(frame) for asynchronous device-to-host copies
@@ -79,6 +83,21 @@ class Connection:
         self.box = None          # its mailbox (wire.Mailbox), for synchronous calls
         self.box_seq = 0         # seq of our last mailbox request
         self.box_waiting = False # its reply has not been read yet
+        self.find_again = None   # set for a context's worker: () -> (endpoint, attach args) of where it lives now
+        self.acked = 0           # the highest seq the worker acknowledged: we hold every call after it
+
+    def open_socket(self, endpoint):
+        self.endpoint = endpoint
+        self.sock = zmq_context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        _configure_curve(self.sock)
+        # a unique name: pyzmq's default reuses the fd number, which a closed socket may still hold
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
+                                                    f"inproc://phos-monitor-{next(_monitor_ids)}")
+        self.sock.connect(endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
 
     def close(self):
         self.sock.disable_monitor()
@@ -97,9 +116,29 @@ class Connection:
             self.dtoh[self.seq] = on_bytes
         if payload is not None:
             self.batch_bytes += len(payload)
-        if want_reply or big or len(self.batch) >= BATCH_CALLS or self.batch_bytes >= BATCH_BYTES:
+        self.batch_calls += 1
+        if want_reply or big or self.batch_calls >= BATCH_CALLS or self.batch_bytes >= BATCH_BYTES:
             self.flush(want_reply, via_box)
         return self.seq
+
+    def post_launch(self, function, config, params):
+        """Queue a launch: appended to the batch's last entry when that is a launchBatch.
+
+        The entry's seq becomes this launch's, so it stays the seq of its last launch, and
+        each launch takes one seq as if sent alone (phos.capnp, "Launch batches")."""
+        record = wire.launch_record(function, config, params)    # may raise: before taking a seq
+        self.seq += 1
+        last = self.batch[-1] if self.batch else None
+        if last is not None and last[1] == "launchBatch":
+            blob = last[2]
+            blob += record
+            self.batch[-1] = (self.seq, "launchBatch", blob, None)
+        else:
+            blob = bytearray(record)
+            self.batch.append((self.seq, "launchBatch", blob, None))
+        self.batch_calls += 1
+        if self.batch_calls >= BATCH_CALLS or len(blob) >= BATCH_LAUNCH_BYTES:
+            self.flush()
 
     def call(self, name, args=None, payload=None, timeout=None):
         """Run a synchronous call: flush the batch, wait for the reply, return its Result."""
@@ -119,8 +158,8 @@ class Connection:
         frames = [None]
         for c, (seq, name, args, payload) in zip(req.init("calls", len(self.batch)), self.batch):
             c.seq = seq
-            if args is None:
-                setattr(c, name, None)
+            if args is None or name == "launchBatch":
+                setattr(c, name, None if args is None else bytes(args))
                 continue
             s = c.init(name)
             for key, value in args.items():
@@ -133,8 +172,8 @@ class Connection:
 
     def send_frames(self, frames, via_box):
         """Send an encoded batch: through the mailbox when allowed and possible, else the socket."""
-        self.unacked.extend(self.batch)
-        self.batch, self.batch_bytes = [], 0
+        self.unacked.extend(self.batch)       # a launchBatch's blob is never appended to once sent
+        self.batch, self.batch_calls, self.batch_bytes = [], 0, 0
         if via_box and self.box is not None and len(frames) == 1:
             if self.box.put(0, self.box_seq + 1, frames[0]):
                 self.box_seq += 1
@@ -158,8 +197,8 @@ class Connection:
             frames = self.next_reply()
             if frames is None and time.perf_counter() < spin_end:
                 continue
-            if frames is None and self.sock.poll(1 if self.box_waiting else 200):
-                frames = self.next_reply()
+            if frames is None and self.sock in dict(self.poller.poll(1 if self.box_waiting else 200)):
+                frames = self.next_reply()      # (the monitor wakes us too: a dead worker is noticed at once)
             if frames is not None:
                 result = self.take_reply(frames, seq)
                 if result is not None:
@@ -172,6 +211,10 @@ class Connection:
                 gone_since = None if event == zmq.EVENT_CONNECTED else now
             if deadline is not None and now > deadline:
                 raise CudaError(CUresult.CUDA_ERROR_NO_DEVICE, f"no phos server answered at {self.endpoint} within {timeout:g} s")
+            if gone_since is not None and self.find_again is not None:
+                self.reattach(seq)           # the worker went away: find the context again and replay
+                gone_since, spin_end = None, time.perf_counter() + SPIN
+                continue
             if gone_since is not None and now - gone_since > GONE_TIMEOUT:
                 raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"the phos server at {self.endpoint} went away")
 
@@ -201,6 +244,7 @@ class Connection:
         return mine
 
     def acknowledge(self, ack_seq):
+        self.acked = max(self.acked, ack_seq)
         while self.unacked and self.unacked[0][0] <= ack_seq:
             self.unacked.popleft()
 
@@ -218,6 +262,76 @@ class Connection:
                 self.late_error = res
         return None
 
+
+    # -- re-attaching to a restored context ---------------------------------------------------
+    def reattach(self, seq):
+        """Attach to wherever the context lives now, then resend what its image lacks.
+
+        The restored worker has executed every call up to the image's cut (attach's u64s[2]);
+        we resend the unacknowledged calls after it. Calls we no longer hold are lost: then
+        the context cannot go on, and we say so."""
+        deadline, why, old_staging = time.monotonic() + REATTACH_TIMEOUT, "", None
+        while True:
+            try:
+                endpoint, args = self.find_again()
+                old_staging = self.staging if self.staging is not None else old_staging
+                self.close()
+                self.open_socket(endpoint)
+                self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
+                offer = self.offer_staging()
+                if offer:
+                    args.update(shmPath=offer[0], shmCookie=offer[1], shmSize=offer[2])
+                res = self.call_now("attach", args)
+                if offer:
+                    self.accept_staging(res.status == 0 and len(res.u64s) > 1 and res.u64s[1] == 1)
+                if res.status == 0:
+                    break
+                why = res.message
+            except CudaError as e:
+                why = e.message
+            if time.monotonic() > deadline:
+                raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED,
+                                f"the context's worker went away and no server restored it within {REATTACH_TIMEOUT:g} s ({why})")
+            time.sleep(0.1)
+        cut = res.u64s[2]
+        if self.acked > cut or seq <= cut:
+            raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED,
+                            f"the context was restored from an image taken at call {cut}, but calls {cut + 1}..{self.acked} "
+                            "were already acknowledged and are gone: it cannot continue")
+        replay = [c for c in self.unacked if c[0] > cut]     # a batch runs whole, so none straddles the cut
+        self.unacked.clear()
+        self.batch = [self.off_staging(c, old_staging) for c in replay] + self.batch
+        self.flush(want_reply=True)
+
+    def off_staging(self, call, area):
+        """A replayed copy that named the old staging area: its bytes travel as frames instead."""
+        seq, name, args, payload = call
+        if not isinstance(args, dict) or not args.get("viaShm"):
+            return call
+        off, size = args["shmOffset"], args["size"]
+        args = {k: v for k, v in args.items() if k not in ("viaShm", "shmOffset")}
+        if name == "memcpyHtoD":
+            return seq, name, args, area[off:off + size].tobytes()
+        slot = area[off:off + size]          # the caller reads the copied bytes from here
+
+        def write(frame):
+            slot[:] = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, np.uint8)
+        self.dtoh[seq] = write
+        return seq, name, args, None
+
+    def call_now(self, name, args):
+        """Send one call alone, as seq 0 (it takes no place in the call stream), and wait for its Result."""
+        req = wire.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=True)
+        call = req.init("calls", 1)[0]
+        s = call.init(name)
+        for key, value in args.items():
+            setattr(s, key, value)
+        self.sock.send(req.to_bytes())
+        find_again, self.find_again = self.find_again, None     # no re-attaching from inside a re-attach
+        try:
+            return self.wait(0, timeout=CONNECT_TIMEOUT)
+        finally:
+            self.find_again = find_again
 
     # -- the shared staging area ------------------------------------------------------------
     def offer_staging(self):

@@ -227,8 +227,21 @@ def _open_context(dev, flags):
     res = _check(conn.call("attach", args))
     if offer:
         conn.accept_staging(len(res.u64s) > 1 and res.u64s[1] == 1)
+    conn.find_again = _finder(ctx_id, token)
     _contexts[ctx_id] = conn
     return ctx_id
+
+
+def _finder(ctx_id, token):
+    """How a context's connection finds its worker again after a restore (Connection.reattach)."""
+    def find():
+        front = Connection(os.environ.get("PHOS_SERVER", DEFAULT_SERVER))
+        try:
+            res = _check(front.call("reattach", {"ctx": ctx_id, "token": token}, timeout=CONNECT_TIMEOUT))
+        finally:
+            front.close()
+        return res.text, {"ctx": ctx_id, "token": token}
+    return find
 
 
 def _close_context(ctx_id):
@@ -534,9 +547,9 @@ def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockD
     if extra not in (None, 0):
         raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, "cuLaunchKernel: pass parameters in kernelParams, not extra")
     params = pack_params(_layout(f), kernelParams)
-    config = wire.LAUNCH_CONFIG.pack(gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
-                                     int(sharedMemBytes), 0, _stream_id(hStream))
-    _ctx_post("launch", {"function": int(f), "config": config, "params": params})
+    config = (gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, int(sharedMemBytes), 0, _stream_id(hStream))
+    with _lock:
+        _current()[1].post_launch(int(f), config, params)
 
 
 # -- streams and events -----------------------------------------------------------------

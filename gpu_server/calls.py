@@ -6,8 +6,8 @@ pointer against the calling session's own objects before touching the backend.
 """
 import numpy as np
 
-from phos.schema.cuda_types import CudaError, CUresult
-from phos.schema.wire import LAUNCH_CONFIG
+from phos.schema.cuda_types import STICKY, CudaError, CUresult
+from phos.schema.wire import LAUNCH_CONFIG, WireError, read_launch_batch
 
 STREAM_ALIASES = (0, 1, 2)   # default stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
@@ -30,6 +30,8 @@ def mem_alloc(s, a, p):
 
 
 def mem_free(s, a, p):
+    if s.snapshotting and s.space.find(a.ptr):
+        s.touch(a.ptr, 0, whole=True)      # an image in progress still needs its contents
     s.backend.free(a.ptr)   # the address space refuses anything but an allocation's base
 
 
@@ -57,6 +59,8 @@ def memcpy_htod(s, a, p):
     data = s.staging(a.shmOffset, a.size) if a.viaShm else _payload(p, a.payload, a.size)
     _check_copy(s, a.dst, a, "destination")
     stream = _stream(s, a.stream)
+    if s.snapshotting:
+        s.touch(a.dst, a.size)
     s.backend.htod(a.dst, data, stream)
     if a.viaShm and stream is not None:
         s.backend.stream_sync(stream)     # the client reuses the staging slot once we reply
@@ -64,6 +68,8 @@ def memcpy_htod(s, a, p):
 
 def memcpy_dtoh(s, a, p):
     _check_copy(s, a.src, a, "source")
+    if s.snapshotting:
+        s.touch(a.src, a.size, write=False)
     out = s.staging(a.shmOffset, a.size) if a.viaShm else np.empty(a.size, np.uint8)
     s.backend.dtoh(a.src, out, _stream(s, a.stream))
     return None if a.viaShm else {"payload": out}
@@ -72,6 +78,9 @@ def memcpy_dtoh(s, a, p):
 def memcpy_dtod(s, a, p):
     s.space.check(a.src, a.size, "source")
     s.space.check(a.dst, a.size, "destination")
+    if s.snapshotting:
+        s.touch(a.src, a.size, write=False)
+        s.touch(a.dst, a.size)
     s.backend.dtod(a.dst, a.src, a.size, _stream(s, a.stream))
 
 
@@ -81,6 +90,8 @@ def memset(s, a, p):
     if a.value >> (8 * a.elemSize):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"memset value {a.value:#x} does not fit {a.elemSize} bytes")
     s.space.check(a.dst, a.elemSize * a.count, "destination")
+    if s.snapshotting:
+        s.touch(a.dst, a.elemSize * a.count)
     s.backend.memset(a.dst, a.value, a.elemSize, a.count, _stream(s, a.stream))
 
 
@@ -93,6 +104,9 @@ def module_load(s, a, p):
 
 def module_unload(s, a, p):
     module = s.handle("module", a.id)
+    if s.snapshotting:
+        for _, ptr, _ in s.backend.module_globals(module):
+            s.touch(ptr, 0, whole=True)
     s.backend.unload_module(module)
     s.drop(a.id)
     for fid in [f for f, (kind, obj) in s.objects.items() if kind == "function" and obj.module_id == a.id]:
@@ -110,24 +124,55 @@ def module_get_global(s, a, p):
     return {"u64s": list(s.backend.get_global(s.handle("module", a.module), a.name))}
 
 
-def launch(s, a, p):
-    fn = s.handle("function", a.function)
-    config = a.config
-    if len(config) != LAUNCH_CONFIG.size:
-        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: config holds {len(config)} bytes, not {LAUNCH_CONFIG.size}")
-    gx, gy, gz, bx, by, bz, shared, _, stream = LAUNCH_CONFIG.unpack(config)
+def run_launch(s, function_id, config, params):
+    """Check one launch and hand it to the backend: the single path of launch and launchBatch.
+
+    config: Launch.config's 40 bytes, or LAUNCH_CONFIG's nine values already unpacked."""
+    fn = s.handle("function", function_id)
+    if not isinstance(config, tuple):
+        if len(config) != LAUNCH_CONFIG.size:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: config holds {len(config)} bytes, not {LAUNCH_CONFIG.size}")
+        config = LAUNCH_CONFIG.unpack(config)
+    gx, gy, gz, bx, by, bz, shared, _, stream = config
     if not (gx and gy and gz and bx and by and bz):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: grid {(gx, gy, gz)} and block {(bx, by, bz)} must be non-zero")
     if bx * by * bz > 1024:
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {bx * by * bz} threads per block exceeds 1024")
-    params = a.params
     if len(params) != fn.size:
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {len(params)} parameter bytes, kernel takes {fn.size}")
+    if s.snapshotting:
+        s.touch_kernel(params)
     s.backend.launch(fn, (gx, gy, gz), (bx, by, bz), shared, _stream(s, stream), params)
 
 
+def launch(s, a, p):
+    run_launch(s, a.function, a.config, a.params)
+
+
+def launch_batch(s, blob, p):
+    """Run the records as that many `launch` calls (phos.capnp, "Launch batches").
+
+    A failed launch does not stop the later ones: the first failure is raised at the end,
+    and Session.execute defers it to the next synchronizing call. A sticky one stops the rest."""
+    try:
+        records = read_launch_batch(blob)
+    except WireError as e:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed launch batch: {e}") from None
+    first = None
+    for i, (function_id, config, params) in enumerate(records):
+        try:
+            run_launch(s, function_id, config, params)
+        except CudaError as e:
+            if e.status in STICKY:
+                raise
+            if first is None:
+                first = CudaError(e.status, f"record {i + 1} of {len(records)}: {e.message}")
+    if first is not None:
+        raise first
+
+
 def stream_create(s, a, p):
-    return {"u64s": [s.add("stream", s.backend.stream_create(a.flags, a.priority))]}
+    return {"u64s": [s.add("stream", s.backend.stream_create(a.flags, a.priority), flags=a.flags, priority=a.priority)]}
 
 
 def stream_destroy(s, a, p):
@@ -149,7 +194,7 @@ def stream_wait_event(s, a, p):
 
 
 def event_create(s, a, p):
-    return {"u64s": [s.add("event", s.backend.event_create(a.flags))]}
+    return {"u64s": [s.add("event", s.backend.event_create(a.flags), flags=a.flags)]}
 
 
 def event_record(s, a, p):
@@ -200,6 +245,7 @@ WORKER_CALLS = {
     "moduleGetFunction": module_get_function,
     "moduleGetGlobal": module_get_global,
     "launch": launch,
+    "launchBatch": launch_batch,
     "streamCreate": stream_create,
     "streamDestroy": stream_destroy,
     "streamSynchronize": stream_synchronize,

@@ -4,6 +4,7 @@ Allocations are VMM mappings inside one range reserved at the fixed base
 (DESIGN decision 3), so a restored or handed-off context keeps its addresses.
 """
 import ctypes
+import os
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -77,6 +78,22 @@ class CudaBackend:
         self.space = AddressSpace(self.reserved, granularity)
         self.handles = {}            # base -> (mapped length, physical handle)
         self.registered = []         # pinned host ranges (the staging area)
+        self.streams = set()         # the streams we created: a checkpoint's cut fences them
+        self.ordinal = device
+        self._snap = None
+        self._info = None
+
+    def device_info(self):
+        if self._info is None:       # enumerating every attribute takes a while: once per worker
+            self._info = self.devices()[self.ordinal]
+        return self._info
+
+    @property
+    def snap(self):
+        """The snapshot engine's device operations, made on first use (they load a module)."""
+        if self._snap is None:
+            self._snap = CudaSnapshotOps(self)
+        return self._snap
 
     @staticmethod
     def _reserve(total):
@@ -106,7 +123,7 @@ class CudaBackend:
 
     def free(self, ptr):
         self.space.release(ptr)
-        ok(cu.cuCtxSynchronize(), "cuCtxSynchronize")     # cuMemFree waits for work using the memory too
+        self.synchronize()         # cuMemFree waits for work using the memory too
         length, handle = self.handles.pop(ptr)
         ok(cu.cuMemUnmap(ptr, length), "cuMemUnmap")
         ok(cu.cuMemRelease(handle), "cuMemRelease")
@@ -142,15 +159,16 @@ class CudaBackend:
         ok(fn(dst, value, count, stream or 0), "cuMemsetAsync")
 
     # modules
-    def load_module(self, image):
+    def load_module(self, image, globals_at=None):
+        """globals_at is ignored: the driver places module globals itself (see get_global)."""
         data = bytes(image)
         if not data.startswith((b"\x50\xed\x55\xba", b"\x7fELF", b"\xb1\x43\x62\x46")) and not data.endswith(b"\0"):
             data += b"\0"        # PTX text must be NUL-terminated for the driver
         module = ok(cu.cuModuleLoadData(data), "cuModuleLoadData")
-        return [module, []]      # the module and the globals adopted into the address space
+        return [module, []]      # the module and its globals adopted into the address space: (name, ptr, size)
 
     def unload_module(self, module):
-        for ptr in module[1]:
+        for _, ptr, _ in module[1]:
             self.space.forget(ptr)
         ok(cu.cuModuleUnload(module[0]), "cuModuleUnload")
 
@@ -169,8 +187,12 @@ class CudaBackend:
         ptr = int(ptr)
         if ptr not in self.space.sizes:
             self.space.adopt(ptr, size)
-            module[1].append(ptr)
+            module[1].append((name, ptr, size))
         return ptr, size
+
+    def module_globals(self, module):
+        """The globals looked up so far: the driver cannot list a module's globals."""
+        return list(module[1])
 
     def launch(self, function, grid, block, shared_bytes, stream, params):
         args = getattr(function, "args", None)
@@ -189,10 +211,13 @@ class CudaBackend:
 
     # streams and events
     def stream_create(self, flags, priority):
-        return ok(cu.cuStreamCreateWithPriority(flags, priority), "cuStreamCreate")
+        stream = ok(cu.cuStreamCreateWithPriority(flags, priority), "cuStreamCreate")
+        self.streams.add(stream)
+        return stream
 
     def stream_destroy(self, stream):
         ok(cu.cuStreamDestroy(stream), "cuStreamDestroy")
+        self.streams.discard(stream)
 
     def stream_sync(self, stream):
         ok(cu.cuStreamSynchronize(stream or 0), "cuStreamSynchronize")
@@ -231,7 +256,13 @@ class CudaBackend:
         ok(cu.cuEventDestroy(event), "cuEventDestroy")
 
     def synchronize(self):
-        ok(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        """Wait for the application's work. Not cuCtxSynchronize once a snapshot made its own
+        streams: the application must not wait for the background copy."""
+        if self._snap is None:
+            ok(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            return
+        for stream in (0, *self.streams):
+            ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def close(self):
         cu.cuCtxSynchronize()
@@ -242,3 +273,131 @@ class CudaBackend:
             cu.cuMemRelease(handle)
         cu.cuMemAddressFree(BASE, self.reserved)
         cu.cuDevicePrimaryCtxRelease(self.device)
+
+
+def _pinned(nbytes):
+    """A page-locked host buffer as a uint8 array (kept for the worker's life)."""
+    ptr = int(ok(cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+class CudaSnapshotOps:
+    """The snapshot engine's device operations (snapshot/engine.py) on a real GPU.
+
+    Copies run on two streams of our own that never block the application's: `bulk` for
+    the background copy, `urgent` (highest priority) for copy-on-write saves. The cut
+    makes both wait for the application's work so far, and fingerprints every chunk with
+    the pfp1 kernel; with a fence, the application's streams then wait for that kernel,
+    so no later write can run before it. A read copies chunks to pinned host memory and
+    hashes them again right after, on the same stream: the fingerprint of what was copied.
+    """
+    BUFFER = 64 << 20
+
+    def __init__(self, backend):
+        from phos import snapshot
+        self.backend = backend
+        ok(cu.cuCtxSetCurrent(backend.ctx), "cuCtxSetCurrent")   # we may be made on a restore's loader thread
+        with open(os.path.join(os.path.dirname(snapshot.__file__), "kernels", "pfp1.ptx"), "rb") as f:
+            ptx = f.read()
+        self.module = ok(cu.cuModuleLoadData(ptx + b"\0"), "cuModuleLoadData(pfp1)")
+        self.kernel = ok(cu.cuModuleGetFunction(self.module, b"pfp1_lane_sums"), "cuModuleGetFunction(pfp1)")
+        flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+        _, greatest = ok(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+        self.streams = {"bulk": ok(cu.cuStreamCreateWithPriority(flags, 0), "cuStreamCreate"),
+                        "urgent": ok(cu.cuStreamCreateWithPriority(flags, greatest), "cuStreamCreate")}
+        self.host = {k: _pinned(self.BUFFER) for k in self.streams}
+        self.tables = {}         # purpose -> chunk table and sums, on the device and pinned on the host
+
+    def _table(self, key, n):
+        """(device table, device sums, host table, host sums) for n chunks; pinned, so async copies stay async."""
+        t = self.tables.get(key)
+        if t is None or t[4] < n:
+            cap = max(n, 1024)
+            t = (int(ok(cu.cuMemAlloc(16 * cap), "cuMemAlloc")), int(ok(cu.cuMemAlloc(16 * cap), "cuMemAlloc")),
+                 _pinned(16 * cap).view(np.uint64), _pinned(16 * cap).view(np.uint64), cap)
+            self.tables[key] = t          # the old buffers stay allocated: a pending hash may still use them
+        return t
+
+    def _hash(self, chunks, key, stream):
+        """Enqueue pfp1 lane sums of chunks on stream; returns a function giving the fingerprints."""
+        from phos.snapshot.fingerprint import _finish
+        n = len(chunks)
+        table, sums, spec, out, _ = self._table(key, n)
+        if n:
+            spec[:2 * n] = np.array(chunks, np.uint64).reshape(-1)
+            ok(cu.cuMemcpyHtoDAsync(table, spec.ctypes.data, 16 * n, stream), "cuMemcpyHtoDAsync")
+            params = np.array([table, sums, n], np.uint64)
+            args = np.array([params.ctypes.data, params.ctypes.data + 8, params.ctypes.data + 16], np.uint64)
+            err = _cuLaunchKernel(int(self.kernel), n, 1, 1, 256, 1, 1, 0, int(stream), args.ctypes.data, None)
+            if err:
+                ok((err,), "launch of pfp1_lane_sums")
+            ok(cu.cuMemcpyDtoHAsync(out.ctypes.data, sums, 16 * n, stream), "cuMemcpyDtoHAsync")
+        event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        ok(cu.cuEventRecord(event, stream), "cuEventRecord")
+
+        def wait():
+            ok(cu.cuEventSynchronize(event), "cuEventSynchronize")
+            cu.cuEventDestroy(event)
+            return [_finish(int(out[2 * i]), int(out[2 * i + 1]), size) for i, (_, size) in enumerate(chunks)]
+        return wait
+
+    def _app_streams(self):
+        return [0, *self.backend.streams]
+
+    def fingerprints(self, chunks, fence):
+        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        for app in self._app_streams():      # our streams start after the application's work so far
+            event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            ok(cu.cuEventRecord(event, app), "cuEventRecord")
+            for ours in self.streams.values():
+                ok(cu.cuStreamWaitEvent(ours, event, 0), "cuStreamWaitEvent")
+            cu.cuEventDestroy(event)
+        wait = self._hash(chunks, "cut", self.streams["bulk"])
+        if fence:                            # and the application's later work after the hash
+            event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            ok(cu.cuEventRecord(event, self.streams["bulk"]), "cuEventRecord")
+            for app in self._app_streams():
+                ok(cu.cuStreamWaitEvent(app, event, 0), "cuStreamWaitEvent")
+            cu.cuEventDestroy(event)
+        return wait
+
+    def read(self, chunks, urgent=False):
+        """Yield (host bytes, fingerprint) per chunk; a batch's views stay valid until the next batch."""
+        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        key = "urgent" if urgent else "bulk"
+        stream, host = self.streams[key], self.host[key]
+        i = 0
+        while i < len(chunks):
+            batch, used = [], 0
+            while i < len(chunks) and (not batch or used + chunks[i][1] <= len(host)):
+                if chunks[i][1] > len(host):
+                    raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk of {chunks[i][1]} bytes exceeds the {len(host)}-byte copy buffer")
+                batch.append((chunks[i], used))
+                used += chunks[i][1]
+                i += 1
+            for (addr, size), off in batch:
+                ok(cu.cuMemcpyDtoHAsync(host.ctypes.data + off, addr, size, stream), "cuMemcpyDtoHAsync")
+            fps = self._hash([c for c, _ in batch], key, stream)()
+            yield [(host[off:off + size], fp) for ((_, size), off), fp in zip(batch, fps)]
+
+    def write(self, chunks, datas):
+        """Copy through the pinned buffer (full link speed), then hash what landed."""
+        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        stream, host = self.streams["bulk"], self.host["bulk"]
+        fps, start = [], 0
+        while start < len(chunks):
+            end, used = start, 0
+            while end < len(chunks) and (end == start or used + chunks[end][1] <= len(host)):
+                used += chunks[end][1]
+                end += 1
+            off = 0
+            for (addr, size), data in zip(chunks[start:end], datas[start:end]):
+                if size > len(host):       # too big for the buffer: straight from pageable memory
+                    ok(cu.cuMemcpyHtoD(addr, np.frombuffer(data, np.uint8).ctypes.data, size), "cuMemcpyHtoD")
+                    continue
+                host[off:off + size] = np.frombuffer(data, np.uint8)
+                ok(cu.cuMemcpyHtoDAsync(addr, host.ctypes.data + off, size, stream), "cuMemcpyHtoDAsync")
+                off += size
+            fps += self._hash(chunks[start:end], "bulk", stream)()
+            start = end
+        return fps

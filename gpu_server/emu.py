@@ -8,9 +8,13 @@ import os
 import time
 import uuid
 
+import numpy as np
+
+from phos.gpu_server.address_space import BASE
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.gpu_server.emu_memory import EmuMemory
 from phos.schema.cuda_types import CudaError, CUresult
+from phos.snapshot.fingerprint import fingerprint
 
 GiB = 1 << 30
 EMU_MEMORY = int(os.environ.get("PHOS_EMU_MEMORY", 16 * GiB))
@@ -42,6 +46,10 @@ class EmuBackend:
         self.mem = EmuMemory(EMU_MEMORY)
         self.space = self.mem.space
         self.output = []
+        self.snap = EmuSnapshotOps(self.mem)
+
+    def device_info(self):
+        return self.devices()[0]
 
     # memory
     def alloc(self, nbytes, at=None):
@@ -70,13 +78,14 @@ class EmuBackend:
         view.view({1: "u1", 2: "<u2", 4: "<u4"}[elem_size])[:] = value
 
     # modules
-    def load_module(self, image):
+    def load_module(self, image, globals_at=None):
+        """globals_at: {name: address} to place globals where a restored image had them."""
         from phos.gpu_server.ptx import parse_module
         from phos.gpu_server.ptx.fatbin import extract_ptx
         module = parse_module(extract_ptx(bytes(image)))
         module.allocations = []
         for name, var in module.globals.items():
-            ptr = self.mem.alloc(max(var.size, 1))
+            ptr = self.mem.alloc(max(var.size, 1), (globals_at or {}).get(name))
             self.mem.view(ptr, len(var.init))[:] = memoryview(var.init)
             module.bind_global(name, ptr)
             module.allocations.append((name, ptr, var.size))
@@ -85,6 +94,9 @@ class EmuBackend:
     def unload_module(self, module):
         for _, ptr, _ in module.allocations:
             self.mem.free(ptr)
+
+    def module_globals(self, module):
+        return list(module.allocations)
 
     def get_function(self, module, name):
         kernel = module.kernels.get(name)
@@ -147,3 +159,27 @@ class EmuBackend:
 
     def close(self):
         pass
+
+
+class EmuSnapshotOps:
+    """The snapshot engine's device operations (snapshot/engine.py): NumPy on the arena."""
+
+    def __init__(self, mem):
+        self.mem = mem
+
+    def view(self, addr, n):
+        return self.mem.arena[addr - BASE:addr - BASE + n]
+
+    def fingerprints(self, chunks, fence):
+        fps = [fingerprint(self.view(a, n)) for a, n in chunks]   # calls run in order: the cut is now
+        return lambda: fps
+
+    def read(self, chunks, urgent=False):
+        for a, n in chunks:
+            data = self.view(a, n).copy()
+            yield [(data, fingerprint(data))]
+
+    def write(self, chunks, datas):
+        for (a, n), data in zip(chunks, datas):
+            self.view(a, n)[:] = np.frombuffer(data, np.uint8)
+        return [fingerprint(self.view(a, n)) for a, n in chunks]

@@ -25,12 +25,22 @@ log = logging.getLogger("phos.frontend")
 WORKER_START_TIMEOUT = float(os.environ.get("PHOS_WORKER_START_TIMEOUT", "60"))
 
 
+POOL_SIZE = int(os.environ.get("PHOS_POOL", "1"))     # pre-started workers, ready for a context or a restore
+
+
 @dataclass
 class WorkerProc:
     ctx_id: int
     proc: asyncio.subprocess.Process
     endpoint: str
     token: bytes
+    ctl_endpoint: str
+    ctl_token: bytes
+    ctl: object = None           # DEALER to the control socket, attached on first use
+    ctl_lock: asyncio.Lock = None
+    ctl_seq: int = 0
+    ctl_waiters: dict = None     # seq -> asyncio.Queue of its Results
+    state: str = "running"
 
 
 def check_listen(address, curve_secret):
@@ -57,6 +67,13 @@ def worker_endpoint(listen, ctx_id):
     return f"tcp://{url.hostname}:*"
 
 
+def control_endpoint(listen, ctx_id):
+    """Control sockets stay on this host: ipc beside the listener, or loopback tcp."""
+    if listen.startswith("ipc://"):
+        return f"{listen}.ctl{ctx_id}"
+    return "tcp://127.0.0.1:*"
+
+
 class FrontEnd:
     def __init__(self, backend_name, listen, curve=None):
         self.backend_name, self.listen = backend_name, listen
@@ -64,8 +81,11 @@ class FrontEnd:
         self.devices = self.backend.devices()
         self.curve = curve          # (server public, server secret, authorized client keys dir) or None
         self.workers = {}           # ctx id -> WorkerProc
-        self.next_ctx = 1
+        self.pool = []              # started workers no context has claimed yet
+        self.pool_size = POOL_SIZE
+        self.counts = {"checkpoints": 0, "restores": 0}
         self.stopping = asyncio.Event()
+        self.zctx = None
 
     # -- calls served here, one row each --------------------------------------------------
     def device(self, ordinal):
@@ -105,8 +125,14 @@ class FrontEnd:
 
     async def ctx_create(self, a):
         self.device(a.device)
-        worker = await self.start_worker(a.device, a.flags)
+        worker = await self.take_worker(a.device, a.flags)
         return {"u64s": [worker.ctx_id], "text": worker.endpoint, "data": worker.token}
+
+    async def reattach(self, a):
+        worker = self.workers.get(a.ctx)
+        if worker is None or worker.state == "restoring":
+            raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {a.ctx} is not on this server (yet)")
+        return {"u64s": [worker.ctx_id], "text": worker.endpoint}
 
     CALLS = {
         "hello": hello,
@@ -118,21 +144,57 @@ class FrontEnd:
         "deviceGetAttribute": device_get_attribute,
         "deviceComputeCapability": device_compute_capability,
         "ctxCreate": ctx_create,
+        "reattach": reattach,
     }
 
     # -- workers ---------------------------------------------------------------------------
-    async def start_worker(self, device, flags):
-        ctx_id, self.next_ctx = self.next_ctx, self.next_ctx + 1
-        token = secrets.token_bytes(16)
+    def new_ctx_id(self):
+        """Random ids, so that a context restored on another server keeps an id nobody there has."""
+        while True:
+            ctx_id = secrets.randbelow(1 << 47) + 1
+            if ctx_id not in self.workers and all(w.ctx_id != ctx_id for w in self.pool):
+                return ctx_id
+
+    async def take_worker(self, device=0, flags=0):
+        """A pre-started worker when one is ready (device 0, no flags), else a new one; refill the pool."""
+        worker = self.pool.pop(0) if self.pool and device == 0 and flags == 0 else None
+        if worker is not None and worker.proc.returncode is not None:
+            worker = None
+        if worker is None:
+            worker = await self.start_worker(device, flags)
+        self.workers[worker.ctx_id] = worker
+        self.fill_pool()
+        return worker
+
+    def fill_pool(self):
+        if len(self.pool) + getattr(self, "_filling", 0) < self.pool_size and not self.stopping.is_set():
+            self._filling = getattr(self, "_filling", 0) + 1
+            asyncio.get_running_loop().create_task(self._add_to_pool())
+
+    async def _add_to_pool(self):
+        try:
+            self.pool.append(await self.start_worker(0, 0, standby=True))
+        except CudaError as e:
+            log.warning("could not pre-start a worker: %s", e.message)
+        finally:
+            self._filling -= 1
+
+    async def start_worker(self, device, flags, standby=False):
+        ctx_id = self.new_ctx_id()
+        token, ctl_token = secrets.token_bytes(16), secrets.token_bytes(16)
+        endpoint = worker_endpoint(self.listen, ctx_id)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "phos.gpu_server.worker", "--backend", self.backend_name,
-            "--endpoint", worker_endpoint(self.listen, ctx_id), "--ctx", str(ctx_id),
-            "--device", str(device), "--flags", str(flags),
+            "--endpoint", endpoint, "--ctx", str(ctx_id), "--control", control_endpoint(self.listen, ctx_id),
+            "--device", str(device), "--flags", str(flags), *(["--standby"] if standby else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         secret = self.curve[1].decode() if self.curve else ""
-        proc.stdin.write(f"{token.hex()}\n{secret}\n".encode())
-        await proc.stdin.drain()
-        proc.stdin.close()
+        try:
+            proc.stdin.write(f"{token.hex()}\n{secret}\n{ctl_token.hex()}\n".encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (ConnectionError, RuntimeError) as e:     # it died before reading: its exit says why
+            log.warning("a new worker closed its stdin: %s", e)
         try:
             line = (await asyncio.wait_for(proc.stdout.readline(), WORKER_START_TIMEOUT)).decode().strip()
         except asyncio.TimeoutError:
@@ -145,22 +207,97 @@ class FrontEnd:
                 _, status, message = line.split(" ", 2)
                 raise CudaError(int(status), message)
             raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"context worker failed to start (exit {proc.returncode})")
-        worker = WorkerProc(ctx_id, proc, line.split(" ", 1)[1], token)
-        self.workers[ctx_id] = worker
+        _, endpoint, ctl_endpoint = line.split(" ")
+        worker = WorkerProc(ctx_id, proc, endpoint, token, ctl_endpoint, ctl_token, ctl_lock=asyncio.Lock())
         asyncio.get_running_loop().create_task(self.watch(worker))
         log.info("context %d: worker %d at %s", ctx_id, proc.pid, worker.endpoint)
         return worker
 
     async def watch(self, worker):
         code = await worker.proc.wait()
-        self.workers.pop(worker.ctx_id, None)
+        if self.workers.get(worker.ctx_id) is worker:
+            del self.workers[worker.ctx_id]
+        if worker in self.pool:
+            self.pool.remove(worker)
+        if worker.ctl is not None:
+            worker.ctl.close(linger=0)
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
 
+    async def control(self, worker, name, args=None, progress=None):
+        """One call on a worker's control socket; returns its final Result (progress gets the others).
+
+        Calls may overlap (a stats query during a checkpoint): replies are routed by seq."""
+        async with worker.ctl_lock:
+            if worker.ctl is None:
+                worker.ctl = self.zctx.socket(zmq.DEALER)
+                worker.ctl.setsockopt(zmq.LINGER, 0)
+                worker.ctl.connect(worker.ctl_endpoint)
+                worker.ctl_waiters = {}
+                asyncio.get_running_loop().create_task(self._control_reader(worker))
+                res = await self._control_call(worker, "attach", {"ctx": worker.ctx_id, "token": worker.ctl_token})
+                if res.status:
+                    raise CudaError(res.status, res.message)
+        res = await self._control_call(worker, name, args, progress)
+        if res.status:
+            raise CudaError(res.status, res.message)
+        return res
+
+    async def _control_call(self, worker, name, args, progress=None):
+        worker.ctl_seq += 1
+        seq = worker.ctl_seq
+        req = wire.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=True)
+        call = req.init("calls", 1)[0]
+        call.seq = seq
+        if args is None:
+            setattr(call, name, None)
+        else:
+            fields = call.init(name)
+            for k, v in args.items():
+                setattr(fields, k, v)
+        queue = worker.ctl_waiters[seq] = asyncio.Queue()
+        try:
+            await worker.ctl.send(req.to_bytes())
+            while True:
+                res = await queue.get()
+                if res is None:
+                    raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"the worker of context {worker.ctx_id} exited")
+                if res.status == CUresult.CUDA_ERROR_NOT_READY and progress is not None:
+                    await progress(res)
+                    continue
+                return res
+        finally:
+            worker.ctl_waiters.pop(seq, None)
+
+    async def _control_reader(self, worker):
+        """Route the control socket's Results to the calls waiting for them, until the worker exits."""
+        from phos.client_stub.connection import read_result
+        try:
+            while worker.proc.returncode is None:
+                if not await worker.ctl.poll(500):
+                    continue
+                frames = await worker.ctl.recv_multipart()
+                try:
+                    with wire.decode(wire.Reply, frames[0]) as reply:
+                        results = [read_result(r, frames) for r in reply.results]
+                except wire.MALFORMED as e:
+                    log.warning("context %d: malformed control reply: %s", worker.ctx_id, wire.describe(e))
+                    continue
+                for res in results:
+                    waiters = list(worker.ctl_waiters.values()) if res.seq == 0 else [worker.ctl_waiters.get(res.seq)]
+                    for queue in filter(None, waiters):
+                        queue.put_nowait(res)
+        except zmq.ZMQError:
+            pass                   # the socket was closed under us
+        finally:
+            for queue in list(worker.ctl_waiters.values()):
+                queue.put_nowait(None)
+
     async def stop_workers(self):
-        for w in list(self.workers.values()):
+        everyone = list(self.workers.values()) + self.pool
+        for w in everyone:
             if w.proc.returncode is None:
                 w.proc.terminate()
-        for w in list(self.workers.values()):
+        for w in everyone:
             try:
                 await asyncio.wait_for(w.proc.wait(), 5)
             except asyncio.TimeoutError:
@@ -193,8 +330,30 @@ class FrontEnd:
             frames = error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}")
         await sock.send_multipart([peer, *frames])
 
+    async def restore(self, store, name, full):
+        """Restore an image into a pre-started worker; returns (worker, Result of the restore call)."""
+        worker = self.pool.pop(0) if self.pool else await self.start_worker(0, 0, standby=True)
+        self.fill_pool()
+        worker.state = "restoring"
+        try:
+            res = await self.control(worker, "restore", {"store": store, "name": name, "full": full})
+        except BaseException:
+            if worker.proc.returncode is None:
+                worker.proc.kill()
+            raise
+        ctx_id = res.u64s[0]
+        live = self.workers.get(ctx_id)
+        if live is not None and live.proc.returncode is None:
+            worker.proc.kill()
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"context {ctx_id} is live on this server: stop it before restoring its image")
+        worker.ctx_id, worker.state = ctx_id, "running"
+        self.workers[ctx_id] = worker
+        self.counts["restores"] += 1
+        return worker, res
+
     async def serve(self):
-        zctx = zmq.asyncio.Context()
+        from phos.gpu_server import admin
+        zctx = self.zctx = zmq.asyncio.Context()
         sock = zctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         auth = None
@@ -208,7 +367,9 @@ class FrontEnd:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        admin_server = await admin.start(self, admin.admin_socket(self.listen))     # before we say we listen
         log.warning("phos server (%s backend, %d device(s)) listening on %s", self.backend_name, len(self.devices), self.listen)
+        self.fill_pool()
         print(f"phos server listening on {self.listen} ({self.backend_name})", flush=True)
         tasks = set()
         stop = asyncio.ensure_future(self.stopping.wait())
@@ -227,11 +388,13 @@ class FrontEnd:
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         finally:
+            self.stopping.set()
+            await admin_server.stop(0.5)
             await self.stop_workers()
             sock.close()
             if auth:
                 auth.stop()
-            zctx.term()
+            zctx.destroy(linger=0)     # closes the control sockets too
             if self.listen.startswith("ipc://"):
                 try:
                     os.unlink(self.listen[len("ipc://"):])
@@ -242,9 +405,14 @@ class FrontEnd:
 _CONTEXT_CALLS = frozenset(n for n in wire.phos_capnp.Call.schema.union_fields) - set(FrontEnd.CALLS) - {"attach"}
 
 
-def run(backend, listen, curve=None):
+def run(backend, listen, curve=None, pool=POOL_SIZE):
+    # We start workers with fork+exec while gRPC's threads run; its fork handlers would run in
+    # the child before exec (and crashed it now and then), and we need none of them.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     import uvloop
     check_listen(listen, curve)
     if listen.startswith("ipc://"):
         os.makedirs(os.path.dirname(listen[len("ipc://"):]) or ".", exist_ok=True)
-    uvloop.run(FrontEnd(backend, listen, curve).serve())
+    front = FrontEnd(backend, listen, curve)
+    front.pool_size = pool
+    uvloop.run(front.serve())

@@ -11,10 +11,12 @@ not be created.
 """
 import argparse
 import ctypes
+import json
 import logging
 import mmap
 import os
 import signal
+import stat
 import sys
 import time
 
@@ -26,10 +28,13 @@ from phos.gpu_server.backend import load_backend
 from phos.gpu_server.calls import WORKER_CALLS
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
+from phos.snapshot import engine
 
 log = logging.getLogger("phos.worker")
 ORPHAN_GRACE = float(os.environ.get("PHOS_ORPHAN_GRACE", "2"))   # seconds without a client before the context is freed
 ATTACH_TIMEOUT = float(os.environ.get("PHOS_ATTACH_TIMEOUT", "30"))
+REATTACH_TIMEOUT = float(os.environ.get("PHOS_REATTACH_TIMEOUT", "60"))   # a restored context waits this long for its client
+PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
 FIRST_HANDLE = 0x1000
@@ -41,7 +46,10 @@ class Session:
 
     def __init__(self, backend, ctx_id, token):
         self.backend, self.space = backend, backend.space
-        self.ctx_id, self.token = ctx_id, token
+        self.ctx_id, self.token_digest = ctx_id, engine.token_digest(token)
+        self.checkpoint = None     # a snapshot.engine.Checkpoint while one runs
+        self.restoring = None      # a snapshot.engine.Restore while contents load
+        self.snapshotting = False  # either of them: calls must tell them what they touch
         self.objects = {}          # virtual id -> (kind, object)
         self.meta = {}             # virtual id -> extra facts kept for snapshots (module images)
         self.next_id = FIRST_HANDLE
@@ -60,12 +68,21 @@ class Session:
         return self.shm[offset:offset + nbytes]
 
     def map_staging(self, path, cookie, size):
-        """Map the client's staging file if it is really theirs (same host, same cookie)."""
+        """Map the client's staging file if it is really theirs (same host, same cookie).
+
+        Only a regular file in /dev/shm named phos-*, as clients make them, opened without
+        following links: any other path would let a tenant read and write the server's files."""
+        if os.path.dirname(path) != "/dev/shm" or not os.path.basename(path).startswith("phos-"):
+            return False
         try:
-            with open(path, "r+b") as f:
-                if os.fstat(f.fileno()).st_size < size or size < len(cookie):
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)    # non-blocking: a FIFO must not stall us
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size < size or size < len(cookie):
                     return False
-                area = mmap.mmap(f.fileno(), size)
+                area = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             return False
         if len(cookie) < 16 or area[:len(cookie)] != cookie:
@@ -88,6 +105,19 @@ class Session:
         if found is None or found[0] != kind:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_HANDLE, f"{hid:#x} is not a {kind} of this context")
         return found[1]
+
+    def touch(self, ptr, nbytes, write=True, whole=False):
+        """A call is about to access [ptr, ptr+nbytes) (whole: the allocation holding ptr).
+        A restore loads it first; a checkpoint saves it first if the call writes it."""
+        if self.restoring is not None:
+            self.restoring.before_access(ptr, nbytes, whole)
+        if write and self.checkpoint is not None:
+            self.checkpoint.before_write(ptr, nbytes, whole)
+
+    def touch_kernel(self, params):
+        """A launch may write anywhere in each allocation its parameters point into."""
+        for ptr in engine.kernel_pointers(self, params):
+            self.touch(ptr, 0, whole=True)
 
     def drop(self, hid):
         self.objects.pop(hid, None)
@@ -149,8 +179,14 @@ def error_reply(status, message):
 
 
 class Worker:
-    def __init__(self, session, sock):
+    def __init__(self, session, sock, ctl=None, control_token=b""):
         self.session, self.sock = session, sock
+        self.ctl, self.control_token = ctl, control_token   # the front end's control socket
+        self.ctl_peers = set()
+        self.job = None            # (peer, seq) of the control call a running checkpoint answers
+        self.progress_at = 0.0
+        self.grace = ATTACH_TIMEOUT   # how long to wait for a client before freeing the context
+        self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
         self.attached = set()      # routing ids that presented the token
         self.pending = []          # results waiting for the next reply
         self.ack = 0
@@ -196,12 +232,12 @@ class Worker:
                 shm = bool(a.shmPath) and self.session.map_staging(a.shmPath, bytes(a.shmCookie), a.shmSize)
                 if shm:
                     self.box_peer, self.box_seen = peer, self.session.box.seq(0)
-                status, message, fields = CUresult.CUDA_SUCCESS, "", {"u64s": [self.session.ctx_id, int(shm)]}
+                status, message, fields = CUresult.CUDA_SUCCESS, "", {"u64s": [self.session.ctx_id, int(shm), self.ack]}
             else:
                 status, message, fields = execute(name, getattr(call, name), payloads, last)
             if last or fields or status:      # only these need their seq: reading it costs a microsecond
                 self.pending.append((call.seq, status, message, fields))
-        if n:
+        if n and calls[n - 1].seq:      # seq 0: an attach that takes no place in the call stream
             self.ack = calls[n - 1].seq
         if want_reply:
             results, self.pending = self.pending, []
@@ -243,14 +279,14 @@ class Worker:
             with wire.decode(wire.Request, frame) as req:
                 if req.version != wire.PROTOCOL_VERSION or req.doorbell:
                     return self.send(BOX, error_reply(CUresult.CUDA_ERROR_NOT_SUPPORTED, "bad mailbox request"))
-                self.catch_up(req.calls[0].seq if len(req.calls) else 0)
+                self.catch_up(wire.first_seq(req.calls[0]) if len(req.calls) else 0)
                 self.run_calls(BOX, req, [])
         except wire.MALFORMED as e:
             log.warning("malformed mailbox request: %s", wire.describe(e))
             self.send(BOX, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
 
     def check_attach(self, attach):
-        return attach.ctx == self.session.ctx_id and bytes(attach.token) == self.session.token
+        return attach.ctx == self.session.ctx_id and engine.check_token(attach.token, self.session.token_digest)
 
     def send(self, peer, frames):
         if peer is BOX:      # answer in the reply box when it fits, else over the socket
@@ -259,15 +295,130 @@ class Worker:
             peer = self.box_peer
         self.sock.send_multipart([peer, *frames], copy=False)
 
-    def serve(self, monitor):
-        """Loop until the context is destroyed or its client is gone for ORPHAN_GRACE seconds."""
+    # -- the control socket: the front end's checkpoint, restore and stats ------------------
+    def handle_control(self, frames):
+        if len(frames) < 2:
+            return
+        peer = frames[0].bytes
+        try:
+            with wire.decode(wire.Request, frames[1]) as req:
+                for call in req.calls:
+                    self.control_call(peer, call.seq, call.which(), call)
+        except wire.MALFORMED as e:
+            log.warning("malformed control frame: %s", wire.describe(e))
+            self.ctl.send_multipart([peer, *error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}")])
+
+    def control_call(self, peer, seq, name, call):
+        try:
+            if name == "attach":
+                if bytes(call.attach.token) != self.control_token or not self.control_token:
+                    raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, "wrong control token")
+                self.ctl_peers.add(peer)
+                fields = {}
+            elif peer not in self.ctl_peers:
+                raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, "attach with the control token first")
+            elif name not in CONTROL_CALLS:
+                raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, f"call {name!r} is not served on the control socket")
+            else:
+                fields = CONTROL_CALLS[name](self, peer, seq, getattr(call, name))
+            if fields is not None:
+                self.answer_control(peer, seq, CUresult.CUDA_SUCCESS, "", fields)
+        except CudaError as e:
+            self.answer_control(peer, seq, e.status, f"{name}: {e.message}", {})
+
+    def answer_control(self, peer, seq, status, message, fields):
+        self.ctl.send_multipart([peer, *build_reply(seq, [(seq, status, message, fields)])])
+
+    def start_checkpoint(self, peer, seq, a):
+        from phos.snapshot.store import DirStore
+        s = self.session
+        if s.checkpoint is not None or s.restoring is not None:
+            raise CudaError(CUresult.CUDA_ERROR_NOT_READY, "a checkpoint or restore of this context is still running")
+        try:
+            store = DirStore(a.store)
+        except OSError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {a.store!r}: {e}") from None
+        cp = engine.Checkpoint(s, store, a.name, parent=a.parent or None, paused=a.paused, compress=a.compress,
+                               chunk_size=a.chunkSize or engine.DEFAULT_CHUNK_SIZE)
+        try:
+            cp.cut(self.ack, paused=a.paused)
+        except BaseException:
+            cp.abort()
+            raise
+        s.checkpoint, s.snapshotting = cp, True
+        self.job, self.progress_at = (peer, seq), time.monotonic()
+        self.tick()
+
+    def start_restore(self, peer, seq, a):
+        from phos.snapshot.store import DirStore
+        s = self.session
+        if s.objects or s.space.allocations() or s.restoring is not None or self.attached:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker already holds a context")
+        try:
+            r = engine.Restore(s, DirStore(a.store), a.name)
+        except OSError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {a.store!r}: {e}") from None
+        try:
+            self.ack = r.recreate()
+            s.restoring, s.snapshotting = r, True
+            r.start(full=a.full)
+        except BaseException:
+            s.closing = True          # half a context: let the front end start a fresh worker
+            raise
+        self.grace, self.standby, self.alone_since = REATTACH_TIMEOUT, False, time.monotonic()
+        self.tick()
+        return {"u64s": [s.ctx_id, self.ack], "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done})}
+
+    def ctx_stats(self, peer, seq, a):
+        s = self.session
+        job = s.checkpoint or s.restoring
+        return {"u64s": [s.space.used(), len(s.space.allocations()), self.ack],
+                "text": json.dumps({"checkpoint": s.checkpoint is not None, "restoring": s.restoring is not None,
+                                    "done": job.bytes_done if job else 0, "total": job.bytes_total if job else 0,
+                                    "first_call_loaded": self.first_call_loaded})}
+
+    def tick(self):
+        """Finish or report on a running checkpoint; retire a restore whose loading ended."""
+        s = self.session
+        cp = s.checkpoint
+        if cp is not None and not cp.copying:
+            try:
+                fields = {"text": json.dumps(cp.finish(self.ack))}
+                status, message = CUresult.CUDA_SUCCESS, ""
+            except CudaError as e:
+                fields, status, message = {}, e.status, f"checkpoint: {e.message}"
+            s.checkpoint = None
+            if self.job:
+                self.answer_control(*self.job, status, message, fields)
+            self.job = None
+        elif cp is not None and self.job and time.monotonic() - self.progress_at > PROGRESS_EVERY:
+            self.progress_at = time.monotonic()
+            self.answer_control(*self.job, CUresult.CUDA_ERROR_NOT_READY, "", {"u64s": [cp.bytes_done, cp.bytes_total]})
+        r = s.restoring
+        if r is not None and r.first_touch is not None and self.first_call_loaded is None:
+            self.first_call_loaded = r.first_touch
+        if r is not None and not r.loading:
+            try:
+                r.wait()
+            except CudaError as e:         # a chunk failed its check: the context cannot go on
+                s.sticky = (e.status, e.message)
+            s.restoring = None
+        s.snapshotting = s.checkpoint is not None or s.restoring is not None
+
+    def serve(self, monitor, standby=False):
+        """Loop until the context is destroyed or its client is gone for the grace period.
+
+        standby: a pre-started worker waits for a client (or a restore) without a deadline."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        connections, alone_since = 0, time.monotonic()
-        grace = ATTACH_TIMEOUT
+        if self.ctl is not None:
+            poller.register(self.ctl, zmq.POLLIN)
+        connections, self.standby, self.alone_since = 0, standby, time.monotonic()
         last, awake = 0.0, False
         while not self.session.closing:
+            if self.session.snapshotting:
+                self.tick()
             hot = SPIN and time.perf_counter() - last < SPIN
             box = self.session.box
             if box is not None and hot != awake:
@@ -281,23 +432,36 @@ class Worker:
                 if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self.handle(self.sock.recv_multipart(copy=False))
                     last = time.perf_counter()
+                elif self.ctl is not None and self.ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self.handle_control(self.ctl.recv_multipart(copy=False))
                 continue
             # with a mailbox, wake now and then: a doorbell can cross our going to sleep
-            ready = dict(poller.poll(10 if box is not None else 250))
+            timeout = 10 if box is not None else 20 if self.session.snapshotting else 250
+            ready = dict(poller.poll(timeout))
             if self.sock in ready:
                 self.handle(self.sock.recv_multipart(copy=False))
                 last = time.perf_counter()
+            if self.ctl is not None and self.ctl in ready:
+                self.handle_control(self.ctl.recv_multipart(copy=False))
             if monitor in ready:
                 event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
                 if event == zmq.EVENT_ACCEPTED:
                     connections += 1
+                    self.standby = False
                 elif event == zmq.EVENT_DISCONNECTED:
                     connections -= 1
                     if connections <= 0:
-                        alone_since, grace = time.monotonic(), ORPHAN_GRACE
-            if connections <= 0 and time.monotonic() - alone_since > grace:
+                        self.alone_since, self.grace = time.monotonic(), ORPHAN_GRACE
+            if not self.standby and connections <= 0 and time.monotonic() - self.alone_since > self.grace:
                 log.info("context %d: client gone, freeing it", self.session.ctx_id)
                 return
+
+
+CONTROL_CALLS = {
+    "checkpoint": Worker.start_checkpoint,
+    "restore": Worker.start_restore,
+    "ctxStats": Worker.ctx_stats,
+}
 
 
 def _die_with_parent():
@@ -315,12 +479,17 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, required=True)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--flags", type=int, default=0)
+    ap.add_argument("--control", help="bind address of the control socket for the front end")
+    ap.add_argument("--standby", action="store_true", help="pre-started: wait for a client or a restore without a deadline")
     opts = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PHOS_LOG", "WARNING"), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # A checkpoint's threads share the GIL with the loop serving the client: hand it back fast.
+    sys.setswitchinterval(0.0002)
     token = bytes.fromhex(sys.stdin.readline().strip())
     curve_secret = sys.stdin.readline().strip().encode()
+    control_token = bytes.fromhex(sys.stdin.readline().strip())
     try:
         backend = load_backend(opts.backend)(opts.device)
     except CudaError as e:
@@ -340,17 +509,29 @@ def main(argv=None):
     monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
     sock.bind(opts.endpoint)
     endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    print(f"READY {endpoint}", flush=True)
+    ctl, ctl_endpoint = None, "-"
+    if opts.control:
+        ctl = zctx.socket(zmq.ROUTER)
+        ctl.setsockopt(zmq.LINGER, 1000)
+        ctl.bind(opts.control)
+        ctl_endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
+    print(f"READY {endpoint} {ctl_endpoint}", flush=True)
+    session = Session(backend, opts.ctx, token)
     try:
-        Worker(Session(backend, opts.ctx, token), sock).serve(monitor)
+        Worker(session, sock, ctl, control_token).serve(monitor, standby=opts.standby)
     finally:
+        if session.checkpoint is not None:
+            session.checkpoint.abort("the context went away during the checkpoint")
         backend.close()
         sock.close(linger=500)
-        if endpoint.startswith("ipc://"):
-            try:
-                os.unlink(endpoint[len("ipc://"):])
-            except OSError:
-                pass
+        if ctl is not None:
+            ctl.close(linger=500)
+        for ep in (endpoint, ctl_endpoint):
+            if ep.startswith("ipc://"):
+                try:
+                    os.unlink(ep[len("ipc://"):])
+                except OSError:
+                    pass
     return 0
 
 

@@ -26,7 +26,7 @@ def cmd_server(opts):
     logging.basicConfig(level=opts.log_level, format="%(asctime)s %(name)s[%(process)d] %(message)s")
     curve = load_curve(opts.auth_dir) if opts.auth_dir else None
     try:
-        frontend.run(opts.backend, opts.listen, curve)
+        frontend.run(opts.backend, opts.listen, curve, pool=opts.pool)
     except ValueError as e:
         raise SystemExit(f"phos server: {e}")
     return 0
@@ -59,6 +59,8 @@ def main(argv=None):
     p.add_argument("--backend", choices=["cuda", "emu"], default="emu")
     p.add_argument("--listen", default=default_server(), help="ipc://PATH or tcp://127.0.0.1:PORT")
     p.add_argument("--auth-dir", help="CURVE keys made by `phos keygen`; required for non-loopback tcp")
+    p.add_argument("--pool", type=int, default=int(os.environ.get("PHOS_POOL", "1")),
+                   help="workers kept started with an initialized device, ready for a new context or a restore")
     p.add_argument("--log-level", default=os.environ.get("PHOS_LOG", "WARNING"))
     p.set_defaults(func=cmd_server)
 
@@ -70,6 +72,9 @@ def main(argv=None):
     p.add_argument("--server", default=os.environ.get("PHOS_SERVER"), help="server address; default: start a local emu server")
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_run)
+
+    from phos import admin_cli
+    admin_cli.add_commands(sub, default_server)
 
     opts = ap.parse_args(argv)
     return opts.func(opts)

@@ -43,6 +43,31 @@
 # The box holds one request: a client uses it only for a call it waits for at once, and
 # sends nothing over the socket until that call is answered (else the worker could run
 # a later socket message before the earlier mailbox request).
+#
+# Launch batches. Launches are the hot path: a worker pays about a microsecond per capnp
+# field it reads, so clients send launches as `launchBatch`, consecutive launches of one
+# Request packed into one Data blob (a lone launch is a batch of one; `launch` stays for
+# other clients). The blob is a sequence of records, little-endian, with no padding:
+#   UInt64 function id
+#   40 bytes, as Launch.config: grid x, y, z, block x, y, z, shared bytes, 0 (UInt32s), stream (UInt64)
+#   UInt32 n, the length of the parameters
+#   n bytes of parameters, packed as Launch.params
+# Sequence numbers: each launch takes one seq, as if sent alone, so that a batch of k
+# launches holds seqs s-k+1 .. s, where s is the batch's Call.seq (the seq of its LAST
+# launch). A Reply acknowledges a batch as a whole (ackSeq >= s). A Request that begins
+# with a batch begins at seq s-k+1: that is the "first seq" the mailbox's worker waits for.
+# The worker runs the records in order, exactly as k `launch` calls: a launch that fails
+# (bad handle, shape or parameter size) is an asynchronous error reported by the next
+# synchronizing call, naming the kernel, and the launches after it still run; a sticky
+# error stops the rest. A malformed blob (no records, a record cut short, a length
+# running past the end) runs no launch and fails with CUDA_ERROR_INVALID_VALUE.
+
+# Snapshots (snapshot/engine.py). Each worker also binds a control socket, known only to
+# the front end, whose first call is attach{ctx, token = the control token}. There the front
+# end sends checkpoint, restore and ctxStats. A restored context keeps its ctx id, handles
+# and addresses; its client finds the new worker by sending reattach{ctx, token} to the
+# front end, attaches with its session token (attach's u64s[2] is the worker's last executed
+# seq, the image's cut), and resends its unacknowledged calls after that seq.
 
 const protocolVersion :UInt32 = 1;
 
@@ -123,6 +148,13 @@ struct Call {
     eventQuery @34 :Handle;
     eventElapsedTime @35 :EventPair;
     eventDestroy @36 :Handle;
+    launchBatch @37 :Data;     # launches packed as records: see "Launch batches" above
+    # snapshots. checkpoint, restore and ctxStats come from the front end on a worker's
+    # control socket (see Snapshots above); reattach is a client's call to a front end.
+    checkpoint @38 :Checkpoint;
+    restore @39 :Restore;
+    reattach @40 :Attach;      # where does context `ctx` live now? Result text: its worker endpoint
+    ctxStats @41 :Void;        # u64s: [bytes allocated, allocations, last executed seq]
   }
 }
 
@@ -169,6 +201,18 @@ struct Launch {
   config @1 :Data;
   params @2 :Data;             # packed by the parameter layout of moduleGetFunction
 }
+# A checkpoint into the image store at path `store` (a directory). While it runs the worker
+# answers with Results of status CUDA_ERROR_NOT_READY and u64s [bytes done, bytes total];
+# the last Result has status 0 and text, a JSON object of what was saved and how fast.
+struct Checkpoint {
+  store @0 :Text; name @1 :Text; parent @2 :Text;   # parent "" = none
+  paused @3 :Bool;             # stop the world instead of copying concurrently
+  compress @4 :Bool;           # zstd the chunks
+  chunkSize @5 :UInt64;        # 0: the default (2 MiB)
+}
+# Restore an image into a worker that holds no context yet (a pre-started one). The Result's
+# u64s are [ctx id, cut seq]; with `full`, it comes once every chunk is loaded.
+struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; }
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
 struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }

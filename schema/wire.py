@@ -16,6 +16,10 @@ MAX_CONTROL_FRAME = 1 << 20          # a Request or Reply frame; bulk bytes go i
 TRAVERSAL_LIMIT_WORDS = MAX_CONTROL_FRAME // 8 * 2
 
 LAUNCH_CONFIG = struct.Struct("<8IQ")   # Launch.config: grid xyz, block xyz, shared bytes, 0, stream
+# A launchBatch record's head: function id, LAUNCH_CONFIG's nine values, params length;
+# the params follow (see "Launch batches" in phos.capnp).
+LAUNCH_RECORD = struct.Struct("<Q" + LAUNCH_CONFIG.format[1:] + "I")
+_U32 = struct.Struct("<I")
 
 # The shared staging area's layout (see the header of phos.capnp).
 COOKIE_BYTES = 16
@@ -40,6 +44,52 @@ def describe(error):
     """One readable line for a decoding error (capnp appends a native stack trace)."""
     text = getattr(error, "description", None) or str(error)
     return text.split("\nstack:")[0].strip()
+
+
+def launch_record(function, config, params):
+    """One launchBatch record; config holds LAUNCH_CONFIG's nine values."""
+    return LAUNCH_RECORD.pack(function, *config, len(params)) + params
+
+
+def read_launch_batch(blob):
+    """A launchBatch blob's records as [(function, config tuple, params bytes)].
+
+    Reads the whole blob before anything runs, so a malformed one runs no launch.
+    Raises WireError."""
+    records, off, end = [], 0, len(blob)
+    head, unpack = LAUNCH_RECORD.size, LAUNCH_RECORD.unpack_from
+    while off < end:
+        if end - off < head:
+            raise WireError(f"record {len(records) + 1} at byte {off} is cut short: {end - off} bytes left, "
+                            f"its head takes {head}")
+        r = unpack(blob, off)
+        start, off = off + head, off + head + r[10]
+        if off > end:
+            raise WireError(f"record {len(records) + 1} at byte {start - head} says {r[10]} parameter bytes, "
+                            f"{end - start} are left")
+        records.append((r[0], r[1:10], blob[start:off]))
+    if not records:
+        raise WireError("no records")
+    return records
+
+
+def launch_count(blob):
+    """How many launches a launchBatch blob holds, by its length fields alone (cheaper than reading it)."""
+    count, off, end = 0, 0, len(blob)
+    head = LAUNCH_RECORD.size
+    while off + head <= end:
+        off += head + _U32.unpack_from(blob, off + head - 4)[0]     # the params length ends the head
+        count += 1
+    return count
+
+
+def first_seq(call):
+    """The seq of a Call's first API call: a launchBatch holds its launches' seqs, ending at its own.
+
+    The mailbox needs it: the worker runs every call sent before it by socket first."""
+    if call.which() == "launchBatch":
+        return call.seq - max(launch_count(call.launchBatch), 1) + 1
+    return call.seq
 
 
 def decode(struct, frame):

@@ -110,6 +110,13 @@ def _decompressor():
 
 def encode_chunk(data, fp=None, level=1):
     """The stored blob of a chunk (header + payload) and its fingerprint."""
+    parts, fp = encode_chunk_parts(data, fp, level)
+    return b"".join(parts), fp
+
+
+def encode_chunk_parts(data, fp=None, level=1):
+    """Like encode_chunk, with the blob as (header, payload): big chunks are written without
+    joining them into one more copy."""
     raw = memoryview(data).cast("B")
     if len(raw) > MAX_CHUNK_BYTES:
         raise ImageError(f"chunk of {len(raw)} bytes is over the limit of {MAX_CHUNK_BYTES}")
@@ -121,11 +128,14 @@ def encode_chunk(data, fp=None, level=1):
         if len(z) < len(raw):
             comp, payload = COMP_ZSTD, z
     header = HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, comp, len(raw), len(payload), fp)
-    return header + bytes(payload), fp
+    return (header, payload), fp
 
 
-def decode_chunk(blob, key, expected_len=None, max_len=MAX_CHUNK_BYTES):
-    """The verified contents of a stored chunk blob; ImageError on any mismatch."""
+def decode_chunk(blob, key, expected_len=None, max_len=MAX_CHUNK_BYTES, check=True):
+    """The verified contents of a stored chunk blob; ImageError on any mismatch.
+
+    check=False skips only the last step, fingerprinting the contents: for a caller that
+    fingerprints them itself (the snapshot engine does it on the device after loading)."""
     check_key(key)
     blob = memoryview(blob).cast("B")
     if len(blob) < HEADER_SIZE:
@@ -152,7 +162,7 @@ def decode_chunk(blob, key, expected_len=None, max_len=MAX_CHUNK_BYTES):
         if stored_len != raw_len:
             raise ImageError(f"chunk {key} is stored raw but its header says {stored_len} stored "
                              f"and {raw_len} raw bytes")
-        data = bytes(payload)
+        data = bytes(payload) if check else payload     # unchecked: the caller copies it on anyway
     else:
         try:
             declared = zstandard.frame_content_size(payload)
@@ -166,16 +176,16 @@ def decode_chunk(blob, key, expected_len=None, max_len=MAX_CHUNK_BYTES):
             raise ImageError(f"chunk {key}: compressed payload is corrupt ({e})") from None
         if len(data) != raw_len:
             raise ImageError(f"chunk {key} decompressed to {len(data)} bytes, header says {raw_len}")
-    found = fingerprint(data).hex()
+    found = fingerprint(data).hex() if check else key
     if found != key:
         raise ImageError(f"chunk {key} is corrupt: its contents fingerprint to {found}")
     return data
 
 
-def read_chunk(store, key, expected_len=None, max_len=MAX_CHUNK_BYTES):
-    """The verified contents of chunk `key` in `store`."""
+def read_chunk(store, key, expected_len=None, max_len=MAX_CHUNK_BYTES, check=True):
+    """The verified contents of chunk `key` in `store` (check: see decode_chunk)."""
     check_key(key)
-    return decode_chunk(store.get_chunk(key, max_bytes=HEADER_SIZE + max_len), key, expected_len, max_len)
+    return decode_chunk(store.get_chunk(key, max_bytes=HEADER_SIZE + max_len), key, expected_len, max_len, check)
 
 
 def chunk_lengths(size, chunk_size):
@@ -557,22 +567,25 @@ class ImageWriter:
         if not self._open:
             raise ImageError(f"image writer for {self.name!r} is closed")
 
-    def add_chunk(self, data):
-        """Store one chunk (unless the store holds it already) and return its key."""
+    def add_chunk(self, data, fp=None):
+        """Store one chunk (unless the store holds it already) and return its key.
+
+        fp: its fingerprint when the caller computed it already (the snapshot engine
+        fingerprints on the device); the reader checks it again on every read."""
         self._check_open()
         raw = memoryview(data).cast("B")
-        fp = fingerprint(raw)
+        fp = fingerprint(raw) if fp is None else bytes(fp)
         k = fp.hex()
         if self.store.has_chunk(k):
             with self._mu:
                 self.reused_chunks += 1
             return k
-        blob, _ = encode_chunk(raw, fp, self.level)
-        self.store.put_chunk(k, blob)
+        parts, _ = encode_chunk_parts(raw, fp, self.level)
+        self.store.put_chunk(k, parts)
         with self._mu:
             self.new_chunks += 1
             self.raw_bytes += len(raw)
-            self.stored_bytes += len(blob)
+            self.stored_bytes += sum(len(p) for p in parts)
         return k
 
     def reuse_chunk(self, key):

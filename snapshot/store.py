@@ -95,9 +95,11 @@ class MemoryStore:
 
     # chunks
     def put_chunk(self, key, blob):
+        """blob: bytes, or a sequence of parts to join (see image.encode_chunk_parts)."""
         check_key(key)
+        blob = b"".join(blob) if isinstance(blob, (tuple, list)) else bytes(blob)
         with self._mu:
-            self._chunks.setdefault(key, bytes(blob))
+            self._chunks.setdefault(key, blob)
 
     def has_chunk(self, key):
         check_key(key)
@@ -227,7 +229,8 @@ class DirStore:
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                for part in (data if isinstance(data, (tuple, list)) else (data,)):
+                    f.write(part)
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())

@@ -1,5 +1,6 @@
 """Bad input of every kind gets a clear error, and the server and other sessions carry on."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,12 +16,12 @@ from phos.schema.cuda_types import CUresult
 
 
 def request(*calls, version=wire.PROTOCOL_VERSION, want_reply=True):
-    """Encode a Request from (name, args) pairs."""
+    """Encode a Request from (name, args) pairs; args: a dict of fields, None (Void) or bytes (Data)."""
     msg = wire.Request.new_message(version=version, wantReply=want_reply)
     for c, (seq, (name, args)) in zip(msg.init("calls", len(calls)), enumerate(calls, 1)):
         c.seq = seq
-        if args is None:
-            setattr(c, name, None)
+        if not isinstance(args, dict):
+            setattr(c, name, args)
         else:
             fields = c.init(name)
             for key, value in args.items():
@@ -75,7 +76,10 @@ def test_unknown_call(raw, tmp_path):
     src = open(wire.phos_capnp.__file__ if hasattr(wire.phos_capnp, "__file__") else
                os.path.join(os.path.dirname(wire.__file__), "phos.capnp")).read()
     src = src.replace("@0x945b8f6e2c5d67c5;", "@0xd3c1b2a4f5e6d7c8;")
-    src = src.replace("    eventDestroy @36 :Handle;\n", "    eventDestroy @36 :Handle;\n    teleport @37 :Void;\n")
+    start = src.index("struct Call {")
+    end = src.index("\n  }\n}", start)                   # the end of Call's union
+    ordinal = max(int(n) for n in re.findall(r"@(\d+)", src[start:end])) + 1
+    src = src[:end] + f"\n    teleport @{ordinal} :Void;" + src[end:]
     path = tmp_path / "future.capnp"
     path.write_text(src)
     future = capnp.load(str(path))

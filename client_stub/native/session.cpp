@@ -61,9 +61,16 @@ void Connection::post(wire::Call call, const HostDestination* write_back) {
     if (batch_.empty()) batch_started_ = Clock::now();
     batch_payload_bytes_ += call.payload.size;
     batch_frame_estimate_ += 96 + call.text.size() + call.bytes.size();
-    batch_.push_back(std::move(call));
+    batch_calls_++;
+    if (call.kind == wire::Kind::launch) {
+        // Consecutive launches travel as one launchBatch (schema/phos.capnp, "Launch batches").
+        if (batch_.empty() || batch_.back().kind != wire::Kind::launchBatch) batch_.push_back(wire::Call::launch_batch());
+        wire::append_launch(batch_.back(), call);
+    } else {
+        batch_.push_back(std::move(call));
+    }
     const Settings& s = settings();
-    if (!batching_ || batch_.size() >= static_cast<size_t>(s.batch_calls) ||
+    if (!batching_ || batch_calls_ >= static_cast<size_t>(s.batch_calls) ||
         batch_payload_bytes_ >= static_cast<size_t>(s.batch_bytes) || batch_frame_estimate_ >= kMaxFrameEstimate ||
         seconds_since(batch_started_) >= s.batch_age) {
         send_batch(false);
@@ -137,10 +144,11 @@ bool Connection::send_batch(bool want_reply, bool use_box) {
     for (auto& c : batch_) {
         if (c.payload.owned) unacked_owned_bytes_ += c.payload.size;
         if (c.payload.borrowed) borrowed_unacked_++;
+        unacked_calls_ += c.calls();
         unacked_.push_back(std::move(c));
     }
     batch_.clear();
-    batch_payload_bytes_ = batch_frame_estimate_ = 0;
+    batch_payload_bytes_ = batch_frame_estimate_ = batch_calls_ = 0;
     if (!want_reply) bound_log();
     return sent;
 }
@@ -190,7 +198,7 @@ uint64_t Connection::send_now(wire::Call call) {
 // get no Reply. If it grows too long, ask for one with a cheap synchronous call.
 void Connection::bound_log() {
     const Settings& s = settings();
-    if (!batching_ || (unacked_.size() < static_cast<size_t>(s.unacked_calls_max) &&
+    if (!batching_ || (unacked_calls_ < static_cast<size_t>(s.unacked_calls_max) &&
                        unacked_owned_bytes_ < static_cast<size_t>(s.unacked_bytes_max)))
         return;
     wire::Result r = call(wire::Call::plain(wire::Kind::memGetInfo));
@@ -202,6 +210,7 @@ void Connection::trim_log(uint64_t ack_seq) {
         const wire::Call& c = unacked_.front();
         if (c.payload.owned) unacked_owned_bytes_ -= c.payload.size;
         if (c.payload.borrowed) borrowed_unacked_--;
+        unacked_calls_ -= c.calls();
         unacked_.pop_front();
     }
 }

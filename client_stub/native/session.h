@@ -73,7 +73,7 @@ public:
     void flush_if_stale();
 
     bool has_pending() const { return !batch_.empty() || !write_backs_.empty() || borrowed_unacked_ > 0; }
-    size_t unacked() const { return unacked_.size(); }
+    size_t unacked() const { return unacked_calls_; }
     // "N requests through the mailbox, M over the socket, ..." (for PHOS_VERBOSE).
     std::string stats() const;
 
@@ -102,8 +102,10 @@ private:
     std::vector<wire::Call> batch_;
     size_t batch_payload_bytes_ = 0;
     size_t batch_frame_estimate_ = 0;
+    size_t batch_calls_ = 0;                            // calls in batch_, each launch of a launchBatch counted
     std::chrono::steady_clock::time_point batch_started_;
     std::deque<wire::Call> unacked_;                    // sent, not yet acknowledged: for replay
+    size_t unacked_calls_ = 0;                          // the calls they stand for (Call::calls)
     size_t unacked_owned_bytes_ = 0;
     size_t borrowed_unacked_ = 0;                       // unacknowledged calls borrowing caller memory
     std::unordered_map<uint64_t, HostDestination> write_backs_;   // seq -> destination

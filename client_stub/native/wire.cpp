@@ -24,6 +24,7 @@ const char* kind_name(Kind kind) {
         "moduleLoad", "moduleUnload", "moduleGetFunction", "moduleGetGlobal", "launch",
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
+        "launchBatch",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -199,14 +200,26 @@ static capnp::Data::Reader as_data(const std::string& s) {
     return capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(s.data()), s.size());
 }
 
+// Appends `value` as `n` little-endian bytes.
+static void put_le(std::string& out, uint64_t value, int n) {
+    for (int b = 0; b < n; b++) out.push_back(char(value >> (8 * b)));
+}
+
 // Launch.config: grid xyz, block xyz, shared bytes, 0 (little-endian UInt32s), then the stream (UInt64).
-static std::string launch_config(const Dim3& grid, const Dim3& block, uint32_t shared_bytes, uint64_t stream) {
-    const uint32_t words[8] = {grid.x, grid.y, grid.z, block.x, block.y, block.z, shared_bytes, 0};
-    std::string out(40, '\0');
-    for (int i = 0; i < 8; i++)
-        for (int b = 0; b < 4; b++) out[4 * i + b] = char(words[i] >> (8 * b));
-    for (int b = 0; b < 8; b++) out[32 + b] = char(stream >> (8 * b));
-    return out;
+static void put_launch_config(std::string& out, const Call& c) {
+    const uint32_t words[8] = {c.grid.x, c.grid.y, c.grid.z, c.block.x, c.block.y, c.block.z, c.flags, 0};
+    for (uint32_t w : words) put_le(out, w, 4);
+    put_le(out, c.stream, 8);
+}
+
+void append_launch(Call& batch, const Call& launch) {
+    // function id, Launch.config, params length, params (schema/wire.py, LAUNCH_RECORD)
+    put_le(batch.bytes, launch.id, 8);
+    put_launch_config(batch.bytes, launch);
+    put_le(batch.bytes, launch.bytes.size(), 4);
+    batch.bytes += launch.bytes;
+    batch.launches++;
+    batch.seq = launch.seq;
 }
 
 static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_index) {
@@ -315,7 +328,8 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     case Kind::launch: {
         auto l = out.initLaunch();
         l.setFunction(c.id);
-        std::string config = launch_config(c.grid, c.block, c.flags, c.stream);
+        std::string config;
+        put_launch_config(config, c);
         l.setConfig(as_data(config));
         l.setParams(as_data(c.bytes));
         break;
@@ -352,6 +366,7 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
         break;
     }
     case Kind::eventDestroy: out.initEventDestroy().setId(c.id); break;
+    case Kind::launchBatch: out.setLaunchBatch(as_data(c.bytes)); break;
     }
 }
 

@@ -22,6 +22,7 @@ enum class Kind : uint8_t {
     moduleLoad, moduleUnload, moduleGetFunction, moduleGetGlobal, launch,
     streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
     eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
+    launchBatch,
 };
 const char* kind_name(Kind kind);
 
@@ -55,15 +56,18 @@ struct Call {
     int32_t number = 0;       // device attribute; stream priority; memset element size
     Dim3 grid, block;
     std::string text;         // hello client; symbol name; shmPath (attach)
-    std::string bytes;        // attach token; packed launch parameters
+    std::string bytes;        // attach token; packed launch parameters; launchBatch records
     std::string bytes2;       // shmCookie (attach)
     Payload payload;          // memcpyHtoD bytes; moduleLoad image
+    uint32_t launches = 0;    // launchBatch: how many records `bytes` holds
 
     static constexpr uint32_t kViaShm = 1;   // a copy whose bytes lie in the shared staging area
     bool via_shm() const { return (kind == Kind::memcpyHtoD || kind == Kind::memcpyDtoH) && (flags & kViaShm); }
     bool has_payload() const { return (kind == Kind::memcpyHtoD && !(flags & kViaShm)) || kind == Kind::moduleLoad; }
     // Its Result comes with a payload frame (so its Reply cannot travel through the mailbox).
     bool answered_by_frames() const { return kind == Kind::memcpyDtoH && !(flags & kViaShm); }
+    // How many API calls it stands for: a launchBatch, one per launch; the rest, one.
+    size_t calls() const { return kind == Kind::launchBatch ? launches : 1; }
 
     static Call plain(Kind kind) { Call c; c.kind = kind; return c; }
     static Call with_id(Kind kind, uint64_t id) { Call c; c.kind = kind; c.id = id; return c; }
@@ -96,7 +100,13 @@ struct Call {
     static Call event_create(uint32_t flags);
     static Call event_record(uint64_t event, uint64_t stream);
     static Call event_elapsed(uint64_t start, uint64_t end);
+    // An empty launchBatch; append_launch fills it.
+    static Call launch_batch() { return plain(Kind::launchBatch); }
 };
+
+// Appends a launch (a Call::launch) to a launchBatch as one record (schema/phos.capnp,
+// "Launch batches"); the batch takes the launch's seq, so it holds the seq of its last launch.
+void append_launch(Call& batch, const Call& launch);
 
 struct ParamInfo {
     uint32_t offset = 0, size = 0;

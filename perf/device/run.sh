@@ -6,7 +6,8 @@
 # The device machine has CUDA 13, cuda-python and PyTorch but no pyzmq, pycapnp or
 # zstandard and no package manager: carry them as wheels in .whl/ (see the README's
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
-# Steps: core (cuda-backend tests), stub (tests/apps native vs stub), bench (perf/*).
+# Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
+# perf/bench_snapshot.py), bench (the other perf/* benchmarks).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
 mkdir -p "$OUT"
@@ -35,6 +36,10 @@ fi
 if want stub; then
     step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_stub.py
     step stub-apps sh tests/apps/run_native_vs_stub.sh
+fi
+if want snap; then
+    step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_snapshot_engine.py
+    step bench-snapshot python3 perf/bench_snapshot.py --backend cuda --sizes ${PHOS_BENCH_SIZES:-1,8,32} --json "$OUT/bench_snapshot.json"
 fi
 if want bench; then
     step transport-floor python3 perf/transport_floor.py

@@ -20,7 +20,7 @@ sh "$here/build_apps.sh" "$work/bin"
 native_path="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 stub_path="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 bad=0
-for app in vector_add matmul_tiled streams_events atomics symbols threads device_reset errors device_query no_gpu driver_api; do
+for app in vector_add matmul_tiled streams_events atomics symbols threads device_reset errors launch_batch device_query no_gpu driver_api; do
     args=""
     [ "$app" = driver_api ] && args="$work/bin/driver_kernels.ptx"
     set +e

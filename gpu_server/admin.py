@@ -1,0 +1,168 @@
+"""The admin API (schema/admin.proto): gRPC on a Unix socket, served by the front end.
+
+Only the server's user can reach the socket (mode 0600), so it needs no other
+authentication; tenants never see it.
+"""
+import asyncio
+import datetime
+import json
+import os
+import time
+import urllib.parse
+
+import grpc
+
+from phos.schema import admin_pb2 as pb
+from phos.schema import admin_pb2_grpc
+from phos.schema.cuda_types import CudaError, CUresult
+
+GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
+    CUresult.CUDA_ERROR_INVALID_VALUE: grpc.StatusCode.INVALID_ARGUMENT,
+    CUresult.CUDA_ERROR_INVALID_IMAGE: grpc.StatusCode.FAILED_PRECONDITION,
+    CUresult.CUDA_ERROR_ILLEGAL_STATE: grpc.StatusCode.FAILED_PRECONDITION,
+    CUresult.CUDA_ERROR_NOT_READY: grpc.StatusCode.UNAVAILABLE,
+    CUresult.CUDA_ERROR_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED: grpc.StatusCode.NOT_FOUND,
+    CUresult.CUDA_ERROR_OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def admin_socket(server):
+    """The admin socket of the server listening on `server` (ipc://PATH or tcp://HOST:PORT)."""
+    url = urllib.parse.urlparse(server)
+    if url.scheme == "ipc":
+        return f"unix:{server[len('ipc://'):]}.admin"
+    if url.scheme == "tcp":
+        return f"unix:/tmp/phos/admin-{url.port}.sock"
+    raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def latest_image(store, ctx=None):
+    """The newest image in a store (of context ctx, if given), or None."""
+    from phos.snapshot import read_image
+    best = None
+    for name in store.list_images():
+        try:
+            m = read_image(store, name, check_chunks=False)
+        except Exception:       # an unreadable image is never anybody's latest
+            continue
+        if ctx is not None and m.to_dict().get("session", {}).get("ctx") != ctx:
+            continue
+        if best is None or m.created > best[0]:
+            best = (m.created, name)
+    return best and best[1]
+
+
+class Admin(admin_pb2_grpc.AdminServicer):
+    def __init__(self, front):
+        self.front = front
+
+    async def fail(self, context, e):
+        await context.abort(GRPC_CODE.get(e.status, grpc.StatusCode.INTERNAL), f"{e.message} (CUresult {int(e.status)})")
+
+    def worker(self, ctx_id):
+        w = self.front.workers.get(ctx_id)
+        if w is None or w.proc.returncode is not None:
+            raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no context {ctx_id} on this server")
+        return w
+
+    async def describe(self, w):
+        res = await self.front.control(w, "ctxStats")
+        job = json.loads(res.text)
+        state = "checkpointing" if job["checkpoint"] else "restoring" if job["restoring"] else w.state
+        return pb.Context(id=w.ctx_id, bytes=res.u64s[0], allocations=res.u64s[1], last_seq=res.u64s[2],
+                          pid=w.proc.pid, state=state, first_call_loaded=job["first_call_loaded"] or 0)
+
+    async def ListContexts(self, request, context):
+        out = []
+        for w in list(self.front.workers.values()):
+            try:
+                out.append(await asyncio.wait_for(self.describe(w), 5))
+            except (CudaError, asyncio.TimeoutError):
+                continue           # it went away meanwhile
+        return pb.ListContextsReply(contexts=out)
+
+    async def Checkpoint(self, request, context):
+        from phos.snapshot.store import DirStore
+        try:
+            w = self.worker(request.ctx)
+            if not request.store:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "give the image store directory")
+            name = request.name or f"ctx{request.ctx}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%fZ}"
+            parent = ""
+            if request.incremental:
+                parent = await asyncio.to_thread(latest_image, DirStore(request.store), request.ctx) or ""
+            queue = asyncio.Queue()
+
+            async def progress(res):
+                await queue.put(pb.CheckpointProgress(done_bytes=res.u64s[0], total_bytes=res.u64s[1]))
+
+            args = {"store": os.path.abspath(request.store), "name": name, "parent": parent, "paused": request.paused,
+                    "compress": request.compress, "chunkSize": request.chunk_size}
+            task = asyncio.ensure_future(self.front.control(w, "checkpoint", args, progress))
+            while not task.done() or not queue.empty():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            res = task.result()
+            self.front.counts["checkpoints"] += 1
+            result = json.loads(res.text)
+            yield pb.CheckpointProgress(done_bytes=result["bytes"], total_bytes=result["bytes"], finished=True,
+                                        result_json=json.dumps(result))
+        except CudaError as e:
+            await self.fail(context, e)
+        except OSError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
+
+    async def Restore(self, request, context):
+        from phos.snapshot.store import DirStore
+        t0 = time.perf_counter()
+        try:
+            name = request.name or await asyncio.to_thread(latest_image, DirStore(request.store))
+            if not name:
+                raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {request.store}")
+            w, res = await self.front.restore(os.path.abspath(request.store), name, request.full)
+            return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res.u64s[1], name=name, seconds=time.perf_counter() - t0,
+                                   bytes=json.loads(res.text)["bytes"])
+        except CudaError as e:
+            await self.fail(context, e)
+        except OSError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
+
+    async def DeleteImage(self, request, context):
+        from phos.snapshot import ImageError, delete_image
+        from phos.snapshot.store import DirStore
+        try:
+            freed = await asyncio.to_thread(delete_image, DirStore(request.store), request.name, None, True)
+        except ImageError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except OSError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
+        chunks, nbytes = freed or (0, 0)
+        return pb.DeleteImageReply(freed_chunks=chunks, freed_bytes=nbytes)
+
+    async def Stats(self, request, context):
+        contexts = (await self.ListContexts(request, context)).contexts
+        return pb.StatsReply(backend=self.front.backend_name, devices=len(self.front.devices), contexts=len(contexts),
+                             standby_workers=len(self.front.pool), bytes=sum(c.bytes for c in contexts),
+                             checkpoints=self.front.counts["checkpoints"], restores=self.front.counts["restores"])
+
+
+async def start(front, address):
+    """Serve the admin API at a unix: address, readable by this user only."""
+    path = address[len("unix:"):]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)        # a stale socket of a server that died
+    server = grpc.aio.server()
+    admin_pb2_grpc.add_AdminServicer_to_server(Admin(front), server)
+    old = os.umask(0o077)          # the socket is created at bind: make it ours alone
+    try:
+        server.add_insecure_port(address)
+        await server.start()
+    finally:
+        os.umask(old)
+    return server

@@ -1,0 +1,113 @@
+"""What a launch costs the context worker, before the device: N `launch` calls vs one launchBatch.
+
+    python perf/bench_launch_decode.py [--repeat 5] [--sizes 1,64,256]
+
+Benchmark only: the worker runs on a backend whose `launch` does nothing (NullBackend), so
+the figures are the worker's own per-launch cost (decoding the Request, the checks of
+calls.run_launch, dispatch) that bounds launch throughput, since the worker is one Python
+thread. Real frames go through the real path, Worker.handle -> run_calls -> Session.execute,
+as they come off the socket. Also times the Python client's encoding of the same launches.
+Needs no GPU.
+"""
+import argparse
+import struct
+import time
+
+import zmq
+
+from phos.gpu_server.backend import Function
+from phos.gpu_server.worker import Session, Worker
+from phos.schema import wire
+
+PEER = b"bench-client"
+PARAMS = [(0, 8), (8, 8), (16, 4)]          # two pointers and an int, like most kernels
+
+
+class NullBackend:
+    """Benchmark only: accepts every launch and does nothing, so only the worker is timed."""
+    space = None
+
+    def launch(self, function, grid, block, shared_bytes, stream, params):
+        pass
+
+    def take_output(self):
+        return ""
+
+
+def worker_with_kernel():
+    session = Session(NullBackend(), 1, b"")
+    fn = Function(None, "empty", PARAMS)
+    fn.module_id, fn.size = 0, fn.param_bytes
+    worker = Worker(session, sock=None)
+    worker.attached.add(PEER)
+    return worker, session.add("function", fn)
+
+
+def launches(fid, n):
+    config = (1, 1, 1, 32, 1, 1, 0, 0, 0)
+    return [(fid, config, struct.pack("<QQi", 0x7F0000000000 + 256 * i, 0x7F0000100000, i)) for i in range(n)]
+
+
+def encode_single(calls):
+    """N `launch` calls in one Request, as clients sent launches before launchBatch."""
+    req = wire.Request.new_message(version=wire.PROTOCOL_VERSION)
+    for seq, (c, (fid, config, params)) in enumerate(zip(req.init("calls", len(calls)), calls), 1):
+        c.seq = seq
+        launch = c.init("launch")
+        launch.function, launch.config, launch.params = fid, wire.LAUNCH_CONFIG.pack(*config), params
+    return req.to_bytes()
+
+
+def encode_batch(calls):
+    """One launchBatch of N records, as the Python client packs it (Connection.post_launch)."""
+    blob = bytearray()
+    for fid, config, params in calls:
+        blob += wire.launch_record(fid, config, params)
+    req = wire.Request.new_message(version=wire.PROTOCOL_VERSION)
+    c = req.init("calls", 1)[0]
+    c.seq, c.launchBatch = len(calls), bytes(blob)
+    return req.to_bytes()
+
+
+def per_launch_us(fn, n, repeat, budget=0.2):
+    """Best, over `repeat` rounds, of the mean time of fn() per launch, in microseconds."""
+    rounds = max(1, int(budget / max(_once(fn), 1e-6) / repeat))
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        best = min(best, (time.perf_counter() - start) / rounds)
+    return best / n * 1e6
+
+
+def _once(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--sizes", default="1,64,256", help="launches per Request")
+    opts = ap.parse_args()
+    worker, fid = worker_with_kernel()
+    print("| launches per Request | worker: N `launch` (µs/launch) | worker: one launchBatch (µs/launch) | speed-up "
+          "| client encode: `launch` (µs/launch) | client encode: launchBatch (µs/launch) |")
+    print("|---|---|---|---|---|---|")
+    for n in map(int, opts.sizes.split(",")):
+        calls = launches(fid, n)
+        frames = {name: [zmq.Frame(PEER), zmq.Frame(encode(calls))] for name, encode in
+                  (("single", encode_single), ("batch", encode_batch))}
+        worker.handle(frames["batch"])
+        assert worker.session.deferred is None and worker.session.sticky is None, worker.session.deferred
+        single = per_launch_us(lambda: worker.handle(frames["single"]), n, opts.repeat)
+        batch = per_launch_us(lambda: worker.handle(frames["batch"]), n, opts.repeat)
+        enc_single = per_launch_us(lambda: encode_single(calls), n, opts.repeat)
+        enc_batch = per_launch_us(lambda: encode_batch(calls), n, opts.repeat)
+        print(f"| {n} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | {enc_single:.2f} | {enc_batch:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

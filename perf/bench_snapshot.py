@@ -1,0 +1,259 @@
+"""Checkpoint and restore: phos next to the driver's own cuCheckpointProcess*, side by side.
+
+    python perf/bench_snapshot.py --backend cuda --sizes 1,8,32            # on the H200 (perf/device/run.sh)
+    python perf/bench_snapshot.py --backend emu --sizes 64,256 --unit MiB   # anywhere, no driver rows
+
+For each size, a context holds that much allocated, non-zero memory (every chunk distinct,
+so nothing deduplicates). The driver's rows come from a child process that allocates and
+fills the same amount, which we lock, checkpoint, restore and unlock from here.
+
+phos rows: the application (this process, through the Python client) keeps launching a
+kernel and synchronizing while a concurrent checkpoint runs; we record its throughput
+against a run without checkpoint and the longest gap between two completed syncs (the
+pause it saw). Then: a checkpoint to local disk, a full restore into a second server
+process on the same GPU, and an on-demand restore after the first server is killed, timed
+from the Restore call to the end of the application's first kernel there. "host memory"
+is an image store on /dev/shm.
+"""
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from ptx_helpers import compile_ptx  # noqa: E402  (tests/kernels/snapshot.cu: fill_u64)
+
+FILL_PTX = compile_ptx("snapshot.cu", "compute_75")
+
+GiB, MiB = 1 << 30, 1 << 20
+P, U64 = ctypes.c_void_p, ctypes.c_uint64
+
+
+# -- the driver's checkpoint, in a child process ----------------------------------------------
+DRIVER_CHILD = r"""
+import sys, ctypes, signal
+from cuda.bindings import driver as cu
+nbytes = int(sys.argv[1]); ptx = sys.stdin.read().encode() + b"\0"
+def ok(r):
+    assert int(r[0]) == 0, r
+    return r[1] if len(r) > 1 else None
+ok(cu.cuInit(0)); dev = ok(cu.cuDeviceGet(0)); ctx = ok(cu.cuDevicePrimaryCtxRetain(dev)); ok(cu.cuCtxSetCurrent(ctx))
+fn = ok(cu.cuModuleGetFunction(ok(cu.cuModuleLoadData(ptx)), b"fill_u64"))
+left = nbytes
+while left:
+    n = min(left, 1 << 30); p = ok(cu.cuMemAlloc(n)); left -= n
+    ok(cu.cuLaunchKernel(fn, 4096, 1, 1, 256, 1, 1, 0, 0, ((int(p), n // 8, left), (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64)), 0))
+ok(cu.cuCtxSynchronize())
+print("READY", flush=True)
+signal.pause()
+"""
+
+
+def driver_rows(nbytes):
+    from cuda.bindings import driver as cu
+    child = subprocess.Popen([sys.executable, "-c", DRIVER_CHILD, str(nbytes)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    child.stdin.write(FILL_PTX)
+    child.stdin.close()
+    assert child.stdout.readline().strip() == "READY"
+
+    def timed(fn):
+        t = time.perf_counter()
+        err = fn(child.pid, None)
+        assert int(err[0] if isinstance(err, tuple) else err) == 0, (fn.__name__, err)
+        return time.perf_counter() - t
+    lock = timed(cu.cuCheckpointProcessLock)
+    ckpt = timed(cu.cuCheckpointProcessCheckpoint)
+    rest = timed(cu.cuCheckpointProcessRestore)
+    unlock = timed(cu.cuCheckpointProcessUnlock)
+    child.kill()
+    child.wait()
+    return {"checkpoint_s": lock + ckpt, "restore_s": rest + unlock, "pause_ms": (lock + ckpt + rest + unlock) * 1e3}
+
+
+# -- phos ---------------------------------------------------------------------------------------
+class App:
+    """The application: a context full of distinct data, and a kernel it keeps running."""
+
+    def __init__(self, cu, nbytes):
+        self.cu = cu
+        self.ctx = self.ok(cu.cuCtxCreate(None, 0, 0))
+        self.fill = self.ok(cu.cuModuleGetFunction(self.ok(cu.cuModuleLoadData(FILL_PTX.encode())), b"fill_u64"))
+        self.buffers, left = [], nbytes
+        while left:
+            n = min(left, GiB)
+            p = self.ok(cu.cuMemAlloc(n))
+            self.launch(p, n // 8, left)
+            self.buffers.append((p, n))
+            left -= n
+        self.scratch = self.ok(cu.cuMemAlloc(8 * MiB))      # what the working loop writes
+        self.work_words = MiB if os.environ.get("PHOS_BENCH_BACKEND") != "emu" else 4096   # emu interprets PTX
+        self.sync()
+
+    def ok(self, res):
+        assert int(res[0]) == 0, (res, self.cu.last_error)
+        return res[1] if len(res) == 2 else None
+
+    def launch(self, p, words, seed, blocks=4096):
+        self.ok(self.cu.cuLaunchKernel(self.fill, blocks, 1, 1, 256, 1, 1, 0, 0, ((p, words, seed), (P, U64, U64)), 0))
+
+    def sync(self):
+        self.ok(self.cu.cuCtxSynchronize())
+
+    def work(self, stop, record):
+        """Launch a kernel on the scratch buffer and sync, until stop is set; record each sync's end time."""
+        self.ok(self.cu.cuCtxSetCurrent(self.ctx))        # contexts are current per thread
+        i = 0
+        while not stop.is_set():
+            self.launch(self.scratch, self.work_words, i, blocks=64)
+            self.sync()
+            record.append(time.perf_counter())
+            i += 1
+
+
+def run_work(app, seconds=None, during=None):
+    """Kernels per second of the working loop, and its longest gap, for `seconds` or while `during` runs."""
+    stop, ends = threading.Event(), []
+    t = threading.Thread(target=app.work, args=(stop, ends))
+    start = time.perf_counter()
+    t.start()
+    result = during() if during else time.sleep(seconds)
+    stop.set()
+    t.join()
+    elapsed = time.perf_counter() - start
+    gaps = np.diff([start] + ends) if ends else np.array([elapsed])
+    return len(ends) / elapsed, float(gaps.max()) * 1e3, result
+
+
+def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
+    from conftest import ServerProc
+    from phos.admin_cli import stub
+    from phos.client_stub import driver as cu
+    from phos.schema import admin_pb2 as pb
+
+    def server(name):
+        """A server whose pre-started worker is up: restores adopt it instead of starting one."""
+        d = os.path.join(work_dir, name)
+        os.makedirs(d, exist_ok=True)
+        srv = ServerProc(backend, d, pool=1)
+        deadline = time.monotonic() + 60
+        while stub(srv.address).Stats(pb.StatsRequest()).standby_workers < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return srv
+
+    def checkpoint(srv, ctx, store, **kw):
+        msgs = list(stub(srv.address).Checkpoint(pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk, **kw)))
+        return json.loads(msgs[-1].result_json)
+
+    row = {}
+    one = server("one")
+    os.environ["PHOS_SERVER"] = one.address
+    cu._reset_for_tests()
+    assert cu.cuInit(0)[0] == 0
+    app = App(cu, nbytes)
+    ctx = int(app.ctx)
+    row["kernels_per_s"], row["gap_ms_idle"], _ = run_work(app, seconds=1.0)
+    t = time.perf_counter()
+    row["kernels_per_s_during"], row["pause_ms"], res = run_work(app, during=lambda: checkpoint(one, ctx, shm_dir))
+    row["checkpoint_host_s"] = res["seconds"]
+    row["checkpoint_host_wall_s"] = time.perf_counter() - t
+    row["checkpoint_host_meta"] = {k: res[k] for k in ("pause_ms", "paused", "recopied_chunks", "copied_bytes")}
+    row["cut_ms"] = res["pause_ms"]
+    res = checkpoint(one, ctx, disk_dir)
+    row["checkpoint_disk_s"] = res["seconds"]
+    two = server("two")                         # a full restore into a second server process
+    t = time.perf_counter()
+    stub(two.address).Restore(pb.RestoreRequest(store=shm_dir, full=True))
+    row["restore_host_full_s"] = time.perf_counter() - t
+    two.stop()
+    three = server("three")
+    t = time.perf_counter()
+    stub(three.address).Restore(pb.RestoreRequest(store=disk_dir, full=True))
+    row["restore_disk_full_s"] = time.perf_counter() - t
+    three.stop()
+    # on demand: the application's own server dies; its context comes back elsewhere
+    app.sync()
+    checkpoint(one, ctx, shm_dir, incremental=True)         # the cut the application is at now
+    one.proc.kill()
+    one.proc.wait()
+    four = server("four")
+    os.environ["PHOS_SERVER"] = four.address
+    t = time.perf_counter()
+    stub(four.address).Restore(pb.RestoreRequest(store=shm_dir))
+    row["restore_on_demand_usable_s"] = time.perf_counter() - t
+    app.launch(app.scratch, app.work_words, 7, blocks=64)
+    app.sync()
+    row["first_kernel_after_restore_s"] = time.perf_counter() - t
+    cu._reset_for_tests()
+    four.stop()
+    one.stop()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "emu"])
+    ap.add_argument("--sizes", default="1,8,32")
+    ap.add_argument("--unit", default="GiB", choices=["GiB", "MiB"])
+    ap.add_argument("--chunk-mb", type=int, default=16, help="chunk size of the phos images")
+    ap.add_argument("--disk", default="/var/tmp/phos-bench", help="image store on local disk")
+    ap.add_argument("--no-driver", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    os.environ["PHOS_BENCH_BACKEND"] = args.backend
+    unit = GiB if args.unit == "GiB" else MiB
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        nbytes = size * unit
+        work = tempfile.mkdtemp(prefix="phos-bench-")
+        shm = tempfile.mkdtemp(prefix="phos-bench-img-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        disk = os.path.join(args.disk, f"img-{size}")
+        shutil.rmtree(disk, ignore_errors=True)
+        os.makedirs(disk, exist_ok=True)
+        try:
+            row = {"size": f"{size} {args.unit}", "bytes": nbytes}
+            if args.backend == "cuda" and not args.no_driver:
+                row["driver"] = driver_rows(nbytes)
+            row["phos"] = phos_rows(args.backend, nbytes, work, shm, disk, args.chunk_mb * MiB)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        finally:
+            for d in (work, shm, disk):
+                shutil.rmtree(d, ignore_errors=True)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def print_table(rows):
+    def gbs(nbytes, s):
+        return f"{nbytes / s / 1e9:.2f}" if s else "-"
+    print("\n| size | system | checkpoint to host (s, GB/s) | to disk (s, GB/s) | restore from host, full (s, GB/s) | from disk (s) "
+          "| longest gap between the application's syncs (ms) | kernel throughput during checkpoint | first kernel after on-demand restore (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        d, p, n = r.get("driver"), r["phos"], r["bytes"]
+        if d:
+            print(f"| {r['size']} | driver (cuCheckpointProcess*) | {d['checkpoint_s']:.3f} ({gbs(n, d['checkpoint_s'])}) | - | "
+                  f"{d['restore_s']:.3f} ({gbs(n, d['restore_s'])}) | - | {d['pause_ms']:.0f} (locked throughout) | 0% (locked) | - |")
+        ratio = f" ({d['checkpoint_s'] / p['checkpoint_host_s']:.1f}× faster)" if d else ""
+        print(f"| {r['size']} | phos (concurrent) | {p['checkpoint_host_s']:.3f} ({gbs(n, p['checkpoint_host_s'])}){ratio} | "
+              f"{p['checkpoint_disk_s']:.3f} ({gbs(n, p['checkpoint_disk_s'])}) | "
+              f"{p['restore_host_full_s']:.3f} ({gbs(n, p['restore_host_full_s'])}) | {p['restore_disk_full_s']:.3f} | "
+              f"{p['pause_ms']:.1f} (cut {p['cut_ms']:.1f}; loop without checkpoint {p['gap_ms_idle']:.1f}) | "
+              f"{100 * p['kernels_per_s_during'] / p['kernels_per_s']:.0f}% ({p['kernels_per_s_during']:.0f} vs {p['kernels_per_s']:.0f}/s) | "
+              f"{p['first_kernel_after_restore_s'] * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""`phos ctx list`, `phos checkpoint`, `phos restore`, `phos image inspect`: clients of the admin API."""
+import json
+import sys
+import time
+
+from phos.schema import admin_pb2 as pb
+
+GiB = 1 << 30
+
+
+def stub(server):
+    import grpc
+    from phos.gpu_server.admin import admin_socket
+    from phos.schema import admin_pb2_grpc
+    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(admin_socket(server)))
+
+
+def call(fn, *args):
+    """Run an RPC; a gRPC failure becomes a one-line error and exit status 1."""
+    import grpc
+    try:
+        return fn(*args)
+    except grpc.RpcError as e:
+        code = e.code()
+        detail = e.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE and "connect" in detail.lower():
+            detail = f"no phos server admin socket answers ({detail})"
+        raise SystemExit(f"phos: {detail} [{code.name}]")
+
+
+def human(nbytes):
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def bar(done, total, start, out=sys.stderr):
+    """A one-line progress bar, redrawn in place."""
+    frac = done / total if total else 1.0
+    width = 30
+    rate = done / max(time.perf_counter() - start, 1e-9)
+    out.write(f"\r[{'#' * int(frac * width):<{width}}] {frac * 100:5.1f}%  {human(done)} / {human(total)}  {rate / 1e9:.2f} GB/s ")
+    out.flush()
+
+
+def ctx_list(opts):
+    reply = call(stub(opts.server).ListContexts, pb.ListContextsRequest())
+    rows = [{"id": c.id, "bytes": c.bytes, "allocations": c.allocations, "last_seq": c.last_seq, "pid": c.pid,
+             "state": c.state} for c in reply.contexts]
+    if opts.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'CONTEXT':>16}  {'MEMORY':>12}  {'ALLOCS':>6}  {'LAST CALL':>9}  {'PID':>7}  STATE")
+    for r in rows:
+        print(f"{r['id']:>16}  {human(r['bytes']):>12}  {r['allocations']:>6}  {r['last_seq']:>9}  {r['pid']:>7}  {r['state']}")
+    return 0
+
+
+def checkpoint(opts):
+    req = pb.CheckpointRequest(ctx=opts.ctx, store=opts.dir, name=opts.name or "", paused=opts.pause,
+                               incremental=opts.incremental, compress=opts.compress, chunk_size=opts.chunk_size)
+    start, result = time.perf_counter(), None
+    show = not opts.json and sys.stderr.isatty() or opts.progress
+    for msg in call(lambda: list(_stream(stub(opts.server).Checkpoint(req), start, show))):
+        result = json.loads(msg.result_json)
+    if opts.json:
+        print(json.dumps(result))
+        return 0
+    secs = result["seconds"]
+    print(f"checkpoint {result['name']} of context {opts.ctx} in {opts.dir}: {human(result['bytes'])} in {secs * 1e3:.1f} ms "
+          f"({result['bytes'] / max(secs, 1e-9) / 1e9:.2f} GB/s), copied {human(result['copied_bytes'])}, "
+          f"stored {human(result['stored_bytes'])}; the application paused {result['pause_ms']:.2f} ms"
+          + (" (validation found a change: paused to recopy)" if result["paused"] and result["mode"] == "concurrent" else ""))
+    return 0
+
+
+def _stream(responses, start, show):
+    for msg in responses:
+        if show:
+            bar(msg.done_bytes, msg.total_bytes, start)
+        if msg.finished:
+            if show:
+                sys.stderr.write("\n")
+            yield msg
+
+
+def restore(opts):
+    reply = call(stub(opts.server).Restore, pb.RestoreRequest(store=opts.dir, name=opts.name or "", full=opts.full))
+    out = {"ctx": reply.ctx, "name": reply.name, "cut_seq": reply.cut_seq, "bytes": reply.bytes, "seconds": reply.seconds}
+    if opts.json:
+        print(json.dumps(out))
+    else:
+        how = "loaded" if opts.full else "usable (contents load on demand)"
+        print(f"context {reply.ctx} restored from {reply.name} ({human(reply.bytes)}), {how} after {reply.seconds * 1e3:.1f} ms")
+    return 0
+
+
+def image_inspect(opts):
+    from phos.gpu_server.admin import latest_image
+    from phos.snapshot import DirStore, ImageError, read_image
+    try:
+        store = DirStore(opts.dir)
+        name = opts.name or latest_image(store)
+        if not name:
+            raise SystemExit(f"phos: no readable image in {opts.dir}")
+        m = read_image(store, name)
+    except ImageError as e:
+        raise SystemExit(f"phos: {e}")
+    if opts.json:
+        print(m.to_json())
+        return 0
+    d = m.to_dict()
+    print(f"image {name} (format {d['format']} v{d['version']}), parent {d['parent']}, backend {d['backend']}, "
+          f"device {d['device']['name']}, cut at call {d['cut_seq']}")
+    print(f"  {len(d['modules'])} modules, {len(d['functions'])} functions, {len(d['streams'])} streams, "
+          f"{len(d['events'])} events, metadata {json.dumps(d['metadata'])}")
+    for kind in ("allocations", "globals"):
+        for e in d[kind]:
+            print(f"  {kind[:-1]:<10} {e['address']:#x}  {human(e['size']):>12}  {len(e['chunks'])} chunks"
+                  + (f"  {e['name']}" if "name" in e else ""))
+    return 0
+
+
+def add_commands(sub, default_server):
+    def common(p):
+        p.add_argument("--server", default=default_server(), help="the server's address (default $PHOS_SERVER)")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("ctx", help="contexts on a server")
+    ctx_sub = p.add_subparsers(dest="ctx_command", required=True)
+    p = ctx_sub.add_parser("list", help="list the contexts")
+    common(p)
+    p.set_defaults(func=ctx_list)
+
+    p = sub.add_parser("checkpoint", help="checkpoint a context into an image store directory")
+    p.add_argument("ctx", type=int)
+    p.add_argument("dir")
+    p.add_argument("--pause", action="store_true", help="stop the world instead of copying while the application runs")
+    p.add_argument("--incremental", action="store_true", help="copy only what changed since the context's latest image in DIR")
+    p.add_argument("--compress", action="store_true", help="zstd the chunks")
+    p.add_argument("--name", help="image name (default ctx<ID>-<UTC time>)")
+    p.add_argument("--chunk-size", type=int, default=0, help="bytes per chunk (default 2 MiB)")
+    p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+    common(p)
+    p.set_defaults(func=checkpoint)
+
+    p = sub.add_parser("restore", help="restore a context from an image store directory")
+    p.add_argument("dir")
+    p.add_argument("--name", help="image name (default: the newest)")
+    p.add_argument("--full", action="store_true", help="return once everything is loaded (default: on demand)")
+    common(p)
+    p.set_defaults(func=restore)
+
+    p = sub.add_parser("image", help="images")
+    img_sub = p.add_subparsers(dest="image_command", required=True)
+    p = img_sub.add_parser("inspect", help="show an image's manifest (verified)")
+    p.add_argument("dir")
+    p.add_argument("--name", help="image name (default: the newest)")
+    common(p)
+    p.set_defaults(func=image_inspect)

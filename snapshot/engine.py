@@ -1,0 +1,479 @@
+"""The snapshot engine: consistent checkpoints taken while the application runs, and
+restores that hand the context back before its contents are loaded (DESIGN 7, 8, 10).
+
+It runs inside a context worker and sees its Session (gpu_server/worker.py). The device
+work goes through the backend's snapshot operations (`backend.snap`):
+
+    fingerprints(chunks, fence) -> wait()     pfp1 of each (address, length) chunk; with
+                                             fence, later application work waits for it
+    read(chunks, urgent)                     copy chunks to the host: yields batches of
+                                             [(bytes, fingerprint of what was copied)]; a
+                                             batch stays valid until the next is asked for
+    write(chunks, datas) -> fps              copy chunks to the device; fingerprints of what
+                                             landed there (so restores verify on the device)
+
+Checkpoint: the cut is a point in the call stream (the worker's last executed call). The
+engine records the context's objects, fingerprints every chunk at the cut, and saves the
+chunks in a background thread. A call that would write a chunk not yet saved saves it
+first (soft copy-on-write, `before_write`). A saved chunk whose fingerprint differs from
+the cut's was written behind our back (a kernel storing through a pointer it loaded): the
+engine then pauses the context and takes the image again at a new cut, copying only the
+chunks the store does not hold yet. Chunks are content-addressed, so an unchanged chunk
+is never copied twice: that is what makes checkpoints incremental.
+
+Restore: objects come back with their ids and addresses; contents load in a background
+thread, and a call touching a chunk not yet loaded loads it first (`before_access`).
+"""
+import bisect
+import concurrent.futures
+import hashlib
+import hmac
+import logging
+import threading
+import time
+
+import numpy as np
+
+from phos.schema.cuda_types import CudaError, CUresult
+from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_lengths, read_chunk,
+                                 read_image)
+
+log = logging.getLogger("phos.snapshot")
+BATCH_BYTES = 64 << 20           # the background thread copies this much per device round trip
+IO_THREADS = 8                   # chunk files written or read at once
+PENDING, BUSY, DONE = 0, 1, 2
+
+
+def token_digest(token):
+    """What an image keeps of a session token: enough to check a re-attach, useless to attach."""
+    return hashlib.blake2b(bytes(token), digest_size=32, person=b"phos-session-v1").hexdigest()
+
+
+def check_token(token, digest):
+    return hmac.compare_digest(token_digest(token), digest)
+
+
+class Chunks:
+    """The chunks of a set of regions [(address, size, chunk_size)], found by address."""
+
+    def __init__(self, regions):
+        self.regions = sorted(regions)
+        self.bases = [r[0] for r in self.regions]
+        self.first = []              # index of each region's first chunk
+        self.addr, self.size = [], []
+        for base, size, cs in self.regions:
+            self.first.append(len(self.addr))
+            for j, n in enumerate(chunk_lengths(size, cs)):
+                self.addr.append(base + j * cs)
+                self.size.append(n)
+        self.state = np.zeros(len(self.addr), np.int8)
+
+    def __len__(self):
+        return len(self.addr)
+
+    def spans(self, idx):
+        return [(self.addr[c], self.size[c]) for c in idx]
+
+    def region(self, r):
+        return range(self.first[r], self.first[r] + len(chunk_lengths(self.regions[r][1], self.regions[r][2])))
+
+    def covering(self, ptr, nbytes):
+        """Chunk indices that [ptr, ptr+nbytes) touches."""
+        r = bisect.bisect_right(self.bases, ptr) - 1
+        if r < 0 or nbytes <= 0:
+            return range(0)
+        base, size, cs = self.regions[r]
+        if ptr >= base + size:
+            return range(0)
+        end = min(ptr + nbytes, base + size)
+        return range(self.first[r] + (ptr - base) // cs, self.first[r] + (end - 1 - base) // cs + 1)
+
+    def allocation(self, ptr):
+        """Chunk indices of the whole region holding ptr (a kernel may write anywhere in it)."""
+        r = bisect.bisect_right(self.bases, ptr) - 1
+        if r < 0 or ptr >= self.regions[r][0] + self.regions[r][1]:
+            return range(0)
+        return self.region(r)
+
+
+def kernel_pointers(session, params):
+    """Values among a launch's parameters that point into this context's memory: the
+    pointer arguments, and pointer-looking words inside by-value structs."""
+    words = np.frombuffer(bytes(params)[:len(params) // 8 * 8], np.uint64)
+    space = session.space
+    lo, hi = space.base, space.base + space.size
+    return [int(w) for w in words[(words >= lo) & (words < hi)]]
+
+
+def image_kind(data):
+    head = bytes(data[:4])
+    return {b"\x7fELF": "cubin", b"\x50\xed\x55\xba": "fatbin", b"\xb1\x43\x62\x46": "fatbin"}.get(head, "ptx")
+
+
+def describe(session, chunk_size):
+    """The manifest fields of a session's objects, and its regions [(address, size, chunk_size)]."""
+    backend = session.backend
+    modules, functions, streams, events, globals_ = [], [], [], [], []
+    global_ptrs = set()
+    for hid, (kind, obj) in sorted(session.objects.items()):
+        meta = session.meta.get(hid, {})
+        if kind == "module":
+            modules.append({"id": hid, "name": meta.get("name", f"module{hid}"), "kind": image_kind(meta["image"]),
+                            "image": None, "size": len(meta["image"])})
+            for name, ptr, size in backend.module_globals(obj):
+                globals_.append({"module": hid, "name": name, "address": ptr, "size": size})
+                global_ptrs.add(ptr)
+        elif kind == "function":
+            functions.append({"id": hid, "module": obj.module_id, "name": obj.name, "params": [list(p) for p in obj.params]})
+        elif kind == "stream":
+            streams.append({"id": hid, "flags": meta.get("flags", 0), "priority": meta.get("priority", 0)})
+        elif kind == "event":
+            events.append({"id": hid, "flags": meta.get("flags", 0)})
+    allocations = [{"address": a, "size": n} for a, n in session.space.allocations() if a not in global_ptrs]
+    for e in allocations + globals_:
+        e["chunk_size"] = chunk_size
+    info = backend.device_info()
+    fields = {
+        "backend": backend.name,
+        "device": {"name": info.name, "uuid": info.uuid.hex(), "cc": list(info.compute_capability), "total_mem": info.total_mem},
+        "address_space": {"base": session.space.base, "size": session.space.size},
+        "modules": modules, "functions": functions, "globals": globals_, "streams": streams, "events": events,
+        "allocations": allocations,
+        "error": {"status": int(session.sticky[0]) if session.sticky else 0, "message": session.sticky[1] if session.sticky else ""},
+        "session": {"ctx": session.ctx_id, "token": session.token_digest, "next_id": session.next_id},
+    }
+    regions = [(e["address"], e["size"], chunk_size) for e in allocations + globals_ if e["size"]]
+    return fields, regions
+
+
+class Checkpoint:
+    """One checkpoint of one session into one store; see the module docstring."""
+
+    def __init__(self, session, store, name, parent=None, paused=False, compress=False,
+                 chunk_size=DEFAULT_CHUNK_SIZE, key=None):
+        if chunk_size <= 0 or chunk_size % 8 or chunk_size > MAX_CHUNK_BYTES:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk size {chunk_size} must be a multiple of 8 up to {MAX_CHUNK_BYTES}")
+        self.session, self.store, self.name = session, store, name
+        self.concurrent = not paused
+        self.level = 1 if compress else None
+        self.chunk_size = chunk_size
+        try:
+            self.writer = ImageWriter(store, name, parent=parent, key=key, level=self.level)
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
+        self.cv = threading.Condition()
+        self.failure = None          # an exception from the background thread
+        self.thread = None
+        self.bytes_total = self.bytes_done = 0
+        self.mismatched = 0          # saved chunks that differed from the cut
+        self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
+        self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
+        self.started = time.perf_counter()
+
+    # -- the cut -----------------------------------------------------------------------
+    def cut(self, cut_seq, paused):
+        """Take the cut now, between two calls. paused: copy everything before returning."""
+        t0 = time.perf_counter()
+        s = self.session
+        self.cut_seq = cut_seq
+        self.fields, regions = describe(s, self.chunk_size)
+        module_ids = [e["id"] for e in self.fields["modules"]]
+        for e, hid in zip(self.fields["modules"], module_ids):
+            e["image"] = self.writer.add_chunk(s.meta[hid]["image"])
+        self.chunks = Chunks(regions)
+        self.keys = [None] * len(self.chunks)
+        self.bytes_total, self.bytes_done = sum(self.chunks.size), 0
+        self.mismatch = False
+        self.fp_wait = s.backend.snap.fingerprints(self.chunks.spans(range(len(self.chunks))), fence=not paused)
+        self.fps = None
+        if paused:
+            self.fps = self.fp_wait()
+            mine = self.claim(range(len(self.chunks)))
+            per_batch = max(1, BATCH_BYTES // self.chunk_size)
+            for i in range(0, len(mine), per_batch):
+                self.save(mine[i:i + per_batch])
+        else:
+            self.thread = threading.Thread(target=self.run, name="phos-checkpoint", daemon=True)
+            self.thread.start()
+        self.pause_s += time.perf_counter() - t0
+
+    # -- copying -----------------------------------------------------------------------
+    def claim(self, idx):
+        """Mark the pending chunks of idx busy; returns them."""
+        with self.cv:
+            mine = [c for c in idx if self.chunks.state[c] == PENDING]
+            self.chunks.state[mine] = BUSY
+            return mine
+
+    def save(self, idx, urgent=False):
+        """Save claimed chunks: skip those the store holds, copy and validate the rest."""
+        fps, need = self.fps, []
+        for c in idx:
+            if self.writer.reuse_chunk(fps[c].hex()):
+                self.keys[c] = fps[c].hex()
+            else:
+                need.append(c)
+        done = 0
+        for batch in self.session.backend.snap.read(self.chunks.spans(need), urgent) if need else ():
+            writes = []
+            for c, (data, fp) in zip(need[done:done + len(batch)], batch):
+                if fp == fps[c]:
+                    writes.append((c, self.io.submit(self.writer.add_chunk, data, fp)))
+                else:              # written behind our back since the cut
+                    with self.cv:
+                        self.mismatched += 1
+                        self.mismatch = True
+            for c, write in writes:       # the batch's buffer is reused once we ask for the next
+                self.keys[c] = write.result()
+            done += len(batch)
+        with self.cv:
+            self.chunks.state[list(idx)] = DONE
+            self.bytes_done += sum(self.chunks.size[c] for c in idx)
+            self.cv.notify_all()
+
+    def run(self):
+        """The background thread: save every chunk nobody saved first."""
+        try:
+            fps = self.fp_wait()
+            with self.cv:
+                self.fps = fps
+                self.cv.notify_all()
+            n, c = len(self.chunks), 0
+            while c < n and self.failure is None:
+                batch, size = [], 0
+                while c < n and size < BATCH_BYTES:
+                    batch.append(c)
+                    size += self.chunks.size[c]
+                    c += 1
+                mine = self.claim(batch)
+                if mine:
+                    self.save(mine)
+        except BaseException as e:          # reported by finish(), on the worker's thread
+            log.exception("checkpoint %s failed", self.name)
+            with self.cv:
+                self.failure = self.failure or e
+                self.cv.notify_all()
+
+    def before_write(self, ptr, nbytes, whole=False):
+        """Save the chunks a call is about to write, if the background has not yet."""
+        if self.thread is None or not self.thread.is_alive():
+            return
+        idx = self.chunks.allocation(ptr) if whole else self.chunks.covering(ptr, nbytes)
+        if not len(idx):
+            return
+        with self.cv:
+            while self.fps is None and self.failure is None:
+                self.cv.wait(0.1)
+        mine = self.claim(idx) if self.failure is None else []
+        if mine:
+            self.save(mine, urgent=True)
+        with self.cv:         # the background thread may be saving some of them right now
+            while self.failure is None and not all(self.chunks.state[c] == DONE for c in idx):
+                self.cv.wait(0.1)
+
+    @property
+    def copying(self):
+        return self.thread is not None and self.thread.is_alive()
+
+    # -- the end -----------------------------------------------------------------------
+    def finish(self, seq_now):
+        """Commit the image once copying ended (on the worker's thread). Returns stats."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.failure is not None:
+            self.writer.abort()
+            raise self.failure if isinstance(self.failure, CudaError) else \
+                CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"checkpoint {self.name!r} failed: {self.failure}")
+        fell_back = self.mismatch
+        if fell_back:     # validation failed: pause and take the image again at a new cut
+            t0 = time.perf_counter()
+            self.session.backend.synchronize()
+            self.pause_s += time.perf_counter() - t0
+            self.cut(seq_now, paused=True)
+            if self.mismatch:
+                self.writer.abort()
+                raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"checkpoint {self.name!r}: memory changed while the context was paused")
+        fields = dict(self.fields)
+        i = 0
+        for e in fields["allocations"] + fields["globals"]:
+            n = len(chunk_lengths(e["size"], e["chunk_size"]))
+            e["chunks"] = self.keys[i:i + n]
+            i += n
+        elapsed = time.perf_counter() - self.started
+        fields["cut_seq"] = self.cut_seq
+        fields["metadata"] = {"mode": "concurrent" if self.concurrent else "paused",
+                              "paused": fell_back or not self.concurrent, "pause_ms": round(self.pause_s * 1e3, 3),
+                              "recopied_chunks": self.mismatched, "seconds": round(elapsed, 6)}
+        self.io.shutdown()
+        try:
+            man = self.writer.commit(fields)
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, str(e)) from None
+        st = self.writer.stats()
+        return {"name": self.name, "bytes": self.bytes_total, "copied_bytes": st["raw_bytes"],
+                "stored_bytes": st["stored_bytes"], "new_chunks": st["new_chunks"], "reused_chunks": st["reused_chunks"],
+                "seconds": round(elapsed, 6), **fields["metadata"], "cut_seq": self.cut_seq, "manifest_bytes": len(man.raw)}
+
+    def abort(self, why="checkpoint aborted"):
+        with self.cv:
+            self.failure = self.failure or CudaError(CUresult.CUDA_ERROR_UNKNOWN, why)
+            self.cv.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+        self.io.shutdown()
+        self.writer.abort()
+
+
+class Restore:
+    """Bring an image back into a fresh session: objects now, contents now or on demand."""
+
+    def __init__(self, session, store, name, key=None):
+        self.session, self.store, self.name = session, store, name
+        try:
+            self.manifest = read_image(store, name, key=key)
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
+        self.cv = threading.Condition()
+        self.failure = None
+        self.thread = None
+        self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
+        self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
+        self.started = time.perf_counter()
+
+    def refuse(self, why):
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"image {self.name!r}: {why}")
+
+    def recreate(self):
+        """Recreate modules, functions, streams, events and allocations with their ids and addresses."""
+        m, s = self.manifest, self.session
+        backend = s.backend
+        if m.backend != backend.name:
+            self.refuse(f"taken on the {m.backend} backend, this server runs {backend.name}")
+        if m.to_dict().get("address_space", {}).get("base", s.space.base) != s.space.base:
+            self.refuse(f"address space base {m.address_space['base']:#x} differs from this server's {s.space.base:#x}")
+        info = backend.device_info()
+        if list(info.compute_capability) != m.device["cc"]:
+            self.refuse(f"taken on a compute capability {m.device['cc']} device, this one is {list(info.compute_capability)}")
+        sess = m.to_dict().get("session")
+        if not isinstance(sess, dict) or not {"ctx", "token", "next_id"} <= set(sess):
+            self.refuse("it names no session (ctx, token, next_id)")
+        regions = []
+        for e in m.modules:
+            try:
+                image = read_chunk(self.store, e["image"], expected_len=e["size"])
+            except ImageError as err:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(err)) from None
+            places = {g["name"]: g["address"] for g in m.globals if g["module"] == e["id"]}
+            module = backend.load_module(image, globals_at=places)
+            s.objects[e["id"]] = ("module", module)
+            s.meta[e["id"]] = {"image": image, "name": e["name"], "kind": e["kind"]}
+            for g in (g for g in m.globals if g["module"] == e["id"]):
+                ptr, size = backend.get_global(module, g["name"])
+                if size != g["size"]:
+                    self.refuse(f"global {g['name']} holds {size} bytes, the image {g['size']}")
+                if ptr != g["address"]:
+                    log.warning("image %s: global %s moved from %#x to %#x", self.name, g["name"], g["address"], ptr)
+                regions.append((ptr, g))
+        for f in m.functions:
+            fn = backend.get_function(s.handle("module", f["module"]), f["name"])
+            if [list(p) for p in fn.params] != f["params"]:
+                self.refuse(f"kernel {f['name']} has parameters {fn.params}, the image {f['params']}")
+            fn.module_id, fn.size = f["module"], fn.param_bytes
+            s.objects[f["id"]] = ("function", fn)
+        for e in m.streams:
+            s.objects[e["id"]] = ("stream", backend.stream_create(e["flags"], e["priority"]))
+            s.meta[e["id"]] = {"flags": e["flags"], "priority": e["priority"]}
+        for e in m.events:
+            s.objects[e["id"]] = ("event", backend.event_create(e["flags"]))
+            s.meta[e["id"]] = {"flags": e["flags"]}
+        for e in m.allocations:
+            backend.alloc(e["size"], at=e["address"])
+            regions.append((e["address"], e))
+        s.ctx_id, s.token_digest, s.next_id = sess["ctx"], sess["token"], sess["next_id"]
+        if m.error["status"]:
+            s.sticky = (m.error["status"], m.error["message"])
+        regions = [(ptr, e) for ptr, e in regions if e["size"]]
+        self.chunks = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions])
+        by_base = {ptr: e["chunks"] for ptr, e in regions}
+        self.keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
+        self.bytes_total, self.bytes_done = sum(self.chunks.size), 0
+        return m.cut_seq
+
+    def read(self, c):
+        try:     # every header field is checked here; the contents' fingerprint on the device
+            return read_chunk(self.store, self.keys[c], expected_len=self.chunks.size[c], check=False)
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
+
+    def load(self, idx):
+        """Load claimed chunks, verifying each."""
+        datas = list(self.io.map(self.read, idx))
+        fps = self.session.backend.snap.write(self.chunks.spans(idx), datas)
+        for c, fp in zip(idx, fps):
+            if fp.hex() != self.keys[c]:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE,
+                                f"image {self.name!r}: chunk {self.keys[c]} is corrupt: its contents fingerprint to {fp.hex()}")
+        with self.cv:
+            self.chunks.state[list(idx)] = DONE
+            self.bytes_done += sum(self.chunks.size[c] for c in idx)
+            self.cv.notify_all()
+
+    def claim(self, idx):
+        with self.cv:
+            mine = [c for c in idx if self.chunks.state[c] == PENDING]
+            self.chunks.state[mine] = BUSY
+            return mine
+
+    def load_all(self):
+        per_batch = max(1, BATCH_BYTES // max(1, max(self.chunks.size, default=1)))
+        for i in range(0, len(self.chunks), per_batch):
+            if self.failure is not None:
+                return
+            mine = self.claim(range(i, min(i + per_batch, len(self.chunks))))
+            if mine:
+                self.load(mine)
+
+    def start(self, full):
+        if full:
+            self.load_all()
+        else:
+            self.thread = threading.Thread(target=self.run, name="phos-restore", daemon=True)
+            self.thread.start()
+
+    def run(self):
+        try:
+            self.load_all()
+        except BaseException as e:
+            log.exception("restore of %s failed", self.name)
+            with self.cv:
+                self.failure = e
+                self.cv.notify_all()
+
+    @property
+    def loading(self):
+        return self.thread is not None and self.thread.is_alive()
+
+    def before_access(self, ptr, nbytes, whole=False):
+        """Load the chunks a call touches now, ahead of the background queue."""
+        if self.failure is not None:
+            raise self.failure if isinstance(self.failure, CudaError) else \
+                CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"restore of {self.name!r} failed: {self.failure}")
+        if self.first_touch is None:
+            self.first_touch = self.bytes_done
+        idx = self.chunks.allocation(ptr) if whole else self.chunks.covering(ptr, nbytes)
+        if not len(idx):
+            return
+        mine = self.claim(idx)
+        if mine:
+            self.load(mine)
+        with self.cv:
+            while self.failure is None and not all(self.chunks.state[c] == DONE for c in idx):
+                self.cv.wait(0.1)
+
+    def wait(self):
+        """Block until every chunk is loaded (a synchronous full restore, or shutdown)."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.failure is not None:
+            raise self.failure if isinstance(self.failure, CudaError) else \
+                CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"restore of {self.name!r} failed: {self.failure}")

@@ -1,0 +1,345 @@
+"""Checkpoint and restore of live contexts through real servers (snapshot/engine.py).
+
+A Python client program is the application; the tests drive checkpoints and restores
+through the admin API and the `phos` CLI, kill servers, and check that the program goes
+on, bit for bit. Runs on emu in CI, and with --backend cuda in perf/device/run.sh.
+"""
+import ctypes
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import ServerProc, wait_until
+from ptx_helpers import compile_ptx
+from phos.admin_cli import stub
+from phos.schema import admin_pb2 as pb
+from phos.snapshot import DirStore, read_image, read_region
+from phos.snapshot.fingerprint import _finish, fingerprint
+
+P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+MiB = 1 << 20
+
+
+class App:
+    """The application: a context running the snapshot kernels through the Python client."""
+
+    def __init__(self, cu):
+        self.cu = cu
+        self.ctx = self.ok(cu.cuCtxCreate(None, 0, 0))
+        mod = self.ok(cu.cuModuleLoadData(compile_ptx("snapshot.cu").encode()))
+        self.jacobi_fn = self.ok(cu.cuModuleGetFunction(mod, b"jacobi_step"))
+        self.indirect_fn = self.ok(cu.cuModuleGetFunction(mod, b"write_indirect"))
+
+    @property
+    def id(self):
+        return int(self.ctx)
+
+    def ok(self, res):
+        assert int(res[0]) == 0, (res, self.cu.last_error)
+        return res[1] if len(res) == 2 else res[1:] if len(res) > 2 else None
+
+    def put(self, a):
+        a = np.ascontiguousarray(a)
+        ptr = self.ok(self.cu.cuMemAlloc(a.nbytes))
+        self.ok(self.cu.cuMemcpyHtoD(ptr, a, a.nbytes))
+        return ptr
+
+    def get(self, ptr, n, dtype=np.float32):
+        out = np.zeros(n, dtype)
+        self.ok(self.cu.cuMemcpyDtoH(out, ptr, out.nbytes))
+        return out
+
+    def jacobi(self, x, y, rhs, n, iters):
+        """iters Jacobi sweeps, ping-ponging x and y; returns the pointer holding the result."""
+        for _ in range(iters):
+            self.ok(self.cu.cuLaunchKernel(self.jacobi_fn, -(-n // 256), 1, 1, 256, 1, 1, 0, 0,
+                                           ((x, y, rhs, n), (P, P, P, I)), 0))
+            x, y = y, x
+        return x
+
+    def write_indirect(self, table, value, n):
+        self.ok(self.cu.cuLaunchKernel(self.indirect_fn, 64, 1, 1, 256, 1, 1, 0, 0, ((table, value, n), (P, F, I)), 0))
+
+    def sync(self):
+        self.ok(self.cu.cuCtxSynchronize())
+
+
+def filler(nbytes, seed=0):
+    """Distinct, non-zero contents: every chunk differs, so nothing deduplicates."""
+    return (np.arange(nbytes // 8, dtype=np.uint64) * 0x9E3779B97F4A7C15 + seed).view(np.uint8)
+
+
+@pytest.fixture
+def client(monkeypatch):
+    """Connect the Python client to a server: client(server) -> driver module."""
+    from phos.client_stub import driver
+
+    def connect(server):
+        driver._reset_for_tests()
+        monkeypatch.setenv("PHOS_SERVER", server.address)
+        assert driver.cuInit(0) == (driver.CUresult.CUDA_SUCCESS,)
+        return driver
+    yield connect
+    driver._reset_for_tests()
+
+
+@pytest.fixture
+def servers(backend, tmp_path):
+    started = []
+
+    def start(name, pool=1):
+        (tmp_path / name).mkdir()
+        srv = ServerProc(backend, tmp_path / name, pool=pool)
+        started.append(srv)
+        return srv
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+def checkpoint(server, ctx, store, **kw):
+    msgs = list(stub(server.address).Checkpoint(pb.CheckpointRequest(ctx=ctx, store=str(store), **kw)))
+    assert msgs[-1].finished
+    return json.loads(msgs[-1].result_json)
+
+
+def restore(server, store, **kw):
+    return stub(server.address).Restore(pb.RestoreRequest(store=str(store), **kw))
+
+
+def state_of(server, ctx):
+    for c in stub(server.address).ListContexts(pb.ListContextsRequest()).contexts:
+        if c.id == ctx:
+            return c.state
+    return None
+
+
+def kill(server):
+    server.proc.kill()          # the workers die with it (PDEATHSIG)
+    server.proc.wait()
+    assert wait_until(lambda: not server.workers(), 10)
+
+
+def region(store, name, address):
+    m = read_image(store, name)
+    entry = next(e for e in m.allocations if e["address"] == address)
+    return np.frombuffer(bytes(read_region(store, entry)), np.uint8)
+
+
+def test_pfp1_kernel_matches_the_reference():
+    """The GPU hash kernel computes pfp1 exactly (run here on the emulator), and its PTX is current."""
+    from phos.gpu_server.emu import EmuBackend
+    root = os.path.join(os.path.dirname(__file__), "..", "snapshot", "kernels")
+    ptx = open(os.path.join(root, "pfp1.ptx"), "rb").read()
+    b = EmuBackend()
+    fn = b.get_function(b.load_module(ptx), "pfp1_lane_sums")
+    rng = np.random.default_rng(1)
+    datas = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 5, 8, 4096, 10001, 70003)]
+    ptrs = []
+    for d in datas:
+        ptrs.append(b.alloc(max(len(d), 1)))
+        b.htod(ptrs[-1], d.tobytes(), None)
+    table, sums = b.alloc(16 * len(datas)), b.alloc(16 * len(datas))
+    b.htod(table, np.array([v for p, d in zip(ptrs, datas) for v in (p, len(d))], np.uint64).tobytes(), None)
+    b.launch(fn, (len(datas), 1, 1), (256, 1, 1), 0, None, struct.pack("<QQII", table, sums, len(datas), 0))
+    out = np.zeros(16 * len(datas), np.uint8)
+    b.dtoh(sums, out, None)
+    words = out.view(np.uint64)
+    for i, d in enumerate(datas):
+        assert _finish(int(words[2 * i]), int(words[2 * i + 1]), len(d)) == fingerprint(d.tobytes()), len(d)
+    fresh = compile_ptx(os.path.abspath(os.path.join(root, "pfp1.cu")), "compute_75")
+    assert fresh.split("\n", 7)[-1] == ptx.decode().split("\n", 7)[-1], "snapshot/kernels/pfp1.ptx is stale: rebuild it from pfp1.cu"
+
+
+def test_killed_server_restored_elsewhere_continues_bit_for_bit(servers, client, tmp_path, monkeypatch):
+    """Checkpoint at iteration k, kill the server, restore into another server process: the
+    program continues with the same pointers and ends bit for bit where an uninterrupted run does."""
+    n, k, total = 1 << 15, 15, 40
+    rhs = np.sin(np.arange(n, dtype=np.float32))
+    one = servers("one")
+    cu = client(one)
+    ref_app = App(cu)
+    x, y, r = ref_app.put(np.zeros(n, np.float32)), ref_app.put(np.zeros(n, np.float32)), ref_app.put(rhs)
+    expected = ref_app.get(ref_app.jacobi(x, y, r, n, total), n)
+    cu.cuCtxDestroy(ref_app.ctx)
+
+    app = App(cu)
+    x, y, r = app.put(np.zeros(n, np.float32)), app.put(np.zeros(n, np.float32)), app.put(rhs)
+    x, y = (x, y) if app.jacobi(x, y, r, n, k) == x else (y, x)
+    app.sync()
+    store = tmp_path / "images"
+    result = checkpoint(one, app.id, store)
+    assert result["mode"] == "concurrent" and not result["paused"]
+    kill(one)
+    two = servers("two")                       # another server process, another address
+    monkeypatch.setenv("PHOS_SERVER", two.address)
+    reply = restore(two, store)
+    assert reply.ctx == app.id
+    addresses = {e["address"] for e in read_image(DirStore(store), reply.name).allocations}
+    assert {int(x), int(y), int(r)} <= addresses
+    out = app.get(app.jacobi(x, y, r, n, total - k), n)
+    assert out.tobytes() == expected.tobytes()
+
+
+def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_path):
+    """The program keeps writing (memset, copies, kernels) while the checkpoint copies: the image
+    holds the state at the cut, and no pause was needed."""
+    one = servers("one")
+    app = App(client(one))
+    app.put(filler(96 * MiB))                  # copied first, so the writes below land mid-copy
+    n = 1 << 18
+    before_x, before_y = np.arange(n, dtype=np.float32), np.full(n, 3.0, np.float32)
+    x, y, r = app.put(before_x), app.put(before_y), app.put(np.ones(n, np.float32))
+    app.sync()
+    store = tmp_path / "images"
+    done = {}
+    t = threading.Thread(target=lambda: done.update(checkpoint(one, app.id, store)))
+    t.start()
+    assert wait_until(lambda: state_of(one, app.id) == "checkpointing" or done, 20, 0.002)
+    assert not done, "the checkpoint ended before the program could write during it: make the filler bigger"
+    app.ok(app.cu.cuMemsetD32(x, 0x7F7F7F7F, n))
+    app.ok(app.cu.cuMemcpyHtoD(y, np.zeros(n, np.float32), 4 * n))
+    app.jacobi(x, y, r, n, 3)
+    app.sync()
+    t.join()
+    assert done["mode"] == "concurrent" and not done["paused"] and done["recopied_chunks"] == 0
+    s = DirStore(store)
+    assert region(s, done["name"], int(x)).tobytes() == before_x.tobytes()
+    assert region(s, done["name"], int(y)).tobytes() == before_y.tobytes()
+
+
+def test_a_write_through_a_loaded_pointer_is_caught(servers, client, tmp_path):
+    """A kernel writes memory no argument names, mid-copy: validation sees the change, the engine
+    pauses and recopies, and the image is the consistent state at the new cut."""
+    one = servers("one")
+    app = App(client(one))
+    app.put(filler(96 * MiB))
+    n = 1 << 18
+    target = app.put(np.ones(n, np.float32))
+    table = app.put(np.array([int(target)], np.uint64))
+    app.sync()
+    store = tmp_path / "images"
+    done = {}
+    t = threading.Thread(target=lambda: done.update(checkpoint(one, app.id, store)))
+    t.start()
+    assert wait_until(lambda: state_of(one, app.id) == "checkpointing" or done, 20, 0.002)
+    assert not done
+    app.write_indirect(table, 7.0, n)
+    app.sync()
+    t.join()
+    assert done["mode"] == "concurrent" and done["paused"] and done["recopied_chunks"] >= 1
+    image = region(DirStore(store), done["name"], int(target)).view(np.float32)
+    assert (image == 7.0).all()
+    assert (app.get(target, n) == 7.0).all()
+
+
+def test_on_demand_restore_runs_kernels_before_everything_is_loaded(servers, client, tmp_path, monkeypatch):
+    one = servers("one")
+    app = App(client(one))
+    app.put(filler(160 * MiB))
+    n = 1 << 16
+    rhs = np.cos(np.arange(n, dtype=np.float32))
+    x, y, r = app.put(rhs * 2), app.put(np.zeros(n, np.float32)), app.put(rhs)
+    app.sync()
+    store = tmp_path / "images"
+    checkpoint(one, app.id, store)
+    kill(one)
+    two = servers("two")
+    monkeypatch.setenv("PHOS_SERVER", two.address)
+    reply = restore(two, store)
+    out = app.get(app.jacobi(x, y, r, n, 1), n)
+    stats = {c.id: c for c in stub(two.address).ListContexts(pb.ListContextsRequest()).contexts}
+    expected = np.empty(n, np.float32)
+    left, right = np.r_[0.0, rhs[:-1] * 2].astype(np.float32), np.r_[rhs[1:] * 2, 0.0].astype(np.float32)
+    expected[:] = np.float32(0.5) * (left + right + rhs)
+    assert np.allclose(out, expected, rtol=1e-6)
+    first = json.loads(subprocess.run([sys.executable, "-m", "phos.cli", "ctx", "list", "--json", "--server", two.address],
+                                      capture_output=True, text=True, check=True).stdout)
+    assert any(c["id"] == reply.ctx for c in first)
+    assert stats[reply.ctx].first_call_loaded < reply.bytes, "the first call waited for the whole image"
+
+
+def test_incremental_checkpoint_stores_only_what_changed(servers, client, tmp_path):
+    one = servers("one")
+    app = App(client(one))
+    big = app.put(filler(32 * MiB))
+    app.sync()
+    store = tmp_path / "images"
+    first = checkpoint(one, app.id, store)
+    app.ok(app.cu.cuMemsetD8(big, 0x55, MiB))      # one chunk changes
+    app.sync()
+    second = checkpoint(one, app.id, store, incremental=True)
+    assert first["copied_bytes"] >= 32 * MiB and second["copied_bytes"] <= 2 * MiB
+    assert second["stored_bytes"] < first["stored_bytes"] / 8
+    m = read_image(DirStore(store), second["name"])
+    assert m.parent == first["name"]
+    image = region(DirStore(store), second["name"], int(big))
+    assert (image[:MiB] == 0x55).all() and image[MiB:].tobytes() == filler(32 * MiB)[MiB:].tobytes()
+
+
+def test_corrupt_and_truncated_images_are_refused(servers, client, tmp_path):
+    one = servers("one")
+    app = App(client(one))
+    app.put(filler(4 * MiB))
+    app.sync()
+    store = tmp_path / "images"
+    good = checkpoint(one, app.id, store, name="good")["name"]
+    bad = tmp_path / "bad"
+    checkpoint(one, app.id, bad, name="bad")
+    two = servers("two")
+    chunk = next(p for p in sorted((bad / "chunks").rglob("*")) if p.is_file() and p.stat().st_size > 4096)
+    raw = bytearray(chunk.read_bytes())
+    raw[-1] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(grpc.RpcError) as e:
+        restore(two, bad, full=True)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and chunk.name in e.value.details()
+    manifest = bad / "images" / "bad.json"
+    manifest.write_bytes(manifest.read_bytes()[:-20])
+    with pytest.raises(grpc.RpcError) as e:
+        restore(two, bad, name="bad")
+    assert "bad" in e.value.details() and e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as e:
+        restore(two, tmp_path / "nothing-here")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    read_image(DirStore(store), good)          # the other image is intact
+    assert not stub(two.address).ListContexts(pb.ListContextsRequest()).contexts   # no half-restored context
+    assert app.get(app.put(np.ones(8, np.float32)), 8).sum() == 8                   # and the program runs on
+
+
+def test_cli_and_admin_api(servers, client, tmp_path):
+    one = servers("one")
+    app = App(client(one))
+    a = app.put(filler(3 * MiB))
+    app.sync()
+    cli = [sys.executable, "-m", "phos.cli"]
+    rows = json.loads(subprocess.run(cli + ["ctx", "list", "--json", "--server", one.address],
+                                     capture_output=True, text=True, check=True).stdout)
+    row = next(r for r in rows if r["id"] == app.id)
+    assert row["bytes"] >= 3 * MiB
+    store = tmp_path / "images"
+    out = subprocess.run(cli + ["checkpoint", str(app.id), str(store), "--pause", "--json", "--server", one.address],
+                         capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    assert result["mode"] == "paused" and result["bytes"] >= 3 * MiB
+    image = json.loads(subprocess.run(cli + ["image", "inspect", str(store), "--json"],
+                                      capture_output=True, text=True, check=True).stdout)
+    assert {"address": int(a), "size": 3 * MiB} in [{k: e[k] for k in ("address", "size")} for e in image["allocations"]]
+    text = subprocess.run(cli + ["checkpoint", str(app.id), str(store), "--server", one.address],
+                          capture_output=True, text=True, check=True).stdout
+    assert "GB/s" in text and "paused" in text
+    bad = subprocess.run(cli + ["checkpoint", "12345", str(store), "--server", one.address], capture_output=True, text=True)
+    assert bad.returncode != 0 and "no context 12345" in bad.stderr
+    stats = stub(one.address).Stats(pb.StatsRequest())
+    assert stats.checkpoints == 2 and stats.contexts >= 1
+    freed = stub(one.address).DeleteImage(pb.DeleteImageRequest(store=str(store), name=result["name"]))
+    assert freed.freed_chunks == 0          # the second image still holds every chunk
+    assert len(DirStore(store).list_images()) == 1
