@@ -5,6 +5,8 @@ Allocations are VMM mappings inside one range reserved at the fixed base
 """
 import ctypes
 import os
+import threading
+import time
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -81,6 +83,7 @@ class CudaBackend:
         self.streams = set()         # the streams we created: a checkpoint's cut fences them
         self.ordinal = device
         self._snap = None
+        self._snap_lock = threading.Lock()
         self._info = None
 
     def device_info(self):
@@ -91,8 +94,9 @@ class CudaBackend:
     @property
     def snap(self):
         """The snapshot engine's device operations, made on first use (they load a module)."""
-        if self._snap is None:
-            self._snap = CudaSnapshotOps(self)
+        with self._snap_lock:          # a restore's loader thread and a call may both ask first
+            if self._snap is None:
+                self._snap = CudaSnapshotOps(self)
         return self._snap
 
     @staticmethod
@@ -275,6 +279,17 @@ class CudaBackend:
         cu.cuDevicePrimaryCtxRelease(self.device)
 
 
+def _wait_event(event):
+    """Wait for an event without holding the GIL meanwhile (cuEventSynchronize may keep it, and
+    the worker's loop serving the application must not stall behind our copies)."""
+    while True:
+        err = cu.cuEventQuery(event)[0]
+        if int(err) != CUresult.CUDA_ERROR_NOT_READY:
+            ok((err,), "cuEventQuery")
+            return
+        time.sleep(0.00005)
+
+
 def _pinned(nbytes):
     """A page-locked host buffer as a uint8 array (kept for the worker's life)."""
     ptr = int(ok(cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
@@ -291,7 +306,7 @@ class CudaSnapshotOps:
     so no later write can run before it. A read copies chunks to pinned host memory and
     hashes them again right after, on the same stream: the fingerprint of what was copied.
     """
-    BUFFER = 64 << 20
+    BUFFER = {"bulk": 128 << 20, "urgent": 16 << 20}     # at least; two of each: copies alternate between them
 
     def __init__(self, backend):
         from phos import snapshot
@@ -305,7 +320,7 @@ class CudaSnapshotOps:
         _, greatest = ok(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
         self.streams = {"bulk": ok(cu.cuStreamCreateWithPriority(flags, 0), "cuStreamCreate"),
                         "urgent": ok(cu.cuStreamCreateWithPriority(flags, greatest), "cuStreamCreate")}
-        self.host = {k: _pinned(self.BUFFER) for k in self.streams}
+        self.host = {k: [] for k in self.streams}      # pinned buffers, made on first use
         self.tables = {}         # purpose -> chunk table and sums, on the device and pinned on the host
 
     def _table(self, key, n):
@@ -336,7 +351,7 @@ class CudaSnapshotOps:
         ok(cu.cuEventRecord(event, stream), "cuEventRecord")
 
         def wait():
-            ok(cu.cuEventSynchronize(event), "cuEventSynchronize")
+            _wait_event(event)
             cu.cuEventDestroy(event)
             return [_finish(int(out[2 * i]), int(out[2 * i + 1]), size) for i, (_, size) in enumerate(chunks)]
         return wait
@@ -361,43 +376,72 @@ class CudaSnapshotOps:
             cu.cuEventDestroy(event)
         return wait
 
-    def read(self, chunks, urgent=False):
-        """Yield (host bytes, fingerprint) per chunk; a batch's views stay valid until the next batch."""
-        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
-        key = "urgent" if urgent else "bulk"
-        stream, host = self.streams[key], self.host[key]
-        i = 0
-        while i < len(chunks):
-            batch, used = [], 0
-            while i < len(chunks) and (not batch or used + chunks[i][1] <= len(host)):
-                if chunks[i][1] > len(host):
-                    raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk of {chunks[i][1]} bytes exceeds the {len(host)}-byte copy buffer")
-                batch.append((chunks[i], used))
-                used += chunks[i][1]
-                i += 1
-            for (addr, size), off in batch:
-                ok(cu.cuMemcpyDtoHAsync(host.ctypes.data + off, addr, size, stream), "cuMemcpyDtoHAsync")
-            fps = self._hash([c for c, _ in batch], key, stream)()
-            yield [(host[off:off + size], fp) for ((_, size), off), fp in zip(batch, fps)]
+    def prepare(self):
+        """Pin the copy buffers now (a pre-started worker, before any application uses it):
+        pinning holds a driver lock that would stall the application for a quarter second."""
+        for key in self.streams:
+            self._buffers(key, self.BUFFER[key])
 
-    def write(self, chunks, datas):
-        """Copy through the pinned buffer (full link speed), then hash what landed."""
-        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
-        stream, host = self.streams["bulk"], self.host["bulk"]
-        fps, start = [], 0
+    def _buffers(self, key, at_least):
+        """The two pinned host buffers of a stream, grown to hold a chunk of at_least bytes.
+        Made when first needed, not at the cut: pinning takes milliseconds per 100 MiB."""
+        buffers = self.host[key]
+        if not buffers or len(buffers[0]) < at_least:
+            size = max(self.BUFFER[key], -(-at_least // (1 << 20)) << 20)
+            buffers[:] = [_pinned(size), _pinned(size)]      # the old ones stay allocated: rare, and safe
+        return buffers
+
+    def _batches(self, chunks, capacity):
+        """Split chunks into runs that fit one host buffer: [(start, end)]."""
+        out, start = [], 0
         while start < len(chunks):
             end, used = start, 0
-            while end < len(chunks) and (end == start or used + chunks[end][1] <= len(host)):
+            while end < len(chunks) and (end == start or used + chunks[end][1] <= capacity):
+                if chunks[end][1] > capacity:
+                    raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk of {chunks[end][1]} bytes exceeds the {capacity}-byte copy buffer")
                 used += chunks[end][1]
                 end += 1
-            off = 0
-            for (addr, size), data in zip(chunks[start:end], datas[start:end]):
-                if size > len(host):       # too big for the buffer: straight from pageable memory
-                    ok(cu.cuMemcpyHtoD(addr, np.frombuffer(data, np.uint8).ctypes.data, size), "cuMemcpyHtoD")
-                    continue
-                host[off:off + size] = np.frombuffer(data, np.uint8)
-                ok(cu.cuMemcpyHtoDAsync(addr, host.ctypes.data + off, size, stream), "cuMemcpyHtoDAsync")
-                off += size
-            fps += self._hash(chunks[start:end], "bulk", stream)()
+            out.append((start, end))
             start = end
+        return out
+
+    def read(self, chunks, urgent=False):
+        """Yield batches of (host bytes, fingerprint). Two host buffers take turns, so the next
+        batch is copying while the caller stores this one; a batch stays valid until the one
+        after the next is asked for."""
+        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        key = "urgent" if urgent else "bulk"
+        stream, buffers = self.streams[key], self._buffers(key, max(size for _, size in chunks))
+        pending = None
+        for n, (start, end) in enumerate(self._batches(chunks, len(buffers[0]))):
+            host, off, views = buffers[n % 2], 0, []
+            for addr, size in chunks[start:end]:
+                ok(cu.cuMemcpyDtoHAsync(host.ctypes.data + off, addr, size, stream), "cuMemcpyDtoHAsync")
+                views.append(host[off:off + size])
+                off += size
+            wait = self._hash(chunks[start:end], f"{key}{n % 2}", stream)
+            if pending is not None:
+                yield list(zip(pending[0], pending[1]()))
+            pending = (views, wait)
+        if pending is not None:
+            yield list(zip(pending[0], pending[1]()))
+
+    def write(self, chunks, load, pool, urgent=False):
+        """Copy chunks to the device through a pinned buffer: pool threads put load(i)'s bytes
+        in place, then the link copies them at full speed. Returns the fingerprints of what landed.
+        urgent: a call waits for these (own stream and buffer, beside the background loading)."""
+        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        key = "urgent" if urgent else "bulk"
+        stream, host = self.streams[key], self._buffers(key, max(size for _, size in chunks))[0]
+        fps = []
+        for start, end in self._batches(chunks, len(host)):
+            offsets = np.cumsum([0] + [size for _, size in chunks[start:end]])
+
+            def place(i):
+                data = load(start + i)
+                host[offsets[i]:offsets[i + 1]] = np.frombuffer(data, np.uint8)
+            list(pool.map(place, range(end - start)))
+            for (addr, size), off in zip(chunks[start:end], offsets):
+                ok(cu.cuMemcpyHtoDAsync(addr, host.ctypes.data + int(off), size, stream), "cuMemcpyHtoDAsync")
+            fps += self._hash(chunks[start:end], f"{key}0", stream)()
         return fps

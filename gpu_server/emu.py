@@ -179,7 +179,9 @@ class EmuSnapshotOps:
             data = self.view(a, n).copy()
             yield [(data, fingerprint(data))]
 
-    def write(self, chunks, datas):
-        for (a, n), data in zip(chunks, datas):
-            self.view(a, n)[:] = np.frombuffer(data, np.uint8)
-        return [fingerprint(self.view(a, n)) for a, n in chunks]
+    def write(self, chunks, load, pool, urgent=False):
+        def place(i):
+            a, n = chunks[i]
+            self.view(a, n)[:] = np.frombuffer(load(i), np.uint8)
+            return fingerprint(self.view(a, n))
+        return list(pool.map(place, range(len(chunks))))

@@ -244,11 +244,15 @@ class Worker:
             self.send(peer, build_reply(self.ack, results, self.session.backend.take_output()))
 
     def catch_up(self, first):
-        """Run the calls sent over the socket before a mailbox request whose first call is `first`."""
-        deadline = time.monotonic() + ORPHAN_GRACE + 10
-        while self.ack < first - 1 and time.monotonic() < deadline:
+        """Run the calls sent over the socket before a mailbox request whose first call is `first`.
+
+        They were sent before it on this host, so they are here or on the way: after a second
+        with none, they never come (the client died, or lied), and the serve loop takes over."""
+        quiet_since = time.monotonic()
+        while self.ack < first - 1 and not self.session.closing and time.monotonic() - quiet_since < 1.0:
             if self.sock.poll(100):
                 self.handle(self.sock.recv_multipart(copy=False))
+                quiet_since = time.monotonic()
 
     def run_bare(self, peer, name, seq):
         """A synchronous call with no arguments, read without capnp (wire.BARE_CALLS)."""
@@ -516,6 +520,9 @@ def main(argv=None):
         ctl.bind(opts.control)
         ctl_endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
     print(f"READY {endpoint} {ctl_endpoint}", flush=True)
+    backend.device_info()      # cached now: a checkpoint's cut must not pay for it
+    if opts.standby and backend.name == "cuda":
+        backend.snap.prepare()   # pre-started: snapshot kernels and copy buffers ready before anyone waits
     session = Session(backend, opts.ctx, token)
     try:
         Worker(session, sock, ctl, control_token).serve(monitor, standby=opts.standby)

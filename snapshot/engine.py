@@ -8,9 +8,11 @@ work goes through the backend's snapshot operations (`backend.snap`):
                                              fence, later application work waits for it
     read(chunks, urgent)                     copy chunks to the host: yields batches of
                                              [(bytes, fingerprint of what was copied)]; a
-                                             batch stays valid until the next is asked for
-    write(chunks, datas) -> fps              copy chunks to the device; fingerprints of what
-                                             landed there (so restores verify on the device)
+                                             batch stays valid until the one after the next
+                                             is asked for
+    write(chunks, load, pool) -> fps         copy chunk i's bytes, load(i), to the device (pool
+                                             threads fetch them); returns the fingerprints of
+                                             what landed there, so restores verify on the device
 
 Checkpoint: the cut is a point in the call stream (the worker's last executed call). The
 engine records the context's objects, fingerprints every chunk at the cut, and saves the
@@ -39,8 +41,8 @@ from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError
                                  read_image)
 
 log = logging.getLogger("phos.snapshot")
-BATCH_BYTES = 64 << 20           # the background thread copies this much per device round trip
-IO_THREADS = 8                   # chunk files written or read at once
+BATCH_BYTES = 128 << 20          # the background thread copies this much per device round trip
+IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
 
 
@@ -405,10 +407,9 @@ class Restore:
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
 
-    def load(self, idx):
+    def load(self, idx, urgent=False):
         """Load claimed chunks, verifying each."""
-        datas = list(self.io.map(self.read, idx))
-        fps = self.session.backend.snap.write(self.chunks.spans(idx), datas)
+        fps = self.session.backend.snap.write(self.chunks.spans(idx), lambda i: self.read(idx[i]), self.io, urgent)
         for c, fp in zip(idx, fps):
             if fp.hex() != self.keys[c]:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE,
@@ -465,7 +466,7 @@ class Restore:
             return
         mine = self.claim(idx)
         if mine:
-            self.load(mine)
+            self.load(mine, urgent=True)
         with self.cv:
             while self.failure is None and not all(self.chunks.state[c] == DONE for c in idx):
                 self.cv.wait(0.1)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "common.h"
 
@@ -38,6 +39,7 @@ Connection::Connection(const std::string& endpoint, bool batching) : socket_(end
 
 Connection::~Connection() {
     if (shm_) munmap(shm_, staging::kAreaSize);
+    for (char* area : old_areas_) munmap(area, staging::kAreaSize);
 }
 
 wire::Result Connection::failure(uint32_t status, std::string message) {
@@ -119,6 +121,11 @@ bool Connection::boxable(const wire::Call& c) const { return !c.has_payload() &&
 // first (the worker runs them before the mailbox request, whose first seq is later).
 bool Connection::send_batch(bool want_reply, bool use_box) {
     if (batch_.empty()) return true;
+    if (!dead_.empty()) {   // the context is lost (reattach): calls go nowhere, and fail
+        batch_.clear();
+        batch_payload_bytes_ = batch_frame_estimate_ = batch_calls_ = 0;
+        return false;
+    }
     bool sent = true, boxed = false;
     if (want_reply && use_box && shm_ && use_mailbox()) {
         size_t split = batch_.size();
@@ -141,6 +148,7 @@ bool Connection::send_batch(bool want_reply, bool use_box) {
         }
     }
     if (!boxed && sent) sent = send_socket(0, batch_.size(), want_reply);
+    if (want_reply) batch_.back().wanted = true;   // a re-attach resends it last in a Request too
     for (auto& c : batch_) {
         if (c.payload.owned) unacked_owned_bytes_ += c.payload.size;
         if (c.payload.borrowed) borrowed_unacked_++;
@@ -247,6 +255,7 @@ bool Connection::apply_reply(const void* frame, size_t size, Message* message, u
         return false;
     }
     trim_log(reply.ack_seq);
+    acked_ = std::max(acked_, reply.ack_seq);
     if (!reply.output.empty()) {   // device-side printf, shown at synchronization as CUDA does
         fwrite(reply.output.data(), 1, reply.output.size(), stdout);
         fflush(stdout);
@@ -255,6 +264,11 @@ bool Connection::apply_reply(const void* frame, size_t size, Message* message, u
     for (auto& r : reply.results) {
         if (r.seq == want_seq || (r.seq == 0 && r.status != 0)) {   // seq 0: the whole Request was refused
             if (out && r.status == 0) copy_payload(message, r.payload, *out);
+            auto it = r.seq ? write_backs_.find(r.seq) : write_backs_.end();   // a resent staged copy
+            if (it != write_backs_.end()) {
+                if (r.status == 0) copy_payload(message, r.payload, it->second);
+                write_backs_.erase(it);
+            }
             if (r.seq == 0) kept_.clear();   // which chunk it was is unknown: stop waiting for any
             mine = std::move(r);
             found = true;
@@ -280,6 +294,10 @@ bool Connection::apply_reply(const void* frame, size_t size, Message* message, u
 // Spins for PHOS_SPIN_US first, then sleeps in short, growing waits on the socket
 // (a Reply in the box wakes nobody). False, with `mine` saying why, on timeout or loss.
 bool Connection::wait_for(uint64_t seq, const HostDestination* out, double timeout, wire::Result& mine) {
+    if (!dead_.empty()) {
+        mine = failure(kContextIsDestroyed, dead_);
+        return false;
+    }
     const auto start = Clock::now();
     const double spin = settings().spin;
     double nap = 20e-6;
@@ -320,6 +338,14 @@ bool Connection::wait_for(uint64_t seq, const HostDestination* out, double timeo
             }
             continue;   // a reply to something else (a call that timed out earlier): keep waiting
         }
+        if (ctx_ != 0 && !reattaching_ && (w == Socket::Wait::gone || socket_.lost())) {
+            // The worker went away: a server may restore the context from a checkpoint.
+            // A call with a timeout (the exit handler's ctxDestroy) looks no longer than that.
+            if (!reattach(seq, mine, timeout >= 0 ? std::max(0.0, timeout - seconds_since(start)) : -1)) return false;
+            round = 0;
+            nap = 20e-6;
+            continue;
+        }
         if (w == Socket::Wait::gone) {
             std::string text = "the phos server at " + endpoint() + " went away" +
                                (socket_.error().empty() ? "" : ": " + socket_.error());
@@ -353,6 +379,7 @@ void Connection::collect_all() {
 }
 
 wire::Result Connection::call(wire::Call call, const HostDestination* out, double timeout) {
+    if (!dead_.empty()) return failure(kContextIsDestroyed, dead_);
     if (!socket_.ok()) return failure(kNoDevice, socket_.error());
     if (deferred_status_ != 0) {
         // The server already reported this failure: report it now, and like the server
@@ -425,11 +452,16 @@ static char* create_staging(std::string& path, std::string& cookie) {
 }
 
 wire::Result Connection::attach(uint64_t ctx, std::string token, double timeout) {
+    const std::string c_token = token;
     std::string path, cookie;
     char* area = may_share_host(endpoint()) ? create_staging(path, cookie) : nullptr;
     wire::Call c = area ? wire::Call::attach_with_staging(ctx, std::move(token), path, cookie, staging::kAreaSize)
                         : wire::Call::attach(ctx, std::move(token));
     wire::Result r = call(std::move(c), nullptr, timeout);
+    if (r.status == 0 && !r.u64s.empty()) {   // what a re-attach presents
+        ctx_ = r.u64s[0];
+        token_ = c_token;
+    }
     if (area) {
         unlink(path.c_str());   // mapped by both or by us alone: the name is no longer needed
         if (r.status == 0 && r.u64s.size() > 1 && r.u64s[1] == 1) {
@@ -453,6 +485,11 @@ void Connection::copy_to_device_staged(uint64_t dst, const void* src, size_t n, 
         const unsigned i = next_slot_;
         next_slot_ ^= 1;
         collect(slot_seq_[i]);   // the worker is done with this slot
+        if (!dead_.empty()) return;   // the failure goes to the next synchronous call
+        if (!shm_) {   // re-attached to a worker that did not map a staging area: the rest in a frame
+            post(wire::Call::memcpy_htod(dst + done, stream, wire::Payload::copy_of(from + done, n - done)));
+            return;
+        }
         const size_t offset = staging::kSlotsOffset + i * staging::kSlotSize;
         std::memcpy(shm_ + offset, from + done, size);
         const uint64_t seq = send_now(wire::Call::memcpy_htod_staged(dst + done, size, stream, offset, done, n));
@@ -464,6 +501,7 @@ void Connection::copy_to_device_staged(uint64_t dst, const void* src, size_t n, 
 }
 
 wire::Result Connection::copy_from_device_staged(void* dst, uint64_t src, size_t n, uint64_t stream) {
+    if (!dead_.empty()) return failure(kContextIsDestroyed, dead_);
     if (!socket_.ok()) return failure(kNoDevice, socket_.error());
     if (deferred_status_ != 0) {
         send_batch(false);
@@ -474,6 +512,7 @@ wire::Result Connection::copy_from_device_staged(void* dst, uint64_t src, size_t
     struct InFlight {
         uint64_t seq;
         size_t chunk;
+        const char* area;   // the staging area it was sent with (a re-attach may bring another; null: none)
     };
     std::deque<InFlight> inflight;
     auto issue = [&](size_t k) {
@@ -483,7 +522,14 @@ wire::Result Connection::copy_from_device_staged(void* dst, uint64_t src, size_t
         const size_t begin = k * staging::kSlotSize;
         const size_t size = std::min(staging::kSlotSize, n - begin);
         const size_t offset = staging::kSlotsOffset + i * staging::kSlotSize;
-        inflight.push_back({send_now(wire::Call::memcpy_dtoh_staged(src + begin, size, stream, offset, begin, n)), k});
+        if (!shm_) {   // re-attached to a worker that did not map a staging area: a plain copy
+            const uint64_t seq = send_now(wire::Call::memcpy_dtoh(src + begin, size, stream));
+            write_backs_[seq] = HostDestination{to + begin, size};
+            inflight.push_back({seq, k, nullptr});
+            return;
+        }
+        inflight.push_back(
+            {send_now(wire::Call::memcpy_dtoh_staged(src + begin, size, stream, offset, begin, n)), k, shm_});
     };
     for (size_t k = 0; k < std::min<size_t>(2, chunks); k++) issue(k);
     wire::Result result;
@@ -496,16 +542,178 @@ wire::Result Connection::copy_from_device_staged(void* dst, uint64_t src, size_t
         if (r.status != 0) {
             if (!failed) result = std::move(r);
             failed = true;
-        } else if (!failed) {
+        } else if (!failed && f.area) {
             const size_t begin = f.chunk * staging::kSlotSize;
             const size_t size = std::min(staging::kSlotSize, n - begin);
-            std::memcpy(to + begin, shm_ + staging::kSlotsOffset + (f.chunk % 2) * staging::kSlotSize, size);
+            std::memcpy(to + begin, f.area + staging::kSlotsOffset + (f.chunk % 2) * staging::kSlotSize, size);
             staged_bytes_ += size;
         }
         if (!failed && f.chunk + 2 < chunks) issue(f.chunk + 2);
     }
     if (!failed && deferred_status_ != 0) return take_deferred();
     return result;
+}
+
+// -- re-attaching to a restored context ------------------------------------------------
+
+// The worker went away while we wait for `seq`. Finds where the context lives now (a
+// server restored it from a checkpoint), attaches there, and resends the calls after the
+// image's cut; false, with `mine` saying why, if that cannot be done (schema/phos.capnp,
+// "Snapshots"; client_stub/connection.py, Connection.reattach, does the same).
+bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
+    double limit = env_seconds("PHOS_REATTACH_TIMEOUT", 60.0);
+    if (budget >= 0) limit = std::min(limit, budget);
+    const auto start = Clock::now();
+    const std::string old_endpoint = endpoint();
+    log_error("the worker of context %llu at %s went away: waiting up to %g s for a server to restore it",
+              (unsigned long long)ctx_, old_endpoint.c_str(), limit);
+    reattaching_ = true;
+    char* old_area = shm_;
+    if (shm_) old_areas_.push_back(shm_);   // a resent copy may still read or fill it
+    shm_ = nullptr;
+    box_waiting_ = false;
+    box_seq_ = 0;
+    slot_seq_[0] = slot_seq_[1] = 0;
+    next_slot_ = 0;
+    std::string why = "no answer";
+    uint64_t cut = 0;
+    bool attached = false;
+    while (true) {
+        const double left = limit - seconds_since(start);
+        const double timeout = std::max(0.1, std::min(settings().connect_timeout, left));
+        // PHOS_SERVER is read now: the context may have moved to another server.
+        const std::string server = env_string("PHOS_SERVER", kDefaultServer);
+        std::string endpoint;
+        {
+            Connection front(server, false);
+            wire::Result r = front.ok() ? front.call(wire::Call::reattach(ctx_, token_), nullptr, timeout)
+                                        : failure(kNoDevice, "cannot use PHOS_SERVER=" + server);
+            if (r.status == 0 && !r.text.empty()) endpoint = r.text;
+            else why = r.message.empty() ? "the front end at " + server + " sent no worker endpoint" : r.message;
+        }
+        if (!endpoint.empty()) {
+            attached = attach_again(endpoint, timeout, cut, why);
+            if (attached) break;
+        }
+        if (seconds_since(start) >= limit) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    reattaching_ = false;
+    if (!attached) {
+        char text[1024];
+        snprintf(text, sizeof text,
+                 "the worker of context %llu at %s went away and no server restored the context within %g s "
+                 "(last answer: %s)",
+                 (unsigned long long)ctx_, old_endpoint.c_str(), limit, why.c_str());
+        log_error("%s", text);
+        give_up(text);
+        mine = failure(kContextIsDestroyed, text);
+        return false;
+    }
+    // The image holds every call up to `cut`; we hold every call after `acked_`.
+    // Device->host bytes of calls up to the cut that never reached us are lost too.
+    uint64_t lost = seq != 0 && seq <= cut ? seq : 0;   // a call whose Result never reached us
+    for (const auto& w : write_backs_)
+        if (w.first <= cut && (lost == 0 || w.first < lost)) lost = w.first;
+    if (acked_ > cut || lost != 0) {
+        char text[1024];
+        if (acked_ > cut)
+            snprintf(text, sizeof text,
+                     "context %llu was restored from an image taken at call %llu, but calls %llu..%llu were already "
+                     "acknowledged by the worker that went away and are gone: the context cannot continue",
+                     (unsigned long long)ctx_, (unsigned long long)cut, (unsigned long long)cut + 1,
+                     (unsigned long long)acked_);
+        else
+            snprintf(text, sizeof text,
+                     "context %llu was restored from an image taken at call %llu, after call %llu whose results "
+                     "never reached us: the context cannot continue",
+                     (unsigned long long)ctx_, (unsigned long long)cut, (unsigned long long)lost);
+        log_error("%s", text);
+        give_up(text);   // nothing more may reach the restored worker: it lacks calls
+        mine = failure(kContextIsDestroyed, text);
+        return false;
+    }
+    resend_after(cut, old_area);
+    log_error("context %llu re-attached at %s (image cut at call %llu): resent %zu call(s)", (unsigned long long)ctx_,
+              endpoint().c_str(), (unsigned long long)cut, unacked_calls_);
+    return true;
+}
+
+// The context cannot go on: every later call fails with `why`, sending nothing.
+void Connection::give_up(const std::string& why) {
+    dead_ = why;
+    ctx_ = 0;
+    said_gone_ = true;
+    kept_.clear();
+    write_backs_.clear();
+    batch_.clear();
+    unacked_.clear();
+    unacked_calls_ = unacked_owned_bytes_ = borrowed_unacked_ = 0;
+    batch_payload_bytes_ = batch_frame_estimate_ = batch_calls_ = 0;
+    socket_.reopen("inproc://phos-context-lost");   // drops what the old socket still queues
+}
+
+// Connects to the restored worker and attaches as seq 0 (it takes no place in the call
+// stream), offering a new staging area. `cut`: the last call the worker has executed.
+bool Connection::attach_again(const std::string& endpoint, double timeout, uint64_t& cut, std::string& why) {
+    socket_.reopen(endpoint);
+    if (!socket_.ok()) {
+        why = socket_.error();
+        return false;
+    }
+    std::string path, cookie;
+    char* area = may_share_host(endpoint) ? create_staging(path, cookie) : nullptr;
+    wire::Call c = area ? wire::Call::attach_with_staging(ctx_, token_, path, cookie, staging::kAreaSize)
+                        : wire::Call::attach(ctx_, token_);
+    c.seq = 0;
+    const wire::Call* calls[1] = {&c};
+    std::string frame;
+    wire::encode_request(calls, 1, true, frame);
+    wire::Result r;
+    if (!socket_.send(frame, {})) {
+        r = failure(kContextIsDestroyed, "cannot send to " + endpoint + ": " + socket_.error());
+    } else if (wait_for(0, nullptr, timeout, r) && r.status == 0 && r.u64s.size() < 3) {
+        r = failure(kUnknown, "the worker at " + endpoint + " sent no cut with attach");
+    }
+    if (area) {
+        unlink(path.c_str());
+        if (r.status == 0 && r.u64s.size() > 1 && r.u64s[1] == 1) shm_ = area;
+        else munmap(area, staging::kAreaSize);
+    }
+    if (r.status != 0) {
+        why = r.message;
+        return false;
+    }
+    cut = r.u64s[2];
+    return true;
+}
+
+// Resends the unacknowledged calls after `cut` (a launchBatch never straddles it), then
+// the pending batch, each Request ending where one ended before, so every call someone
+// waits for gets its Result. Copies that named the old staging area travel in frames.
+void Connection::resend_after(uint64_t cut, char* old_area) {
+    trim_log(cut);
+    for (auto it = kept_.begin(); it != kept_.end();) it = *it <= cut ? kept_.erase(it) : std::next(it);
+    std::deque<wire::Call> log;
+    log.swap(unacked_);
+    std::vector<wire::Call> pending;
+    pending.swap(batch_);
+    unacked_calls_ = unacked_owned_bytes_ = borrowed_unacked_ = 0;
+    batch_payload_bytes_ = batch_frame_estimate_ = batch_calls_ = 0;
+    for (auto& c : log) {
+        if (c.via_shm() && old_area) {
+            c.flags &= ~wire::Call::kViaShm;
+            char* bytes = old_area + c.id;   // shmOffset
+            if (c.kind == wire::Kind::memcpyHtoD) c.payload = wire::Payload::copy_of(bytes, c.size);
+            else write_backs_[c.seq] = HostDestination{bytes, c.size};   // where the caller reads them
+            c.id = c.id2 = c.address2 = 0;
+        }
+        const bool wanted = c.wanted;
+        batch_.push_back(std::move(c));
+        if (wanted) send_batch(true);
+    }
+    for (auto& c : pending) batch_.push_back(std::move(c));
+    if (!batch_.empty()) send_batch(true);
 }
 
 }  // namespace phos

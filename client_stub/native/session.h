@@ -52,6 +52,13 @@ public:
     // may share our host (ipc://, tcp://127.x, or PHOS_STAGING=1; never with PHOS_STAGING=0);
     // the file is unlinked as soon as the worker answered, whatever it answered.
     wire::Result attach(uint64_t ctx, std::string token, double timeout);
+    // A context's connection (once attach succeeded) whose worker goes away looks for the
+    // context again: a server may have restored it from a checkpoint, anywhere. For up to
+    // PHOS_REATTACH_TIMEOUT seconds (default 60) it asks the front end at PHOS_SERVER (read
+    // then) with reattach{ctx, token}, attaches to the new worker, and resends the calls
+    // the image lacks (schema/phos.capnp, "Snapshots"). Calls the old worker acknowledged
+    // after the image's cut are lost: then the waiting call fails, saying so.
+    bool reattachable() const { return ctx_ != 0; }
     // The worker mapped the staging area: bulk copies and the mailbox use it.
     bool staging() const { return shm_ != nullptr; }
 
@@ -93,6 +100,10 @@ private:
     void defer(const wire::Result& r);
     wire::Result take_deferred();
     void trim_log(uint64_t ack_seq);
+    bool reattach(uint64_t seq, wire::Result& mine, double budget);
+    bool attach_again(const std::string& endpoint, double timeout, uint64_t& cut, std::string& why);
+    void resend_after(uint64_t cut, char* old_area);
+    void give_up(const std::string& why);
     void bound_log();
     static wire::Result failure(uint32_t status, std::string message);
 
@@ -113,6 +124,16 @@ private:
     std::string deferred_message_;
     std::string frame_;                                 // reused encoding buffer
     bool said_gone_ = false;
+
+    // Re-attaching (reattach()): the context and session token attach presented, the
+    // highest seq a worker acknowledged (we hold every call after it), and staging areas
+    // of workers gone by, kept mapped while a resent copy may still use them.
+    uint64_t ctx_ = 0;
+    std::string token_;
+    uint64_t acked_ = 0;
+    bool reattaching_ = false;
+    std::vector<char*> old_areas_;
+    std::string dead_;                                  // why the context is lost, once it is
 
     // The shared staging area, once the worker mapped it.
     char* shm_ = nullptr;

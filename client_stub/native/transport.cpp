@@ -33,8 +33,19 @@ static void set_int(void* socket, int option, int value) {
     zmq_setsockopt(socket, option, &value, sizeof value);
 }
 
-Socket::Socket(const std::string& endpoint) : endpoint_(endpoint) {
+Socket::Socket(const std::string& endpoint) : endpoint_(endpoint) { open(); }
+
+void Socket::reopen(const std::string& endpoint) {
+    close();
+    endpoint_ = endpoint;
+    error_.clear();
+    connected_ = ever_connected_ = dropped_ = false;
+    open();
+}
+
+void Socket::open() {
     static std::atomic<unsigned> next_monitor{0};
+    const std::string& endpoint = endpoint_;
     void* ctx = zmq_context();
     socket_ = zmq_socket(ctx, ZMQ_DEALER);
     if (!socket_) {
@@ -65,12 +76,21 @@ Socket::Socket(const std::string& endpoint) : endpoint_(endpoint) {
     }
 }
 
-Socket::~Socket() {
+Socket::~Socket() { close(); }
+
+void Socket::close() {
     if (monitor_) zmq_close(monitor_);
+    monitor_ = nullptr;
     if (socket_) {
         zmq_socket_monitor(socket_, nullptr, 0);
         zmq_close(socket_);
     }
+    socket_ = nullptr;
+}
+
+bool Socket::lost() {
+    drain_monitor();
+    return dropped_;
 }
 
 // zmq calls this (from its I/O thread) once it no longer needs an owned payload.
@@ -124,6 +144,7 @@ void Socket::drain_monitor() {
             connected_ = ever_connected_ = true;
         } else if (id == ZMQ_EVENT_DISCONNECTED && connected_) {
             connected_ = false;
+            dropped_ = true;
             disconnected_since_ = Clock::now();
         }
     }

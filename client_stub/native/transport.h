@@ -39,7 +39,15 @@ public:
     Socket& operator=(const Socket&) = delete;
     ~Socket();
 
+    // Closes the socket (dropping whatever it still queues) and connects a new one to
+    // `endpoint`: how a connection moves to a restored context's new worker.
+    void reopen(const std::string& endpoint);
+
     bool ok() const { return socket_ != nullptr; }
+    // The peer was connected and has been disconnected since, even if zmq has connected
+    // again (a new peer, or the same one under a new routing id: either way it no longer
+    // knows us). Looks at the monitor's events without waiting; reopen() clears it.
+    bool lost();
     const std::string& endpoint() const { return endpoint_; }
     const std::string& error() const { return error_; }
 
@@ -58,6 +66,8 @@ public:
     void wait_readable(double seconds);
 
 private:
+    void open();
+    void close();
     void drain_monitor();
 
     std::string endpoint_;
@@ -66,6 +76,7 @@ private:
     void* monitor_ = nullptr;
     bool connected_ = false;
     bool ever_connected_ = false;
+    bool dropped_ = false;                        // disconnected at least once (lost())
     std::chrono::steady_clock::time_point disconnected_since_;
 };
 

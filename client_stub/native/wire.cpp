@@ -24,7 +24,7 @@ const char* kind_name(Kind kind) {
         "moduleLoad", "moduleUnload", "moduleGetFunction", "moduleGetGlobal", "launch",
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
-        "launchBatch",
+        "launchBatch", "reattach",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -62,6 +62,11 @@ Call Call::attach(uint64_t ctx, std::string token) {
     Call c = plain(Kind::attach);
     c.address = ctx;
     c.bytes = std::move(token);
+    return c;
+}
+Call Call::reattach(uint64_t ctx, std::string token) {
+    Call c = attach(ctx, std::move(token));
+    c.kind = Kind::reattach;
     return c;
 }
 Call Call::attach_with_staging(uint64_t ctx, std::string token, std::string shm_path, std::string shm_cookie,
@@ -367,6 +372,12 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     }
     case Kind::eventDestroy: out.initEventDestroy().setId(c.id); break;
     case Kind::launchBatch: out.setLaunchBatch(as_data(c.bytes)); break;
+    case Kind::reattach: {
+        auto a = out.initReattach();
+        a.setCtx(c.address);
+        a.setToken(as_data(c.bytes));
+        break;
+    }
     }
 }
 

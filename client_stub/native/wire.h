@@ -22,7 +22,7 @@ enum class Kind : uint8_t {
     moduleLoad, moduleUnload, moduleGetFunction, moduleGetGlobal, launch,
     streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
     eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
-    launchBatch,
+    launchBatch, reattach,
 };
 const char* kind_name(Kind kind);
 
@@ -60,6 +60,7 @@ struct Call {
     std::string bytes2;       // shmCookie (attach)
     Payload payload;          // memcpyHtoD bytes; moduleLoad image
     uint32_t launches = 0;    // launchBatch: how many records `bytes` holds
+    bool wanted = false;      // sent last in a Request with wantReply: someone waits for its Result
 
     static constexpr uint32_t kViaShm = 1;   // a copy whose bytes lie in the shared staging area
     bool via_shm() const { return (kind == Kind::memcpyHtoD || kind == Kind::memcpyDtoH) && (flags & kViaShm); }
@@ -75,6 +76,8 @@ struct Call {
     static Call hello(uint32_t version, std::string client);
     static Call ctx_create(uint32_t flags, int device);
     static Call attach(uint64_t ctx, std::string token);
+    // To a front end: where does context `ctx` live now? (Result text: its worker endpoint)
+    static Call reattach(uint64_t ctx, std::string token);
     // attach, offering the shared staging area (schema/phos.capnp, Attach).
     static Call attach_with_staging(uint64_t ctx, std::string token, std::string shm_path, std::string shm_cookie,
                                     uint64_t shm_size);
