@@ -221,7 +221,7 @@ def test_a_write_through_a_loaded_pointer_is_caught(servers, client, tmp_path):
     pauses and recopies, and the image is the consistent state at the new cut."""
     one = servers("one")
     app = App(client(one))
-    app.put(filler(96 * MiB))
+    app.put(filler(256 * MiB))                 # copied first: the kernel below runs before `target` is
     n = 1 << 18
     target = app.put(np.ones(n, np.float32))
     table = app.put(np.array([int(target)], np.uint64))
