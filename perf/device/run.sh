@@ -31,10 +31,11 @@ step() {   # step NAME COMMAND...: run it, log it, remember a failure
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/log.txt"
 if want core; then
     step core-tests python3 -m pytest -q -p no:cacheprovider --backend cuda -m "not fuzz" \
-        tests/test_client_e2e.py tests/test_kernels_e2e.py tests/test_bad_input.py tests/test_server_lifecycle.py
+        tests/test_client_e2e.py tests/test_kernels_e2e.py tests/test_bad_input.py tests/test_server_lifecycle.py \
+        tests/test_launch_batch.py
 fi
 if want stub; then
-    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_stub.py
+    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_stub.py tests/test_stub_reattach.py
     step stub-apps sh tests/apps/run_native_vs_stub.sh
 fi
 if want snap; then
