@@ -278,12 +278,7 @@ class Connection:
                 self.close()
                 self.open_socket(endpoint)
                 self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
-                offer = self.offer_staging()
-                if offer:
-                    args.update(shmPath=offer[0], shmCookie=offer[1], shmSize=offer[2])
-                res = self.call_now("attach", args)
-                if offer:
-                    self.accept_staging(res.status == 0 and len(res.u64s) > 1 and res.u64s[1] == 1)
+                res = self.attach(args, lambda a: self.call_now("attach", a))
                 if res.status == 0:
                     break
                 why = res.message
@@ -334,6 +329,20 @@ class Connection:
             self.find_again = find_again
 
     # -- the shared staging area ------------------------------------------------------------
+    def attach(self, args, call):
+        """Attach through call(args), offering a staging area; its file is gone whatever happens."""
+        offer = self.offer_staging()
+        if offer:
+            args = dict(args, shmPath=offer[0], shmCookie=offer[1], shmSize=offer[2])
+        accepted = False
+        try:
+            res = call(args)
+            accepted = res.status == 0 and len(res.u64s) > 1 and res.u64s[1] == 1
+            return res
+        finally:
+            if offer:
+                self.accept_staging(accepted)
+
     def offer_staging(self):
         """Make a staging file the worker may map: (path, cookie, size), or None if it can't share our host."""
         if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://127.") or os.environ.get("PHOS_STAGING") == "1"):

@@ -220,13 +220,11 @@ def _open_context(dev, flags):
     res = _front_call("ctxCreate", {"flags": int(flags), "device": int(dev)})
     ctx_id, endpoint, token = res.u64s[0], res.text, res.data
     conn = Connection(endpoint)
-    args = {"ctx": ctx_id, "token": token}
-    offer = conn.offer_staging()
-    if offer:
-        args.update(shmPath=offer[0], shmCookie=offer[1], shmSize=offer[2])
-    res = _check(conn.call("attach", args))
-    if offer:
-        conn.accept_staging(len(res.u64s) > 1 and res.u64s[1] == 1)
+    try:
+        _check(conn.attach({"ctx": ctx_id, "token": token}, lambda args: conn.call("attach", args)))
+    except CudaError:
+        conn.close()
+        raise
     conn.find_again = _finder(ctx_id, token)
     _contexts[ctx_id] = conn
     return ctx_id
