@@ -46,11 +46,25 @@ def zmq_context():
     if _zctx is None or _zctx.closed:
         gevent_monkey = sys.modules.get("gevent.monkey")
         if gevent_monkey is not None and gevent_monkey.is_module_patched("socket"):
-            import zmq.green as zmq_green
-            _zctx = zmq_green.Context()
+            _zctx = _green_context()
         else:
             _zctx = zmq.Context()
     return _zctx
+
+
+def _green_context():
+    """zmq.green, with sends that always copy: pyzmq's zero-copy sends are tracked by its
+    garbage-collector thread, which gevent's patched threading breaks (stalls, cut frames)."""
+    import zmq.green as zmq_green
+
+    class Socket(zmq_green.Socket):
+        def send_multipart(self, msg_parts, flags=0, copy=True, track=False, **kwargs):
+            super().send_multipart(msg_parts, flags, copy=True, **kwargs)
+            return zmq.MessageTracker() if track else None      # copied: the caller's buffer is free now
+
+    class Context(zmq_green.Context):
+        _socket_class = Socket
+    return Context()
 
 
 def _configure_curve(sock):
@@ -212,6 +226,8 @@ class Connection:
             if deadline is not None and now > deadline:
                 raise CudaError(CUresult.CUDA_ERROR_NO_DEVICE, f"no phos server answered at {self.endpoint} within {timeout:g} s")
             if gone_since is not None and self.find_again is not None:
+                if self.box_waiting and self.box.seq(1) == self.box_seq or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    continue                 # the worker answered, then left (ctxDestroy): read the answer first
                 self.reattach(seq)           # the worker went away: find the context again and replay
                 gone_since, spin_end = None, time.perf_counter() + SPIN
                 continue

@@ -78,7 +78,7 @@ class Session:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)    # non-blocking: a FIFO must not stall us
             try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size < size or size < len(cookie):
+                if not stat.S_ISREG(st.st_mode) or st.st_size < size or size < wire.SLOTS_OFFSET:   # room for the mailbox
                     return False
                 area = mmap.mmap(fd, size)
             finally:

@@ -11,22 +11,14 @@ import numpy as np
 import zmq
 
 from conftest import wait_until
+from wire_client import encode
 from phos.schema import wire
 from phos.schema.cuda_types import CUresult
 
 
 def request(*calls, version=wire.PROTOCOL_VERSION, want_reply=True):
-    """Encode a Request from (name, args) pairs; args: a dict of fields, None (Void) or bytes (Data)."""
-    msg = wire.Request.new_message(version=version, wantReply=want_reply)
-    for c, (seq, (name, args)) in zip(msg.init("calls", len(calls)), enumerate(calls, 1)):
-        c.seq = seq
-        if not isinstance(args, dict):
-            setattr(c, name, args)
-        else:
-            fields = c.init(name)
-            for key, value in args.items():
-                setattr(fields, key, value)
-    return msg.to_bytes()
+    """Encode a Request from (name, args) pairs, seqs 1, 2, ...; args: a dict of fields, None (Void) or bytes (Data)."""
+    return encode(calls, range(1, len(calls) + 1), want_reply, version)
 
 
 def results(sock):

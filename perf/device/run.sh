@@ -7,7 +7,7 @@
 # zstandard and no package manager: carry them as wheels in .whl/ (see the README's
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
-# perf/bench_snapshot.py), bench (the other perf/* benchmarks).
+# perf/bench_snapshot.py), bench (the other perf/* benchmarks), locust (perf/locustfile.py, 5 minutes).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
 mkdir -p "$OUT"
@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$
 if want core; then
     step core-tests python3 -m pytest -q -p no:cacheprovider --backend cuda -m "not fuzz" \
         tests/test_client_e2e.py tests/test_kernels_e2e.py tests/test_bad_input.py tests/test_server_lifecycle.py \
-        tests/test_launch_batch.py
+        tests/test_launch_batch.py tests/test_isolation.py tests/test_fuzz.py tests/test_client_death.py
 fi
 if want stub; then
     step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_stub.py tests/test_stub_reattach.py
@@ -41,6 +41,18 @@ fi
 if want snap; then
     step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_snapshot_engine.py
     step bench-snapshot python3 perf/bench_snapshot.py --backend cuda --sizes ${PHOS_BENCH_SIZES:-1,8,32} --json "$OUT/bench_snapshot.json"
+fi
+if want locust; then
+    # perf/locustfile.py: 64 users for 5 minutes against one cuda server; needs locust and its
+    # dependencies in .whl/ (README, "On a GPU"). The table: $OUT/locust-summary.md; it fails on a leak.
+    rm -rf /tmp/phos-locust && mkdir -p /tmp/phos-locust
+    python3 -m phos.cli server --backend cuda --listen ipc:///tmp/phos-locust/phos.sock > "$OUT/locust-server.log" 2>&1 &
+    locust_server=$!
+    for _ in $(seq 300); do grep -q "listening on" "$OUT/locust-server.log" && break; sleep 0.2; done
+    step locust env PHOS_SERVER=ipc:///tmp/phos-locust/phos.sock PHOS_LOCUST_SUMMARY="$OUT/locust-summary.md" \
+        python3 -m locust -f perf/locustfile.py --headless -u 64 -r 4 -t "${PHOS_LOCUST_TIME:-5m}" --stop-timeout 30 \
+        --csv "$OUT/locust" --only-summary
+    kill "$locust_server"; wait "$locust_server"
 fi
 if want bench; then
     step transport-floor python3 perf/transport_floor.py
