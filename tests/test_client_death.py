@@ -118,7 +118,9 @@ def test_sigkill_mid_call_leaves_nothing(server, cu, backend, work):
                 "sockets": [f for f in (f"{path}.ctx{ctx}", f"{path}.ctl{ctx}") if os.path.exists(f)]}
     start = time.monotonic()
     assert wait_until(lambda: not any(left().values()), timeout=CLEAN_WITHIN), f"after {CLEAN_WITHIN} s: {left()}"
-    assert wait_until(lambda: device_free(cu) >= free_before, timeout=max(0.1, CLEAN_WITHIN - (time.monotonic() - start))), \
+    # Within 1 MiB: the driver's own bookkeeping moves by 64 KiB pages between two readings (seen
+    # on the H200), while any allocation of a context is at least one 2 MiB VMM granule.
+    assert wait_until(lambda: device_free(cu) >= free_before - (1 << 20), timeout=max(0.1, CLEAN_WITHIN - (time.monotonic() - start))), \
         f"device memory not given back: {device_free(cu)} free, {free_before} before"
     # the server and the other session carry on
     err, p = cu.cuMemAlloc(1 << 20)

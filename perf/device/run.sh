@@ -49,8 +49,10 @@ if want locust; then
     python3 -m phos.cli server --backend cuda --listen ipc:///tmp/phos-locust/phos.sock > "$OUT/locust-server.log" 2>&1 &
     locust_server=$!
     for _ in $(seq 300); do grep -q "listening on" "$OUT/locust-server.log" && break; sleep 0.2; done
-    step locust env PHOS_SERVER=ipc:///tmp/phos-locust/phos.sock PHOS_LOCUST_SUMMARY="$OUT/locust-summary.md" \
-        python3 -m locust -f perf/locustfile.py --headless -u 64 -r 4 -t "${PHOS_LOCUST_TIME:-5m}" --stop-timeout 30 \
+    # run from /tmp: locust puts its working directory on sys.path, where the checkout's phos/
+    # folder would shadow the installed package
+    step locust env -C /tmp PHOS_SERVER=ipc:///tmp/phos-locust/phos.sock PHOS_LOCUST_SUMMARY="$OUT/locust-summary.md" \
+        python3 -m locust -f "$PWD/perf/locustfile.py" --headless -u 64 -r 4 -t "${PHOS_LOCUST_TIME:-5m}" --stop-timeout 30 \
         --csv "$OUT/locust" --only-summary
     kill "$locust_server"; wait "$locust_server"
 fi
