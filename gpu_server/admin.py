@@ -7,6 +7,8 @@ import asyncio
 import datetime
 import json
 import os
+import shutil
+import tempfile
 import time
 import urllib.parse
 
@@ -25,6 +27,10 @@ GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
     CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED: grpc.StatusCode.NOT_FOUND,
     CUresult.CUDA_ERROR_OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+
+
+MAX_ROUNDS = 5                   # pre-copy rounds of a handoff, at most
+HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
 
 
 def admin_socket(server):
@@ -126,11 +132,77 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {request.store}")
             w, res = await self.front.restore(os.path.abspath(request.store), name, request.full)
             return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res.u64s[1], name=name, seconds=time.perf_counter() - t0,
-                                   bytes=json.loads(res.text)["bytes"])
+                                   bytes=json.loads(res.text)["bytes"], endpoint=w.endpoint)
         except CudaError as e:
             await self.fail(context, e)
         except OSError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
+
+    async def Handoff(self, request, context):
+        """Pre-copy rounds while the application runs, then a frozen last round, then the target
+        restores it and this worker retires. Any failure before the target holds the context
+        leaves it running here."""
+        t0 = time.perf_counter()
+        store = tempfile.mkdtemp(prefix="phos-handoff-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        loading = False
+        try:
+            w = self.worker(request.ctx)
+            if not request.to:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "give the target server's address")
+            rounds, name = [], ""
+            for i in range(request.max_rounds or MAX_ROUNDS):     # while the dirty set shrinks
+                copied, name = await self.handoff_round(w, store, i, name, final=False)
+                rounds.append(copied)
+                if copied == 0 or len(rounds) > 1 and copied >= rounds[-2]:
+                    break
+            frozen = time.perf_counter()
+            copied, name = await self.handoff_round(w, store, len(rounds), name, final=True)
+            rounds.append(copied)
+            try:
+                async with grpc.aio.insecure_channel(admin_socket(request.to)) as channel:
+                    reply = await admin_pb2_grpc.AdminStub(channel).Restore(
+                        pb.RestoreRequest(store=store, name=name), timeout=HANDOFF_RESTORE_TIMEOUT)
+            except (grpc.aio.AioRpcError, ValueError, OSError) as e:
+                await self.front.control(w, "thaw")
+                why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
+                                f"handoff of context {request.ctx} to {request.to} failed, it stays live here: {why}") from None
+            self.front.moved[request.ctx] = reply.endpoint
+            await self.front.control(w, "retire")
+            downtime = time.perf_counter() - frozen
+            loading = True
+            asyncio.ensure_future(self.remove_when_loaded(store, request.to, request.ctx))
+            self.front.counts["handoffs"] += 1
+            return pb.HandoffReply(ctx=request.ctx, to=request.to, round_bytes=rounds, downtime_ms=downtime * 1e3,
+                                   seconds=time.perf_counter() - t0)
+        except CudaError as e:
+            await self.fail(context, e)
+        finally:
+            if not loading:
+                shutil.rmtree(store, ignore_errors=True)
+
+    async def handoff_round(self, w, store, i, parent, final):
+        async def ignore(res):
+            pass
+        args = {"store": store, "name": f"round{i}", "parent": parent, "paused": final, "freeze": final}
+        res = await self.front.control(w, "checkpoint", args, ignore)
+        return json.loads(res.text)["copied_bytes"], f"round{i}"
+
+    @staticmethod
+    async def remove_when_loaded(store, target, ctx):
+        """The target loads on demand from the handoff's store: remove it once that is done."""
+        deadline = time.monotonic() + 600
+        try:
+            async with grpc.aio.insecure_channel(admin_socket(target)) as channel:
+                stub = admin_pb2_grpc.AdminStub(channel)
+                while time.monotonic() < deadline:
+                    contexts = (await stub.ListContexts(pb.ListContextsRequest(), timeout=10)).contexts
+                    if not any(c.id == ctx and c.state == "restoring" for c in contexts):
+                        break
+                    await asyncio.sleep(0.5)
+        except grpc.aio.AioRpcError:
+            pass
+        shutil.rmtree(store, ignore_errors=True)
 
     async def DeleteImage(self, request, context):
         from phos.snapshot import ImageError, delete_image

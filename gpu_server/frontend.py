@@ -83,7 +83,8 @@ class FrontEnd:
         self.workers = {}           # ctx id -> WorkerProc
         self.pool = []              # started workers no context has claimed yet
         self.pool_size = POOL_SIZE
-        self.counts = {"checkpoints": 0, "restores": 0}
+        self.counts = {"checkpoints": 0, "restores": 0, "handoffs": 0}
+        self.moved = {}             # ctx id -> data endpoint of the worker a handoff gave it to
         self.stopping = asyncio.Event()
         self.zctx = None
 
@@ -129,6 +130,8 @@ class FrontEnd:
         return {"u64s": [worker.ctx_id], "text": worker.endpoint, "data": worker.token}
 
     async def reattach(self, a):
+        if a.ctx in self.moved:
+            return {"u64s": [a.ctx], "text": self.moved[a.ctx]}      # handed off: its worker is elsewhere
         worker = self.workers.get(a.ctx)
         if worker is None or worker.state == "restoring":
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {a.ctx} is not on this server (yet)")
@@ -348,6 +351,7 @@ class FrontEnd:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"context {ctx_id} is live on this server: stop it before restoring its image")
         worker.ctx_id, worker.state = ctx_id, "running"
         self.workers[ctx_id] = worker
+        self.moved.pop(ctx_id, None)          # it came back here
         self.counts["restores"] += 1
         return worker, res
 

@@ -187,6 +187,8 @@ class Worker:
         self.progress_at = 0.0
         self.grace = ATTACH_TIMEOUT   # how long to wait for a client before freeing the context
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
+        self.frozen = False        # a handoff's last image is taken: hold the client's calls
+        self.freeze_next = False   # freeze once the running checkpoint is committed
         self.attached = set()      # routing ids that presented the token
         self.pending = []          # results waiting for the next reply
         self.ack = 0
@@ -350,6 +352,7 @@ class Worker:
             cp.abort()
             raise
         s.checkpoint, s.snapshotting = cp, True
+        self.freeze_next = a.freeze and a.paused
         self.job, self.progress_at = (peer, seq), time.monotonic()
         self.tick()
 
@@ -373,6 +376,16 @@ class Worker:
         self.tick()
         return {"u64s": [s.ctx_id, self.ack], "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done})}
 
+    def thaw(self, peer, seq, a):
+        self.frozen = False
+        return {}
+
+    def retire(self, peer, seq, a):
+        if not self.frozen:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "only a frozen context (after a handoff's last image) retires")
+        self.session.closing = True
+        return {}
+
     def ctx_stats(self, peer, seq, a):
         s = self.session
         job = s.checkpoint or s.restoring
@@ -389,6 +402,7 @@ class Worker:
             try:
                 fields = {"text": json.dumps(cp.finish(self.ack))}
                 status, message = CUresult.CUDA_SUCCESS, ""
+                self.frozen = self.freeze_next
             except CudaError as e:
                 fields, status, message = {}, e.status, f"checkpoint: {e.message}"
             s.checkpoint = None
@@ -420,9 +434,17 @@ class Worker:
             poller.register(self.ctl, zmq.POLLIN)
         connections, self.standby, self.alone_since = 0, standby, time.monotonic()
         last, awake = 0.0, False
+        held = zmq.Poller()      # while frozen: the front end only (connection events wait for a thaw)
+        if self.ctl is not None:
+            held.register(self.ctl, zmq.POLLIN)
         while not self.session.closing:
             if self.session.snapshotting:
                 self.tick()
+            if self.frozen:
+                ready = dict(held.poll(50))
+                if self.ctl is not None and self.ctl in ready:
+                    self.handle_control(self.ctl.recv_multipart(copy=False))
+                continue
             hot = SPIN and time.perf_counter() - last < SPIN
             box = self.session.box
             if box is not None and hot != awake:
@@ -465,6 +487,8 @@ CONTROL_CALLS = {
     "checkpoint": Worker.start_checkpoint,
     "restore": Worker.start_restore,
     "ctxStats": Worker.ctx_stats,
+    "thaw": Worker.thaw,
+    "retire": Worker.retire,
 }
 
 

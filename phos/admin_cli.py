@@ -96,6 +96,19 @@ def restore(opts):
     return 0
 
 
+def handoff(opts):
+    reply = call(stub(opts.server).Handoff, pb.HandoffRequest(ctx=opts.ctx, to=opts.to, max_rounds=opts.rounds))
+    out = {"ctx": reply.ctx, "to": reply.to, "round_bytes": list(reply.round_bytes), "downtime_ms": reply.downtime_ms,
+           "seconds": reply.seconds}
+    if opts.json:
+        print(json.dumps(out))
+    else:
+        rounds = ", ".join(human(b) for b in reply.round_bytes)
+        print(f"context {reply.ctx} moved to {reply.to} in {reply.seconds * 1e3:.1f} ms; rounds copied {rounds}; "
+              f"its calls were held {reply.downtime_ms:.1f} ms")
+    return 0
+
+
 def image_inspect(opts):
     from phos.gpu_server.admin import latest_image
     from phos.snapshot import DirStore, ImageError, read_image
@@ -151,6 +164,13 @@ def add_commands(sub, default_server):
     p.add_argument("--full", action="store_true", help="return once everything is loaded (default: on demand)")
     common(p)
     p.set_defaults(func=restore)
+
+    p = sub.add_parser("handoff", help="move a live context to another server on this host")
+    p.add_argument("ctx", type=int)
+    p.add_argument("--to", required=True, help="the target server's address")
+    p.add_argument("--rounds", type=int, default=0, help="pre-copy rounds at most (default 5)")
+    common(p)
+    p.set_defaults(func=handoff)
 
     p = sub.add_parser("image", help="images")
     img_sub = p.add_subparsers(dest="image_command", required=True)

@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=admin__pb2.StatsRequest.SerializeToString,
                 response_deserializer=admin__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Handoff = channel.unary_unary(
+                '/phos.admin.v1.Admin/Handoff',
+                request_serializer=admin__pb2.HandoffRequest.SerializeToString,
+                response_deserializer=admin__pb2.HandoffReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -95,6 +100,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Handoff(self, request, context):
+        """Move a live context to the server at `to` (same host: the image travels through /dev/shm).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +134,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=admin__pb2.StatsRequest.FromString,
                     response_serializer=admin__pb2.StatsReply.SerializeToString,
+            ),
+            'Handoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handoff,
+                    request_deserializer=admin__pb2.HandoffRequest.FromString,
+                    response_serializer=admin__pb2.HandoffReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +276,33 @@ class Admin:
             '/phos.admin.v1.Admin/Stats',
             admin__pb2.StatsRequest.SerializeToString,
             admin__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phos.admin.v1.Admin/Handoff',
+            admin__pb2.HandoffRequest.SerializeToString,
+            admin__pb2.HandoffReply.FromString,
             options,
             channel_credentials,
             insecure,

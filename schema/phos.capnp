@@ -155,6 +155,8 @@ struct Call {
     restore @39 :Restore;
     reattach @40 :Attach;      # where does context `ctx` live now? Result text: its worker endpoint
     ctxStats @41 :Void;        # u64s: [bytes allocated, allocations, last executed seq]
+    thaw @42 :Void;            # control: a frozen worker (checkpoint with freeze) serves its client again
+    retire @43 :Void;          # control: a frozen worker's context lives elsewhere now: exit
   }
 }
 
@@ -209,6 +211,7 @@ struct Checkpoint {
   paused @3 :Bool;             # stop the world instead of copying concurrently
   compress @4 :Bool;           # zstd the chunks
   chunkSize @5 :UInt64;        # 0: the default (2 MiB)
+  freeze @6 :Bool;             # with paused: afterwards run no more client calls until thaw or retire
 }
 # Restore an image into a worker that holds no context yet (a pre-started one). The Result's
 # u64s are [ctx id, cut seq]; with `full`, it comes once every chunk is loaded.

@@ -189,3 +189,19 @@ def test_a_context_nobody_restores_fails_after_the_reattach_timeout(iterate, ser
     assert code != 0 and "PASS" not in out, f"{out}\n{err}"
     assert "cudaErrorContextIsDestroyed" in out, f"{out}\n{err}"
     assert f"the worker of context {ctx}" in err and "no server restored the context within 1 s" in err, err
+
+
+def test_handoff_to_another_server_continues(iterate, servers):
+    """A live handoff at the pause: the program's server stays up and points its re-attach at
+    the context's new worker on another server; the program prints what an uninterrupted run does."""
+    one, two = servers("one"), servers("two")
+    expected = reference(iterate, one, PAUSE)
+    prog = Program(iterate, one, PAUSE)
+    prog.until_ready()
+    ctx = context_of(one)
+    reply = admin(one.address).Handoff(pb.HandoffRequest(ctx=ctx, to=two.address))
+    assert reply.ctx == ctx and context_of(two) == ctx
+    prog.go_on()
+    code, out, err = prog.finish()
+    assert code == 0 and out == expected, f"{out}\n{err}"
+    assert f"context {ctx} re-attached" in err, err

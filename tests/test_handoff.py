@@ -1,0 +1,80 @@
+"""Live handoff of a context between two server processes (gpu_server/admin.py, Handoff).
+
+The application is a Python client program; it keeps its PHOS_SERVER pointing at the first
+server, whose front end redirects its re-attach to the context's new worker.
+"""
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from phos.admin_cli import stub
+from phos.schema import admin_pb2 as pb
+from test_snapshot_engine import App, client, servers, wait_until  # noqa: F401 (client, servers: fixtures)
+
+N, TOTAL = 1 << 15, 300
+
+
+def reference(cu, rhs):
+    app = App(cu)
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    out = app.get(app.jacobi(x, y, r, N, TOTAL), N)
+    cu.cuCtxDestroy(app.ctx)
+    return out
+
+
+def start(servers, client, rhs):
+    """Two servers, the reference result, and the program's context on the first server."""
+    one, two = servers("one"), servers("two")
+    cu = client(one)
+    expected = reference(cu, rhs)
+    app = App(cu)
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    return one, two, app, (x, y, r), expected
+
+
+def contexts(server):
+    return {c.id: c.state for c in stub(server.address).ListContexts(pb.ListContextsRequest()).contexts}
+
+
+def test_handoff_while_the_program_runs_is_bit_exact(servers, client):
+    one, two, app, (x, y, r), expected = start(servers, client, np.sin(np.arange(N, dtype=np.float32)))
+    done = {}
+    mover = threading.Thread(target=lambda: done.update(
+        reply=stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))))
+    moved_at = None
+    for i in range(TOTAL):                      # keep computing (and syncing) while it moves
+        if i == 10:
+            mover.start()
+        app.jacobi(x, y, r, N, 1)               # reads x, writes y
+        x, y = y, x
+        if i % 5 == 4:
+            app.sync()
+            if i > 10 and moved_at is None and not mover.is_alive():
+                moved_at = i
+    mover.join()
+    assert moved_at is not None and moved_at < TOTAL - 5, "the handoff should end mid-run"
+    assert app.get(x, N).tobytes() == expected.tobytes()
+    reply = done["reply"]
+    assert reply.ctx == app.id and len(reply.round_bytes) >= 2 and reply.downtime_ms > 0
+    assert app.id in contexts(two) and app.id not in contexts(one)
+
+
+def test_a_dead_target_leaves_the_context_running_here(servers, client):
+    one, two, app, (x, y, r), expected = start(servers, client, np.cos(np.arange(N, dtype=np.float32)))
+    x, y = (x, y) if app.jacobi(x, y, r, N, 20) == x else (y, x)
+    app.sync()
+    two.stop()                                  # the target dies before the context reaches it
+    with pytest.raises(grpc.RpcError) as e:
+        stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stays live here" in e.value.details()
+    assert contexts(one).get(app.id) == "running"
+    assert app.get(app.jacobi(x, y, r, N, TOTAL - 20), N).tobytes() == expected.tobytes()
+
+
+def test_handoff_of_an_unknown_context_is_refused(servers):
+    one, two = servers("one"), servers("two")
+    with pytest.raises(grpc.RpcError) as e:
+        stub(one.address).Handoff(pb.HandoffRequest(ctx=424242, to=two.address))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no context 424242" in e.value.details()
