@@ -134,21 +134,27 @@ def run_work(app, seconds=None, during=None):
     return len(ends) / elapsed, float(gaps.max()) * 1e3, result
 
 
-def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
+def start_server(backend, work_dir, name):
+    """A server whose pre-started worker is up: restores adopt it instead of starting one."""
     from conftest import ServerProc
+    from phos.admin_cli import stub
+    from phos.schema import admin_pb2 as pb
+    d = os.path.join(work_dir, name)
+    os.makedirs(d, exist_ok=True)
+    srv = ServerProc(backend, d, pool=1)
+    deadline = time.monotonic() + 60
+    while stub(srv.address).Stats(pb.StatsRequest()).standby_workers < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return srv
+
+
+def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
 
     def server(name):
-        """A server whose pre-started worker is up: restores adopt it instead of starting one."""
-        d = os.path.join(work_dir, name)
-        os.makedirs(d, exist_ok=True)
-        srv = ServerProc(backend, d, pool=1)
-        deadline = time.monotonic() + 60
-        while stub(srv.address).Stats(pb.StatsRequest()).standby_workers < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return srv
+        return start_server(backend, work_dir, name)
 
     def checkpoint(srv, ctx, store, **kw):
         msgs = list(stub(srv.address).Checkpoint(pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk, **kw)))

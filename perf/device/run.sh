@@ -7,7 +7,8 @@
 # zstandard and no package manager: carry them as wheels in .whl/ (see the README's
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
-# perf/bench_snapshot.py), bench (the other perf/* benchmarks), locust (perf/locustfile.py, 5 minutes).
+# perf/bench_snapshot.py), handoff (perf/bench_handoff.py), bench (the other perf/* benchmarks),
+# locust (perf/locustfile.py, 5 minutes).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
 mkdir -p "$OUT"
@@ -41,6 +42,9 @@ fi
 if want snap; then
     step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_snapshot_engine.py
     step bench-snapshot python3 perf/bench_snapshot.py --backend cuda --sizes ${PHOS_BENCH_SIZES:-1,8,32} --json "$OUT/bench_snapshot.json"
+fi
+if want handoff; then
+    step bench-handoff python3 perf/bench_handoff.py --backend cuda --sizes ${PHOS_HANDOFF_SIZES:-1,8} --json "$OUT/bench_handoff.json"
 fi
 if want locust; then
     # perf/locustfile.py: 64 users for 5 minutes against one cuda server; needs locust and its

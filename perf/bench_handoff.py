@@ -1,0 +1,104 @@
+"""Live handoff: the application's downtime and the total time, while it writes ~10% of its
+memory per second, between two server processes on one GPU (issue 6).
+
+    python perf/bench_handoff.py --backend cuda --sizes 1,8              # on the H200 (perf/device/run.sh handoff)
+    python perf/bench_handoff.py --backend emu --sizes 16 --unit MiB      # anywhere
+
+Downtime is the longest gap between two of the application's completed synchronizing calls
+during the handoff; the loop without a handoff gives the baseline gap.
+"""
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_snapshot import GiB, MiB, App, start_server  # noqa: E402
+
+
+def writer(app, stop, ends, share=0.1, step=0.01):
+    """Every `step` seconds rewrite share*step of the context's memory (the next slice of its
+    buffers) and synchronize; record when each sync completed."""
+    app.ok(app.cu.cuCtxSetCurrent(app.ctx))
+    per_step = int(sum(n for _, n in app.buffers) * share * step) // 8 * 8
+    b, off, i = 0, 0, 0
+    while not stop.is_set():
+        t = time.perf_counter()
+        left = per_step
+        while left:
+            p, n = app.buffers[b]
+            words = min(left, n - off) // 8
+            app.launch(int(p) + off, words, i, blocks=min(4096, max(1, words // 256)))
+            off, left = off + 8 * words, left - 8 * words
+            if off >= n:
+                b, off = (b + 1) % len(app.buffers), 0
+        app.sync()
+        ends.append(time.perf_counter())
+        i += 1
+        time.sleep(max(0.0, step - (time.perf_counter() - t)))
+
+
+def measure(backend, nbytes, work_dir):
+    from phos.admin_cli import stub
+    from phos.client_stub import driver as cu
+    from phos.schema import admin_pb2 as pb
+    one, two = start_server(backend, work_dir, "one"), start_server(backend, work_dir, "two")
+    try:
+        os.environ["PHOS_SERVER"] = one.address
+        cu._reset_for_tests()
+        assert cu.cuInit(0)[0] == 0
+        app = App(cu, nbytes)
+        stop, ends = threading.Event(), []
+        loop = threading.Thread(target=writer, args=(app, stop, ends))
+        loop.start()
+        time.sleep(1.0)
+        baseline = float(np.diff(ends).max()) * 1e3
+        t0 = time.perf_counter()
+        reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=int(app.ctx), to=two.address))
+        t1 = time.perf_counter()
+        time.sleep(1.0)
+        stop.set()
+        loop.join()
+        during = [e for e in ends if t0 <= e <= t1 + 1.0]
+        before = max(e for e in ends if e < t0)
+        gap = float(np.diff([before] + during).max()) * 1e3
+        return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap,
+                "baseline_gap_ms": baseline, "round_bytes": list(reply.round_bytes)}
+    finally:
+        cu._reset_for_tests()
+        one.stop()
+        two.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "emu"])
+    ap.add_argument("--sizes", default="1,8")
+    ap.add_argument("--unit", default="GiB", choices=["GiB", "MiB"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    os.environ["PHOS_BENCH_BACKEND"] = args.backend
+    import tempfile
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        row = {"size": f"{size} {args.unit}",
+               **measure(args.backend, size * (GiB if args.unit == "GiB" else MiB), tempfile.mkdtemp(prefix="phos-handoff-bench-"))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print("\n| size | handoff total (s) | application downtime (ms) | gap without handoff (ms) | calls held by the source (ms) | bytes per round |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        rounds = ", ".join(f"{b / MiB:.0f} MiB" for b in r["round_bytes"])
+        print(f"| {r['size']} | {r['handoff_s']:.3f} | {r['downtime_ms']:.1f} | {r['baseline_gap_ms']:.1f} | "
+              f"{r['server_hold_ms']:.1f} | {rounds} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
