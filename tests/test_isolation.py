@@ -6,6 +6,7 @@ its handles start at the same id and its allocations at the same base), so B mee
 values as plain numbers: refused where B has no such object, B's own object where it has.
 """
 import ctypes
+import json
 import os
 import struct
 
@@ -229,4 +230,34 @@ def test_staging_file_must_be_the_clients(a, b, tmp_path):
             os.unlink(shm + suffix)
     assert target.read_bytes() == cookie + b"secret" * size
     assert b.status(("memGetInfo", None)) == (0, "")
+    a.check()
+
+
+def test_b_cannot_checkpoint_or_restore_a(a, b, server, tmp_path):
+    """Snapshots are the operator's: the admin socket is the server user's alone, workers serve
+    no checkpoint or restore on the data plane, and their control sockets want a token."""
+    from phos.admin_cli import stub
+    from phos.gpu_server.admin import admin_socket
+    from phos.schema import admin_pb2 as pb
+    store = tmp_path / "images"
+    image = list(stub(server.address).Checkpoint(pb.CheckpointRequest(ctx=int(a.ctx), store=str(store))))[-1]
+    name = json.loads(image.result_json)["name"]
+    assert os.stat(admin_socket(server.address)[len("unix:"):]).st_mode & 0o077 == 0, "admin socket open to others"
+    steal = {"store": str(store), "name": "stolen"}
+    take = {"store": str(store), "name": name, "full": True}
+    for call in [("checkpoint", steal), ("restore", take)]:
+        status, message = b.status(call)
+        assert status == CUresult.CUDA_ERROR_NOT_SUPPORTED and "not served by a context worker" in message, (call, message)
+    [(_, status, message, _, _)] = b.call_on(b.front, ("restore", take))
+    assert status != 0 and "restore" in message
+    control = dealer(a.endpoint.replace(f".ctx{int(a.ctx)}", f".ctl{int(a.ctx)}"))
+    try:
+        for calls in [[("checkpoint", steal)],
+                      [("attach", {"ctx": int(a.ctx), "token": b.token}), ("checkpoint", steal)]]:
+            control.send(encode(calls, range(1, len(calls) + 1)))
+            results = decode_reply(control.recv_multipart())
+            assert results[-1][1] == CUresult.CUDA_ERROR_NOT_PERMITTED, results
+    finally:
+        control.close()
+    assert sorted(os.listdir(store / "images")) == [f"{name}.digest", f"{name}.json"]
     a.check()
