@@ -168,21 +168,7 @@ class Connection:
         if want_reply and len(self.batch) == 1 and self.batch[0][2] is None and self.batch[0][1] in wire.BARE_CALLS:
             seq, name, _, _ = self.batch[0]
             return self.send_frames([wire.BARE_CALLS[name].fill(seq)], via_box)
-        req = wire.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=want_reply)
-        frames = [None]
-        for c, (seq, name, args, payload) in zip(req.init("calls", len(self.batch)), self.batch):
-            c.seq = seq
-            if args is None or name == "launchBatch":
-                setattr(c, name, None if args is None else bytes(args))
-                continue
-            s = c.init(name)
-            for key, value in args.items():
-                setattr(s, key, value)
-            if payload is not None:
-                frames.append(payload)
-                s.payload = len(frames) - 1
-        frames[0] = req.to_bytes()
-        self.send_frames(frames, via_box)
+        self.send_frames(wire.encode_request(self.batch, want_reply), via_box)
 
     def send_frames(self, frames, via_box):
         """Send an encoded batch: through the mailbox when allowed and possible, else the socket."""
@@ -323,21 +309,12 @@ class Connection:
         args = {k: v for k, v in args.items() if k not in ("viaShm", "shmOffset")}
         if name == "memcpyHtoD":
             return seq, name, args, area[off:off + size].tobytes()
-        slot = area[off:off + size]          # the caller reads the copied bytes from here
-
-        def write(frame):
-            slot[:] = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, np.uint8)
-        self.dtoh[seq] = write
+        self.dtoh[seq] = host_writer(area[off:off + size], size)    # the caller reads the bytes from there
         return seq, name, args, None
 
     def call_now(self, name, args):
         """Send one call alone, as seq 0 (it takes no place in the call stream), and wait for its Result."""
-        req = wire.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=True)
-        call = req.init("calls", 1)[0]
-        s = call.init(name)
-        for key, value in args.items():
-            setattr(s, key, value)
-        self.sock.send(req.to_bytes())
+        self.sock.send(wire.encode_request([(0, name, args, None)])[0])
         find_again, self.find_again = self.find_again, None     # no re-attaching from inside a re-attach
         try:
             return self.wait(0, timeout=CONNECT_TIMEOUT)

@@ -82,6 +82,7 @@ class FrontEnd:
         self.curve = curve          # (server public, server secret, authorized client keys dir) or None
         self.workers = {}           # ctx id -> WorkerProc
         self.pool = []              # started workers no context has claimed yet
+        self.filling = 0            # pool workers being started
         self.pool_size = POOL_SIZE
         self.counts = {"checkpoints": 0, "restores": 0, "handoffs": 0}
         self.moved = {}             # ctx id -> data endpoint of the worker a handoff gave it to
@@ -170,8 +171,8 @@ class FrontEnd:
         return worker
 
     def fill_pool(self):
-        if len(self.pool) + getattr(self, "_filling", 0) < self.pool_size and not self.stopping.is_set():
-            self._filling = getattr(self, "_filling", 0) + 1
+        if len(self.pool) + self.filling < self.pool_size and not self.stopping.is_set():
+            self.filling += 1
             asyncio.get_running_loop().create_task(self._add_to_pool())
 
     async def _add_to_pool(self):
@@ -180,7 +181,7 @@ class FrontEnd:
         except CudaError as e:
             log.warning("could not pre-start a worker: %s", e.message)
         finally:
-            self._filling -= 1
+            self.filling -= 1
 
     async def start_worker(self, device, flags, standby=False):
         ctx_id = self.new_ctx_id()
@@ -248,18 +249,9 @@ class FrontEnd:
     async def _control_call(self, worker, name, args, progress=None):
         worker.ctl_seq += 1
         seq = worker.ctl_seq
-        req = wire.Request.new_message(version=wire.PROTOCOL_VERSION, wantReply=True)
-        call = req.init("calls", 1)[0]
-        call.seq = seq
-        if args is None:
-            setattr(call, name, None)
-        else:
-            fields = call.init(name)
-            for k, v in args.items():
-                setattr(fields, k, v)
         queue = worker.ctl_waiters[seq] = asyncio.Queue()
         try:
-            await worker.ctl.send(req.to_bytes())
+            await worker.ctl.send(wire.encode_request([(seq, name, args, None)])[0])
             while True:
                 res = await queue.get()
                 if res is None:

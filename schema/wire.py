@@ -102,6 +102,27 @@ def decode(struct, frame):
         raise WireError(f"malformed frame: {describe(e)}") from None
 
 
+def encode_request(calls, want_reply=True, version=PROTOCOL_VERSION):
+    """[Request frame, payload frames...] of calls (seq, name, args, payload). args: None (a Void
+    member), a dict of the member's fields, or a value (Data members; a bytearray is frozen).
+    A payload goes in the next frame and the call's `payload` field names it."""
+    req = Request.new_message(version=version, wantReply=want_reply)
+    frames = [None]
+    for c, (seq, name, args, payload) in zip(req.init("calls", len(calls)), calls):
+        c.seq = seq
+        if not isinstance(args, dict):
+            setattr(c, name, bytes(args) if isinstance(args, bytearray) else args)
+            continue
+        fields = c.init(name)
+        for key, value in args.items():
+            setattr(fields, key, value)
+        if payload is not None:
+            frames.append(payload)
+            fields.payload = len(frames) - 1
+    frames[0] = req.to_bytes()
+    return frames
+
+
 class Mailbox:
     """The request and reply boxes of a staging area: frames written, then len, then seq.
 

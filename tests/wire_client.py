@@ -22,16 +22,7 @@ def dealer(endpoint, timeout_ms=TIMEOUT_MS):
 
 def encode(calls, seqs, want_reply=True, version=wire.PROTOCOL_VERSION):
     """A Request frame from (name, args): args None (Void), a dict of fields, or a value (Data members)."""
-    msg = wire.Request.new_message(version=version, wantReply=want_reply)
-    for c, seq, (name, args) in zip(msg.init("calls", len(calls)), seqs, calls):
-        c.seq = seq
-        if args is None or not isinstance(args, dict):
-            setattr(c, name, args)
-        else:
-            fields = c.init(name)
-            for key, value in args.items():
-                setattr(fields, key, value)
-    return msg.to_bytes()
+    return wire.encode_request([(seq, name, args, None) for seq, (name, args) in zip(seqs, calls)], want_reply, version)[0]
 
 
 def decode_reply(frames):
