@@ -398,7 +398,7 @@ class Worker:
         """Finish or report on a running checkpoint; retire a restore whose loading ended."""
         s = self.session
         cp = s.checkpoint
-        if cp is not None and not cp.copying:
+        if cp is not None and not cp.running:
             try:
                 fields = {"text": json.dumps(cp.finish(self.ack))}
                 status, message = CUresult.CUDA_SUCCESS, ""
@@ -415,7 +415,7 @@ class Worker:
         r = s.restoring
         if r is not None and r.first_touch is not None and self.first_call_loaded is None:
             self.first_call_loaded = r.first_touch
-        if r is not None and not r.loading:
+        if r is not None and not r.running:
             try:
                 r.wait()
             except CudaError as e:         # a chunk failed its check: the context cannot go on

@@ -90,6 +90,22 @@ class Chunks:
         end = min(ptr + nbytes, base + size)
         return range(self.first[r] + (ptr - base) // cs, self.first[r] + (end - 1 - base) // cs + 1)
 
+    def batches(self, idx):
+        """idx in runs of at most BATCH_BYTES (one chunk at least): a device round trip each."""
+        run, size = [], 0
+        for c in idx:
+            if run and size + self.size[c] > BATCH_BYTES:
+                yield run
+                run, size = [], 0
+            run.append(c)
+            size += self.size[c]
+        if run:
+            yield run
+
+    def touched(self, ptr, nbytes, whole):
+        """Chunks a call touches: [ptr, ptr+nbytes), or with whole the region holding ptr."""
+        return self.allocation(ptr) if whole else self.covering(ptr, nbytes)
+
     def allocation(self, ptr):
         """Chunk indices of the whole region holding ptr (a kernel may write anywhere in it)."""
         r = bisect.bisect_right(self.bases, ptr) - 1
@@ -148,7 +164,47 @@ def describe(session, chunk_size):
     return fields, regions
 
 
-class Checkpoint:
+class ChunkJob:
+    """What a checkpoint and a restore share: chunks that a background thread and the calls
+    of the worker's loop both work through, each chunk claimed by one of them."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.failure = None          # an exception from the background thread
+        self.thread = None
+        self.bytes_total = self.bytes_done = 0
+
+    def claim(self, idx):
+        """Mark the pending chunks of idx busy; returns them."""
+        with self.cv:
+            mine = [c for c in idx if self.chunks.state[c] == PENDING]
+            self.chunks.state[mine] = BUSY
+            return mine
+
+    def mark_done(self, idx):
+        with self.cv:
+            self.chunks.state[list(idx)] = DONE
+            self.bytes_done += sum(self.chunks.size[c] for c in idx)
+            self.cv.notify_all()
+
+    def wait_done(self, idx):
+        """Wait until the other side has finished the chunks of idx it claimed."""
+        with self.cv:
+            while self.failure is None and not all(self.chunks.state[c] == DONE for c in idx):
+                self.cv.wait(0.1)
+
+    def fail(self, e):
+        """The background thread ends in an exception: keep it for the worker's thread."""
+        with self.cv:
+            self.failure = self.failure or e
+            self.cv.notify_all()
+
+    @property
+    def running(self):
+        return self.thread is not None and self.thread.is_alive()
+
+
+class Checkpoint(ChunkJob):
     """One checkpoint of one session into one store; see the module docstring."""
 
     def __init__(self, session, store, name, parent=None, paused=False, compress=False,
@@ -163,10 +219,7 @@ class Checkpoint:
             self.writer = ImageWriter(store, name, parent=parent, key=key, level=self.level)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
-        self.cv = threading.Condition()
-        self.failure = None          # an exception from the background thread
-        self.thread = None
-        self.bytes_total = self.bytes_done = 0
+        super().__init__()
         self.mismatched = 0          # saved chunks that differed from the cut
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
@@ -190,23 +243,14 @@ class Checkpoint:
         self.fps = None
         if paused:
             self.fps = self.fp_wait()
-            mine = self.claim(range(len(self.chunks)))
-            per_batch = max(1, BATCH_BYTES // self.chunk_size)
-            for i in range(0, len(mine), per_batch):
-                self.save(mine[i:i + per_batch])
+            for batch in self.chunks.batches(self.claim(range(len(self.chunks)))):
+                self.save(batch)
         else:
             self.thread = threading.Thread(target=self.run, name="phos-checkpoint", daemon=True)
             self.thread.start()
         self.pause_s += time.perf_counter() - t0
 
     # -- copying -----------------------------------------------------------------------
-    def claim(self, idx):
-        """Mark the pending chunks of idx busy; returns them."""
-        with self.cv:
-            mine = [c for c in idx if self.chunks.state[c] == PENDING]
-            self.chunks.state[mine] = BUSY
-            return mine
-
     def save(self, idx, urgent=False):
         """Save claimed chunks: skip those the store holds, copy and validate the rest."""
         fps, need = self.fps, []
@@ -228,10 +272,7 @@ class Checkpoint:
             for c, write in writes:       # the batch's buffer is reused once we ask for the next
                 self.keys[c] = write.result()
             done += len(batch)
-        with self.cv:
-            self.chunks.state[list(idx)] = DONE
-            self.bytes_done += sum(self.chunks.size[c] for c in idx)
-            self.cv.notify_all()
+        self.mark_done(idx)
 
     def run(self):
         """The background thread: save every chunk nobody saved first."""
@@ -240,27 +281,21 @@ class Checkpoint:
             with self.cv:
                 self.fps = fps
                 self.cv.notify_all()
-            n, c = len(self.chunks), 0
-            while c < n and self.failure is None:
-                batch, size = [], 0
-                while c < n and size < BATCH_BYTES:
-                    batch.append(c)
-                    size += self.chunks.size[c]
-                    c += 1
+            for batch in self.chunks.batches(range(len(self.chunks))):
+                if self.failure is not None:
+                    break
                 mine = self.claim(batch)
                 if mine:
                     self.save(mine)
         except BaseException as e:          # reported by finish(), on the worker's thread
             log.exception("checkpoint %s failed", self.name)
-            with self.cv:
-                self.failure = self.failure or e
-                self.cv.notify_all()
+            self.fail(e)
 
     def before_write(self, ptr, nbytes, whole=False):
         """Save the chunks a call is about to write, if the background has not yet."""
-        if self.thread is None or not self.thread.is_alive():
+        if not self.running:
             return
-        idx = self.chunks.allocation(ptr) if whole else self.chunks.covering(ptr, nbytes)
+        idx = self.chunks.touched(ptr, nbytes, whole)
         if not len(idx):
             return
         with self.cv:
@@ -269,13 +304,7 @@ class Checkpoint:
         mine = self.claim(idx) if self.failure is None else []
         if mine:
             self.save(mine, urgent=True)
-        with self.cv:         # the background thread may be saving some of them right now
-            while self.failure is None and not all(self.chunks.state[c] == DONE for c in idx):
-                self.cv.wait(0.1)
-
-    @property
-    def copying(self):
-        return self.thread is not None and self.thread.is_alive()
+        self.wait_done(idx)   # the background thread may be saving some of them right now
 
     # -- the end -----------------------------------------------------------------------
     def finish(self, seq_now):
@@ -317,16 +346,14 @@ class Checkpoint:
                 "seconds": round(elapsed, 6), **fields["metadata"], "cut_seq": self.cut_seq, "manifest_bytes": len(man.raw)}
 
     def abort(self, why="checkpoint aborted"):
-        with self.cv:
-            self.failure = self.failure or CudaError(CUresult.CUDA_ERROR_UNKNOWN, why)
-            self.cv.notify_all()
+        self.fail(CudaError(CUresult.CUDA_ERROR_UNKNOWN, why))
         if self.thread is not None:
             self.thread.join()
         self.io.shutdown()
         self.writer.abort()
 
 
-class Restore:
+class Restore(ChunkJob):
     """Bring an image back into a fresh session: objects now, contents now or on demand."""
 
     def __init__(self, session, store, name, key=None):
@@ -335,9 +362,7 @@ class Restore:
             self.manifest = read_image(store, name, key=key)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
-        self.cv = threading.Condition()
-        self.failure = None
-        self.thread = None
+        super().__init__()
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
         self.started = time.perf_counter()
@@ -414,23 +439,13 @@ class Restore:
             if fp.hex() != self.keys[c]:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE,
                                 f"image {self.name!r}: chunk {self.keys[c]} is corrupt: its contents fingerprint to {fp.hex()}")
-        with self.cv:
-            self.chunks.state[list(idx)] = DONE
-            self.bytes_done += sum(self.chunks.size[c] for c in idx)
-            self.cv.notify_all()
-
-    def claim(self, idx):
-        with self.cv:
-            mine = [c for c in idx if self.chunks.state[c] == PENDING]
-            self.chunks.state[mine] = BUSY
-            return mine
+        self.mark_done(idx)
 
     def load_all(self):
-        per_batch = max(1, BATCH_BYTES // max(1, max(self.chunks.size, default=1)))
-        for i in range(0, len(self.chunks), per_batch):
+        for batch in self.chunks.batches(range(len(self.chunks))):
             if self.failure is not None:
                 return
-            mine = self.claim(range(i, min(i + per_batch, len(self.chunks))))
+            mine = self.claim(batch)
             if mine:
                 self.load(mine)
 
@@ -446,13 +461,7 @@ class Restore:
             self.load_all()
         except BaseException as e:
             log.exception("restore of %s failed", self.name)
-            with self.cv:
-                self.failure = e
-                self.cv.notify_all()
-
-    @property
-    def loading(self):
-        return self.thread is not None and self.thread.is_alive()
+            self.fail(e)
 
     def before_access(self, ptr, nbytes, whole=False):
         """Load the chunks a call touches now, ahead of the background queue."""
@@ -461,15 +470,13 @@ class Restore:
                 CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"restore of {self.name!r} failed: {self.failure}")
         if self.first_touch is None:
             self.first_touch = self.bytes_done
-        idx = self.chunks.allocation(ptr) if whole else self.chunks.covering(ptr, nbytes)
+        idx = self.chunks.touched(ptr, nbytes, whole)
         if not len(idx):
             return
         mine = self.claim(idx)
         if mine:
             self.load(mine, urgent=True)
-        with self.cv:
-            while self.failure is None and not all(self.chunks.state[c] == DONE for c in idx):
-                self.cv.wait(0.1)
+        self.wait_done(idx)
 
     def wait(self):
         """Block until every chunk is loaded (a synchronous full restore, or shutdown)."""
