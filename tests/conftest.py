@@ -38,6 +38,35 @@ def server(backend, tmp_path_factory):
 
 
 @pytest.fixture
+def servers(backend, tmp_path):
+    """servers(name, listen=None, pool=1) starts a server in tmp_path/name; all stop at the end."""
+    started = []
+
+    def start(name, listen=None, pool=1):
+        (tmp_path / name).mkdir()
+        srv = ServerProc(backend, tmp_path / name, listen=listen, pool=pool)
+        started.append(srv)
+        return srv
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture
+def client(monkeypatch):
+    """Connect the Python client to a server: client(server) -> driver module."""
+    from phos.client_stub import driver
+
+    def connect(server):
+        driver._reset_for_tests()
+        monkeypatch.setenv("PHOS_SERVER", server.address)
+        assert driver.cuInit(0) == (driver.CUresult.CUDA_SUCCESS,)
+        return driver
+    yield connect
+    driver._reset_for_tests()
+
+
+@pytest.fixture
 def cu(server, monkeypatch):
     """The Python client, initialised against this module's server, with a fresh context."""
     from phos.client_stub import driver

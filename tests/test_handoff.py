@@ -11,7 +11,7 @@ import pytest
 
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
-from test_snapshot_engine import App, client, servers, wait_until  # noqa: F401 (client, servers: fixtures)
+from test_snapshot_engine import App
 
 N, TOTAL = 1 << 15, 300
 

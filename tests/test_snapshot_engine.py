@@ -11,13 +11,12 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import numpy as np
 import pytest
 
-from conftest import ServerProc, wait_until
+from conftest import wait_until
 from ptx_helpers import compile_ptx
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
@@ -77,34 +76,6 @@ def filler(nbytes, seed=0):
     return (np.arange(nbytes // 8, dtype=np.uint64) * 0x9E3779B97F4A7C15 + seed).view(np.uint8)
 
 
-@pytest.fixture
-def client(monkeypatch):
-    """Connect the Python client to a server: client(server) -> driver module."""
-    from phos.client_stub import driver
-
-    def connect(server):
-        driver._reset_for_tests()
-        monkeypatch.setenv("PHOS_SERVER", server.address)
-        assert driver.cuInit(0) == (driver.CUresult.CUDA_SUCCESS,)
-        return driver
-    yield connect
-    driver._reset_for_tests()
-
-
-@pytest.fixture
-def servers(backend, tmp_path):
-    started = []
-
-    def start(name, pool=1):
-        (tmp_path / name).mkdir()
-        srv = ServerProc(backend, tmp_path / name, pool=pool)
-        started.append(srv)
-        return srv
-    yield start
-    for srv in started:
-        srv.stop()
-
-
 def checkpoint(server, ctx, store, **kw):
     msgs = list(stub(server.address).Checkpoint(pb.CheckpointRequest(ctx=ctx, store=str(store), **kw)))
     assert msgs[-1].finished
@@ -113,6 +84,16 @@ def checkpoint(server, ctx, store, **kw):
 
 def restore(server, store, **kw):
     return stub(server.address).Restore(pb.RestoreRequest(store=str(store), **kw))
+
+
+def checkpoint_underway(server, app, store):
+    """Start a checkpoint in a thread and return (thread, result dict) once it is copying."""
+    done = {}
+    t = threading.Thread(target=lambda: done.update(checkpoint(server, app.id, store)))
+    t.start()
+    assert wait_until(lambda: state_of(server, app.id) == "checkpointing" or done, 20, 0.002)
+    assert not done, "the checkpoint ended before the program could write during it: make the filler bigger"
+    return t, done
 
 
 def state_of(server, ctx):
@@ -200,11 +181,7 @@ def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_p
     x, y, r = app.put(before_x), app.put(before_y), app.put(np.ones(n, np.float32))
     app.sync()
     store = tmp_path / "images"
-    done = {}
-    t = threading.Thread(target=lambda: done.update(checkpoint(one, app.id, store)))
-    t.start()
-    assert wait_until(lambda: state_of(one, app.id) == "checkpointing" or done, 20, 0.002)
-    assert not done, "the checkpoint ended before the program could write during it: make the filler bigger"
+    t, done = checkpoint_underway(one, app, store)
     app.ok(app.cu.cuMemsetD32(x, 0x7F7F7F7F, n))
     app.ok(app.cu.cuMemcpyHtoD(y, np.zeros(n, np.float32), 4 * n))
     app.jacobi(x, y, r, n, 3)
@@ -227,11 +204,7 @@ def test_a_write_through_a_loaded_pointer_is_caught(servers, client, tmp_path):
     table = app.put(np.array([int(target)], np.uint64))
     app.sync()
     store = tmp_path / "images"
-    done = {}
-    t = threading.Thread(target=lambda: done.update(checkpoint(one, app.id, store)))
-    t.start()
-    assert wait_until(lambda: state_of(one, app.id) == "checkpointing" or done, 20, 0.002)
-    assert not done
+    t, done = checkpoint_underway(one, app, store)
     app.write_indirect(table, 7.0, n)
     app.sync()
     t.join()

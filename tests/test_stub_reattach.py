@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from conftest import ServerProc, wait_until
+from conftest import wait_until
 from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
 
@@ -42,20 +42,6 @@ def iterate(tmp_path_factory):
     r = subprocess.run([NVCC, "-cudart", "shared", *gencode, "-o", str(out), APP], capture_output=True, text=True)
     assert r.returncode == 0, f"building iterate.cu failed:\n{r.stdout}\n{r.stderr}"
     return str(out)
-
-
-@pytest.fixture
-def servers(backend, tmp_path):
-    started = []
-
-    def start(name, listen=None):
-        (tmp_path / name).mkdir()
-        srv = ServerProc(backend, tmp_path / name, listen=listen)
-        started.append(srv)
-        return srv
-    yield start
-    for srv in started:
-        srv.stop()
 
 
 class Program:
