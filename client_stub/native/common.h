@@ -30,8 +30,9 @@ struct Settings {
     long batch_bytes;            // PHOS_BATCH_BYTES: ... or this many payload bytes
     double batch_age;            // PHOS_BATCH_AGE_US (as seconds): ... or when its first call is this old
     long inline_copy_max;        // host->device copies up to this size are captured and sent async
-    long unacked_calls_max;      // bound of the replay log, in calls
-    long unacked_bytes_max;      // ... and in captured payload bytes
+    long log_calls;              // PHOS_LOG_CALLS: bound of the replay log, in calls
+    long log_bytes;              // PHOS_LOG_BYTES: ... and in the host bytes it holds
+    double reattach_timeout;     // PHOS_REATTACH_TIMEOUT: seconds to find a lost context again
     int staging;                 // PHOS_STAGING: 1 offer a shared staging area always, 0 never, -1 on ipc/loopback
     int mailbox;                 // PHOS_MAILBOX: synchronous calls through the staging area's mailbox:
                                  // 1 always, 0 never, -1 (default) while we spin and the worker is awake

@@ -67,8 +67,9 @@ const Settings& settings() {
         t.batch_bytes = env_long("PHOS_BATCH_BYTES", 1 << 20);
         t.batch_age = env_long("PHOS_BATCH_AGE_US", 1000) * 1e-6;
         t.inline_copy_max = env_long("PHOS_INLINE_COPY_MAX", 64 << 10);
-        t.unacked_calls_max = env_long("PHOS_UNACKED_CALLS_MAX", 1 << 16);
-        t.unacked_bytes_max = env_long("PHOS_UNACKED_BYTES_MAX", 256L << 20);
+        t.log_calls = env_long("PHOS_LOG_CALLS", 1 << 16);
+        t.log_bytes = env_long("PHOS_LOG_BYTES", 256L << 20);
+        t.reattach_timeout = env_seconds("PHOS_REATTACH_TIMEOUT", 60.0);
         const std::string staging = env_string("PHOS_STAGING", "");
         t.staging = staging == "0" ? 0 : staging == "1" ? 1 : -1;
         const std::string mailbox = env_string("PHOS_MAILBOX", "");

@@ -149,12 +149,8 @@ bool Connection::send_batch(bool want_reply, bool use_box) {
     }
     if (!boxed && sent) sent = send_socket(0, batch_.size(), want_reply);
     if (want_reply) batch_.back().wanted = true;   // a re-attach resends it last in a Request too
-    for (auto& c : batch_) {
-        if (c.payload.owned) unacked_owned_bytes_ += c.payload.size;
-        if (c.payload.borrowed) borrowed_unacked_++;
-        unacked_calls_ += c.calls();
-        unacked_.push_back(std::move(c));
-    }
+    batch_.back().ends = true;
+    for (auto& c : batch_) log_call(std::move(c));
     batch_.clear();
     batch_payload_bytes_ = batch_frame_estimate_ = batch_calls_ = 0;
     if (!want_reply) bound_log();
@@ -200,28 +196,102 @@ uint64_t Connection::send_now(wire::Call call) {
     return seq;
 }
 
-// -- replies ---------------------------------------------------------------------------
+// -- the replay log --------------------------------------------------------------------
 
-// The replay log only shrinks when a Reply acknowledges calls, and asynchronous calls
-// get no Reply. If it grows too long, ask for one with a cheap synchronous call.
-void Connection::bound_log() {
-    const Settings& s = settings();
-    if (!batching_ || (unacked_calls_ < static_cast<size_t>(s.unacked_calls_max) &&
-                       unacked_owned_bytes_ < static_cast<size_t>(s.unacked_bytes_max)))
-        return;
-    wire::Result r = call(wire::Call::plain(wire::Kind::memGetInfo));
-    if (r.status != 0) defer(r);   // an asynchronous call failed: the next synchronizing call says so
+// A staged copy travels in frames instead: host->device with the bytes of its slot in
+// `area` (the slot will be reused, or the area belongs to a worker gone by), device->host
+// answered in a frame.
+static void unstage(wire::Call& c, const char* area) {
+    if (c.kind == wire::Kind::memcpyHtoD) c.payload = wire::Payload::copy_of(area + c.id, c.size);   // id: shmOffset
+    c.flags &= ~wire::Call::kViaShm;
+    c.id = c.id2 = c.address2 = 0;
 }
 
-void Connection::trim_log(uint64_t ack_seq) {
-    while (!unacked_.empty() && unacked_.front().seq <= ack_seq) {
+// The host bytes a logged call holds: its own payload, a launchBatch's records.
+static size_t held_bytes(const wire::Call& c) {
+    return (c.payload.owned ? c.payload.size : 0) + (c.kind == wire::Kind::launchBatch ? c.bytes.size() : 0);
+}
+
+// Keeps a sent call for replay. With recovery the log outlives acknowledgements, so a call
+// keeps its own bytes: caller memory may change and a staging slot is reused once answered.
+void Connection::log_call(wire::Call c) {
+    if (recovery_) {
+        if (c.kind == wire::Kind::memcpyHtoD && c.via_shm()) unstage(c, shm_);
+        else if (c.payload.borrowed) c.payload = wire::Payload::copy_of(c.payload.borrowed, c.payload.size);
+    }
+    log_bytes_ += held_bytes(c);
+    if (c.payload.borrowed) borrowed_unacked_++;
+    unacked_calls_ += c.calls();
+    unacked_.push_back(std::move(c));
+}
+
+bool Connection::log_full() const {
+    const Settings& s = settings();
+    return unacked_calls_ >= static_cast<size_t>(s.log_calls) || log_bytes_ >= static_cast<size_t>(s.log_bytes);
+}
+
+// The replay log only shrinks when a Reply acknowledges calls (with recovery, when an image
+// holds them), and asynchronous calls get no Reply. If it grows too long, ask for one with
+// a cheap synchronous call; with recovery, ask for an image.
+void Connection::bound_log() {
+    if (!batching_ || bounding_ || reattaching_ || !dead_.empty() || !log_full()) return;
+    bounding_ = true;
+    if (recovery_) wait_for_image();
+    else defer(call(wire::Call::plain(wire::Kind::memGetInfo)));   // a failure: the next synchronizing call says so
+    bounding_ = false;
+}
+
+// Asks for a recovery image (logFull, answered with the durable seq) every 5 ms until the
+// log, trimmed to the image's cut, is within its bounds. After PHOS_REATTACH_TIMEOUT
+// seconds the next synchronizing call fails, saying why, and the log goes back to being
+// trimmed by acknowledgements (so nothing waits that long again; recovery is then off).
+void Connection::wait_for_image() {
+    const auto start = Clock::now();
+    while (true) {
+        wire::Result r = call(wire::Call::plain(wire::Kind::logFull));
+        if (r.status != 0) {
+            defer(r);
+            return;
+        }
+        advance(0, r.u64s.empty() ? 0 : r.u64s[0]);
+        if (!log_full()) {
+            log_verbose("context %llu: the recovery log was full; after %.3f s an image at call %llu shortened it",
+                        (unsigned long long)ctx_, seconds_since(start), (unsigned long long)durable_);
+            return;
+        }
+        if (seconds_since(start) >= settings().reattach_timeout) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    char text[512];
+    snprintf(text, sizeof text,
+             "the recovery log of context %llu holds %zu calls and %zu bytes (PHOS_LOG_CALLS, PHOS_LOG_BYTES) and "
+             "its worker took no image that shortens it within %g s: recovery is off for this context",
+             (unsigned long long)ctx_, unacked_calls_, log_bytes_, settings().reattach_timeout);
+    log_error("%s", text);
+    defer(failure(kUnknown, text));
+    recovery_ = false;
+    trim_log(log_floor());
+}
+
+// A Reply (or logFull) acknowledged calls up to `ack`, and an image holds those up to
+// `durable` (0: no news): the log keeps the calls after log_floor().
+void Connection::advance(uint64_t ack, uint64_t durable) {
+    acked_ = std::max(acked_, ack);
+    durable_ = std::max(durable_, durable);
+    trim_log(log_floor());
+}
+
+void Connection::trim_log(uint64_t seq) {
+    while (!unacked_.empty() && unacked_.front().seq <= seq) {
         const wire::Call& c = unacked_.front();
-        if (c.payload.owned) unacked_owned_bytes_ -= c.payload.size;
+        log_bytes_ -= held_bytes(c);
         if (c.payload.borrowed) borrowed_unacked_--;
         unacked_calls_ -= c.calls();
         unacked_.pop_front();
     }
 }
+
+// -- replies ---------------------------------------------------------------------------
 
 // Remembers a failure the server reported for a call nobody waited for; the next
 // synchronous call reports it (the first one wins).
@@ -254,14 +324,14 @@ bool Connection::apply_reply(const void* frame, size_t size, Message* message, u
         log_error("%s: %s", endpoint().c_str(), error.c_str());
         return false;
     }
-    trim_log(reply.ack_seq);
-    acked_ = std::max(acked_, reply.ack_seq);
+    advance(reply.ack_seq, reply.durable_seq);
     if (!reply.output.empty()) {   // device-side printf, shown at synchronization as CUDA does
         fwrite(reply.output.data(), 1, reply.output.size(), stdout);
         fflush(stdout);
     }
     bool found = false;
     for (auto& r : reply.results) {
+        if (r.seq != want_seq && r.seq != 0 && r.seq <= answered_) continue;   // resent, answered before: drop
         if (r.seq == want_seq || (r.seq == 0 && r.status != 0)) {   // seq 0: the whole Request was refused
             if (out && r.status == 0) copy_payload(message, r.payload, *out);
             auto it = r.seq ? write_backs_.find(r.seq) : write_backs_.end();   // a resent staged copy
@@ -381,6 +451,7 @@ void Connection::collect_all() {
 wire::Result Connection::call(wire::Call call, const HostDestination* out, double timeout) {
     if (!dead_.empty()) return failure(kContextIsDestroyed, dead_);
     if (!socket_.ok()) return failure(kNoDevice, socket_.error());
+    if (recovery_) bound_log();   // the recovery log grows with synchronous calls too
     if (deferred_status_ != 0) {
         // The server already reported this failure: report it now, and like the server
         // would, do not run the call.
@@ -461,6 +532,7 @@ wire::Result Connection::attach(uint64_t ctx, std::string token, double timeout)
     if (r.status == 0 && !r.u64s.empty()) {   // what a re-attach presents
         ctx_ = r.u64s[0];
         token_ = c_token;
+        note_attach(r);
     }
     if (area) {
         unlink(path.c_str());   // mapped by both or by us alone: the name is no longer needed
@@ -476,6 +548,15 @@ wire::Result Connection::attach(uint64_t ctx, std::string token, double timeout)
         }
     }
     return r;
+}
+
+// What attach said about recovery (schema/phos.capnp, "Recovery"): u64s[3] = 1 when the
+// worker takes recovery images, text = its server's standby ("" for none).
+void Connection::note_attach(const wire::Result& r) {
+    recovery_ = r.u64s.size() > 3 && r.u64s[3] == 1;
+    if (!r.text.empty()) standby_ = r.text;   // a standby without one of its own: keep the old
+    if (recovery_)
+        log_verbose("%s: recovery images on (standby: %s)", endpoint().c_str(), standby_.empty() ? "none" : standby_.c_str());
 }
 
 void Connection::copy_to_device_staged(uint64_t dst, const void* src, size_t n, uint64_t stream) {
@@ -561,10 +642,13 @@ wire::Result Connection::copy_from_device_staged(void* dst, uint64_t src, size_t
 // image's cut; false, with `mine` saying why, if that cannot be done (schema/phos.capnp,
 // "Snapshots"; client_stub/connection.py, Connection.reattach, does the same).
 bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
-    double limit = env_seconds("PHOS_REATTACH_TIMEOUT", 60.0);
+    double limit = settings().reattach_timeout;
     if (budget >= 0) limit = std::min(limit, budget);
     const auto start = Clock::now();
     const std::string old_endpoint = endpoint();
+    const bool was_recovering = recovery_;   // the new worker's attach says anew
+    const uint64_t floor = log_floor();      // we hold every call after it
+    answered_ = acked_;                      // the Results of calls up to it reached us: a resend drops them
     log_error("the worker of context %llu at %s went away: waiting up to %g s for a server to restore it",
               (unsigned long long)ctx_, old_endpoint.c_str(), limit);
     reattaching_ = true;
@@ -581,16 +665,7 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     while (true) {
         const double left = limit - seconds_since(start);
         const double timeout = std::max(0.1, std::min(settings().connect_timeout, left));
-        // PHOS_SERVER is read now: the context may have moved to another server.
-        const std::string server = env_string("PHOS_SERVER", kDefaultServer);
-        std::string endpoint;
-        {
-            Connection front(server, false);
-            wire::Result r = front.ok() ? front.call(wire::Call::reattach(ctx_, token_), nullptr, timeout)
-                                        : failure(kNoDevice, "cannot use PHOS_SERVER=" + server);
-            if (r.status == 0 && !r.text.empty()) endpoint = r.text;
-            else why = r.message.empty() ? "the front end at " + server + " sent no worker endpoint" : r.message;
-        }
+        const std::string endpoint = find_context(timeout, why);
         if (!endpoint.empty()) {
             attached = attach_again(endpoint, timeout, cut, why);
             if (attached) break;
@@ -598,7 +673,6 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
         if (seconds_since(start) >= limit) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    reattaching_ = false;
     if (!attached) {
         char text[1024];
         snprintf(text, sizeof text,
@@ -610,19 +684,19 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
         mine = failure(kContextIsDestroyed, text);
         return false;
     }
-    // The image holds every call up to `cut`; we hold every call after `acked_`.
+    // The image holds every call up to `cut`; we hold every call after `floor`.
     // Device->host bytes of calls up to the cut that never reached us are lost too.
     uint64_t lost = seq != 0 && seq <= cut ? seq : 0;   // a call whose Result never reached us
     for (const auto& w : write_backs_)
         if (w.first <= cut && (lost == 0 || w.first < lost)) lost = w.first;
-    if (acked_ > cut || lost != 0) {
+    if (floor > cut || lost != 0) {
         char text[1024];
-        if (acked_ > cut)
+        if (floor > cut)
             snprintf(text, sizeof text,
                      "context %llu was restored from an image taken at call %llu, but calls %llu..%llu were already "
-                     "acknowledged by the worker that went away and are gone: the context cannot continue",
+                     "%s by the worker that went away and are gone: the context cannot continue",
                      (unsigned long long)ctx_, (unsigned long long)cut, (unsigned long long)cut + 1,
-                     (unsigned long long)acked_);
+                     (unsigned long long)floor, was_recovering ? "saved in a later recovery image" : "acknowledged");
         else
             snprintf(text, sizeof text,
                      "context %llu was restored from an image taken at call %llu, after call %llu whose results "
@@ -633,22 +707,66 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
         mine = failure(kContextIsDestroyed, text);
         return false;
     }
+    durable_ = cut;
     resend_after(cut, old_area);
+    reattaching_ = false;   // only now: resending must not stop to bound the log
     log_error("context %llu re-attached at %s (image cut at call %llu): resent %zu call(s)", (unsigned long long)ctx_,
               endpoint().c_str(), (unsigned long long)cut, unacked_calls_);
     return true;
+}
+
+// Where does the context live now? Asks the front ends that may know, with
+// reattach{ctx, token}: the one that found it last time first, then PHOS_SERVER (read now:
+// the context may have moved to another server), then the standby (PHOS_STANDBY, else the
+// one attach named). Returns the worker's endpoint, or "" with `why`.
+std::string Connection::find_context(double timeout, std::string& why) {
+    const std::string servers[] = {found_at_, env_string("PHOS_SERVER", kDefaultServer),
+                                   env_string("PHOS_STANDBY", standby_.c_str())};
+    std::string whys;
+    for (size_t i = 0; i < 3; i++) {
+        const std::string& server = servers[i];
+        if (server.empty() || std::find(servers, servers + i, server) != servers + i) continue;   // asked already
+        std::string endpoint = ask_front_end(server, timeout, why);
+        if (!endpoint.empty()) {
+            found_at_ = server;
+            return endpoint;
+        }
+        whys += (whys.empty() ? "" : "; ") + why;
+    }
+    why = whys;
+    return "";
+}
+
+// One front end's answer to reattach. One that does not complete the ZeroMQ handshake
+// within 2 s (dead: the connection is refused; stopped: it never greets) is passed over,
+// so that the standby is asked soon; a live one gets `timeout` to answer (it may restore
+// the context first).
+std::string Connection::ask_front_end(const std::string& server, double timeout, std::string& why) {
+    Connection front(server, false);
+    const double quick = std::min(timeout, 2.0);
+    const auto start = Clock::now();
+    while (front.ok() && !front.socket_.greeted() && seconds_since(start) < quick)
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    wire::Result r;
+    if (!front.ok()) r = failure(kNoDevice, front.socket_.error());
+    else if (!front.socket_.greeted()) r = failure(kNoDevice, "no front end answers at " + server);
+    else r = front.call(wire::Call::reattach(ctx_, token_), nullptr, timeout);
+    if (r.status == 0 && !r.text.empty()) return r.text;
+    why = r.message.empty() ? "the front end at " + server + " sent no worker endpoint" : r.message;
+    return "";
 }
 
 // The context cannot go on: every later call fails with `why`, sending nothing.
 void Connection::give_up(const std::string& why) {
     dead_ = why;
     ctx_ = 0;
+    reattaching_ = false;
     said_gone_ = true;
     kept_.clear();
     write_backs_.clear();
     batch_.clear();
     unacked_.clear();
-    unacked_calls_ = unacked_owned_bytes_ = borrowed_unacked_ = 0;
+    unacked_calls_ = log_bytes_ = borrowed_unacked_ = 0;
     batch_payload_bytes_ = batch_frame_estimate_ = batch_calls_ = 0;
     socket_.reopen("inproc://phos-context-lost");   // drops what the old socket still queues
 }
@@ -685,32 +803,33 @@ bool Connection::attach_again(const std::string& endpoint, double timeout, uint6
         return false;
     }
     cut = r.u64s[2];
+    note_attach(r);
     return true;
 }
 
-// Resends the unacknowledged calls after `cut` (a launchBatch never straddles it), then
-// the pending batch, each Request ending where one ended before, so every call someone
-// waits for gets its Result. Copies that named the old staging area travel in frames.
+// Resends the logged calls after `cut` (a launchBatch never straddles it), then the
+// pending batch, each Request ending where one ended before, so every call someone waits
+// for gets its Result; calls answered before (up to answered_) ask for no Reply, and their
+// Results are dropped. Copies that named the old staging area travel in frames.
 void Connection::resend_after(uint64_t cut, char* old_area) {
     trim_log(cut);
-    for (auto it = kept_.begin(); it != kept_.end();) it = *it <= cut ? kept_.erase(it) : std::next(it);
+    const uint64_t done = std::max(cut, answered_);   // staged chunks no longer awaited
+    for (auto it = kept_.begin(); it != kept_.end();) it = *it <= done ? kept_.erase(it) : std::next(it);
     std::deque<wire::Call> log;
     log.swap(unacked_);
     std::vector<wire::Call> pending;
     pending.swap(batch_);
-    unacked_calls_ = unacked_owned_bytes_ = borrowed_unacked_ = 0;
+    unacked_calls_ = log_bytes_ = borrowed_unacked_ = 0;
     batch_payload_bytes_ = batch_frame_estimate_ = batch_calls_ = 0;
     for (auto& c : log) {
         if (c.via_shm() && old_area) {
-            c.flags &= ~wire::Call::kViaShm;
-            char* bytes = old_area + c.id;   // shmOffset
-            if (c.kind == wire::Kind::memcpyHtoD) c.payload = wire::Payload::copy_of(bytes, c.size);
-            else write_backs_[c.seq] = HostDestination{bytes, c.size};   // where the caller reads them
-            c.id = c.id2 = c.address2 = 0;
+            if (c.kind == wire::Kind::memcpyDtoH && c.seq > answered_)   // where the waiting copy reads them
+                write_backs_[c.seq] = HostDestination{old_area + c.id, c.size};
+            unstage(c, old_area);
         }
-        const bool wanted = c.wanted;
+        const bool ends = c.ends, wanted = c.wanted && c.seq > answered_;
         batch_.push_back(std::move(c));
-        if (wanted) send_batch(true);
+        if (ends) send_batch(wanted);
     }
     for (auto& c : pending) batch_.push_back(std::move(c));
     if (!batch_.empty()) send_batch(true);

@@ -54,10 +54,11 @@ public:
     wire::Result attach(uint64_t ctx, std::string token, double timeout);
     // A context's connection (once attach succeeded) whose worker goes away looks for the
     // context again: a server may have restored it from a checkpoint, anywhere. For up to
-    // PHOS_REATTACH_TIMEOUT seconds (default 60) it asks the front end at PHOS_SERVER (read
-    // then) with reattach{ctx, token}, attaches to the new worker, and resends the calls
-    // the image lacks (schema/phos.capnp, "Snapshots"). Calls the old worker acknowledged
-    // after the image's cut are lost: then the waiting call fails, saying so.
+    // PHOS_REATTACH_TIMEOUT seconds (default 60) it asks the front ends that may hold it
+    // (PHOS_SERVER, read then, and the standby: find_context) with reattach{ctx, token},
+    // attaches to the new worker, and resends the calls the image lacks (schema/phos.capnp,
+    // "Snapshots" and "Recovery"). Calls after the image's cut that are no longer logged
+    // are lost: then the waiting call fails, saying so.
     bool reattachable() const { return ctx_ != 0; }
     // The worker mapped the staging area: bulk copies and the mailbox use it.
     bool staging() const { return shm_ != nullptr; }
@@ -99,12 +100,20 @@ private:
     void collect_all();
     void defer(const wire::Result& r);
     wire::Result take_deferred();
-    void trim_log(uint64_t ack_seq);
+    void trim_log(uint64_t seq);
+    uint64_t log_floor() const { return recovery_ ? durable_ : acked_; }   // we hold every call after it
+    void advance(uint64_t ack, uint64_t durable);
+    void note_attach(const wire::Result& r);
+    void log_call(wire::Call c);
     bool reattach(uint64_t seq, wire::Result& mine, double budget);
+    std::string find_context(double timeout, std::string& why);
+    std::string ask_front_end(const std::string& server, double timeout, std::string& why);
     bool attach_again(const std::string& endpoint, double timeout, uint64_t& cut, std::string& why);
     void resend_after(uint64_t cut, char* old_area);
     void give_up(const std::string& why);
+    bool log_full() const;
     void bound_log();
+    void wait_for_image();
     static wire::Result failure(uint32_t status, std::string message);
 
     Socket socket_;
@@ -115,9 +124,10 @@ private:
     size_t batch_frame_estimate_ = 0;
     size_t batch_calls_ = 0;                            // calls in batch_, each launch of a launchBatch counted
     std::chrono::steady_clock::time_point batch_started_;
-    std::deque<wire::Call> unacked_;                    // sent, not yet acknowledged: for replay
+    std::deque<wire::Call> unacked_;                    // sent, for replay: not yet acknowledged (with
+                                                        // recovery: after the latest image's cut)
     size_t unacked_calls_ = 0;                          // the calls they stand for (Call::calls)
-    size_t unacked_owned_bytes_ = 0;
+    size_t log_bytes_ = 0;                              // the host bytes they hold (held_bytes)
     size_t borrowed_unacked_ = 0;                       // unacknowledged calls borrowing caller memory
     std::unordered_map<uint64_t, HostDestination> write_backs_;   // seq -> destination
     uint32_t deferred_status_ = 0;                      // an asynchronous failure the server already reported
@@ -126,12 +136,20 @@ private:
     bool said_gone_ = false;
 
     // Re-attaching (reattach()): the context and session token attach presented, the
-    // highest seq a worker acknowledged (we hold every call after it), and staging areas
-    // of workers gone by, kept mapped while a resent copy may still use them.
+    // highest seq a worker acknowledged (without recovery we hold every call after it),
+    // and staging areas of workers gone by, kept mapped while a resent copy may still use them.
     uint64_t ctx_ = 0;
     std::string token_;
     uint64_t acked_ = 0;
+    uint64_t answered_ = 0;                             // acked_ when the worker went away: the Results
+                                                        // of resent calls up to it are dropped
     bool reattaching_ = false;
+    // Recovery (schema/phos.capnp, "Recovery"), as the last attach said.
+    bool recovery_ = false;
+    uint64_t durable_ = 0;                              // calls up to it are in the latest image
+    std::string standby_;                               // the standby server ("" none)
+    std::string found_at_;                              // the front end that last found the context
+    bool bounding_ = false;                             // bound_log is waiting for an image
     std::vector<char*> old_areas_;
     std::string dead_;                                  // why the context is lost, once it is
 

@@ -39,7 +39,7 @@ void Socket::reopen(const std::string& endpoint) {
     close();
     endpoint_ = endpoint;
     error_.clear();
-    connected_ = ever_connected_ = dropped_ = false;
+    connected_ = ever_connected_ = dropped_ = greeted_ = false;
     open();
 }
 
@@ -61,7 +61,8 @@ void Socket::open() {
     set_int(socket_, ZMQ_RECONNECT_IVL_MAX, 1000);
 
     std::string monitor_address = "inproc://phos-monitor-" + std::to_string(next_monitor++);
-    if (zmq_socket_monitor(socket_, monitor_address.c_str(), ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) == 0) {
+    const int events = ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;
+    if (zmq_socket_monitor(socket_, monitor_address.c_str(), events) == 0) {
         monitor_ = zmq_socket(ctx, ZMQ_PAIR);
         set_int(monitor_, ZMQ_LINGER, 0);
         if (zmq_connect(monitor_, monitor_address.c_str()) != 0) {
@@ -91,6 +92,11 @@ void Socket::close() {
 bool Socket::lost() {
     drain_monitor();
     return dropped_;
+}
+
+bool Socket::greeted() {
+    drain_monitor();
+    return greeted_ || !monitor_;   // without a monitor we cannot tell: say yes
 }
 
 // zmq calls this (from its I/O thread) once it no longer needs an owned payload.
@@ -142,8 +148,10 @@ void Socket::drain_monitor() {
         zmq_msg_close(&address);
         if (id == ZMQ_EVENT_CONNECTED) {
             connected_ = ever_connected_ = true;
+        } else if (id == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            greeted_ = true;
         } else if (id == ZMQ_EVENT_DISCONNECTED && connected_) {
-            connected_ = false;
+            connected_ = greeted_ = false;
             dropped_ = true;
             disconnected_since_ = Clock::now();
         }

@@ -48,6 +48,10 @@ public:
     // again (a new peer, or the same one under a new routing id: either way it no longer
     // knows us). Looks at the monitor's events without waiting; reopen() clears it.
     bool lost();
+    // The peer completed the ZeroMQ handshake on the current connection: a live process is
+    // there (a dead one refuses the connection, a stopped one never greets). Looks at the
+    // monitor's events without waiting; true when there is no monitor to ask.
+    bool greeted();
     const std::string& endpoint() const { return endpoint_; }
     const std::string& error() const { return error_; }
 
@@ -75,6 +79,7 @@ private:
     void* socket_ = nullptr;
     void* monitor_ = nullptr;
     bool connected_ = false;
+    bool greeted_ = false;                        // handshake done on the current connection
     bool ever_connected_ = false;
     bool dropped_ = false;                        // disconnected at least once (lost())
     std::chrono::steady_clock::time_point disconnected_since_;

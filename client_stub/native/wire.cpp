@@ -24,7 +24,7 @@ const char* kind_name(Kind kind) {
         "moduleLoad", "moduleUnload", "moduleGetFunction", "moduleGetGlobal", "launch",
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
-        "launchBatch", "reattach",
+        "launchBatch", "reattach", "logFull",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -372,6 +372,7 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     }
     case Kind::eventDestroy: out.initEventDestroy().setId(c.id); break;
     case Kind::launchBatch: out.setLaunchBatch(as_data(c.bytes)); break;
+    case Kind::logFull: out.setLogFull(); break;
     case Kind::reattach: {
         auto a = out.initReattach();
         a.setCtx(c.address);
@@ -445,6 +446,7 @@ bool decode_reply(const void* frame, size_t size, Reply& reply, std::string& err
         capnp::FlatArrayMessageReader message(kj::arrayPtr(words.data(), words.size()), options);
         auto r = message.getRoot<::Reply>();
         reply.ack_seq = r.getAckSeq();
+        reply.durable_seq = r.getDurableSeq();
         reply.output = text_of(r.getOutput());
         reply.results.clear();
         for (auto in : r.getResults()) {

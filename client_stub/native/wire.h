@@ -1,7 +1,8 @@
 // The calls of schema/phos.capnp as plain C++ values, and their Cap'n Proto encoding.
 //
-// A Call is kept in a batch, then in the replay log until the server acknowledges it,
-// so it owns everything it needs (or borrows memory that outlives the acknowledgement).
+// A Call is kept in a batch, then in the replay log until the server acknowledges it
+// (with recovery on, until a recovery image holds it), so it owns everything it needs, or
+// borrows memory that outlives the acknowledgement (never with recovery on).
 // Only wire.cpp sees Cap'n Proto types.
 #pragma once
 
@@ -22,7 +23,7 @@ enum class Kind : uint8_t {
     moduleLoad, moduleUnload, moduleGetFunction, moduleGetGlobal, launch,
     streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
     eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
-    launchBatch, reattach,
+    launchBatch, reattach, logFull,
 };
 const char* kind_name(Kind kind);
 
@@ -61,6 +62,7 @@ struct Call {
     Payload payload;          // memcpyHtoD bytes; moduleLoad image
     uint32_t launches = 0;    // launchBatch: how many records `bytes` holds
     bool wanted = false;      // sent last in a Request with wantReply: someone waits for its Result
+    bool ends = false;        // sent last in a Request: a resend ends one there too (frames stay small)
 
     static constexpr uint32_t kViaShm = 1;   // a copy whose bytes lie in the shared staging area
     bool via_shm() const { return (kind == Kind::memcpyHtoD || kind == Kind::memcpyDtoH) && (flags & kViaShm); }
@@ -131,6 +133,7 @@ struct Reply {
     uint64_t ack_seq = 0;
     std::vector<Result> results;
     std::string output;           // device-side printf output
+    uint64_t durable_seq = 0;     // recovery: calls up to it are in the latest image (0: no news)
 };
 
 extern const uint32_t kProtocolVersion;

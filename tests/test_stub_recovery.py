@@ -1,0 +1,129 @@
+"""Transparent recovery in the native stub (schema/phos.capnp, "Recovery").
+
+tests/apps/iterate.cu runs against the stub on a server that takes recovery images of its
+context. Its worker, or its whole server, is SIGKILLed, and the program must print exactly
+what an uninterrupted run prints: the stub finds the context again (on its server, or on
+the standby), replays its log after the image's cut (acknowledged calls and staged copies
+too) and drops the Results it had delivered before. Runs on emu in CI, and skips like
+tests/test_stub_reattach.py where the stub or the program cannot be built.
+"""
+import os
+import signal
+
+import pytest
+
+import test_stub_reattach
+from conftest import wait_until
+from phos.admin_cli import stub as admin
+from phos.schema import admin_pb2 as pb
+from test_stub_reattach import PAUSE, Program, iterate, kill, reference  # noqa: F401 (iterate: the fixture)
+
+# sweeps of a run killed while it computes: seconds of work on emu, and on a GPU (where 400
+# sweeps end in milliseconds, before the test can kill anything)
+RUNNING_TOTAL = {"emu": 400, "cuda": 300_000}
+
+
+def recovering(servers, name, directory, every, *more):
+    """A server taking recovery images of its contexts into `directory` every `every` seconds."""
+    return servers(name, args=["--recovery-dir", str(directory), "--checkpoint-every", str(every), *more])
+
+
+def the_context(server):
+    """The server's one context (id, worker pid, last executed seq)."""
+    contexts = admin(server.address).ListContexts(pb.ListContextsRequest()).contexts
+    assert len(contexts) == 1, (contexts, server.output()[-4000:])
+    return contexts[0]
+
+
+def images(directory, ctx):
+    """The committed recovery images of context `ctx`."""
+    path = directory / f"ctx{ctx}" / "images"
+    return [n for n in os.listdir(path) if n.startswith("rec-")] if path.is_dir() else []
+
+
+def kill_worker(server, ctx):
+    pid = ctx.pid
+    assert pid in server.workers()
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: pid not in server.workers(), 10)
+
+
+def finish(prog, expected, ctx):
+    code, out, err = prog.finish()
+    assert code == 0 and out == expected, f"{out}\n{err}"
+    assert f"context {ctx} re-attached" in err, err
+    return err
+
+
+VARIANTS = {
+    "staging": {"PHOS_STAGING": "1"},                 # staged copies: the log keeps copies of the slots' bytes
+    "frames": {"PHOS_STAGING": "0"},                  # framed copies: the log owns what it would have borrowed
+    # a log of 512 KiB fills with the second upload: the stub asks for images (logFull)
+    "small-log": {"PHOS_STAGING": "1", "PHOS_LOG_BYTES": str(512 << 10), "PHOS_VERBOSE": "1"},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_worker_killed_at_a_pause_replays_from_an_older_image(iterate, servers, tmp_path, variant):
+    """Only the image of the new context exists (no periodic one in time): the worker is
+    SIGKILLed at the pause, after it acknowledged calls that image lacks. Its server restores
+    the context from the image and the stub replays everything after the cut, the uploads
+    with the bytes it logged, dropping the Results of calls that had been answered."""
+    directory = tmp_path / "rec"
+    one = recovering(servers, "one", directory, 600)
+    expected = reference(iterate, one, PAUSE)
+    prog = Program(iterate, one, PAUSE, **VARIANTS[variant])
+    assert prog.until_ready() == f"READY {PAUSE}\n"
+    ctx = the_context(one)
+    assert wait_until(lambda: images(directory, ctx.id), 20), "no recovery image of the new context"
+    kill_worker(one, ctx)
+    prog.go_on()
+    err = finish(prog, expected, ctx.id)
+    if variant == "small-log":
+        assert "the recovery log was full" in err, err
+
+
+def test_worker_killed_while_the_program_runs(iterate, servers, tmp_path, monkeypatch, backend):
+    """Images every 0.2 s; the worker is SIGKILLed while the program's launches run."""
+    monkeypatch.setattr(test_stub_reattach, "TOTAL", RUNNING_TOTAL[backend])
+    directory = tmp_path / "rec"
+    one = recovering(servers, "one", directory, 0.2)
+    expected = reference(iterate, one, PAUSE)
+    prog = Program(iterate, one, PAUSE)
+    prog.until_ready()
+    at_pause = the_context(one).last_seq
+    prog.go_on()
+    assert wait_until(lambda: the_context(one).last_seq > at_pause + 50, 30), prog.fail_text()
+    assert wait_until(lambda: len(images(directory, the_context(one).id)) > 0, 20)
+    ctx = the_context(one)
+    assert prog.proc.poll() is None, prog.fail_text()
+    kill_worker(one, ctx)
+    finish(prog, expected, ctx.id)
+
+
+@pytest.mark.parametrize("how", ["killed", "killed-env", "stopped"])
+def test_server_lost_recovers_on_the_standby(iterate, servers, tmp_path, how):
+    """The program's server dies with its workers ("killed"), or stops answering while its
+    context's worker dies ("stopped": SIGSTOP, so it accepts connections and never greets).
+    A second server sharing the recovery directory, named by the first one's --standby (or
+    by PHOS_STANDBY), restores the context when the stub, passing over its own server, asks there."""
+    directory = tmp_path / "rec"
+    two = recovering(servers, "two", directory, 0.2)
+    one = recovering(servers, "one", directory, 0.2, *([] if how == "killed-env" else ["--standby", two.address]))
+    expected = reference(iterate, one, PAUSE)
+    prog = Program(iterate, one, PAUSE, **({"PHOS_STANDBY": two.address} if how == "killed-env" else {}))
+    prog.until_ready()
+    ctx = the_context(one)
+    assert wait_until(lambda: images(directory, ctx.id), 20), "no recovery image of the context"
+    if how == "stopped":
+        os.kill(one.proc.pid, signal.SIGSTOP)
+        kill_worker(one, ctx)
+    else:
+        kill(one)
+    try:
+        prog.go_on()
+        err = finish(prog, expected, ctx.id)
+        assert f"context {ctx.id} re-attached at {two.address}" in err, err
+    finally:
+        if how == "stopped":
+            kill(one)           # SIGKILL reaches a stopped process; SIGTERM at the end would wait
