@@ -1,8 +1,10 @@
 """One client connection (a ZeroMQ DEALER) to a front end or a context worker.
 
 Asynchronous calls are batched and sent without waiting; a synchronous call
-flushes the batch with `wantReply` and waits. Calls the server has not yet
-acknowledged stay in `unacked` so that a handoff can replay them.
+flushes the batch with `wantReply` and waits. Calls a restored worker may lack stay
+in `log` so that they can be replayed after a handoff or a recovery: those the server
+has not acknowledged, or, when it takes recovery images, those after the latest
+image's cut, with their host bytes (schema/phos.capnp, "Recovery").
 """
 import collections
 import ctypes
@@ -26,6 +28,8 @@ ZERO_COPY = 64 << 10             # payloads above this are sent from the caller'
 CONNECT_TIMEOUT = float(os.environ.get("PHOS_CONNECT_TIMEOUT", "5"))
 GONE_TIMEOUT = float(os.environ.get("PHOS_GONE_TIMEOUT", "10"))
 REATTACH_TIMEOUT = float(os.environ.get("PHOS_REATTACH_TIMEOUT", "60"))   # look for a restored context this long
+LOG_CALLS = int(os.environ.get("PHOS_LOG_CALLS", str(1 << 16)))        # the replay log holds this many calls...
+LOG_BYTES = int(os.environ.get("PHOS_LOG_BYTES", str(256 << 20)))      # ...and bytes, else it asks to shrink
 # Spin this long for a reply before sleeping in poll: a wake-up costs more than a short spin
 # where cores are plentiful. Off on small machines, where the spin would starve the peer.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "100" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
@@ -87,7 +91,12 @@ class Connection:
         self.batch = []          # (seq, name, args, payload) not yet sent; args of launchBatch: its blob
         self.batch_calls = 0     # calls in the batch, each launch of a launchBatch counted
         self.batch_bytes = 0
-        self.unacked = collections.deque()   # (seq, name, args, payload) sent, not yet acknowledged
+        self.log = collections.deque()   # (seq, name, args, payload) sent, that a restored worker may lack
+        self.log_bytes = 0       # host bytes the log holds
+        self.recovery = False    # the worker takes recovery images: log every call after durable
+        self.durable = 0         # the cut of its latest recovery image
+        self.answered = 0        # after a re-attach: Results of calls up to here were delivered before
+        self.standby = ""        # the server that restores the context if its own dies
         self.dtoh = {}           # seq -> writer(frame) for asynchronous device-to-host copies
         self.keep = set()        # seqs whose Results are kept for a later collect()
         self.kept = {}           # seq -> Result
@@ -98,6 +107,8 @@ class Connection:
         self.box_seq = 0         # seq of our last mailbox request
         self.box_waiting = False # its reply has not been read yet
         self.find_again = None   # set for a context's worker: () -> (endpoint, attach args) of where it lives now
+        self.making_room = False # inside make_room
+        self.outstanding = set() # seqs sent with wantReply whose Results have not come
         self.acked = 0           # the highest seq the worker acknowledged: we hold every call after it
 
     def open_socket(self, endpoint):
@@ -121,9 +132,13 @@ class Connection:
     # -- sending ---------------------------------------------------------------------------
     def post(self, name, args=None, payload=None, on_bytes=None, want_reply=False, via_box=False):
         """Queue a call (sent at once if want_reply); returns its seq."""
+        if self.log_full():
+            self.make_room()
         self.seq += 1
+        if want_reply:
+            self.outstanding.add(self.seq)
         big = payload is not None and len(payload) > ZERO_COPY
-        if payload is not None and not big:
+        if payload is not None and (not big or self.recovery):
             payload = bytes(payload)      # capture now: the caller may reuse its buffer at once
         self.batch.append((self.seq, name, args, payload))
         if on_bytes is not None:
@@ -141,6 +156,8 @@ class Connection:
         The entry's seq becomes this launch's, so it stays the seq of its last launch, and
         each launch takes one seq as if sent alone (phos.capnp, "Launch batches")."""
         record = wire.launch_record(function, config, params)    # may raise: before taking a seq
+        if self.log_full():
+            self.make_room()
         self.seq += 1
         last = self.batch[-1] if self.batch else None
         if last is not None and last[1] == "launchBatch":
@@ -172,7 +189,11 @@ class Connection:
 
     def send_frames(self, frames, via_box):
         """Send an encoded batch: through the mailbox when allowed and possible, else the socket."""
-        self.unacked.extend(self.batch)       # a launchBatch's blob is never appended to once sent
+        for call in self.batch:        # a launchBatch's blob is never appended to once sent
+            if self.recovery:
+                call = self.off_staging(call, self.staging, htod_only=True)   # the slot will be reused
+            self.log.append(call)
+            self.log_bytes += log_size(call)
         self.batch, self.batch_calls, self.batch_bytes = [], 0, 0
         if via_box and self.box is not None and len(frames) == 1:
             if self.box.put(0, self.box_seq + 1, frames[0]):
@@ -185,6 +206,32 @@ class Connection:
         tracker = self.sock.send_multipart(frames, copy=not big, track=big)
         if big:                    # the caller may reuse its buffer once zmq has handed it off
             tracker.wait()
+
+    def log_full(self):
+        """Whether the log must shrink before the next call, and may: a Result someone waits
+        for would be lost in make_room's own wait unless it is one that route() keeps."""
+        return ((len(self.log) > LOG_CALLS or self.log_bytes > LOG_BYTES) and not self.making_room
+                and self.outstanding <= self.keep)
+
+    def make_room(self):
+        """Ask the worker to acknowledge (and, with recovery, to take an image) until the log
+        may drop enough; a slow image holds the application back."""
+        self.making_room = True
+        deadline = time.monotonic() + REATTACH_TIMEOUT
+        try:
+            while len(self.log) > LOG_CALLS or self.log_bytes > LOG_BYTES:
+                res = self.call("logFull")
+                if res.status:
+                    raise CudaError(res.status, res.message)
+                self.durable = max(self.durable, res.u64s[0])
+                self.acknowledge(self.acked)
+                if len(self.log) > LOG_CALLS or self.log_bytes > LOG_BYTES:
+                    if time.monotonic() > deadline:
+                        raise CudaError(CUresult.CUDA_ERROR_NOT_READY, f"the replay log stayed full for {REATTACH_TIMEOUT:g} s: "
+                                        "the worker took no recovery image")
+                    time.sleep(0.005)
+        finally:
+            self.making_room = False
 
     # -- receiving -------------------------------------------------------------------------
     def wait(self, seq, timeout=None):
@@ -203,6 +250,7 @@ class Connection:
                 result = self.take_reply(frames, seq)
                 if result is not None:
                     self.box_waiting = False     # answered over the socket if it did not fit the box
+                    self.outstanding.discard(seq)
                     return result
                 continue
             now = time.monotonic()
@@ -238,6 +286,7 @@ class Connection:
             return self.route(Result(plain[1], 0, "", [], 0.0, "", b"", None, []), seq)
         mine = None
         with wire.decode(wire.Reply, body) as reply:
+            self.durable = max(self.durable, reply.durableSeq)
             self.acknowledge(reply.ackSeq)
             if reply._has("output"):          # device printf: show it where the application runs
                 print(reply.output, end="", flush=True)
@@ -246,12 +295,18 @@ class Connection:
         return mine
 
     def acknowledge(self, ack_seq):
+        """Drop the calls no restored worker can lack: acknowledged ones, or with recovery
+        images, those up to the latest image's cut."""
         self.acked = max(self.acked, ack_seq)
-        while self.unacked and self.unacked[0][0] <= ack_seq:
-            self.unacked.popleft()
+        floor = self.durable if self.recovery else self.acked
+        while self.log and self.log[0][0] <= floor:
+            self.log_bytes -= log_size(self.log.popleft())
 
     def route(self, res, seq):
         """Deliver one Result; returns it if it answers `seq`."""
+        self.outstanding.discard(res.seq)
+        if res.seq <= self.answered and res.seq != seq and res.seq:
+            return None                   # replayed after a recovery: its Result was delivered before
         writer = self.dtoh.pop(res.seq, None)
         if writer is not None and res.status == 0 and res.payload is not None:
             writer(res.payload)
@@ -291,19 +346,27 @@ class Connection:
                                 f"the context's worker went away and no server restored it within {REATTACH_TIMEOUT:g} s ({why})")
             time.sleep(0.1)
         cut = res.u64s[2]
-        if self.acked > cut or seq <= cut:
+        floor = self.durable if self.recovery else self.acked
+        if floor > cut or seq <= cut:
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED,
-                            f"the context was restored from an image taken at call {cut}, but calls {cut + 1}..{self.acked} "
-                            "were already acknowledged and are gone: it cannot continue")
-        replay = [c for c in self.unacked if c[0] > cut]     # a batch runs whole, so none straddles the cut
-        self.unacked.clear()
-        self.batch = [self.off_staging(c, old_staging) for c in replay] + self.batch
+                            f"the context was restored from an image taken at call {cut}, but calls {cut + 1}..{floor} "
+                            "are no longer held to replay: it cannot continue")
+        replay = [c for c in self.log if c[0] > cut]     # a batch runs whole, so none straddles the cut
+        self.log.clear()
+        self.log_bytes, self.durable, self.answered = 0, cut, max(self.answered, self.acked)
+        pending, self.batch, self.batch_calls, self.batch_bytes = self.batch, [], 0, 0
+        for call in [self.off_staging(c, old_staging) for c in replay] + pending:
+            self.batch.append(call)          # in Requests no bigger than the ones first sent
+            self.batch_calls, self.batch_bytes = self.batch_calls + 1, self.batch_bytes + log_size(call)
+            if call[0] in self.outstanding or self.batch_calls >= BATCH_CALLS or self.batch_bytes >= BATCH_LAUNCH_BYTES:
+                self.flush(want_reply=call[0] in self.outstanding)
         self.flush(want_reply=True)
 
-    def off_staging(self, call, area):
-        """A replayed copy that named the old staging area: its bytes travel as frames instead."""
+    def off_staging(self, call, area, htod_only=False):
+        """A copy that named a staging area (one being replayed, or logged with recovery on):
+        its bytes travel as frames instead."""
         seq, name, args, payload = call
-        if not isinstance(args, dict) or not args.get("viaShm"):
+        if not isinstance(args, dict) or not args.get("viaShm") or htod_only and name != "memcpyHtoD":
             return call
         off, size = args["shmOffset"], args["size"]
         args = {k: v for k, v in args.items() if k not in ("viaShm", "shmOffset")}
@@ -331,6 +394,8 @@ class Connection:
         try:
             res = call(args)
             accepted = res.status == 0 and len(res.u64s) > 1 and res.u64s[1] == 1
+            if res.status == 0 and len(res.u64s) > 3:
+                self.recovery, self.standby = bool(res.u64s[3]), res.text or self.standby
             return res
         finally:
             if offer:
@@ -429,6 +494,12 @@ class Connection:
         if self.late_error is not None and failure is None:
             failure, self.late_error = self.late_error, None
         return failure
+
+
+def log_size(call):
+    """The host bytes a logged call holds: its payload, or a launchBatch's blob."""
+    seq, name, args, payload = call
+    return (len(payload) if payload is not None else 0) + (len(args) if name == "launchBatch" else 0)
 
 
 def read_result(r, frames):

@@ -225,20 +225,37 @@ def _open_context(dev, flags):
     except CudaError:
         conn.close()
         raise
-    conn.find_again = _finder(ctx_id, token)
+    conn.find_again = _finder(conn, ctx_id, token)
     _contexts[ctx_id] = conn
     return ctx_id
 
 
-def _finder(ctx_id, token):
-    """How a context's connection finds its worker again after a restore (Connection.reattach)."""
+def _finder(conn, ctx_id, token):
+    """How a context's connection finds its worker again after a restore (Connection.reattach):
+    it asks its server (PHOS_SERVER, read then), then the standby its worker named (or
+    PHOS_STANDBY); whichever knows the context is asked first next time."""
+    order = []
+
     def find():
-        front = Connection(os.environ.get("PHOS_SERVER", DEFAULT_SERVER))
-        try:
-            res = _check(front.call("reattach", {"ctx": ctx_id, "token": token}, timeout=CONNECT_TIMEOUT))
-        finally:
-            front.close()
-        return res.text, {"ctx": ctx_id, "token": token}
+        servers = [os.environ.get("PHOS_SERVER", DEFAULT_SERVER), conn.standby, os.environ.get("PHOS_STANDBY", "")]
+        for server in order + servers:
+            if server and server not in order:
+                order.append(server)
+        why = "no server to ask"
+        for server in list(order):
+            front = Connection(server)
+            try:
+                res = front.call("reattach", {"ctx": ctx_id, "token": token}, timeout=min(CONNECT_TIMEOUT, 2.0))
+            except CudaError as e:       # that server is gone too
+                res, why = None, e.message
+            finally:
+                front.close()
+            if res is not None and res.status == 0:
+                order.remove(server)
+                order.insert(0, server)
+                return res.text, {"ctx": ctx_id, "token": token}
+            why = res.message if res is not None else why
+        raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, why)
     return find
 
 

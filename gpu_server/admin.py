@@ -17,6 +17,7 @@ import grpc
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
 from phos.schema.cuda_types import CudaError, CUresult
+from phos.snapshot import latest_image
 
 GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
     CUresult.CUDA_ERROR_INVALID_VALUE: grpc.StatusCode.INVALID_ARGUMENT,
@@ -41,22 +42,6 @@ def admin_socket(server):
     if url.scheme == "tcp":
         return f"unix:/tmp/phos/admin-{url.port}.sock"
     raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
-
-
-def latest_image(store, ctx=None):
-    """The newest image in a store (of context ctx, if given), or None."""
-    from phos.snapshot import read_image
-    best = None
-    for name in store.list_images():
-        try:
-            m = read_image(store, name, check_chunks=False)
-        except Exception:       # an unreadable image is never anybody's latest
-            continue
-        if ctx is not None and m.to_dict().get("session", {}).get("ctx") != ctx:
-            continue
-        if best is None or m.created > best[0]:
-            best = (m.created, name)
-    return best and best[1]
 
 
 class Admin(admin_pb2_grpc.AdminServicer):

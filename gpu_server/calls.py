@@ -228,6 +228,14 @@ def ctx_destroy(s, a, p):
     s.closing = True
 
 
+def log_full(s, a, p):
+    """The client's recovery log is full: take an image as soon as none is running."""
+    if s.recovery is None:
+        return {"u64s": [0]}       # no images: the Reply's ackSeq is what the client may drop
+    s.recovery.wanted = True
+    return {"u64s": [s.recovery.durable]}
+
+
 # call name -> handler. A call missing here is refused with its name.
 WORKER_CALLS = {
     "ctxDestroy": ctx_destroy,
@@ -257,4 +265,5 @@ WORKER_CALLS = {
     "eventQuery": event_query,
     "eventElapsedTime": event_elapsed_time,
     "eventDestroy": event_destroy,
+    "logFull": log_full,
 }

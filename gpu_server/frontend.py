@@ -26,6 +26,7 @@ WORKER_START_TIMEOUT = float(os.environ.get("PHOS_WORKER_START_TIMEOUT", "60"))
 
 
 POOL_SIZE = int(os.environ.get("PHOS_POOL", "1"))     # pre-started workers, ready for a context or a restore
+MAX_STARTING = 2          # workers being pre-started at once
 
 
 @dataclass
@@ -74,8 +75,32 @@ def control_endpoint(listen, ctx_id):
     return "tcp://127.0.0.1:*"
 
 
+@dataclass
+class RecoveryOptions:
+    """--recovery-dir and friends (gpu_server/recovery.py)."""
+    directory: str
+    every_s: float = 0.0
+    every_calls: int = 0
+    standby: str = ""        # the server that restores our contexts if this one dies
+
+    def worker_args(self):
+        return ["--recovery-dir", self.directory, "--checkpoint-every", str(self.every_s),
+                "--checkpoint-calls", str(self.every_calls), "--standby-server", self.standby]
+
+
+def alive(proc):
+    """Whether a worker runs: a killed one is a zombie until our child watcher reaps it."""
+    if proc.returncode is not None:
+        return False
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True           # no /proc: trust returncode
+
+
 class FrontEnd:
-    def __init__(self, backend_name, listen, curve=None):
+    def __init__(self, backend_name, listen, curve=None, recovery=None):
         self.backend_name, self.listen = backend_name, listen
         self.backend = load_backend(backend_name)
         self.devices = self.backend.devices()
@@ -86,6 +111,8 @@ class FrontEnd:
         self.pool_size = POOL_SIZE
         self.counts = {"checkpoints": 0, "restores": 0, "handoffs": 0}
         self.moved = {}             # ctx id -> data endpoint of the worker a handoff gave it to
+        self.recovery = recovery    # RecoveryOptions, or None
+        self.recovering = {}        # ctx id -> the task restoring it from its recovery images
         self.stopping = asyncio.Event()
         self.zctx = None
 
@@ -134,9 +161,33 @@ class FrontEnd:
         if a.ctx in self.moved:
             return {"u64s": [a.ctx], "text": self.moved[a.ctx]}      # handed off: its worker is elsewhere
         worker = self.workers.get(a.ctx)
+        if (worker is None or not alive(worker.proc)) and self.recovery is not None:
+            ctx, token = a.ctx, bytes(a.token)
+            if ctx not in self.recovering:
+                self.recovering[ctx] = asyncio.ensure_future(self.recover(ctx, token))
+                self.recovering[ctx].add_done_callback(lambda _: self.recovering.pop(ctx, None))
+            worker = await asyncio.shield(self.recovering[ctx])
         if worker is None or worker.state == "restoring":
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {a.ctx} is not on this server (yet)")
         return {"u64s": [worker.ctx_id], "text": worker.endpoint}
+
+    async def recover(self, ctx, token):
+        """The supervisor's part: a context whose worker died (here, or with its whole server)
+        comes back from its latest recovery image, if the asker holds its session token."""
+        from phos.gpu_server.recovery import context_store
+        from phos.snapshot import DirStore, latest_image
+        store = context_store(self.recovery.directory, ctx)
+        if not os.path.isdir(store):
+            return None
+        name = await asyncio.to_thread(latest_image, DirStore(store), ctx, token)
+        if name is None:
+            raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {ctx} has no recovery image here for that token")
+        dead = self.workers.pop(ctx, None)
+        if dead is not None and dead.proc.returncode is None:
+            dead.proc.kill()           # a zombie, or stuck: it must not serve anyone again
+        log.warning("context %d: its worker is gone; restoring it from recovery image %s", ctx, name)
+        worker, _ = await self.restore(store, name, full=False)
+        return worker
 
     CALLS = {
         "hello": hello,
@@ -171,7 +222,10 @@ class FrontEnd:
         return worker
 
     def fill_pool(self):
-        if len(self.pool) + self.filling < self.pool_size and not self.stopping.is_set():
+        """Start workers until the pool is full, a few at a time: a burst of process starts and
+        device initializations would slow every running context on this host."""
+        while (len(self.pool) + self.filling < self.pool_size and self.filling < MAX_STARTING
+               and not self.stopping.is_set()):
             self.filling += 1
             asyncio.get_running_loop().create_task(self._add_to_pool())
 
@@ -180,8 +234,10 @@ class FrontEnd:
             self.pool.append(await self.start_worker(0, 0, standby=True))
         except CudaError as e:
             log.warning("could not pre-start a worker: %s", e.message)
+            await asyncio.sleep(1)        # the device may be busy or gone: no tight retry loop
         finally:
             self.filling -= 1
+        self.fill_pool()
 
     async def start_worker(self, device, flags, standby=False):
         ctx_id = self.new_ctx_id()
@@ -191,6 +247,7 @@ class FrontEnd:
             sys.executable, "-m", "phos.gpu_server.worker", "--backend", self.backend_name,
             "--endpoint", endpoint, "--ctx", str(ctx_id), "--control", control_endpoint(self.listen, ctx_id),
             "--device", str(device), "--flags", str(flags), *(["--standby"] if standby else []),
+            *(self.recovery.worker_args() if self.recovery else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         secret = self.curve[1].decode() if self.curve else ""
         try:
@@ -338,7 +395,7 @@ class FrontEnd:
             raise
         ctx_id = res.u64s[0]
         live = self.workers.get(ctx_id)
-        if live is not None and live.proc.returncode is None:
+        if live is not None and alive(live.proc):
             worker.proc.kill()
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"context {ctx_id} is live on this server: stop it before restoring its image")
         worker.ctx_id, worker.state = ctx_id, "running"
@@ -401,7 +458,7 @@ class FrontEnd:
 _CONTEXT_CALLS = frozenset(n for n in wire.phos_capnp.Call.schema.union_fields) - set(FrontEnd.CALLS) - {"attach"}
 
 
-def run(backend, listen, curve=None, pool=POOL_SIZE):
+def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None):
     # We start workers with fork+exec while gRPC's threads run; its fork handlers would run in
     # the child before exec (and crashed it now and then), and we need none of them.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -409,6 +466,6 @@ def run(backend, listen, curve=None, pool=POOL_SIZE):
     check_listen(listen, curve)
     if listen.startswith("ipc://"):
         os.makedirs(os.path.dirname(listen[len("ipc://"):]) or ".", exist_ok=True)
-    front = FrontEnd(backend, listen, curve)
+    front = FrontEnd(backend, listen, curve, recovery)
     front.pool_size = pool
     uvloop.run(front.serve())

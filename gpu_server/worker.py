@@ -19,6 +19,7 @@ import signal
 import stat
 import sys
 import time
+import types
 
 import numpy as np
 import zmq
@@ -29,6 +30,7 @@ from phos.gpu_server.calls import WORKER_CALLS
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.snapshot import engine
+from phos.snapshot.image import check_token, token_digest
 
 log = logging.getLogger("phos.worker")
 ORPHAN_GRACE = float(os.environ.get("PHOS_ORPHAN_GRACE", "2"))   # seconds without a client before the context is freed
@@ -38,6 +40,7 @@ PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
 FIRST_HANDLE = 0x1000
+CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze")
 BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
 
 
@@ -46,13 +49,14 @@ class Session:
 
     def __init__(self, backend, ctx_id, token):
         self.backend, self.space = backend, backend.space
-        self.ctx_id, self.token_digest = ctx_id, engine.token_digest(token)
+        self.ctx_id, self.token_digest = ctx_id, token_digest(token)
         self.checkpoint = None     # a snapshot.engine.Checkpoint while one runs
         self.restoring = None      # a snapshot.engine.Restore while contents load
         self.snapshotting = False  # either of them: calls must tell them what they touch
         self.objects = {}          # virtual id -> (kind, object)
         self.meta = {}             # virtual id -> extra facts kept for snapshots (module images)
         self.next_id = FIRST_HANDLE
+        self.recovery = None       # a gpu_server.recovery.Recovery when the server takes recovery images
         self.sticky = None         # (status, message) that fails every later call
         self.deferred = None       # first failure of an asynchronous call since the last reply
         self.closing = False
@@ -147,11 +151,11 @@ class Session:
         return status, message, {}
 
 
-def build_reply(ack_seq, results, output=""):
+def build_reply(ack_seq, results, output="", durable=0):
     """Encode a Reply; results are (seq, status, message, fields). Returns the frames."""
-    if len(results) == 1 and not output and not results[0][1] and not results[0][2] and not results[0][3]:
+    if len(results) == 1 and not output and not durable and not results[0][1] and not results[0][2] and not results[0][3]:
         return [wire.PLAIN_REPLY.fill(ack_seq, results[0][0])]
-    reply = wire.Reply.new_message(ackSeq=ack_seq)
+    reply = wire.Reply.new_message(ackSeq=ack_seq, durableSeq=durable)
     if output:
         reply.output = output
     frames = [None]
@@ -179,7 +183,7 @@ def error_reply(status, message):
 
 
 class Worker:
-    def __init__(self, session, sock, ctl=None, control_token=b""):
+    def __init__(self, session, sock, ctl=None, control_token=b"", recovery=None, standby=""):
         self.session, self.sock = session, sock
         self.ctl, self.control_token = ctl, control_token   # the front end's control socket
         self.ctl_peers = set()
@@ -187,14 +191,19 @@ class Worker:
         self.progress_at = 0.0
         self.grace = ATTACH_TIMEOUT   # how long to wait for a client before freeing the context
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
-        self.frozen = False        # a handoff's last image is taken: hold the client's calls
-        self.freeze_next = False   # freeze once the running checkpoint is committed
+        self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
         self.attached = set()      # routing ids that presented the token
+        self.client_fds = set()    # their connections: the context lives while one is open
         self.pending = []          # results waiting for the next reply
         self.ack = 0
         self.box_peer = None       # routing id of the client whose mailbox is mapped
         self.box_seen = 0          # seq of the last mailbox request taken
         self.box_by_socket = False # answer it over the socket
+        self.recovery_options = recovery   # (directory, every seconds, every calls) or None
+        self.standby_server = standby      # the server that restores us if ours dies, told to clients
+        self.told_durable = 0              # the last Reply.durableSeq sent
+        self.recovering = False            # the running checkpoint is a recovery image
+        self.queued_checkpoint = None      # (peer, seq, args) of a control checkpoint waiting for it
 
     def handle(self, frames):
         """Serve one message: [routing id, Request, payload...]."""
@@ -212,18 +221,20 @@ class Worker:
                                      f"protocol version {req.version}; this server speaks {wire.PROTOCOL_VERSION}"))
                 if req.doorbell:
                     return self.serve_box(by_socket=True) if peer in self.attached else None
-                self.run_calls(peer, req, payloads)
+                self.run_calls(peer, req, payloads, frames[0])
         except wire.MALFORMED as e:
             log.warning("malformed frame from a client: %s", wire.describe(e))
             self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
 
-    def run_calls(self, peer, req, payloads):
+    def run_calls(self, peer, req, payloads, peer_frame=None):
         calls = req.calls
         if peer is not BOX and peer not in self.attached:
             if not (len(calls) and calls[0].which() == "attach" and self.check_attach(calls[0].attach)):
                 return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_CONTEXT,
                                  "not attached to this context: the first call must be attach with the session token"))
             self.attached.add(peer)
+            if isinstance(peer_frame, zmq.Frame):
+                self.client_fds.add(peer_frame.get(zmq.SRCFD))    # the connection it came by (monitor events name it)
         n, want_reply = len(calls), req.wantReply
         execute = self.session.execute
         for i, call in enumerate(calls):
@@ -234,7 +245,10 @@ class Worker:
                 shm = bool(a.shmPath) and self.session.map_staging(a.shmPath, bytes(a.shmCookie), a.shmSize)
                 if shm:
                     self.box_peer, self.box_seen = peer, self.session.box.seq(0)
-                status, message, fields = CUresult.CUDA_SUCCESS, "", {"u64s": [self.session.ctx_id, int(shm), self.ack]}
+                self.start_recovery()
+                status, message, fields = CUresult.CUDA_SUCCESS, "", {
+                    "u64s": [self.session.ctx_id, int(shm), self.ack, int(self.session.recovery is not None)],
+                    "text": self.standby_server if self.session.recovery is not None else ""}
             else:
                 status, message, fields = execute(name, getattr(call, name), payloads, last)
             if last or fields or status:      # only these need their seq: reading it costs a microsecond
@@ -243,7 +257,7 @@ class Worker:
             self.ack = calls[n - 1].seq
         if want_reply:
             results, self.pending = self.pending, []
-            self.send(peer, build_reply(self.ack, results, self.session.backend.take_output()))
+            self.send(peer, build_reply(self.ack, results, self.session.backend.take_output(), self.news()))
 
     def catch_up(self, first):
         """Run the calls sent over the socket before a mailbox request whose first call is `first`.
@@ -261,7 +275,15 @@ class Worker:
         status, message, fields = self.session.execute(name, None, [], True)
         self.ack = seq
         results, self.pending = self.pending + [(seq, status, message, fields)], []
-        self.send(peer, build_reply(seq, results, self.session.backend.take_output()))
+        self.send(peer, build_reply(seq, results, self.session.backend.take_output(), self.news()))
+
+    def news(self):
+        """The latest recovery image's cut, if the client has not been told it yet (else 0)."""
+        r = self.session.recovery
+        if r is None or r.durable <= self.told_durable:
+            return 0
+        self.told_durable = r.durable
+        return r.durable
 
     def box_ready(self):
         box = self.session.box
@@ -292,7 +314,7 @@ class Worker:
             self.send(BOX, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
 
     def check_attach(self, attach):
-        return attach.ctx == self.session.ctx_id and engine.check_token(attach.token, self.session.token_digest)
+        return attach.ctx == self.session.ctx_id and check_token(attach.token, self.session.token_digest)
 
     def send(self, peer, frames):
         if peer is BOX:      # answer in the reply box when it fits, else over the socket
@@ -336,25 +358,56 @@ class Worker:
         self.ctl.send_multipart([peer, *build_reply(seq, [(seq, status, message, fields)])])
 
     def start_checkpoint(self, peer, seq, a):
+        s = self.session
+        a = types.SimpleNamespace(**{k: getattr(a, k) for k in CHECKPOINT_ARGS})    # it may wait: copy it
+        if s.checkpoint is not None and self.recovering and self.queued_checkpoint is None:
+            self.queued_checkpoint = (peer, seq, a)       # after the recovery image: it is seconds at most
+            return None
+        if s.checkpoint is not None or s.restoring is not None:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "a checkpoint or restore of this context is still running")
+        self.begin_checkpoint(a.store, a.name, a.parent, a.paused, a.compress, a.chunkSize)
+        # Frozen from the cut on: a call run while the image is still being written would be
+        # acknowledged to the client, yet missing from the image the target restores.
+        self.frozen = a.freeze and a.paused
+        self.job, self.progress_at = (peer, seq), time.monotonic()
+        self.tick()
+
+    def begin_checkpoint(self, store_path, name, parent="", paused=False, compress=False, chunk_size=0):
         from phos.snapshot.store import DirStore
         s = self.session
-        if s.checkpoint is not None or s.restoring is not None:
-            raise CudaError(CUresult.CUDA_ERROR_NOT_READY, "a checkpoint or restore of this context is still running")
         try:
-            store = DirStore(a.store)
+            store = DirStore(store_path)
         except OSError as e:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {a.store!r}: {e}") from None
-        cp = engine.Checkpoint(s, store, a.name, parent=a.parent or None, paused=a.paused, compress=a.compress,
-                               chunk_size=a.chunkSize or engine.DEFAULT_CHUNK_SIZE)
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {store_path!r}: {e}") from None
+        cp = engine.Checkpoint(s, store, name, parent=parent or None, paused=paused, compress=compress,
+                               chunk_size=chunk_size or engine.DEFAULT_CHUNK_SIZE)
         try:
-            cp.cut(self.ack, paused=a.paused)
+            cp.cut(self.ack, paused=paused)
         except BaseException:
             cp.abort()
             raise
         s.checkpoint, s.snapshotting = cp, True
-        self.freeze_next = a.freeze and a.paused
-        self.job, self.progress_at = (peer, seq), time.monotonic()
-        self.tick()
+
+    # -- recovery images (gpu_server/recovery.py) -----------------------------------------
+    def start_recovery(self, restored=None):
+        """The context is live here: take recovery images of it from now on, if the server does.
+        restored: (store path, image name, cut) it came from."""
+        from phos.gpu_server.recovery import Recovery
+        s = self.session
+        if self.recovery_options is None or s.recovery is not None:
+            return
+        s.recovery = Recovery(self.recovery_options[0], s.ctx_id, *self.recovery_options[1:])
+        if restored and os.path.abspath(restored[0]) == os.path.abspath(s.recovery.path):
+            s.recovery.restored_from(restored[1], restored[2])      # its parent, if it is in our store
+
+    def take_recovery_image(self):
+        r = self.session.recovery
+        path, name, parent = r.begin()
+        try:
+            self.begin_checkpoint(path, name, parent)
+            self.recovering = True
+        except Exception as e:       # the store is full or gone: the client keeps its log, we try again later
+            r.failed(getattr(e, "message", None) or f"{type(e).__name__}: {e}")
 
     def start_restore(self, peer, seq, a):
         from phos.snapshot.store import DirStore
@@ -373,6 +426,7 @@ class Worker:
             s.closing = True          # half a context: let the front end start a fresh worker
             raise
         self.grace, self.standby, self.alone_since = REATTACH_TIMEOUT, False, time.monotonic()
+        self.start_recovery(restored=(a.store, a.name, self.ack))
         self.tick()
         return {"u64s": [s.ctx_id, self.ack], "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done})}
 
@@ -384,6 +438,8 @@ class Worker:
         if not self.frozen:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "only a frozen context (after a handoff's last image) retires")
         self.session.closing = True
+        if self.session.recovery is not None:
+            self.session.recovery.retire()
         return {}
 
     def ctx_stats(self, peer, seq, a):
@@ -400,15 +456,28 @@ class Worker:
         cp = s.checkpoint
         if cp is not None and not cp.running:
             try:
-                fields = {"text": json.dumps(cp.finish(self.ack))}
+                result = cp.finish(self.ack)
+                fields = {"text": json.dumps(result)}
                 status, message = CUresult.CUDA_SUCCESS, ""
-                self.frozen = self.freeze_next
-            except CudaError as e:
-                fields, status, message = {}, e.status, f"checkpoint: {e.message}"
+            except Exception as e:     # the image is lost, not the context
+                if not isinstance(e, CudaError):
+                    log.exception("context %d: checkpoint failed", s.ctx_id)
+                    e = CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"{type(e).__name__}: {e}")
+                result, fields, status, message = None, {}, e.status, f"checkpoint: {e.message}"
+                self.frozen = False    # a handoff's last round failed: the context goes on here
             s.checkpoint = None
-            if self.job:
+            if self.recovering:
+                self.recovering = False
+                s.recovery.committed(result["cut_seq"]) if result else s.recovery.failed(message)
+                queued, self.queued_checkpoint = self.queued_checkpoint, None
+                if queued:
+                    try:
+                        self.start_checkpoint(*queued)
+                    except CudaError as e:
+                        self.answer_control(*queued[:2], e.status, f"checkpoint: {e.message}", {})
+            elif self.job:
                 self.answer_control(*self.job, status, message, fields)
-            self.job = None
+                self.job = None
         elif cp is not None and self.job and time.monotonic() - self.progress_at > PROGRESS_EVERY:
             self.progress_at = time.monotonic()
             self.answer_control(*self.job, CUresult.CUDA_ERROR_NOT_READY, "", {"u64s": [cp.bytes_done, cp.bytes_total]})
@@ -432,14 +501,19 @@ class Worker:
         poller.register(monitor, zmq.POLLIN)
         if self.ctl is not None:
             poller.register(self.ctl, zmq.POLLIN)
-        connections, self.standby, self.alone_since = 0, standby, time.monotonic()
+        self.standby, self.alone_since = standby, time.monotonic()
         last, awake = 0.0, False
         held = zmq.Poller()      # while frozen: the front end only (connection events wait for a thaw)
         if self.ctl is not None:
             held.register(self.ctl, zmq.POLLIN)
+        recovery_check = 0.0
         while not self.session.closing:
             if self.session.snapshotting:
                 self.tick()
+            elif self.session.recovery is not None and not self.frozen and time.perf_counter() > recovery_check:
+                recovery_check = time.perf_counter() + 0.01     # a clock read per call is enough; due() is more
+                if self.session.recovery.due(self.ack):
+                    self.take_recovery_image()
             if self.frozen:
                 ready = dict(held.poll(50))
                 if self.ctl is not None and self.ctl in ready:
@@ -449,6 +523,9 @@ class Worker:
             box = self.session.box
             if box is not None and hot != awake:
                 box.awake[0] = awake = hot      # clients ring the doorbell only while we sleep
+            if hot and self.ctl is not None and self.ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self.handle_control(self.ctl.recv_multipart(copy=False))    # a busy client must not starve it
+                continue               # it may have frozen the context
             if self.box_ready():
                 self.serve_box()
                 last = time.perf_counter()
@@ -458,8 +535,6 @@ class Worker:
                 if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self.handle(self.sock.recv_multipart(copy=False))
                     last = time.perf_counter()
-                elif self.ctl is not None and self.ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    self.handle_control(self.ctl.recv_multipart(copy=False))
                 continue
             # with a mailbox, wake now and then: a doorbell can cross our going to sleep
             timeout = 10 if box is not None else 20 if self.session.snapshotting else 250
@@ -470,15 +545,16 @@ class Worker:
             if self.ctl is not None and self.ctl in ready:
                 self.handle_control(self.ctl.recv_multipart(copy=False))
             if monitor in ready:
-                event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
-                if event == zmq.EVENT_ACCEPTED:
-                    connections += 1
+                event = zmq.utils.monitor.recv_monitor_message(monitor)
+                if event["event"] == zmq.EVENT_ACCEPTED:
                     self.standby = False
-                elif event == zmq.EVENT_DISCONNECTED:
-                    connections -= 1
-                    if connections <= 0:
+                    if not self.client_fds:      # it has the attach timeout to present the token
+                        self.alone_since = time.monotonic()
+                elif event["event"] == zmq.EVENT_DISCONNECTED and event["value"] in self.client_fds:
+                    self.client_fds.discard(event["value"])     # a stranger's connection counts for nothing
+                    if not self.client_fds:
                         self.alone_since, self.grace = time.monotonic(), ORPHAN_GRACE
-            if not self.standby and connections <= 0 and time.monotonic() - self.alone_since > self.grace:
+            if not self.standby and not self.client_fds and time.monotonic() - self.alone_since > self.grace:
                 log.info("context %d: client gone, freeing it", self.session.ctx_id)
                 return
 
@@ -509,6 +585,10 @@ def main(argv=None):
     ap.add_argument("--flags", type=int, default=0)
     ap.add_argument("--control", help="bind address of the control socket for the front end")
     ap.add_argument("--standby", action="store_true", help="pre-started: wait for a client or a restore without a deadline")
+    ap.add_argument("--recovery-dir", help="take recovery images of the context into DIR/ctx<ID> (gpu_server/recovery.py)")
+    ap.add_argument("--checkpoint-every", type=float, default=0.0, help="seconds between recovery images")
+    ap.add_argument("--checkpoint-calls", type=int, default=0, help="calls between recovery images")
+    ap.add_argument("--standby-server", default="", help="the server that restores the context if this one dies")
     opts = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PHOS_LOG", "WARNING"), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     _die_with_parent()
@@ -548,11 +628,16 @@ def main(argv=None):
     if opts.standby and backend.name == "cuda":
         backend.snap.prepare()   # pre-started: snapshot kernels and copy buffers ready before anyone waits
     session = Session(backend, opts.ctx, token)
+    recovery = (opts.recovery_dir, opts.checkpoint_every, opts.checkpoint_calls) if opts.recovery_dir else None
+    ended = False          # destroyed, or its client is gone (not killed): nobody will restore it
     try:
-        Worker(session, sock, ctl, control_token).serve(monitor, standby=opts.standby)
+        Worker(session, sock, ctl, control_token, recovery, opts.standby_server).serve(monitor, standby=opts.standby)
+        ended = True
     finally:
         if session.checkpoint is not None:
             session.checkpoint.abort("the context went away during the checkpoint")
+        if ended and session.recovery is not None and not session.recovery.retired:
+            session.recovery.discard()
         backend.close()
         sock.close(linger=500)
         if ctl is not None:

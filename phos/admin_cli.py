@@ -110,7 +110,7 @@ def handoff(opts):
 
 
 def image_inspect(opts):
-    from phos.gpu_server.admin import latest_image
+    from phos.snapshot import latest_image
     from phos.snapshot import DirStore, ImageError, read_image
     try:
         store = DirStore(opts.dir)

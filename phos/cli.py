@@ -25,8 +25,17 @@ def cmd_server(opts):
     from phos.gpu_server import frontend
     logging.basicConfig(level=opts.log_level, format="%(asctime)s %(name)s[%(process)d] %(message)s")
     curve = load_curve(opts.auth_dir) if opts.auth_dir else None
+    recovery = None
+    if opts.recovery_dir:
+        os.makedirs(opts.recovery_dir, exist_ok=True)
+        recovery = frontend.RecoveryOptions(os.path.abspath(opts.recovery_dir), opts.checkpoint_every,
+                                            opts.checkpoint_calls, opts.standby or "")
+    elif opts.checkpoint_every or opts.checkpoint_calls or opts.standby:
+        raise SystemExit("phos server: --checkpoint-every, --checkpoint-calls and --standby need --recovery-dir")
+    if opts.checkpoint_every < 0 or opts.checkpoint_calls < 0:
+        raise SystemExit("phos server: --checkpoint-every and --checkpoint-calls must not be negative")
     try:
-        frontend.run(opts.backend, opts.listen, curve, pool=opts.pool)
+        frontend.run(opts.backend, opts.listen, curve, pool=opts.pool, recovery=recovery)
     except ValueError as e:
         raise SystemExit(f"phos server: {e}")
     return 0
@@ -61,6 +70,13 @@ def main(argv=None):
     p.add_argument("--auth-dir", help="CURVE keys made by `phos keygen`; required for non-loopback tcp")
     p.add_argument("--pool", type=int, default=int(os.environ.get("PHOS_POOL", "1")),
                    help="workers kept started with an initialized device, ready for a new context or a restore")
+    p.add_argument("--recovery-dir", help="take recovery images of every context here, so that a context whose "
+                   "worker or server dies is restored (transparent recovery); share it with the --standby")
+    p.add_argument("--checkpoint-every", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds between a context's recovery images (besides when its client's log is full)")
+    p.add_argument("--checkpoint-calls", type=int, default=0, metavar="N", help="calls between recovery images")
+    p.add_argument("--standby", metavar="ADDR", help="the server (with the same --recovery-dir) that clients turn "
+                   "to if this one dies")
     p.add_argument("--log-level", default=os.environ.get("PHOS_LOG", "WARNING"))
     p.set_defaults(func=cmd_server)
 

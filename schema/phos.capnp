@@ -68,8 +68,20 @@
 # and addresses; its client finds the new worker by sending reattach{ctx, token} to the
 # front end, attaches with its session token (attach's u64s[2] is the worker's last executed
 # seq, the image's cut), and resends its unacknowledged calls after that seq.
+#
+# Recovery (gpu_server/recovery.py). A server started with --recovery-dir takes periodic
+# incremental images of every context (--checkpoint-every SECONDS, --checkpoint-calls N)
+# so that a context whose worker or server died can be restored, there or on the server's
+# --standby. attach's Result then has u64s[3] = 1 and text = the standby's address ("" for
+# none). Such a client keeps every call after the latest image's cut (Reply.durableSeq),
+# not only those after ackSeq, with the host bytes of its copies (never borrowed memory,
+# never a staging slot), and bounds that log: when full, it calls logFull until durableSeq
+# lets it shrink. When its worker goes away it asks its server, then the standby, with
+# reattach{ctx, token}; a front end that does not hold the context restores it from the
+# latest image in its recovery directory whose session token matches. The client resends
+# its log after the cut, and drops the Results of calls that had been answered already.
 
-const protocolVersion :UInt32 = 1;
+const protocolVersion :UInt32 = 2;   # 2: Reply.durableSeq, logFull, recovery fields of attach
 
 struct Request {
   version @0 :UInt32;          # protocolVersion of the sender; checked on every frame
@@ -82,6 +94,8 @@ struct Reply {
   ackSeq @0 :UInt64;           # every call with seq <= ackSeq has been executed
   results @1 :List(Result);
   output @2 :Text;             # device-side printf output since the previous Reply
+  durableSeq @3 :UInt64;       # recovery images on: every call with seq <= this is in the latest
+                               # committed image (0: no news since the last Reply said it)
 }
 
 struct Result {
@@ -157,6 +171,8 @@ struct Call {
     ctxStats @41 :Void;        # u64s: [bytes allocated, allocations, last executed seq]
     thaw @42 :Void;            # control: a frozen worker (checkpoint with freeze) serves its client again
     retire @43 :Void;          # control: a frozen worker's context lives elsewhere now: exit
+    logFull @44 :Void;         # the client's recovery log is full: take an image now. u64s: [durable
+                               # seq], or [0] without recovery images (ackSeq is what counts then)
   }
 }
 

@@ -28,8 +28,6 @@ thread, and a call touching a chunk not yet loaded loads it first (`before_acces
 """
 import bisect
 import concurrent.futures
-import hashlib
-import hmac
 import logging
 import threading
 import time
@@ -44,15 +42,6 @@ log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # the background thread copies this much per device round trip
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
-
-
-def token_digest(token):
-    """What an image keeps of a session token: enough to check a re-attach, useless to attach."""
-    return hashlib.blake2b(bytes(token), digest_size=32, person=b"phos-session-v1").hexdigest()
-
-
-def check_token(token, digest):
-    return hmac.compare_digest(token_digest(token), digest)
 
 
 class Chunks:

@@ -692,6 +692,34 @@ def gc(store):
         return freed, before - store.stats()["chunk_bytes"]
 
 
+def token_digest(token):
+    """What an image keeps of a session token: enough to check a re-attach, useless to attach."""
+    return hashlib.blake2b(bytes(token), digest_size=32, person=b"phos-session-v1").hexdigest()
+
+
+def check_token(token, digest):
+    return hmac.compare_digest(token_digest(token), digest)
+
+
+def latest_image(store, ctx=None, token=None):
+    """The name of the newest readable image in a store (of context ctx, and whose session
+    token is `token`, if given), or None."""
+    best = None
+    for name in store.list_images():
+        try:
+            m = read_image(store, name, check_chunks=False)
+        except Exception:       # an unreadable image is never anybody's latest
+            continue
+        session = m.to_dict().get("session", {})
+        if ctx is not None and session.get("ctx") != ctx:
+            continue
+        if token is not None and not check_token(token, session.get("token", "")):
+            continue
+        if best is None or m.created > best[0]:
+            best = (m.created, name)
+    return best and best[1]
+
+
 def delete_image(store, name, key=None, verify=False):
     """Remove an image and the chunks that no other image references.
 

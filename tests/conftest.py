@@ -39,12 +39,13 @@ def server(backend, tmp_path_factory):
 
 @pytest.fixture
 def servers(backend, tmp_path):
-    """servers(name, listen=None, pool=1) starts a server in tmp_path/name; all stop at the end."""
+    """servers(name, listen=None, pool=1, args=()) starts a server in tmp_path/name, with more
+    `phos server` arguments; all stop at the end."""
     started = []
 
-    def start(name, listen=None, pool=1):
+    def start(name, listen=None, pool=1, args=()):
         (tmp_path / name).mkdir()
-        srv = ServerProc(backend, tmp_path / name, listen=listen, pool=pool)
+        srv = ServerProc(backend, tmp_path / name, listen=listen, pool=pool, extra=tuple(args))
         started.append(srv)
         return srv
     yield start

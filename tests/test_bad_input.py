@@ -58,7 +58,7 @@ def test_protocol_version_mismatch(raw):
     raw.send(request(("hello", {"version": 999}), version=999))
     [(status, message)] = results(raw)
     assert status == CUresult.CUDA_ERROR_NOT_SUPPORTED and "999" in message
-    raw.send(request(("deviceGetCount", None), version=2))
+    raw.send(request(("deviceGetCount", None), version=wire.PROTOCOL_VERSION + 1))
     [(status, message)] = results(raw)
     assert status == CUresult.CUDA_ERROR_NOT_SUPPORTED and "protocol version" in message
 

@@ -2,8 +2,8 @@
 process, no staging file in /dev/shm, no worker socket, and (on a GPU) no device memory.
 
 Also the other side: a worker that answers and exits at once (ctxDestroy) must not look
-lost to a busy client, and (a known bug, xfail) a connection to a worker's socket that
-never attached must not keep a dead client's context alive.
+lost to a busy client, and a connection to a worker's socket that never attached must not
+keep a dead client's context alive.
 """
 import glob
 import os
@@ -128,8 +128,6 @@ def test_sigkill_mid_call_leaves_nothing(server, cu, backend, work):
     assert server.proc.poll() is None
 
 
-@pytest.mark.xfail(strict=True, reason="the worker counts connections to its socket, not attached clients: "
-                   "one that never attached keeps a dead client's context alive")
 def test_a_stranger_connection_does_not_keep_a_dead_clients_context(server):
     script = PRELUDE.format(tests=os.path.join(ROOT, "tests"), address=server.address) + "time.sleep(3600)\n"
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

@@ -3,7 +3,10 @@
 The application is a Python client program; it keeps its PHOS_SERVER pointing at the first
 server, whose front end redirects its re-attach to the context's new worker.
 """
+import os
+import signal
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -38,7 +41,11 @@ def contexts(server):
     return {c.id: c.state for c in stub(server.address).ListContexts(pb.ListContextsRequest()).contexts}
 
 
-def test_handoff_while_the_program_runs_is_bit_exact(servers, client):
+@pytest.mark.parametrize("spin", ["0", "1000"])
+def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatch, spin):
+    """spin: the workers' PHOS_SPIN_US. Spinning (the default on machines with more than four
+    cores) serves calls and control messages by another path than sleeping in poll."""
+    monkeypatch.setenv("PHOS_SPIN_US", spin)
     one, two, app, (x, y, r), expected = start(servers, client, np.sin(np.arange(N, dtype=np.float32)))
     done = {}
     mover = threading.Thread(target=lambda: done.update(
@@ -71,6 +78,39 @@ def test_a_dead_target_leaves_the_context_running_here(servers, client):
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stays live here" in e.value.details()
     assert contexts(one).get(app.id) == "running"
     assert app.get(app.jacobi(x, y, r, N, TOTAL - 20), N).tobytes() == expected.tobytes()
+
+
+def test_target_killed_mid_handoff_leaves_the_program_running_here(servers, client):
+    """The target hangs in its restore, with the context frozen on the source, and is then
+    SIGKILLed: the source thaws the context, and the program, which kept calling, finishes."""
+    one, two, app, (x, y, r), expected = start(servers, client, np.cos(np.arange(N, dtype=np.float32)) + 1)
+    os.kill(two.proc.pid, signal.SIGSTOP)      # it accepts the Restore, and never answers
+
+    def handoff():
+        try:
+            stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+        except grpc.RpcError as e:
+            done["error"] = e
+
+    def killer():
+        time.sleep(1.5)                         # the rounds are done: the source waits on the target
+        os.kill(two.proc.pid, signal.SIGKILL)
+    done = {}
+    threads = [threading.Thread(target=handoff), threading.Thread(target=killer)]
+    for i in range(TOTAL):
+        if i == 10:
+            for t in threads:
+                t.start()
+        app.jacobi(x, y, r, N, 1)
+        x, y = y, x
+        if i % 5 == 4:
+            app.sync()
+    for t in threads:
+        t.join()
+    e = done["error"]
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "stays live here" in e.details(), e.details()
+    assert app.get(x, N).tobytes() == expected.tobytes()
+    assert contexts(one).get(app.id) == "running"
 
 
 def test_handoff_of_an_unknown_context_is_refused(servers):

@@ -80,9 +80,9 @@ def test_launches_coalesce_into_one_entry(cu, dev, accumulate):
     cu.cuLaunchKernel(fn, *GRID, *BLOCK, 0, 0, args, 0)
     assert [e[1] for e in conn.batch] == ["launchBatch", "memset", "launchBatch"]
     conn.flush()
-    assert [e[0] for e in conn.unacked] == [first + 9, first + 10, first + 11]
+    assert [e[0] for e in conn.log] == [first + 9, first + 10, first + 11]
     assert cu.cuCtxSynchronize() == (OK,)
-    assert not conn.unacked
+    assert not conn.log
     out = dev.get(c, N, np.float32)
     assert out[0] == 1 and (out[1:] == 11).all()
 

@@ -193,6 +193,19 @@ def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_p
     assert region(s, done["name"], int(y)).tobytes() == before_y.tobytes()
 
 
+def test_a_second_checkpoint_while_one_runs_is_refused_at_once(servers, client, tmp_path):
+    one = servers("one")
+    app = App(client(one))
+    app.put(filler(96 * MiB))
+    app.sync()
+    t, done = checkpoint_underway(one, app, tmp_path / "images")
+    with pytest.raises(grpc.RpcError) as e:
+        checkpoint(one, app.id, tmp_path / "other")
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "still running" in e.value.details()
+    t.join()
+    assert done["bytes"] >= 96 * MiB
+
+
 def test_a_write_through_a_loaded_pointer_is_caught(servers, client, tmp_path):
     """A kernel writes memory no argument names, mid-copy: validation sees the change, the engine
     pauses and recopies, and the image is the consistent state at the new cut."""

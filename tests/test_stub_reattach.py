@@ -9,8 +9,12 @@ fail with a clear error instead of going on without them. Runs on emu in CI.
 """
 import os
 import shutil
+import signal
 import subprocess
+import threading
+import time
 
+import grpc
 import pytest
 
 from conftest import wait_until
@@ -191,3 +195,31 @@ def test_handoff_to_another_server_continues(iterate, servers):
     code, out, err = prog.finish()
     assert code == 0 and out == expected, f"{out}\n{err}"
     assert f"context {ctx} re-attached" in err, err
+
+
+def test_target_killed_mid_handoff_the_program_finishes_here(iterate, servers):
+    """The target hangs in its restore while the context is frozen on the source, and is then
+    SIGKILLed: the source thaws the context and the program, which went on calling, finishes."""
+    one, two = servers("one"), servers("two")
+    expected = reference(iterate, one, PAUSE)
+    prog = Program(iterate, one, PAUSE)
+    prog.until_ready()
+    ctx = context_of(one)
+    os.kill(two.proc.pid, signal.SIGSTOP)      # it accepts the Restore, and never answers
+    failed = {}
+
+    def handoff():
+        try:
+            admin(one.address).Handoff(pb.HandoffRequest(ctx=ctx, to=two.address))
+        except grpc.RpcError as e:
+            failed["error"] = e
+    mover = threading.Thread(target=handoff)
+    mover.start()
+    time.sleep(1.5)                             # the rounds are done: the source waits on the target
+    prog.go_on()                                # its calls wait while the context is frozen
+    os.kill(two.proc.pid, signal.SIGKILL)
+    mover.join()
+    assert "stays live here" in failed["error"].details()
+    code, out, err = prog.finish()
+    assert code == 0 and out == expected, f"{out}\n{err}"
+    assert "re-attached" not in err, err          # it never left the first server

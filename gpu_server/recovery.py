@@ -1,0 +1,102 @@
+"""Transparent recovery: periodic incremental images of a context, and finding them again.
+
+A server started with --recovery-dir gives each context worker a `Recovery`: the worker
+takes a concurrent incremental image every --checkpoint-every seconds or every
+--checkpoint-calls calls (and when its client's log is full), into <dir>/ctx<ID>, and tells
+its client the image's cut (Reply.durableSeq), so that the client logs only the calls
+after it. If the worker or the whole server dies, the front end that the client asks
+(its own server, or the --standby) restores the latest image whose session token
+matches, and the client replays its log (schema/phos.capnp, "Recovery").
+"""
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+
+from phos.snapshot import delete_image
+from phos.snapshot.store import DirStore
+
+log = logging.getLogger("phos.recovery")
+
+
+def context_store(directory, ctx_id):
+    """The image store of one context: a directory of its own, so pruning never scans others."""
+    return os.path.join(directory, f"ctx{ctx_id}")
+
+
+class Recovery:
+    """When one worker takes its recovery images, and which of them it still needs."""
+
+    def __init__(self, directory, ctx_id, every_s=0.0, every_calls=0):
+        self.path = context_store(directory, ctx_id)
+        os.makedirs(self.path, exist_ok=True)
+        self.every_s, self.every_calls = every_s, every_calls
+        self.tag = secrets.token_hex(4)    # names this worker's images: it prunes only its own and its parent
+        self.count = 0
+        self.latest = None                 # name of the newest committed image
+        self.durable = 0                   # its cut: the client logs the calls after it
+        self.taken_at = float("-inf")      # a fresh context is imaged at once (it is cheap)
+        self.wanted = False                # the client's log is full
+        self.running = None                # name of the image being taken
+        self.retired = False               # handed off: the images of the new owner stay
+        self.pruning = None                # the thread deleting the previous image
+
+    def restored_from(self, name, cut):
+        self.latest, self.durable, self.taken_at = name, cut, time.monotonic()
+
+    def due(self, ack):
+        if self.running is not None:
+            return False
+        if self.latest is None:
+            return True
+        if ack == self.durable:          # nothing new since the last image
+            self.wanted = False
+            return False
+        return self.wanted or bool(self.every_s and time.monotonic() - self.taken_at >= self.every_s) \
+            or bool(self.every_calls and ack - self.durable >= self.every_calls)
+
+    def begin(self):
+        """Name the next image; returns (store path, name, parent)."""
+        self.count += 1
+        self.running = f"rec-{self.tag}-{self.count:06d}"
+        self.wanted = False
+        return self.path, self.running, self.latest or ""
+
+    def committed(self, cut):
+        """The running image is complete: it replaces the previous one (pruned off the loop)."""
+        old, self.latest, self.running = self.latest, self.running, None
+        self.durable, self.taken_at = cut, time.monotonic()
+        if old is not None:
+            self.prune_done()
+            self.pruning = threading.Thread(target=self._delete, args=(old,), daemon=True)
+            self.pruning.start()
+
+    def prune_done(self):
+        if self.pruning is not None:
+            self.pruning.join()
+            self.pruning = None
+
+    def failed(self, why):
+        log.warning("recovery image %s failed: %s", self.running, why)
+        self.running, self.taken_at = None, time.monotonic()
+
+    def _delete(self, name):
+        try:
+            delete_image(DirStore(self.path), name)
+        except Exception as e:       # pruning is best effort: the next one collects it
+            log.info("could not prune recovery image %s: %s", name, e)
+
+    def retire(self):
+        """The context lives on elsewhere (a handoff): remove only the images this worker took."""
+        self.retired = True
+        self.prune_done()
+        for name in DirStore(self.path).list_images():
+            if name.startswith(f"rec-{self.tag}-"):
+                self._delete(name)
+
+    def discard(self):
+        """The context ended cleanly: nobody will restore it, so its images go."""
+        self.prune_done()
+        shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,126 @@
+"""Transparent recovery (gpu_server/recovery.py): a Python client program carries on, with
+bit-exact results, when its worker or its whole server is killed, under periodic images.
+
+The program mixes what a replay must get right: launches, staged and framed copies both
+ways, allocations, and reads whose results it already used before the kill.
+"""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from test_snapshot_engine import App
+
+N, TOTAL, KILL_AT = 1 << 16, 240, 90       # 256 KiB vectors: copies go through the staging area
+
+
+def program(cu, kill=None):
+    """The iterative program; kill() is called once, mid-run. Returns its outputs."""
+    app = App(cu)
+    rhs = np.sin(np.arange(N, dtype=np.float32))
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    sums = []
+    for i in range(TOTAL):
+        app.jacobi(x, y, r, N, 1)               # reads x, writes y
+        x, y = y, x
+        if i % 10 == 9:
+            sums.append(float(app.get(x, 64).astype(np.float64).sum()))      # a small read, framed
+        if i == KILL_AT and kill:
+            kill(app)
+        if i == KILL_AT + 20:                   # after the kill: a new buffer and a staged upload
+            r = app.put(np.cos(np.arange(N, dtype=np.float32)) + rhs)
+    out = app.get(x, N)
+    app.ok(cu.cuCtxDestroy(app.ctx))
+    return sums, out.tobytes()
+
+
+def recovering(servers, name="one", every="0.05", **kw):
+    return servers(name, args=["--recovery-dir", str(kw.pop("directory")), "--checkpoint-every", every, *kw.pop("args", [])])
+
+
+def images(directory):
+    return sorted(os.listdir(directory))
+
+
+def test_worker_killed_mid_run_recovers_bit_exact(servers, client, tmp_path):
+    srv = recovering(servers, every="0.3", directory=tmp_path / "rec")
+    cu = client(srv)
+    expected = program(cu)
+    assert wait_until(lambda: images(tmp_path / "rec") == [], 10), "a context destroyed cleanly leaves no recovery images"
+    killed = []
+
+    def kill(app):
+        app.sync()
+        assert wait_until(lambda: any(n.startswith("rec-") for n in os.listdir(tmp_path / "rec" / f"ctx{app.id}" / "images")), 10)
+        before = set(srv.workers())
+        pid = next(p for p in before if f"--ctx {app.id}" in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
+        app.get(app.put(np.ones(8, np.float32)), 8)     # answered, after the image's cut: replayed later
+        conn = cu._contexts[app.id]
+        os.kill(pid, signal.SIGKILL)
+        killed.append((pid, conn, conn.acked))
+
+    assert program(cu, kill) == expected
+    pid, conn, acked = killed[0]
+    assert pid not in srv.workers()
+    assert conn.answered == acked, "the replay redid calls whose Results the program had used"
+    assert "restoring it from recovery image" in srv.output()
+
+
+def test_whole_server_killed_recovers_on_the_standby(servers, client, tmp_path):
+    directory = tmp_path / "rec"
+    two = recovering(servers, "two", directory=directory)
+    one = recovering(servers, "one", directory=directory, args=["--standby", two.address])
+    cu = client(one)
+    expected = program(cu)
+
+    def kill(app):
+        app.sync()
+        assert wait_until(lambda: len(os.listdir(directory / f"ctx{app.id}" / "images")) > 0, 10)
+        os.kill(one.proc.pid, signal.SIGKILL)      # the front end; its workers die with it
+        one.proc.wait()
+
+    assert program(cu, kill) == expected
+    assert "restoring it from recovery image" in two.output()
+
+
+def test_a_full_log_asks_for_an_image(servers, client, tmp_path, monkeypatch):
+    """No periodic images at all: the client's bounded log alone makes the worker take them."""
+    from phos.client_stub import connection
+    monkeypatch.setattr(connection, "LOG_BYTES", 1 << 20)
+    srv = recovering(servers, every="0", directory=tmp_path / "rec")
+    cu = client(srv)
+    app = App(cu)
+    ptr = app.put(np.zeros(N, np.float32))
+    conn = cu._contexts[app.id]
+    for k in range(12):                          # 12 x 256 KiB > 1 MiB of logged host bytes
+        app.ok(cu.cuMemcpyHtoD(ptr, np.full(N, k, np.float32), N * 4))
+    assert conn.recovery and conn.durable > 0 and conn.log_bytes <= connection.LOG_BYTES
+    assert (app.get(ptr, N) == 11).all()
+
+
+def test_recovery_needs_the_session_token(servers, tmp_path):
+    """Another tenant cannot get a context restored (or learn where it lives) by its id."""
+    from phos.client_stub.connection import Connection
+    srv = recovering(servers, directory=tmp_path / "rec")
+    (tmp_path / "rec" / "ctx77" / "images").mkdir(parents=True)
+    front = Connection(srv.address)
+    try:
+        res = front.call("reattach", {"ctx": 77, "token": b"x" * 16}, timeout=10)
+    finally:
+        front.close()
+    assert res.status != 0 and "no recovery image here for that token" in res.message
+
+
+def test_recovery_flags_need_a_directory(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", f"ipc://{tmp_path}/s.sock",
+                        "--checkpoint-every", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "need --recovery-dir" in r.stderr
+
+
+@pytest.fixture(autouse=True)
+def _fast_reattach(monkeypatch):
+    monkeypatch.setenv("PHOS_REATTACH_TIMEOUT", "60")
