@@ -1,13 +1,17 @@
 """What a launch costs the context worker, before the device: N `launch` calls vs one launchBatch.
 
-    python perf/bench_launch_decode.py [--repeat 5] [--sizes 1,64,256]
+    python perf/bench_launch_decode.py [--repeat 5] [--sizes 1,64,256] [--backend null|cuda]
 
-Benchmark only: the worker runs on a backend whose `launch` does nothing (NullBackend), so
-the figures are the worker's own per-launch cost (decoding the Request, the checks of
-calls.run_launch, dispatch) that bounds launch throughput, since the worker is one Python
-thread. Real frames go through the real path, Worker.handle -> run_calls -> Session.execute,
-as they come off the socket. Also times the Python client's encoding of the same launches.
-Needs no GPU.
+Benchmark only: by default the worker runs on a backend whose `launch` does nothing
+(NullBackend), so the figures are the worker's own per-launch cost (decoding the Request,
+the checks of calls.run_launch, dispatch) that bounds launch throughput, since the worker
+is one Python thread. Real frames go through the real path, Worker.handle -> run_calls ->
+Session.execute, as they come off the socket. Also times the Python client's encoding of
+the same launches. Needs no GPU.
+
+With --backend cuda the launches reach the GPU (an empty kernel, synchronized after each
+round), which splits a remote launch's cost into the worker's and the transport's; the
+table then also has the driver alone, cuLaunchKernel called from Python in a loop.
 """
 import argparse
 import struct
@@ -34,13 +38,41 @@ class NullBackend:
         return ""
 
 
-def worker_with_kernel():
-    session = Session(NullBackend(), 1, b"")
-    fn = Function(None, "empty", PARAMS)
+EMPTY_PTX = b"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry empty(.param .u64 a, .param .u64 b, .param .u32 n) { ret; }
+"""
+
+
+def worker_with_kernel(backend_name="null"):
+    if backend_name == "cuda":
+        from phos.gpu_server.cuda import CudaBackend
+        backend = CudaBackend(0)
+        fn = backend.get_function(backend.load_module(EMPTY_PTX), "empty")
+    else:
+        backend, fn = NullBackend(), Function(None, "empty", PARAMS)
+    session = Session(backend, 1, b"")
     fn.module_id, fn.size = 0, fn.param_bytes
     worker = Worker(session, sock=None)
     worker.attached.add(PEER)
     return worker, session.add("function", fn)
+
+
+def driver_alone_us(worker, fid, n, repeat):
+    """cuLaunchKernel from Python in a loop, as the backend calls it: the floor under the worker."""
+    from phos.gpu_server.cuda import _cuLaunchKernel
+    session = worker.session
+    fn = session.handle("function", fid)
+    session.backend.launch(fn, (1, 1, 1), (32, 1, 1), 0, 0, bytes(fn.size))      # builds fn.args
+    handle, args = fn.args[4], fn.args[2]
+
+    def run():
+        for _ in range(n):
+            _cuLaunchKernel(handle, 1, 1, 1, 32, 1, 1, 0, 0, args, None)
+        session.backend.synchronize()
+    return per_launch_us(run, n, repeat)
 
 
 def launches(fid, n):
@@ -91,22 +123,27 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--sizes", default="1,64,256", help="launches per Request")
+    ap.add_argument("--backend", choices=["null", "cuda"], default="null")
     opts = ap.parse_args()
-    worker, fid = worker_with_kernel()
+    worker, fid = worker_with_kernel(opts.backend)
+    cuda = opts.backend == "cuda"
+    sync = worker.session.backend.synchronize if cuda else (lambda: None)
     print("| launches per Request | worker: N `launch` (µs/launch) | worker: one launchBatch (µs/launch) | speed-up "
-          "| client encode: `launch` (µs/launch) | client encode: launchBatch (µs/launch) |")
-    print("|---|---|---|---|---|---|")
+          "| client encode: `launch` (µs/launch) | client encode: launchBatch (µs/launch) |"
+          + (" driver alone, from Python (µs/launch) |" if cuda else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if cuda else ""))
     for n in map(int, opts.sizes.split(",")):
         calls = launches(fid, n)
         frames = {name: [zmq.Frame(PEER), zmq.Frame(encode(calls))] for name, encode in
                   (("single", encode_single), ("batch", encode_batch))}
         worker.handle(frames["batch"])
         assert worker.session.deferred is None and worker.session.sticky is None, worker.session.deferred
-        single = per_launch_us(lambda: worker.handle(frames["single"]), n, opts.repeat)
-        batch = per_launch_us(lambda: worker.handle(frames["batch"]), n, opts.repeat)
+        single = per_launch_us(lambda: (worker.handle(frames["single"]), sync()), n, opts.repeat)
+        batch = per_launch_us(lambda: (worker.handle(frames["batch"]), sync()), n, opts.repeat)
         enc_single = per_launch_us(lambda: encode_single(calls), n, opts.repeat)
         enc_batch = per_launch_us(lambda: encode_batch(calls), n, opts.repeat)
-        print(f"| {n} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | {enc_single:.2f} | {enc_batch:.2f} |")
+        alone = f" {driver_alone_us(worker, fid, n, opts.repeat):.2f} |" if cuda else ""
+        print(f"| {n} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | {enc_single:.2f} | {enc_batch:.2f} |{alone}")
 
 
 if __name__ == "__main__":

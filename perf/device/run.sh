@@ -36,12 +36,16 @@ if want core; then
         tests/test_launch_batch.py tests/test_isolation.py tests/test_fuzz.py tests/test_client_death.py
 fi
 if want stub; then
-    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_stub.py tests/test_stub_reattach.py
+    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_stub.py tests/test_stub_reattach.py \
+        tests/test_stub_recovery.py
     step stub-apps sh tests/apps/run_native_vs_stub.sh
 fi
 if want snap; then
-    step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_snapshot_engine.py
-    step bench-snapshot python3 perf/bench_snapshot.py --backend cuda --sizes ${PHOS_BENCH_SIZES:-1,8,32} --json "$OUT/bench_snapshot.json"
+    step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_snapshot_engine.py \
+        tests/test_handoff.py tests/test_recovery.py
+    # PHOS_BENCH_SIZES= (empty) runs the tests alone
+    [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
+        --sizes "${PHOS_BENCH_SIZES-1,8,32}" --json "$OUT/bench_snapshot.json"
 fi
 if want handoff; then
     step bench-handoff python3 perf/bench_handoff.py --backend cuda --sizes ${PHOS_HANDOFF_SIZES:-1,8} --json "$OUT/bench_handoff.json"
@@ -50,9 +54,21 @@ if want locust; then
     # perf/locustfile.py: 64 users for 5 minutes against one cuda server; needs locust and its
     # dependencies in .whl/ (README, "On a GPU"). The table: $OUT/locust-summary.md; it fails on a leak.
     rm -rf /tmp/phos-locust && mkdir -p /tmp/phos-locust
-    python3 -m phos.cli server --backend cuda --listen ipc:///tmp/phos-locust/phos.sock > "$OUT/locust-server.log" 2>&1 &
+    # PHOS_LOCUST_POOL: pre-started workers (--pool); 64 made every user's calls slower (RESULTS.md)
+    python3 -m phos.cli server --backend cuda --listen ipc:///tmp/phos-locust/phos.sock --pool "${PHOS_LOCUST_POOL:-1}" \
+        > "$OUT/locust-server.log" 2>&1 &
     locust_server=$!
     for _ in $(seq 300); do grep -q "listening on" "$OUT/locust-server.log" && break; sleep 0.2; done
+    python3 - <<'PY'    # until the pool is full: users must not race its start-up
+import os
+import time
+from phos.admin_cli import stub
+from phos.schema import admin_pb2 as pb
+deadline = time.monotonic() + 180
+want = int(os.environ.get("PHOS_LOCUST_POOL", "1"))
+while stub("ipc:///tmp/phos-locust/phos.sock").Stats(pb.StatsRequest()).standby_workers < want and time.monotonic() < deadline:
+    time.sleep(1)
+PY
     # run from /tmp: locust puts its working directory on sys.path, where the checkout's phos/
     # folder would shadow the installed package
     step locust env -C /tmp PHOS_SERVER=ipc:///tmp/phos-locust/phos.sock PHOS_LOCUST_SUMMARY="$OUT/locust-summary.md" \
@@ -63,6 +79,7 @@ fi
 if want bench; then
     step transport-floor python3 perf/transport_floor.py
     step bench-rpc python3 perf/bench_rpc.py --backend cuda --json "$OUT/bench_rpc.json"
+    step bench-launch-worker python3 perf/bench_launch_decode.py --backend cuda
     step bench-stub sh perf/bench_stub.sh
 fi
 exit $status
