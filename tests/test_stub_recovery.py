@@ -101,6 +101,24 @@ def test_worker_killed_while_the_program_runs(iterate, servers, tmp_path, monkey
     finish(prog, expected, ctx.id)
 
 
+def test_handoff_while_the_program_runs(iterate, servers, monkeypatch, backend):
+    """A live handoff while the program's launches run (no recovery images): it re-attaches
+    at the target and prints what an uninterrupted run prints. The run is four times longer
+    than the others: a handoff (seconds on emu) must end before the program does."""
+    monkeypatch.setattr(test_stub_reattach, "TOTAL", 4 * RUNNING_TOTAL[backend])
+    one, two = servers("one"), servers("two")
+    expected = reference(iterate, one, PAUSE)
+    prog = Program(iterate, one, PAUSE)
+    prog.until_ready()
+    at_pause = the_context(one).last_seq
+    prog.go_on()
+    assert wait_until(lambda: the_context(one).last_seq > at_pause + 50, 30), prog.fail_text()
+    ctx = the_context(one)
+    reply = admin(one.address).Handoff(pb.HandoffRequest(ctx=ctx.id, to=two.address))
+    assert reply.ctx == ctx.id and prog.proc.poll() is None, prog.fail_text()
+    finish(prog, expected, ctx.id)
+
+
 @pytest.mark.parametrize("how", ["killed", "killed-env", "stopped"])
 def test_server_lost_recovers_on_the_standby(iterate, servers, tmp_path, how):
     """The program's server dies with its workers ("killed"), or stops answering while its
