@@ -44,6 +44,34 @@ def admin_socket(server):
     raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
 
 
+async def succeeded(call):
+    """Whether an RPC started earlier (or None) has succeeded, waiting for it."""
+    if call is None:
+        return False
+    try:
+        await call
+        return True
+    except grpc.aio.AioRpcError:
+        return False
+
+
+async def loaded(target, ctx, timeout=HANDOFF_RESTORE_TIMEOUT):
+    """Wait until the target's copy of context ctx has loaded every chunk; False if it never does."""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            contexts = (await target.ListContexts(pb.ListContextsRequest(), timeout=10)).contexts
+            mine = [c for c in contexts if c.id == ctx]
+            if not mine:
+                return False
+            if mine[0].state != "restoring":
+                return True
+            await asyncio.sleep(0.02)
+    except grpc.aio.AioRpcError:
+        pass
+    return False
+
+
 class Admin(admin_pb2_grpc.AdminServicer):
     def __init__(self, front):
         self.front = front
@@ -115,7 +143,11 @@ class Admin(admin_pb2_grpc.AdminServicer):
             name = request.name or await asyncio.to_thread(latest_image, DirStore(request.store))
             if not name:
                 raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {request.store}")
-            w, res = await self.front.restore(os.path.abspath(request.store), name, request.full)
+            store = os.path.abspath(request.store)
+            if request.advance:
+                w, res = await self.front.advance(store, name, request.ctx, final=not request.warm)
+            else:
+                w, res = await self.front.restore(store, name, request.full, warm=request.warm)
             return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res.u64s[1], name=name, seconds=time.perf_counter() - t0,
                                    bytes=json.loads(res.text)["bytes"], endpoint=w.endpoint)
         except CudaError as e:
@@ -125,33 +157,45 @@ class Admin(admin_pb2_grpc.AdminServicer):
 
     async def Handoff(self, request, context):
         """Pre-copy rounds while the application runs, then a frozen last round, then the target
-        restores it and this worker retires. Any failure before the target holds the context
-        leaves it running here."""
+        adopts it and this worker retires. The target restores the first round's image while
+        the later rounds run (a warm copy), so that after the freeze it loads only what the
+        last rounds changed. Any failure before the target holds the context leaves it running here."""
         t0 = time.perf_counter()
         store = tempfile.mkdtemp(prefix="phos-handoff-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        loading = False
+        loading, warm = False, None
         try:
             w = self.worker(request.ctx)
-            if not request.to:
-                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "give the target server's address")
-            rounds, name = [], ""
-            for i in range(request.max_rounds or MAX_ROUNDS):     # while the dirty set shrinks
-                copied, name = await self.handoff_round(w, store, i, name, final=False)
-                rounds.append(copied)
-                if copied == 0 or len(rounds) > 1 and copied >= rounds[-2]:
-                    break
-            frozen = time.perf_counter()
-            copied, name = await self.handoff_round(w, store, len(rounds), name, final=True)
-            rounds.append(copied)
             try:
-                async with grpc.aio.insecure_channel(admin_socket(request.to)) as channel:
-                    reply = await admin_pb2_grpc.AdminStub(channel).Restore(
-                        pb.RestoreRequest(store=store, name=name), timeout=HANDOFF_RESTORE_TIMEOUT)
-            except (grpc.aio.AioRpcError, ValueError, OSError) as e:
-                await self.front.control(w, "thaw")
-                why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
-                                f"handoff of context {request.ctx} to {request.to} failed, it stays live here: {why}") from None
+                target_socket = admin_socket(request.to)
+            except ValueError as e:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"target server: {e}") from None
+            async with grpc.aio.insecure_channel(target_socket) as channel:
+                target = admin_pb2_grpc.AdminStub(channel)
+                rounds, name = [], ""
+                for i in range(request.max_rounds or MAX_ROUNDS):     # while the dirty set shrinks
+                    copied, name = await self.handoff_round(w, store, i, name, final=False)
+                    rounds.append(copied)
+                    warm = await self.warm_up(target, store, name, request.ctx, warm)
+                    if copied == 0 or len(rounds) > 1 and copied >= rounds[-2]:
+                        break
+                if await succeeded(warm) and await loaded(target, request.ctx):
+                    # the warm copy holds the last round: one more, so the frozen one has little to copy
+                    copied, name = await self.handoff_round(w, store, len(rounds), name, final=False)
+                    rounds.append(copied)
+                    warm = await self.warm_up(target, store, name, request.ctx, warm)
+                    await loaded(target, request.ctx)
+                frozen = time.perf_counter()
+                copied, name = await self.handoff_round(w, store, len(rounds), name, final=True)
+                rounds.append(copied)
+                try:
+                    warmed = await succeeded(warm)
+                    reply = await target.Restore(pb.RestoreRequest(store=store, name=name, advance=warmed, ctx=request.ctx),
+                                                 timeout=HANDOFF_RESTORE_TIMEOUT)
+                except (grpc.aio.AioRpcError, OSError) as e:
+                    await self.front.control(w, "thaw")
+                    why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                    raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
+                                    f"handoff of context {request.ctx} to {request.to} failed, it stays live here: {why}") from None
             self.front.moved[request.ctx] = reply.endpoint
             await self.front.control(w, "retire")
             downtime = time.perf_counter() - frozen
@@ -163,8 +207,22 @@ class Admin(admin_pb2_grpc.AdminServicer):
         except CudaError as e:
             await self.fail(context, e)
         finally:
+            if warm is not None and not warm.done():
+                warm.cancel()
             if not loading:
                 shutil.rmtree(store, ignore_errors=True)
+
+    @staticmethod
+    async def warm_up(target, store, name, ctx, warm):
+        """Have the target's warm copy follow a pre-copy round: the first round's image is
+        restored there, later ones advance it (loading what changed) once the last is in."""
+        if warm is None:
+            return asyncio.ensure_future(target.Restore(pb.RestoreRequest(store=store, name=name, warm=True),
+                                                        timeout=HANDOFF_RESTORE_TIMEOUT))
+        if not warm.done() or not await succeeded(warm):
+            return warm                    # still restoring an earlier round (or failed): the next one catches up
+        return asyncio.ensure_future(target.Restore(pb.RestoreRequest(store=store, name=name, warm=True, advance=True, ctx=ctx),
+                                                    timeout=HANDOFF_RESTORE_TIMEOUT))
 
     async def handoff_round(self, w, store, i, parent, final):
         async def ignore(res):

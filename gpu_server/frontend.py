@@ -167,7 +167,7 @@ class FrontEnd:
                 self.recovering[ctx] = asyncio.ensure_future(self.recover(ctx, token))
                 self.recovering[ctx].add_done_callback(lambda _: self.recovering.pop(ctx, None))
             worker = await asyncio.shield(self.recovering[ctx])
-        if worker is None or worker.state == "restoring":
+        if worker is None or worker.state != "running":      # restoring, or a handoff's warm copy
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {a.ctx} is not on this server (yet)")
         return {"u64s": [worker.ctx_id], "text": worker.endpoint}
 
@@ -382,8 +382,9 @@ class FrontEnd:
             frames = error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}")
         await sock.send_multipart([peer, *frames])
 
-    async def restore(self, store, name, full):
-        """Restore an image into a pre-started worker; returns (worker, Result of the restore call)."""
+    async def restore(self, store, name, full, warm=False):
+        """Restore an image into a pre-started worker; returns (worker, Result of the restore call).
+        warm: a handoff's early image, which no client may attach to until advance()."""
         worker = self.pool.pop(0) if self.pool else await self.start_worker(0, 0, standby=True)
         self.fill_pool()
         worker.state = "restoring"
@@ -395,14 +396,31 @@ class FrontEnd:
             raise
         ctx_id = res.u64s[0]
         live = self.workers.get(ctx_id)
-        if live is not None and alive(live.proc):
+        if live is not None and alive(live.proc) and live.state != "warming":
             worker.proc.kill()
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"context {ctx_id} is live on this server: stop it before restoring its image")
-        worker.ctx_id, worker.state = ctx_id, "running"
+        if live is not None and live.state == "warming":
+            live.proc.kill()          # an earlier handoff's warm copy that nobody advanced
+        worker.ctx_id, worker.state = ctx_id, "warming" if warm else "running"
         self.workers[ctx_id] = worker
         self.moved.pop(ctx_id, None)          # it came back here
         self.counts["restores"] += 1
         return worker, res
+
+    async def advance(self, store, name, ctx, final=True):
+        """A handoff's later image: the warm copy of context ctx moves on to it, loading only
+        what changed; if it cannot, the image is restored afresh. final: clients may attach then."""
+        warm = self.workers.get(ctx)
+        if warm is not None and warm.state == "warming" and alive(warm.proc):
+            try:
+                res = await self.control(warm, "restore", {"store": store, "name": name, "advance": True})
+                if final:
+                    warm.state = "running"
+                    self.counts["restores"] += 1
+                return warm, res
+            except CudaError as e:
+                log.warning("context %d: the warm copy cannot take image %s (%s): restoring it afresh", ctx, name, e.message)
+        return await self.restore(store, name, full=False, warm=not final)
 
     async def serve(self):
         from phos.gpu_server import admin

@@ -204,6 +204,7 @@ class Worker:
         self.told_durable = 0              # the last Reply.durableSeq sent
         self.recovering = False            # the running checkpoint is a recovery image
         self.queued_checkpoint = None      # (peer, seq, args) of a control checkpoint waiting for it
+        self.warm = None                   # the Restore of a context nobody attached to yet (advance_restore)
 
     def handle(self, frames):
         """Serve one message: [routing id, Request, payload...]."""
@@ -245,7 +246,8 @@ class Worker:
                 shm = bool(a.shmPath) and self.session.map_staging(a.shmPath, bytes(a.shmCookie), a.shmSize)
                 if shm:
                     self.box_peer, self.box_seen = peer, self.session.box.seq(0)
-                self.start_recovery()
+                self.start_recovery(restored=self.warm and (self.warm.store.path, self.warm.name, self.ack))
+                self.warm = None
                 status, message, fields = CUresult.CUDA_SUCCESS, "", {
                     "u64s": [self.session.ctx_id, int(shm), self.ack, int(self.session.recovery is not None)],
                     "text": self.standby_server if self.session.recovery is not None else ""}
@@ -412,6 +414,8 @@ class Worker:
     def start_restore(self, peer, seq, a):
         from phos.snapshot.store import DirStore
         s = self.session
+        if a.advance:
+            return self.advance_restore(a)
         if s.objects or s.space.allocations() or s.restoring is not None or self.attached:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker already holds a context")
         try:
@@ -426,7 +430,20 @@ class Worker:
             s.closing = True          # half a context: let the front end start a fresh worker
             raise
         self.grace, self.standby, self.alone_since = REATTACH_TIMEOUT, False, time.monotonic()
-        self.start_recovery(restored=(a.store, a.name, self.ack))
+        self.warm = r
+        self.tick()
+        return {"u64s": [s.ctx_id, self.ack], "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done})}
+
+    def advance_restore(self, a):
+        """A handoff's last image, for the warm copy restored here from an earlier one."""
+        r, s = self.warm, self.session
+        if r is None or self.attached or os.path.abspath(a.store) != r.store.path:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker holds no restore to advance")
+        cut = r.advance(a.name)
+        if cut is None:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"image {a.name!r} holds other objects: restore it afresh")
+        self.ack = cut
+        s.restoring, s.snapshotting = r, True
         self.tick()
         return {"u64s": [s.ctx_id, self.ack], "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done})}
 

@@ -231,7 +231,11 @@ struct Checkpoint {
 }
 # Restore an image into a worker that holds no context yet (a pre-started one). The Result's
 # u64s are [ctx id, cut seq]; with `full`, it comes once every chunk is loaded.
-struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; }
+# With `advance`, the worker holds a restore of an earlier image of the same context that
+# no client has attached to yet (a handoff's warm target): it moves on to this image, loading
+# only the chunks that changed. Refused with CUDA_ERROR_ILLEGAL_STATE if the images differ
+# in more than contents; restore the image afresh then.
+struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; }
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
 struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }

@@ -342,6 +342,23 @@ class Checkpoint(ChunkJob):
         self.writer.abort()
 
 
+def region_entries(m):
+    """A manifest's globals (module by module) and allocations with contents, in the order
+    Restore.recreate lays out their chunks."""
+    out = [g for e in m.modules for g in m.globals if g["module"] == e["id"]]
+    return [e for e in out + list(m.allocations) if e["size"]]
+
+
+def same_objects(m):
+    """What must not change for Restore.advance: every object with its id, place and shape."""
+    pick = lambda entries, *keys: [tuple(str(e.get(k)) for k in keys) for e in entries]    # noqa: E731
+    sess = getattr(m, "session", {})
+    return (m.backend, sess.get("ctx"), sess.get("token"),
+            pick(m.modules, "id", "image"), pick(m.functions, "id", "module", "name"),
+            pick(m.streams, "id", "flags", "priority"), pick(m.events, "id", "flags"),
+            pick(region_entries(m), "address", "size", "chunk_size", "module", "name"))
+
+
 class Restore(ChunkJob):
     """Bring an image back into a fresh session: objects now, contents now or on demand."""
 
@@ -353,6 +370,7 @@ class Restore(ChunkJob):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
         super().__init__()
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
+        self.stopping = False        # advance() holds the background loader
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
         self.started = time.perf_counter()
 
@@ -405,14 +423,47 @@ class Restore(ChunkJob):
         for e in m.allocations:
             backend.alloc(e["size"], at=e["address"])
             regions.append((e["address"], e))
-        s.ctx_id, s.token_digest, s.next_id = sess["ctx"], sess["token"], sess["next_id"]
-        if m.error["status"]:
-            s.sticky = (m.error["status"], m.error["message"])
-        regions = [(ptr, e) for ptr, e in regions if e["size"]]
+        self.adopt_session(m)
+        regions = [(ptr, e) for ptr, e in regions if e["size"]]      # in region_entries' order
+        self.bases = [ptr for ptr, _ in regions]
         self.chunks = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions])
         by_base = {ptr: e["chunks"] for ptr, e in regions}
         self.keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
         self.bytes_total, self.bytes_done = sum(self.chunks.size), 0
+        return m.cut_seq
+
+    def adopt_session(self, m):
+        s, sess = self.session, m.session
+        s.ctx_id, s.token_digest, s.next_id = sess["ctx"], sess["token"], sess["next_id"]
+        s.sticky = (m.error["status"], m.error["message"]) if m.error["status"] else None
+
+    def advance(self, name):
+        """Move this restore (its context not yet in use) on to a later image of the same
+        context, as a handoff's last round: only the chunks whose contents changed load again.
+        Returns the later image's cut, or None when the images differ in more than contents
+        (objects created or destroyed): then it must be restored afresh."""
+        try:
+            m = read_image(self.store, name)
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
+        if same_objects(self.manifest) != same_objects(m):
+            return None
+        self.stopping = True          # the loader stops between batches; what it holds, it finishes
+        if self.thread is not None:
+            self.thread.join()
+        self.stopping = False
+        by_base = {ptr: e["chunks"] for ptr, e in zip(self.bases, region_entries(m))}
+        keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
+        with self.cv:
+            changed = [c for c, (old, new) in enumerate(zip(self.keys, keys)) if old != new]
+            self.keys = keys
+            loaded = [c for c in changed if self.chunks.state[c] == DONE]
+            self.chunks.state[loaded] = PENDING
+            self.bytes_done -= sum(self.chunks.size[c] for c in loaded)
+        self.manifest, self.name = m, name
+        self.adopt_session(m)
+        if self.failure is None:
+            self.start(full=False)
         return m.cut_seq
 
     def read(self, c):
@@ -432,7 +483,7 @@ class Restore(ChunkJob):
 
     def load_all(self):
         for batch in self.chunks.batches(range(len(self.chunks))):
-            if self.failure is not None:
+            if self.failure is not None or self.stopping:
                 return
             mine = self.claim(batch)
             if mine:

@@ -12,9 +12,11 @@ import grpc
 import numpy as np
 import pytest
 
+from conftest import wait_until
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
-from test_snapshot_engine import App
+from phos.snapshot import DirStore
+from test_snapshot_engine import App, checkpoint, region
 
 N, TOTAL = 1 << 15, 300
 
@@ -66,6 +68,7 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     reply = done["reply"]
     assert reply.ctx == app.id and len(reply.round_bytes) >= 2 and reply.downtime_ms > 0
     assert app.id in contexts(two) and app.id not in contexts(one)
+    assert "restoring it afresh" not in two.output()     # the warm copy followed the rounds
 
 
 def test_a_dead_target_leaves_the_context_running_here(servers, client):
@@ -118,3 +121,47 @@ def test_handoff_of_an_unknown_context_is_refused(servers):
     with pytest.raises(grpc.RpcError) as e:
         stub(one.address).Handoff(pb.HandoffRequest(ctx=424242, to=two.address))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no context 424242" in e.value.details()
+
+
+def warm_then_advance(servers, client, tmp_path, between):
+    """The target's warm copy: restore image A (warm), then advance it to image B, taken after
+    between(app, x) ran. Returns (target, B's name, x, app); the copy is checkpointed again
+    into tmp_path/after so that its contents can be compared with B's."""
+    one, two = servers("one"), servers("two")
+    app = App(client(one))
+    x = app.put(np.arange(N, dtype=np.float32))
+    app.sync()
+    store = tmp_path / "rounds"
+    a = checkpoint(one, app.id, store)["name"]
+    between(app, x)
+    app.sync()
+    b = checkpoint(one, app.id, store, incremental=True)["name"]
+    admin = stub(two.address)
+    admin.Restore(pb.RestoreRequest(store=str(store), name=a, warm=True))
+    warm = contexts(two)
+    assert list(warm) == [app.id] and warm[app.id] in ("warming", "restoring")     # no client may attach yet
+    reply = admin.Restore(pb.RestoreRequest(store=str(store), name=b, advance=True, ctx=app.id))
+    assert reply.ctx == app.id and contexts(two)[app.id] in ("running", "restoring")
+    assert wait_until(lambda: contexts(two)[app.id] == "running", 20)      # loaded: a checkpoint may start
+    checkpoint(two, app.id, tmp_path / "after", name="after")
+    return two, DirStore(store), b, x
+
+
+def test_a_warm_copy_advances_to_the_later_image(servers, client, tmp_path):
+    """Only contents changed between the images: the warm copy loads what changed and then
+    holds exactly the later image."""
+    two, store, b, x = warm_then_advance(servers, client, tmp_path,
+                                         lambda app, x: app.ok(app.cu.cuMemsetD32(x, 0x01020304, N // 2)))
+    assert region(DirStore(tmp_path / "after"), "after", int(x)).tobytes() == region(store, b, int(x)).tobytes()
+    assert "restoring it afresh" not in two.output()
+
+
+def test_a_warm_copy_of_other_objects_is_restored_afresh(servers, client, tmp_path):
+    """An allocation was made between the images: the warm copy cannot advance, and the later
+    image is restored afresh instead, holding it exactly."""
+    def allocate(app, x):
+        app.put(np.ones(N, np.float32))
+        app.ok(app.cu.cuMemsetD32(x, 7, N))
+    two, store, b, x = warm_then_advance(servers, client, tmp_path, allocate)
+    assert region(DirStore(tmp_path / "after"), "after", int(x)).tobytes() == region(store, b, int(x)).tobytes()
+    assert "restoring it afresh" in two.output()
