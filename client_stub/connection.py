@@ -207,11 +207,13 @@ class Connection:
         if big:                    # the caller may reuse its buffer once zmq has handed it off
             tracker.wait()
 
+    def over_bound(self):
+        return len(self.log) > LOG_CALLS or self.log_bytes > LOG_BYTES
+
     def log_full(self):
         """Whether the log must shrink before the next call, and may: a Result someone waits
         for would be lost in make_room's own wait unless it is one that route() keeps."""
-        return ((len(self.log) > LOG_CALLS or self.log_bytes > LOG_BYTES) and not self.making_room
-                and self.outstanding <= self.keep)
+        return self.over_bound() and not self.making_room and self.outstanding <= self.keep
 
     def make_room(self):
         """Ask the worker to acknowledge (and, with recovery, to take an image) until the log
@@ -219,13 +221,13 @@ class Connection:
         self.making_room = True
         deadline = time.monotonic() + REATTACH_TIMEOUT
         try:
-            while len(self.log) > LOG_CALLS or self.log_bytes > LOG_BYTES:
+            while self.over_bound():
                 res = self.call("logFull")
                 if res.status:
                     raise CudaError(res.status, res.message)
                 self.durable = max(self.durable, res.u64s[0])
                 self.acknowledge(self.acked)
-                if len(self.log) > LOG_CALLS or self.log_bytes > LOG_BYTES:
+                if self.over_bound():
                     if time.monotonic() > deadline:
                         raise CudaError(CUresult.CUDA_ERROR_NOT_READY, f"the replay log stayed full for {REATTACH_TIMEOUT:g} s: "
                                         "the worker took no recovery image")
@@ -298,9 +300,13 @@ class Connection:
         """Drop the calls no restored worker can lack: acknowledged ones, or with recovery
         images, those up to the latest image's cut."""
         self.acked = max(self.acked, ack_seq)
-        floor = self.durable if self.recovery else self.acked
+        floor = self.log_floor()
         while self.log and self.log[0][0] <= floor:
             self.log_bytes -= log_size(self.log.popleft())
+
+    def log_floor(self):
+        """The log holds every call after this seq."""
+        return self.durable if self.recovery else self.acked
 
     def route(self, res, seq):
         """Deliver one Result; returns it if it answers `seq`."""
@@ -346,7 +352,7 @@ class Connection:
                                 f"the context's worker went away and no server restored it within {REATTACH_TIMEOUT:g} s ({why})")
             time.sleep(0.1)
         cut = res.u64s[2]
-        floor = self.durable if self.recovery else self.acked
+        floor = self.log_floor()
         if floor > cut or seq <= cut:
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED,
                             f"the context was restored from an image taken at call {cut}, but calls {cut + 1}..{floor} "

@@ -432,7 +432,7 @@ class Worker:
         self.grace, self.standby, self.alone_since = REATTACH_TIMEOUT, False, time.monotonic()
         self.warm = r
         self.tick()
-        return {"u64s": [s.ctx_id, self.ack], "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done})}
+        return self.restored(r)
 
     def advance_restore(self, a):
         """A handoff's last image, for the warm copy restored here from an earlier one."""
@@ -445,7 +445,11 @@ class Worker:
         self.ack = cut
         s.restoring, s.snapshotting = r, True
         self.tick()
-        return {"u64s": [s.ctx_id, self.ack], "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done})}
+        return self.restored(r)
+
+    def restored(self, r):
+        """The restore call's Result: the context, its cut and what is loaded so far."""
+        return {"u64s": [self.session.ctx_id, self.ack], "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done})}
 
     def thaw(self, peer, seq, a):
         self.frozen = False

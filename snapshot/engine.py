@@ -343,8 +343,8 @@ class Checkpoint(ChunkJob):
 
 
 def region_entries(m):
-    """A manifest's globals (module by module) and allocations with contents, in the order
-    Restore.recreate lays out their chunks."""
+    """A manifest's globals (module by module) and allocations with contents: the order in
+    which Restore.recreate lays out their chunks, and advance() pairs two images' entries."""
     out = [g for e in m.modules for g in m.globals if g["module"] == e["id"]]
     return [e for e in out + list(m.allocations) if e["size"]]
 
@@ -391,7 +391,7 @@ class Restore(ChunkJob):
         sess = m.to_dict().get("session")
         if not isinstance(sess, dict) or not {"ctx", "token", "next_id"} <= set(sess):
             self.refuse("it names no session (ctx, token, next_id)")
-        regions = []
+        placed = {}              # (module id, global name) -> where the device put it
         for e in m.modules:
             try:
                 image = read_chunk(self.store, e["image"], expected_len=e["size"])
@@ -407,7 +407,7 @@ class Restore(ChunkJob):
                     self.refuse(f"global {g['name']} holds {size} bytes, the image {g['size']}")
                 if ptr != g["address"]:
                     log.warning("image %s: global %s moved from %#x to %#x", self.name, g["name"], g["address"], ptr)
-                regions.append((ptr, g))
+                placed[g["module"], g["name"]] = ptr
         for f in m.functions:
             fn = backend.get_function(s.handle("module", f["module"]), f["name"])
             if [list(p) for p in fn.params] != f["params"]:
@@ -422,10 +422,9 @@ class Restore(ChunkJob):
             s.meta[e["id"]] = {"flags": e["flags"]}
         for e in m.allocations:
             backend.alloc(e["size"], at=e["address"])
-            regions.append((e["address"], e))
         self.adopt_session(m)
-        regions = [(ptr, e) for ptr, e in regions if e["size"]]      # in region_entries' order
-        self.bases = [ptr for ptr, _ in regions]
+        regions = [(placed.get((e.get("module"), e.get("name")), e["address"]), e) for e in region_entries(m)]
+        self.bases = [ptr for ptr, _ in regions]      # advance() pairs a later image's entries with them
         self.chunks = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions])
         by_base = {ptr: e["chunks"] for ptr, e in regions}
         self.keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]

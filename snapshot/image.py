@@ -710,7 +710,7 @@ def latest_image(store, ctx=None, token=None):
             m = read_image(store, name, check_chunks=False)
         except Exception:       # an unreadable image is never anybody's latest
             continue
-        session = m.to_dict().get("session", {})
+        session = getattr(m, "session", {})
         if ctx is not None and session.get("ctx") != ctx:
             continue
         if token is not None and not check_token(token, session.get("token", "")):

@@ -83,17 +83,23 @@ def test_worker_killed_at_a_pause_replays_from_an_older_image(iterate, servers, 
         assert "the recovery log was full" in err, err
 
 
+def running(iterate, server):
+    """The program and its expected output, once it computes past its pause (50 calls on)."""
+    expected = reference(iterate, server, PAUSE)
+    prog = Program(iterate, server, PAUSE)
+    prog.until_ready()
+    at_pause = the_context(server).last_seq
+    prog.go_on()
+    assert wait_until(lambda: the_context(server).last_seq > at_pause + 50, 30), prog.fail_text()
+    return prog, expected
+
+
 def test_worker_killed_while_the_program_runs(iterate, servers, tmp_path, monkeypatch, backend):
     """Images every 0.2 s; the worker is SIGKILLed while the program's launches run."""
     monkeypatch.setattr(test_stub_reattach, "TOTAL", RUNNING_TOTAL[backend])
     directory = tmp_path / "rec"
     one = recovering(servers, "one", directory, 0.2)
-    expected = reference(iterate, one, PAUSE)
-    prog = Program(iterate, one, PAUSE)
-    prog.until_ready()
-    at_pause = the_context(one).last_seq
-    prog.go_on()
-    assert wait_until(lambda: the_context(one).last_seq > at_pause + 50, 30), prog.fail_text()
+    prog, expected = running(iterate, one)
     assert wait_until(lambda: len(images(directory, the_context(one).id)) > 0, 20)
     ctx = the_context(one)
     assert prog.proc.poll() is None, prog.fail_text()
@@ -107,12 +113,7 @@ def test_handoff_while_the_program_runs(iterate, servers, monkeypatch, backend):
     than the others: a handoff (seconds on emu) must end before the program does."""
     monkeypatch.setattr(test_stub_reattach, "TOTAL", 4 * RUNNING_TOTAL[backend])
     one, two = servers("one"), servers("two")
-    expected = reference(iterate, one, PAUSE)
-    prog = Program(iterate, one, PAUSE)
-    prog.until_ready()
-    at_pause = the_context(one).last_seq
-    prog.go_on()
-    assert wait_until(lambda: the_context(one).last_seq > at_pause + 50, 30), prog.fail_text()
+    prog, expected = running(iterate, one)
     ctx = the_context(one)
     reply = admin(one.address).Handoff(pb.HandoffRequest(ctx=ctx.id, to=two.address))
     assert reply.ctx == ctx.id and prog.proc.poll() is None, prog.fail_text()
