@@ -9,6 +9,7 @@ image's cut, with their host bytes (schema/phos.capnp, "Recovery").
 import collections
 import ctypes
 import itertools
+import logging
 import mmap
 import os
 import sys
@@ -20,6 +21,8 @@ import zmq.utils.monitor
 
 from phos.schema import wire
 from phos.schema.cuda_types import CudaError, CUresult
+
+log = logging.getLogger("phos.client")
 
 BATCH_CALLS = 64                 # flush an asynchronous batch after this many calls (launches too)...
 BATCH_BYTES = 1 << 20            # ...or this many payload bytes...
@@ -333,16 +336,20 @@ class Connection:
         The restored worker has executed every call up to the image's cut (attach's u64s[2]);
         we resend the unacknowledged calls after it. Calls we no longer hold are lost: then
         the context cannot go on, and we say so."""
+        started = time.perf_counter()
         deadline, why, old_staging = time.monotonic() + REATTACH_TIMEOUT, "", None
         while True:
             try:
                 endpoint, args = self.find_again()
+                found = time.perf_counter()
                 old_staging = self.staging if self.staging is not None else old_staging
                 self.close()
                 self.open_socket(endpoint)
                 self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
                 res = self.attach(args, lambda a: self.call_now("attach", a))
                 if res.status == 0:
+                    log.info("context re-attached at %s in %.1f ms (found in %.1f, attached in %.1f)", endpoint,
+                             (time.perf_counter() - started) * 1e3, (found - started) * 1e3, (time.perf_counter() - found) * 1e3)
                     break
                 why = res.message
             except CudaError as e:

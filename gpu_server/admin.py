@@ -30,7 +30,8 @@ GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
 }
 
 
-MAX_ROUNDS = 5                   # pre-copy rounds of a handoff, at most
+MAX_ROUNDS = 12                  # pre-copy rounds of a handoff, at most
+SMALL_ROUND = 4 << 20            # a pre-copy round this small ends them: the frozen one will be small too
 HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
 
 
@@ -42,34 +43,6 @@ def admin_socket(server):
     if url.scheme == "tcp":
         return f"unix:/tmp/phos/admin-{url.port}.sock"
     raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
-
-
-async def succeeded(call):
-    """Whether an RPC started earlier (or None) has succeeded, waiting for it."""
-    if call is None:
-        return False
-    try:
-        await call
-        return True
-    except grpc.aio.AioRpcError:
-        return False
-
-
-async def loaded(target, ctx, timeout=HANDOFF_RESTORE_TIMEOUT):
-    """Wait until the target's copy of context ctx has loaded every chunk; False if it never does."""
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            contexts = (await target.ListContexts(pb.ListContextsRequest(), timeout=10)).contexts
-            mine = [c for c in contexts if c.id == ctx]
-            if not mine:
-                return False
-            if mine[0].state != "restoring":
-                return True
-            await asyncio.sleep(0.02)
-    except grpc.aio.AioRpcError:
-        pass
-    return False
 
 
 class Admin(admin_pb2_grpc.AdminServicer):
@@ -145,7 +118,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {request.store}")
             store = os.path.abspath(request.store)
             if request.advance:
-                w, res = await self.front.advance(store, name, request.ctx, final=not request.warm)
+                w, res = await self.front.advance(store, name, request.ctx, final=not request.warm, full=request.full)
             else:
                 w, res = await self.front.restore(store, name, request.full, warm=request.warm)
             return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res.u64s[1], name=name, seconds=time.perf_counter() - t0,
@@ -157,12 +130,14 @@ class Admin(admin_pb2_grpc.AdminServicer):
 
     async def Handoff(self, request, context):
         """Pre-copy rounds while the application runs, then a frozen last round, then the target
-        adopts it and this worker retires. The target restores the first round's image while
-        the later rounds run (a warm copy), so that after the freeze it loads only what the
-        last rounds changed. Any failure before the target holds the context leaves it running here."""
+        adopts it and this worker retires. The target keeps a warm copy: it restores the first
+        round and advances with each later one, loading what changed, so that after the freeze
+        it loads only what the last round changed. Pre-copy rounds hold nothing up (no cut);
+        they go on while what they copy shrinks. Any failure before the target holds the
+        context leaves it running here."""
         t0 = time.perf_counter()
         store = tempfile.mkdtemp(prefix="phos-handoff-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        loading, warm = False, None
+        loading = False
         try:
             w = self.worker(request.ctx)
             try:
@@ -171,65 +146,74 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"target server: {e}") from None
             async with grpc.aio.insecure_channel(target_socket) as channel:
                 target = admin_pb2_grpc.AdminStub(channel)
-                rounds, name = [], ""
-                for i in range(request.max_rounds or MAX_ROUNDS):     # while the dirty set shrinks
-                    copied, name = await self.handoff_round(w, store, i, name, final=False)
-                    rounds.append(copied)
-                    warm = await self.warm_up(target, store, name, request.ctx, warm)
-                    if copied == 0 or len(rounds) > 1 and copied >= rounds[-2]:
-                        break
-                if await succeeded(warm) and await loaded(target, request.ctx):
-                    # the warm copy holds the last round: one more, so the frozen one has little to copy
-                    copied, name = await self.handoff_round(w, store, len(rounds), name, final=False)
-                    rounds.append(copied)
-                    warm = await self.warm_up(target, store, name, request.ctx, warm)
-                    await loaded(target, request.ctx)
-                frozen = time.perf_counter()
-                copied, name = await self.handoff_round(w, store, len(rounds), name, final=True)
-                rounds.append(copied)
+
+                async def adopt(name, **how):
+                    try:
+                        return await target.Restore(pb.RestoreRequest(store=store, name=name, ctx=request.ctx, **how),
+                                                    timeout=HANDOFF_RESTORE_TIMEOUT)
+                    except (grpc.aio.AioRpcError, OSError) as e:
+                        why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                        raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
+                                        f"handoff of context {request.ctx} to {request.to} failed, it stays live here: {why}") from None
+
+                # The warm copy loads each round while the next one copies.
+                rounds, round_ms, name, warming = [], [], "", None
+                smallest, grew = None, 0      # the smallest pre-copy round after the first; rounds since it
                 try:
-                    warmed = await succeeded(warm)
-                    reply = await target.Restore(pb.RestoreRequest(store=store, name=name, advance=warmed, ctx=request.ctx),
-                                                 timeout=HANDOFF_RESTORE_TIMEOUT)
-                except (grpc.aio.AioRpcError, OSError) as e:
+                    for i in range(max(2, request.max_rounds or MAX_ROUNDS)):
+                        copied, name, _, ms = await self.handoff_round(w, store, i, name, final=False)
+                        rounds.append(copied)
+                        round_ms.append(ms)
+                        if warming is not None:
+                            await warming
+                        warming = asyncio.ensure_future(adopt(name, warm=True, full=True, advance=i > 0))
+                        # On while they shrink, with a round's grace: one may grow while the
+                        # target catches up (round 2 waits for round 0's long load).
+                        if i:
+                            smallest, grew = (smallest, grew + 1) if smallest is not None and copied >= smallest else (copied, 0)
+                            if copied <= SMALL_ROUND or grew >= 2:
+                                break
+                    await warming        # before the freeze: after it, the target loads the last round alone
+                finally:
+                    if warming is not None and not warming.done():
+                        warming.cancel()
+                frozen = time.perf_counter()
+                phases = {"pre_copy": (frozen - t0) * 1e3}
+                copied, name, steps, ms = await self.handoff_round(w, store, len(rounds), name, final=True)
+                rounds.append(copied)
+                round_ms.append(ms)
+                t = time.perf_counter()
+                phases.update({f"last_round_{k}": v for k, v in steps.items()}, last_round=(t - frozen) * 1e3)
+                try:
+                    reply = await adopt(name, advance=True)
+                except CudaError:
                     await self.front.control(w, "thaw")
-                    why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                    raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
-                                    f"handoff of context {request.ctx} to {request.to} failed, it stays live here: {why}") from None
+                    raise
+                phases["target_adopt"] = (time.perf_counter() - t) * 1e3
             self.front.moved[request.ctx] = reply.endpoint
+            t = time.perf_counter()
             await self.front.control(w, "retire")
+            phases["retire"] = (time.perf_counter() - t) * 1e3
             downtime = time.perf_counter() - frozen
             loading = True
             asyncio.ensure_future(self.remove_when_loaded(store, request.to, request.ctx))
             self.front.counts["handoffs"] += 1
             return pb.HandoffReply(ctx=request.ctx, to=request.to, round_bytes=rounds, downtime_ms=downtime * 1e3,
-                                   seconds=time.perf_counter() - t0)
+                                   seconds=time.perf_counter() - t0, phase_ms=phases, round_ms=round_ms)
         except CudaError as e:
             await self.fail(context, e)
         finally:
-            if warm is not None and not warm.done():
-                warm.cancel()
             if not loading:
                 shutil.rmtree(store, ignore_errors=True)
 
-    @staticmethod
-    async def warm_up(target, store, name, ctx, warm):
-        """Have the target's warm copy follow a pre-copy round: the first round's image is
-        restored there, later ones advance it (loading what changed) once the last is in."""
-        if warm is None:
-            return asyncio.ensure_future(target.Restore(pb.RestoreRequest(store=store, name=name, warm=True),
-                                                        timeout=HANDOFF_RESTORE_TIMEOUT))
-        if not warm.done() or not await succeeded(warm):
-            return warm                    # still restoring an earlier round (or failed): the next one catches up
-        return asyncio.ensure_future(target.Restore(pb.RestoreRequest(store=store, name=name, warm=True, advance=True, ctx=ctx),
-                                                    timeout=HANDOFF_RESTORE_TIMEOUT))
-
     async def handoff_round(self, w, store, i, parent, final):
+        """One round into the handoff's store: a pre-copy round, or the frozen last one."""
         async def ignore(res):
             pass
-        args = {"store": store, "name": f"round{i}", "parent": parent, "paused": final, "freeze": final}
+        args = {"store": store, "name": f"round{i}", "parent": parent, "paused": final, "freeze": final, "precopy": not final}
         res = await self.front.control(w, "checkpoint", args, ignore)
-        return json.loads(res.text)["copied_bytes"], f"round{i}"
+        result = json.loads(res.text)
+        return result["copied_bytes"], f"round{i}", result["phase_ms"], result["seconds"] * 1e3
 
     @staticmethod
     async def remove_when_loaded(store, target, ctx):

@@ -30,6 +30,16 @@ def ok(result, what):
 _cuLaunchKernel = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
 _cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
 _cuLaunchKernel.restype = ctypes.c_int
+# ... and cuLaunchKernelEx with a prepared CUlaunchConfig costs less again: four arguments to
+# convert instead of eleven (an application repeats a handful of launch shapes).
+_cuLaunchKernelEx = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+_cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
+_cuLaunchKernelEx.restype = ctypes.c_int
+
+
+class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig (cuda.h)
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
 
 
 def _init():
@@ -81,6 +91,8 @@ class CudaBackend:
         self.handles = {}            # base -> (mapped length, physical handle)
         self.registered = []         # pinned host ranges (the staging area)
         self.streams = set()         # the streams we created: a checkpoint's cut fences them
+        self.launch_configs = {}     # (grid, block, shared bytes, stream) -> (CUlaunchConfig, its address)
+        self.pinning = []            # threads pinning staging areas
         self.ordinal = device
         self._snap = None
         self._snap_lock = threading.Lock()
@@ -150,10 +162,15 @@ class CudaBackend:
             ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def register_host(self, buf):
-        """Pin the shared staging area, so copies through it run at full link speed."""
-        err = cu.cuMemHostRegister(buf.ctypes.data, buf.nbytes, 0)[0]
-        if int(err) == 0:
-            self.registered.append(buf.ctypes.data)
+        """Pin the shared staging area, so copies through it run at full link speed. In a
+        thread: pinning its 64 MiB takes ~50 ms, which the attaching client (one re-attaching
+        after a handoff, say) would wait for; until then copies use it unpinned."""
+        def pin():
+            ok(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            if int(cu.cuMemHostRegister(buf.ctypes.data, buf.nbytes, 0)[0]) == 0:
+                self.registered.append(buf.ctypes.data)
+        self.pinning.append(threading.Thread(target=pin, name="phos-pin", daemon=True))
+        self.pinning[-1].start()
 
     def dtod(self, dst, src, nbytes, stream):
         ok(cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream or 0), "cuMemcpyDtoDAsync")
@@ -205,8 +222,15 @@ class CudaBackend:
             ptrs = np.array([buf.ctypes.data + off for off, _ in function.params] or [0], np.uint64)
             args = function.args = (buf, ptrs, ptrs.ctypes.data if function.params else 0, buf.ctypes.data,
                                     int(function.handle))
+        key = (grid, block, shared_bytes, int(stream) if stream else 0)
+        config = self.launch_configs.get(key)
+        if config is None:
+            if len(self.launch_configs) > 1024:
+                self.launch_configs.clear()
+            c = _LaunchConfig(grid, block, shared_bytes, key[3] or None, None, 0)
+            config = self.launch_configs[key] = (c, ctypes.addressof(c))
         ctypes.memmove(args[3], params, len(params))
-        err = _cuLaunchKernel(args[4], *grid, *block, shared_bytes, int(stream) if stream else 0, args[2], None)
+        err = _cuLaunchKernelEx(config[1], args[4], args[2], None)
         if err:
             ok((err,), f"launch of {function.name}")
 
@@ -270,6 +294,8 @@ class CudaBackend:
 
     def close(self):
         cu.cuCtxSynchronize()
+        for thread in self.pinning:
+            thread.join()
         for addr in self.registered:
             cu.cuMemHostUnregister(addr)
         for ptr, (length, handle) in self.handles.items():
@@ -304,7 +330,7 @@ class CudaSnapshotOps:
     makes both wait for the application's work so far, and fingerprints every chunk with
     the pfp1 kernel; with a fence, the application's streams then wait for that kernel,
     so no later write can run before it. A read copies chunks to pinned host memory and
-    hashes them again right after, on the same stream: the fingerprint of what was copied.
+    hashes that host copy right after, on the same stream: the fingerprint of what was copied.
     """
     BUFFER = {"bulk": 128 << 20, "urgent": 16 << 20}     # at least; two of each: copies alternate between them
 
@@ -335,7 +361,7 @@ class CudaSnapshotOps:
 
     def _hash(self, chunks, key, stream):
         """Enqueue pfp1 lane sums of chunks on stream; returns a function giving the fingerprints."""
-        from phos.snapshot.fingerprint import _finish
+        from phos.snapshot.fingerprint import finish_many
         n = len(chunks)
         table, sums, spec, out, _ = self._table(key, n)
         if n:
@@ -353,7 +379,7 @@ class CudaSnapshotOps:
         def wait():
             _wait_event(event)
             cu.cuEventDestroy(event)
-            return [_finish(int(out[2 * i]), int(out[2 * i + 1]), size) for i, (_, size) in enumerate(chunks)]
+            return finish_many(out[:2 * n], [size for _, size in chunks])
         return wait
 
     def _app_streams(self):
@@ -414,12 +440,15 @@ class CudaSnapshotOps:
         stream, buffers = self.streams[key], self._buffers(key, max(size for _, size in chunks))
         pending = None
         for n, (start, end) in enumerate(self._batches(chunks, len(buffers[0]))):
-            host, off, views = buffers[n % 2], 0, []
+            host, off, views, spans = buffers[n % 2], 0, [], []
             for addr, size in chunks[start:end]:
                 ok(cu.cuMemcpyDtoHAsync(host.ctypes.data + off, addr, size, stream), "cuMemcpyDtoHAsync")
                 views.append(host[off:off + size])
+                spans.append((host.ctypes.data + off, size))
                 off += size
-            wait = self._hash(chunks[start:end], f"{key}{n % 2}", stream)
+            # the kernel reads the pinned copy itself (unified addressing maps it): the exact
+            # fingerprint of the bytes handed on, even if the application wrote the chunk meanwhile
+            wait = self._hash(spans, f"{key}{n % 2}", stream)
             if pending is not None:
                 yield list(zip(pending[0], pending[1]()))
             pending = (views, wait)

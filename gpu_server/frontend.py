@@ -407,20 +407,21 @@ class FrontEnd:
         self.counts["restores"] += 1
         return worker, res
 
-    async def advance(self, store, name, ctx, final=True):
+    async def advance(self, store, name, ctx, final=True, full=False):
         """A handoff's later image: the warm copy of context ctx moves on to it, loading only
-        what changed; if it cannot, the image is restored afresh. final: clients may attach then."""
+        what changed; if it cannot, the image is restored afresh. final: clients may attach then.
+        full: answer once everything is loaded."""
         warm = self.workers.get(ctx)
         if warm is not None and warm.state == "warming" and alive(warm.proc):
             try:
-                res = await self.control(warm, "restore", {"store": store, "name": name, "advance": True})
+                res = await self.control(warm, "restore", {"store": store, "name": name, "advance": True, "full": full})
                 if final:
                     warm.state = "running"
                     self.counts["restores"] += 1
                 return warm, res
             except CudaError as e:
                 log.warning("context %d: the warm copy cannot take image %s (%s): restoring it afresh", ctx, name, e.message)
-        return await self.restore(store, name, full=False, warm=not final)
+        return await self.restore(store, name, full=full, warm=not final)
 
     async def serve(self):
         from phos.gpu_server import admin

@@ -40,7 +40,7 @@ PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
 FIRST_HANDLE = 0x1000
-CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze")
+CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy")
 BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
 
 
@@ -203,6 +203,7 @@ class Worker:
         self.standby_server = standby      # the server that restores us if ours dies, told to clients
         self.told_durable = 0              # the last Reply.durableSeq sent
         self.recovering = False            # the running checkpoint is a recovery image
+        self.last_image = (None, None, ())  # (store, name, chunk keys) of the last image committed
         self.queued_checkpoint = None      # (peer, seq, args) of a control checkpoint waiting for it
         self.warm = None                   # the Restore of a context nobody attached to yet (advance_restore)
 
@@ -367,22 +368,24 @@ class Worker:
             return None
         if s.checkpoint is not None or s.restoring is not None:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "a checkpoint or restore of this context is still running")
-        self.begin_checkpoint(a.store, a.name, a.parent, a.paused, a.compress, a.chunkSize)
+        self.begin_checkpoint(a.store, a.name, a.parent, a.paused, a.compress, a.chunkSize, a.precopy)
         # Frozen from the cut on: a call run while the image is still being written would be
         # acknowledged to the client, yet missing from the image the target restores.
         self.frozen = a.freeze and a.paused
         self.job, self.progress_at = (peer, seq), time.monotonic()
         self.tick()
 
-    def begin_checkpoint(self, store_path, name, parent="", paused=False, compress=False, chunk_size=0):
+    def begin_checkpoint(self, store_path, name, parent="", paused=False, compress=False, chunk_size=0, precopy=False):
         from phos.snapshot.store import DirStore
         s = self.session
         try:
             store = DirStore(store_path)
         except OSError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {store_path!r}: {e}") from None
+        last_store, last_name, last_keys = self.last_image     # its chunks need no asking the store
+        known = last_keys if parent and (last_store, last_name) == (store.path, parent) else ()
         cp = engine.Checkpoint(s, store, name, parent=parent or None, paused=paused, compress=compress,
-                               chunk_size=chunk_size or engine.DEFAULT_CHUNK_SIZE)
+                               chunk_size=chunk_size or engine.DEFAULT_CHUNK_SIZE, precopy=precopy, known=known)
         try:
             cp.cut(self.ack, paused=paused)
         except BaseException:
@@ -439,7 +442,7 @@ class Worker:
         r, s = self.warm, self.session
         if r is None or self.attached or os.path.abspath(a.store) != r.store.path:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker holds no restore to advance")
-        cut = r.advance(a.name)
+        cut = r.advance(a.name, a.full)
         if cut is None:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"image {a.name!r} holds other objects: restore it afresh")
         self.ack = cut
@@ -478,6 +481,7 @@ class Worker:
         if cp is not None and not cp.running:
             try:
                 result = cp.finish(self.ack)
+                self.last_image = (cp.store.path, cp.name, cp.chunk_keys())
                 fields = {"text": json.dumps(result)}
                 status, message = CUresult.CUDA_SUCCESS, ""
             except Exception as e:     # the image is lost, not the context
@@ -659,10 +663,12 @@ def main(argv=None):
             session.checkpoint.abort("the context went away during the checkpoint")
         if ended and session.recovery is not None and not session.recovery.retired:
             session.recovery.discard()
-        backend.close()
+        # The client's socket first: after a handoff it learns the worker left at once, not after
+        # the device has freed gigabytes (backend.close).
         sock.close(linger=500)
         if ctl is not None:
             ctl.close(linger=500)
+        backend.close()
         for ep in (endpoint, ctl_endpoint):
             if ep.startswith("ipc://"):
                 try:

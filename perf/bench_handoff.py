@@ -66,8 +66,13 @@ def measure(backend, nbytes, work_dir):
         during = [e for e in ends if t0 <= e <= t1 + 1.0]
         before = max(e for e in ends if e < t0)
         gap = float(np.diff([before] + during).max()) * 1e3
-        return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap,
-                "baseline_gap_ms": baseline, "round_bytes": list(reply.round_bytes)}
+        # the gap around the freeze: the server's clock started with the RPC, within a millisecond of t0
+        p = reply.phase_ms
+        frozen = t0 + (p["pre_copy"] + p["last_round"] / 2) / 1e3
+        at_freeze = (min(e for e in ends if e > frozen) - max(e for e in ends if e < frozen)) * 1e3
+        return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
+                "baseline_gap_ms": baseline, "round_bytes": list(reply.round_bytes),
+                "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms]}
     finally:
         cu._reset_for_tests()
         one.stop()
@@ -75,6 +80,9 @@ def measure(backend, nbytes, work_dir):
 
 
 def main():
+    import logging
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("phos.client").setLevel(logging.INFO)      # the stub's re-attach, timed
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cuda", choices=["cuda", "emu"])
     ap.add_argument("--sizes", default="1,8")
@@ -95,6 +103,14 @@ def main():
         rounds = ", ".join(f"{b / MiB:.0f} MiB" for b in r["round_bytes"])
         print(f"| {r['size']} | {r['handoff_s']:.3f} | {r['downtime_ms']:.1f} | {r['baseline_gap_ms']:.1f} | "
               f"{r['server_hold_ms']:.1f} | {rounds} |")
+    # where the downtime went: the source's frozen last round, the target adopting it, and
+    # after the source let go (the stub re-attaching, replaying, the first calls loading)
+    steps = ["last_round_describe", "last_round_fingerprint", "last_round_copy", "last_round_commit", "target_adopt", "retire"]
+    print("\n| size | gap around the freeze (ms) | " + " | ".join(steps) + " |")
+    print("|---|---|" + "---|" * len(steps))
+    for r in rows:
+        p = r["phase_ms"]
+        print(f"| {r['size']} | {r['freeze_gap_ms']:.1f} | " + " | ".join(f"{p.get(k, float('nan')):.1f}" for k in steps) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -11,7 +11,7 @@ the same launches. Needs no GPU.
 
 With --backend cuda the launches reach the GPU (an empty kernel, synchronized after each
 round), which splits a remote launch's cost into the worker's and the transport's; the
-table then also has the driver alone, cuLaunchKernel called from Python in a loop.
+table then also has the backend's launch alone (the driver through ctypes) called from Python in a loop.
 """
 import argparse
 import struct
@@ -61,16 +61,15 @@ def worker_with_kernel(backend_name="null"):
 
 
 def driver_alone_us(worker, fid, n, repeat):
-    """cuLaunchKernel from Python in a loop, as the backend calls it: the floor under the worker."""
-    from phos.gpu_server.cuda import _cuLaunchKernel
+    """The backend's launch (the driver's, through ctypes) from Python in a loop, with nothing
+    decoded or checked: the floor under the worker."""
     session = worker.session
     fn = session.handle("function", fid)
-    session.backend.launch(fn, (1, 1, 1), (32, 1, 1), 0, 0, bytes(fn.size))      # builds fn.args
-    handle, args = fn.args[4], fn.args[2]
+    launch, params = session.backend.launch, bytes(fn.size)
 
     def run():
         for _ in range(n):
-            _cuLaunchKernel(handle, 1, 1, 1, 32, 1, 1, 0, 0, args, None)
+            launch(fn, (1, 1, 1), (32, 1, 1), 0, 0, params)
         session.backend.synchronize()
     return per_launch_us(run, n, repeat)
 
@@ -130,7 +129,7 @@ def main():
     sync = worker.session.backend.synchronize if cuda else (lambda: None)
     print("| launches per Request | worker: N `launch` (µs/launch) | worker: one launchBatch (µs/launch) | speed-up "
           "| client encode: `launch` (µs/launch) | client encode: launchBatch (µs/launch) |"
-          + (" driver alone, from Python (µs/launch) |" if cuda else ""))
+          + (" backend launch alone, from Python (µs/launch) |" if cuda else ""))
     print("|---|---|---|---|---|---|" + ("---|" if cuda else ""))
     for n in map(int, opts.sizes.split(",")):
         calls = launches(fid, n)

@@ -99,7 +99,7 @@ def restore(opts):
 def handoff(opts):
     reply = call(stub(opts.server).Handoff, pb.HandoffRequest(ctx=opts.ctx, to=opts.to, max_rounds=opts.rounds))
     out = {"ctx": reply.ctx, "to": reply.to, "round_bytes": list(reply.round_bytes), "downtime_ms": reply.downtime_ms,
-           "seconds": reply.seconds}
+           "seconds": reply.seconds, "round_ms": list(reply.round_ms), "phase_ms": {k: round(v, 3) for k, v in sorted(reply.phase_ms.items())}}
     if opts.json:
         print(json.dumps(out))
     else:

@@ -228,6 +228,8 @@ struct Checkpoint {
   compress @4 :Bool;           # zstd the chunks
   chunkSize @5 :UInt64;        # 0: the default (2 MiB)
   freeze @6 :Bool;             # with paused: afterwards run no more client calls until thaw or retire
+  precopy @7 :Bool;            # a handoff's pre-copy round: contents as they are while the
+                               # application runs, with no cut (see snapshot/engine.py)
 }
 # Restore an image into a worker that holds no context yet (a pre-started one). The Result's
 # u64s are [ctx id, cut seq]; with `full`, it comes once every chunk is loaded.

@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from phos.schema.cuda_types import CudaError, CUresult
+from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_lengths, read_chunk,
                                  read_image)
 
@@ -197,20 +198,27 @@ class Checkpoint(ChunkJob):
     """One checkpoint of one session into one store; see the module docstring."""
 
     def __init__(self, session, store, name, parent=None, paused=False, compress=False,
-                 chunk_size=DEFAULT_CHUNK_SIZE, key=None):
+                 chunk_size=DEFAULT_CHUNK_SIZE, key=None, precopy=False, known=()):
+        """precopy: a handoff's pre-copy round. There is no cut: each chunk is stored as it was
+        when copied, nothing waits for the copy (no fence, no copy-on-write), and the image is
+        consistent only in its objects. Only a warm handoff target restores it; the frozen
+        last round then fixes every chunk that differs from the cut.
+        known: the parent's chunk keys, when the caller holds them (ImageWriter)."""
         if chunk_size <= 0 or chunk_size % 8 or chunk_size > MAX_CHUNK_BYTES:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk size {chunk_size} must be a multiple of 8 up to {MAX_CHUNK_BYTES}")
         self.session, self.store, self.name = session, store, name
         self.concurrent = not paused
+        self.precopy = precopy and not paused
         self.level = 1 if compress else None
         self.chunk_size = chunk_size
         try:
-            self.writer = ImageWriter(store, name, parent=parent, key=key, level=self.level)
+            self.writer = ImageWriter(store, name, parent=parent, key=key, level=self.level, known=known)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
         super().__init__()
         self.mismatched = 0          # saved chunks that differed from the cut
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
+        self.phase_ms = {}           # a paused cut's steps and the commit, for a handoff's report
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
         self.started = time.perf_counter()
 
@@ -221,19 +229,25 @@ class Checkpoint(ChunkJob):
         s = self.session
         self.cut_seq = cut_seq
         self.fields, regions = describe(s, self.chunk_size)
-        module_ids = [e["id"] for e in self.fields["modules"]]
-        for e, hid in zip(self.fields["modules"], module_ids):
-            e["image"] = self.writer.add_chunk(s.meta[hid]["image"])
+        for e in self.fields["modules"]:
+            meta = s.meta[e["id"]]
+            if "image_fp" not in meta:        # the same bytes every checkpoint: hashed once
+                meta["image_fp"] = fingerprint(meta["image"])
+            e["image"] = self.writer.add_chunk(meta["image"], meta["image_fp"])
         self.chunks = Chunks(regions)
         self.keys = [None] * len(self.chunks)
         self.bytes_total, self.bytes_done = sum(self.chunks.size), 0
         self.mismatch = False
-        self.fp_wait = s.backend.snap.fingerprints(self.chunks.spans(range(len(self.chunks))), fence=not paused)
+        self.fp_wait = s.backend.snap.fingerprints(self.chunks.spans(range(len(self.chunks))),
+                                                   fence=self.concurrent and not self.precopy)
         self.fps = None
         if paused:
+            t1 = time.perf_counter()
             self.fps = self.fp_wait()
+            t2 = time.perf_counter()
             for batch in self.chunks.batches(self.claim(range(len(self.chunks)))):
                 self.save(batch)
+            self.phase_ms.update(describe=(t1 - t0) * 1e3, fingerprint=(t2 - t1) * 1e3, copy=(time.perf_counter() - t2) * 1e3)
         else:
             self.thread = threading.Thread(target=self.run, name="phos-checkpoint", daemon=True)
             self.thread.start()
@@ -252,7 +266,7 @@ class Checkpoint(ChunkJob):
         for batch in self.session.backend.snap.read(self.chunks.spans(need), urgent) if need else ():
             writes = []
             for c, (data, fp) in zip(need[done:done + len(batch)], batch):
-                if fp == fps[c]:
+                if fp == fps[c] or self.precopy:      # pre-copy: what was copied is what counts
                     writes.append((c, self.io.submit(self.writer.add_chunk, data, fp)))
                 else:              # written behind our back since the cut
                     with self.cv:
@@ -282,7 +296,7 @@ class Checkpoint(ChunkJob):
 
     def before_write(self, ptr, nbytes, whole=False):
         """Save the chunks a call is about to write, if the background has not yet."""
-        if not self.running:
+        if not self.running or self.precopy:
             return
         idx = self.chunks.touched(ptr, nbytes, whole)
         if not len(idx):
@@ -321,18 +335,25 @@ class Checkpoint(ChunkJob):
             i += n
         elapsed = time.perf_counter() - self.started
         fields["cut_seq"] = self.cut_seq
-        fields["metadata"] = {"mode": "concurrent" if self.concurrent else "paused",
+        fields["metadata"] = {"mode": "precopy" if self.precopy else "concurrent" if self.concurrent else "paused",
                               "paused": fell_back or not self.concurrent, "pause_ms": round(self.pause_s * 1e3, 3),
                               "recopied_chunks": self.mismatched, "seconds": round(elapsed, 6)}
         self.io.shutdown()
+        t0 = time.perf_counter()
         try:
             man = self.writer.commit(fields)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, str(e)) from None
+        self.phase_ms["commit"] = (time.perf_counter() - t0) * 1e3
         st = self.writer.stats()
         return {"name": self.name, "bytes": self.bytes_total, "copied_bytes": st["raw_bytes"],
                 "stored_bytes": st["stored_bytes"], "new_chunks": st["new_chunks"], "reused_chunks": st["reused_chunks"],
-                "seconds": round(elapsed, 6), **fields["metadata"], "cut_seq": self.cut_seq, "manifest_bytes": len(man.raw)}
+                "seconds": round(elapsed, 6), **fields["metadata"], "cut_seq": self.cut_seq, "manifest_bytes": len(man.raw),
+                "phase_ms": {k: round(v, 3) for k, v in self.phase_ms.items()}}
+
+    def chunk_keys(self):
+        """Every chunk key of the committed image: its contents and its modules."""
+        return frozenset(self.keys) | {e["image"] for e in self.fields["modules"]}
 
     def abort(self, why="checkpoint aborted"):
         self.fail(CudaError(CUresult.CUDA_ERROR_UNKNOWN, why))
@@ -400,7 +421,7 @@ class Restore(ChunkJob):
             places = {g["name"]: g["address"] for g in m.globals if g["module"] == e["id"]}
             module = backend.load_module(image, globals_at=places)
             s.objects[e["id"]] = ("module", module)
-            s.meta[e["id"]] = {"image": image, "name": e["name"], "kind": e["kind"]}
+            s.meta[e["id"]] = {"image": image, "name": e["name"], "kind": e["kind"], "image_fp": bytes.fromhex(e["image"])}
             for g in (g for g in m.globals if g["module"] == e["id"]):
                 ptr, size = backend.get_global(module, g["name"])
                 if size != g["size"]:
@@ -436,17 +457,21 @@ class Restore(ChunkJob):
         s.ctx_id, s.token_digest, s.next_id = sess["ctx"], sess["token"], sess["next_id"]
         s.sticky = (m.error["status"], m.error["message"]) if m.error["status"] else None
 
-    def advance(self, name):
+    def advance(self, name, full=False):
         """Move this restore (its context not yet in use) on to a later image of the same
         context, as a handoff's last round: only the chunks whose contents changed load again.
         Returns the later image's cut, or None when the images differ in more than contents
         (objects created or destroyed): then it must be restored afresh."""
-        try:
-            m = read_image(self.store, name)
+        try:     # the chunks of the image it advances from were checked when it was read
+            m = read_image(self.store, name, check_chunks=False)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
         if same_objects(self.manifest) != same_objects(m):
             return None
+        old_keys = set(self.keys)
+        for k in {k for e in region_entries(m) for k in e["chunks"]} - old_keys:
+            if not self.store.has_chunk(k):
+                self.refuse(f"chunk {k} is missing from the store")
         self.stopping = True          # the loader stops between batches; what it holds, it finishes
         if self.thread is not None:
             self.thread.join()
@@ -462,7 +487,7 @@ class Restore(ChunkJob):
         self.manifest, self.name = m, name
         self.adopt_session(m)
         if self.failure is None:
-            self.start(full=False)
+            self.start(full)
         return m.cut_seq
 
     def read(self, c):

@@ -104,6 +104,24 @@ def _finish(h0, h1, length):
     return o0.to_bytes(8, "little") + o1.to_bytes(8, "little")
 
 
+def finish_many(sums, lengths):
+    """_finish of many chunks at once: sums is (n, 2) uint64 lane sums, lengths n byte
+    lengths; returns the n 16-byte fingerprints. (Step 4 on NumPy's wrapping uint64.)"""
+    def fmix(z):
+        for shift, mul in ((33, 0xFF51AFD7ED558CCD), (33, 0xC4CEB9FE1A85EC53)):
+            z = (z ^ (z >> _u64(shift))) * _u64(mul)
+        return z ^ (z >> _u64(33))
+    sums = np.asarray(sums, np.uint64).reshape(-1, 2)
+    n = np.asarray(lengths, np.uint64)
+    with np.errstate(over="ignore"):
+        a = fmix(sums[:, 0] ^ (n * _u64(LEN_MUL)) ^ _u64(LEN_XOR))
+        b = fmix(sums[:, 1] ^ a ^ n)
+        o0 = fmix(a + b)
+        o1 = fmix(b ^ o0 ^ _u64(FINAL_XOR))
+    raw = np.stack([o0, o1], axis=1).astype("<u8").tobytes()
+    return [raw[i:i + FP_BYTES] for i in range(0, len(raw), FP_BYTES)]
+
+
 def _keys(start, n):
     """Index keys for words start..start+n-1 of both lanes, shape (2, n); cached."""
     ck = (start, n)

@@ -83,6 +83,7 @@ DIGEST_PLAIN = b"blake2b-256"
 DIGEST_KEYED = b"blake2b-256-keyed"
 _QUOTED_KEY_RE = re.compile(rb'"([0-9a-f]{32})"')
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2}){0,64}")
+_KEYS_RE = re.compile(r"(?:[0-9a-f]{32})*")       # chunk keys, joined
 
 
 # ---------------------------------------------------------------------------------
@@ -252,15 +253,17 @@ def _check_digest(name, data, digest, key):
 
 
 def _depth_ok(obj, limit=MAX_JSON_DEPTH):
-    stack = [(obj, 0)]
-    while stack:
-        o, d = stack.pop()
-        if d > limit:
-            return False
-        if isinstance(o, dict):
-            stack.extend((v, d + 1) for v in o.values())
-        elif isinstance(o, list):
-            stack.extend((v, d + 1) for v in o)
+    """No value nests deeper than limit (the top object is at depth 0). Walks containers
+    level by level, so the thousands of chunk keys cost one isinstance each."""
+    level, depth = [obj] if isinstance(obj, (dict, list)) else [], 0
+    while level:
+        nested = []
+        for o in level:
+            values = o.values() if isinstance(o, dict) else o
+            if depth >= limit and len(values):
+                return False
+            nested.extend(v for v in values if isinstance(v, (dict, list)))
+        level, depth = nested, depth + 1
     return True
 
 
@@ -336,8 +339,10 @@ class _V:
         if len(chunks) != want:
             self.fail(f"{p}.chunks", f"{len(chunks)} chunks, expected {want} for {size} bytes in "
                                      f"chunks of {cs}")
-        for j, k in enumerate(chunks):
-            self.key(k, f"{p}.chunks[{j}]")
+        if not (all(isinstance(k, str) for k in chunks) and _KEYS_RE.fullmatch("".join(chunks))
+                and all(len(k) == 32 for k in chunks)):
+            for j, k in enumerate(chunks):      # one is bad: name it
+                self.key(k, f"{p}.chunks[{j}]")
 
 
 def validate_manifest(m, name=None):
@@ -484,7 +489,15 @@ class Manifest:
         return refs
 
     def chunk_keys(self):
-        return {k for k, _ in self.chunk_refs()}
+        d = self._data
+        return {e["image"] for e in d["modules"]} | {k for kind in ("globals", "allocations") for e in d[kind] for k in e["chunks"]}
+
+    def missing_chunk(self, present):
+        """(key, where) of the first chunk that present(key) denies, or None."""
+        for k in self.chunk_keys():
+            if not present(k):
+                return k, next(where for key, where in self.chunk_refs() if key == k)
+        return None
 
     @property
     def total_bytes(self):
@@ -525,9 +538,9 @@ def read_image(store, name, key=None, check_chunks=True):
     validate_manifest(data, name)
     man = Manifest(data, bytes(raw))
     if check_chunks:
-        for k, where in man.chunk_refs():
-            if not store.has_chunk(k):
-                raise ImageError(f"image {name!r}: chunk {k} ({where}) is missing from the store")
+        missing = man.missing_chunk(store.has_chunk)
+        if missing:
+            raise ImageError(f"image {name!r}: chunk {missing[0]} ({missing[1]}) is missing from the store")
     return man
 
 
@@ -547,21 +560,29 @@ class ImageWriter:
     remove a chunk it reuses. Use it as a context manager, or call commit() or abort().
     """
 
-    def __init__(self, store, name, parent=None, key=None, level=1):
+    def __init__(self, store, name, parent=None, key=None, level=1, known=()):
+        """known: keys of the parent image's chunks, when the caller holds them (a worker that
+        committed the parent): they are taken as present without asking the store, since
+        the writer's session keeps garbage collection from removing a parent's chunks."""
         check_name(name)
         if parent is not None:
             check_name(parent)
-            if not store.has_image(parent):
+        self._session = store.session()
+        self._session.__enter__()          # first: gc cannot run between the checks below and our use
+        self._open = True
+        try:
+            if parent is not None and not store.has_image(parent):
                 raise ImageError(f"parent image {parent!r} is not in the store")
-        if store.has_image(name):
-            raise ImageError(f"image {name!r} already exists in the store")
+            if store.has_image(name):
+                raise ImageError(f"image {name!r} already exists in the store")
+        except BaseException:
+            self.close()
+            raise
         self.store, self.name, self.parent, self.key, self.level = store, name, parent, key, level
         self.new_chunks = self.reused_chunks = 0
         self.raw_bytes = self.stored_bytes = 0
         self._mu = threading.Lock()
-        self._session = store.session()
-        self._session.__enter__()
-        self._open = True
+        self.present = set(known) if parent is not None else set()     # keys the store is known to hold
 
     def _check_open(self):
         if not self._open:
@@ -576,9 +597,7 @@ class ImageWriter:
         raw = memoryview(data).cast("B")
         fp = fingerprint(raw) if fp is None else bytes(fp)
         k = fp.hex()
-        if self.store.has_chunk(k):
-            with self._mu:
-                self.reused_chunks += 1
+        if self.reuse_chunk(k):
             return k
         parts, _ = encode_chunk_parts(raw, fp, self.level)
         self.store.put_chunk(k, parts)
@@ -586,15 +605,17 @@ class ImageWriter:
             self.new_chunks += 1
             self.raw_bytes += len(raw)
             self.stored_bytes += sum(len(p) for p in parts)
+            self.present.add(k)
         return k
 
     def reuse_chunk(self, key):
         """True when the store already holds chunk `key` (e.g. a device-side fingerprint
         matched): the caller may then reference it without sending the bytes."""
         self._check_open()
-        if self.store.has_chunk(check_key(key)):
+        if key in self.present or self.store.has_chunk(check_key(key)):
             with self._mu:
                 self.reused_chunks += 1
+                self.present.add(key)
             return True
         return False
 
@@ -626,9 +647,9 @@ class ImageWriter:
             if len(raw) > MAX_MANIFEST_BYTES:
                 raise ImageError(f"image {self.name!r}: manifest of {len(raw)} bytes is over the limit")
             man = Manifest(json.loads(raw), raw)
-            for k, where in man.chunk_refs():
-                if not self.store.has_chunk(k):
-                    raise ImageError(f"image {self.name!r}: chunk {k} ({where}) was never added to the store")
+            missing = man.missing_chunk(lambda k: k in self.present or self.store.has_chunk(k))
+            if missing:
+                raise ImageError(f"image {self.name!r}: chunk {missing[0]} ({missing[1]}) was never added to the store")
             if self.store.has_image(self.name):
                 raise ImageError(f"image {self.name!r} already exists in the store")
             self.store.put_manifest(self.name, raw, manifest_digest(raw, self.key))

@@ -56,6 +56,10 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     for i in range(TOTAL):                      # keep computing (and syncing) while it moves
         if i == 10:
             mover.start()
+        if i > 10 and mover.is_alive():
+            time.sleep(0.005)                   # paced, so that a fast GPU is still mid-run when it ends
+        if i == TOTAL - 20:
+            mover.join(120)                     # a slow handoff: the program waits for it here
         app.jacobi(x, y, r, N, 1)               # reads x, writes y
         x, y = y, x
         if i % 5 == 4:
@@ -66,7 +70,9 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     assert moved_at is not None and moved_at < TOTAL - 5, "the handoff should end mid-run"
     assert app.get(x, N).tobytes() == expected.tobytes()
     reply = done["reply"]
-    assert reply.ctx == app.id and len(reply.round_bytes) >= 2 and reply.downtime_ms > 0
+    assert reply.ctx == app.id and len(reply.round_bytes) >= 3 and reply.downtime_ms > 0
+    assert len(reply.round_ms) == len(reply.round_bytes)             # where the time went, per round
+    assert {"pre_copy", "last_round", "target_adopt", "retire"} <= set(reply.phase_ms)
     assert app.id in contexts(two) and app.id not in contexts(one)
     assert "restoring it afresh" not in two.output()     # the warm copy followed the rounds
 

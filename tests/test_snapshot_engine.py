@@ -193,6 +193,31 @@ def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_p
     assert region(s, done["name"], int(y)).tobytes() == before_y.tobytes()
 
 
+def test_a_precopy_round_holds_no_write_up_and_stores_what_it_copied(tmp_path):
+    """A handoff's pre-copy round has no cut: a write during it is not saved first (no
+    copy-on-write, no fence), and every chunk is stored under the fingerprint of its own
+    bytes, whatever the application wrote meanwhile, so a warm target can load each one."""
+    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.worker import Session
+    from phos.snapshot.engine import Checkpoint
+    from phos.snapshot.image import read_chunk
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    ptr = s.backend.alloc(8 << 20)
+    s.backend.htod(ptr, filler(8 << 20).tobytes(), None)
+    cp = Checkpoint(s, DirStore(tmp_path), "round0", precopy=True, chunk_size=1 << 20)
+    urgent, save = [], cp.save
+    cp.save = lambda idx, urgent_=False: urgent.append(urgent_) or save(idx, urgent_)
+    cp.cut(0, paused=False)
+    cp.before_write(ptr, 8 << 20)                  # what a call writing it asks: returns at once
+    s.backend.htod(ptr, filler(8 << 20, seed=3).tobytes(), None)
+    result = cp.finish(1)
+    assert result["mode"] == "precopy" and True not in urgent and result["recopied_chunks"] == 0
+    m = read_image(DirStore(tmp_path), "round0")
+    assert m.metadata["mode"] == "precopy"
+    for k in m.allocations[0]["chunks"]:           # check=True: the bytes fingerprint to their key
+        read_chunk(DirStore(tmp_path), k, expected_len=1 << 20, check=True)
+
+
 def test_a_second_checkpoint_while_one_runs_is_refused_at_once(servers, client, tmp_path):
     one = servers("one")
     app = App(client(one))

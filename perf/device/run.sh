@@ -7,7 +7,7 @@
 # zstandard and no package manager: carry them as wheels in .whl/ (see the README's
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
-# perf/bench_snapshot.py), handoff (perf/bench_handoff.py), bench (the other perf/* benchmarks),
+# perf/bench_snapshot.py), handoff (perf/bench_fingerprint.py, perf/bench_handoff.py), bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
@@ -48,6 +48,7 @@ if want snap; then
         --sizes "${PHOS_BENCH_SIZES-1,8,32}" --json "$OUT/bench_snapshot.json"
 fi
 if want handoff; then
+    step bench-fingerprint python3 perf/bench_fingerprint.py --sizes 1,8
     step bench-handoff python3 perf/bench_handoff.py --backend cuda --sizes ${PHOS_HANDOFF_SIZES:-1,8} --json "$OUT/bench_handoff.json"
 fi
 if want locust; then

@@ -1,6 +1,8 @@
 // The pfp1 chunk fingerprint's lane sums on the GPU (snapshot/fingerprint.py defines pfp1).
 // One block per chunk; each thread sums the mixed terms of words t, t+blockDim, ..., then the
-// block adds its threads' sums. The host finishes each chunk with the length mix (_finish).
+// block adds its threads' sums. The host finishes each chunk with the length mix (finish_many).
+// The index keys advance by addition (a 64-bit multiply is several instructions here), and
+// the loop is unrolled so that each thread has several loads in flight.
 // Built into pfp1.ptx by `nvcc -ptx -arch=compute_75 pfp1.cu` (checked in, so servers need no
 // compiler; tests/test_snapshot_engine.py checks the two match and runs it on the emulator).
 typedef unsigned long long u64;
@@ -19,10 +21,15 @@ extern "C" __global__ void pfp1_lane_sums(const u64* chunks, u64* sums, unsigned
     if (c >= n) return;
     const u64* p = (const u64*)chunks[2 * c];
     u64 len = chunks[2 * c + 1], words = len / 8, h0 = 0, h1 = 0;
+    u64 k0 = 0x243F6A8885A308D3ull + t * 0x9E3779B97F4A7C15ull, k1 = 0x13198A2E03707344ull + t * 0xC2B2AE3D27D4EB4Full;
+    const u64 d0 = blockDim.x * 0x9E3779B97F4A7C15ull, d1 = blockDim.x * 0xC2B2AE3D27D4EB4Full;
+#pragma unroll 4
     for (u64 i = t; i < words; i += blockDim.x) {
         u64 w = p[i];
-        h0 += term(w, 0x243F6A8885A308D3ull + i * 0x9E3779B97F4A7C15ull, 0xBF58476D1CE4E5B9ull, 0x94D049BB133111EBull);
-        h1 += term(w, 0x13198A2E03707344ull + i * 0xC2B2AE3D27D4EB4Full, 0xFF51AFD7ED558CCDull, 0xC4CEB9FE1A85EC53ull);
+        h0 += term(w, k0, 0xBF58476D1CE4E5B9ull, 0x94D049BB133111EBull);
+        h1 += term(w, k1, 0xFF51AFD7ED558CCDull, 0xC4CEB9FE1A85EC53ull);
+        k0 += d0;
+        k1 += d1;
     }
     if (t == 0 && len % 8) {       // the zero-padded last word
         const unsigned char* tail = (const unsigned char*)(p + words);
