@@ -243,8 +243,10 @@ class Worker:
             name = call.which()
             last = want_reply and i == n - 1
             if name == "attach":
-                a = call.attach
+                a, t0 = call.attach, time.perf_counter()
                 shm = bool(a.shmPath) and self.session.map_staging(a.shmPath, bytes(a.shmCookie), a.shmSize)
+                log.info("context %d: a client attached (its staging area mapped in %.1f ms)", self.session.ctx_id,
+                         (time.perf_counter() - t0) * 1e3)
                 if shm:
                     self.box_peer, self.box_seen = peer, self.session.box.seq(0)
                 self.start_recovery(restored=self.warm and (self.warm.store.path, self.warm.name, self.ack))

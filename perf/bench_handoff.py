@@ -70,6 +70,8 @@ def measure(backend, nbytes, work_dir):
         p = reply.phase_ms
         frozen = t0 + (p["pre_copy"] + p["last_round"] / 2) / 1e3
         at_freeze = (min(e for e in ends if e > frozen) - max(e for e in ends if e < frozen)) * 1e3
+        for srv in (one, two):        # the workers' attach lines (PHOS_LOG=INFO), beside the stub's
+            print("".join(line for line in srv.output().splitlines(True) if "attached" in line), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
                 "baseline_gap_ms": baseline, "round_bytes": list(reply.round_bytes),
                 "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms]}
@@ -81,7 +83,8 @@ def measure(backend, nbytes, work_dir):
 
 def main():
     import logging
-    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    os.environ.setdefault("PHOS_LOG", "INFO")          # the servers' workers log their attaches
     logging.getLogger("phos.client").setLevel(logging.INFO)      # the stub's re-attach, timed
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cuda", choices=["cuda", "emu"])
