@@ -232,12 +232,13 @@ def _open_context(dev, flags):
 
 def _finder(conn, ctx_id, token):
     """How a context's connection finds its worker again after a restore (Connection.reattach):
-    it asks its server (PHOS_SERVER, read then), then the standby its worker named (or
-    PHOS_STANDBY); whichever knows the context is asked first next time."""
+    it asks its server (PHOS_SERVER, read then), then the standby (PHOS_STANDBY, else the one
+    its worker named, as the native stub does); whichever knows the context is asked first
+    next time."""
     order = []
 
     def find():
-        servers = [os.environ.get("PHOS_SERVER", DEFAULT_SERVER), conn.standby, os.environ.get("PHOS_STANDBY", "")]
+        servers = [os.environ.get("PHOS_SERVER", DEFAULT_SERVER), os.environ.get("PHOS_STANDBY") or conn.standby]
         for server in order + servers:
             if server and server not in order:
                 order.append(server)

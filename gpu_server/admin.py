@@ -16,6 +16,7 @@ import grpc
 
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
+from phos.gpu_server.frontend import alive
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import latest_image
 
@@ -137,7 +138,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
         context leaves it running here."""
         t0 = time.perf_counter()
         store = tempfile.mkdtemp(prefix="phos-handoff-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        loading = False
+        loading = warm = False      # warm: the target may hold a warm copy that is not yet the live one
         try:
             w = self.worker(request.ctx)
             try:
@@ -156,27 +157,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
                         raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
                                         f"handoff of context {request.ctx} to {request.to} failed, it stays live here: {why}") from None
 
-                # The warm copy loads each round while the next one copies.
-                rounds, round_ms, name, warming = [], [], "", None
-                smallest, grew = None, 0      # the smallest pre-copy round after the first; rounds since it
-                try:
-                    for i in range(max(2, request.max_rounds or MAX_ROUNDS)):
-                        copied, name, _, ms = await self.handoff_round(w, store, i, name, final=False)
-                        rounds.append(copied)
-                        round_ms.append(ms)
-                        if warming is not None:
-                            await warming
-                        warming = asyncio.ensure_future(adopt(name, warm=True, full=True, advance=i > 0))
-                        # On while they shrink, with a round's grace: one may grow while the
-                        # target catches up (round 2 waits for round 0's long load).
-                        if i:
-                            smallest, grew = (smallest, grew + 1) if smallest is not None and copied >= smallest else (copied, 0)
-                            if copied <= SMALL_ROUND or grew >= 2:
-                                break
-                    await warming        # before the freeze: after it, the target loads the last round alone
-                finally:
-                    if warming is not None and not warming.done():
-                        warming.cancel()
+                warm = True
+                rounds, round_ms, name = await self.pre_copy(w, store, request.max_rounds, adopt)
                 frozen = time.perf_counter()
                 phases = {"pre_copy": (frozen - t0) * 1e3}
                 copied, name, steps, ms = await self.handoff_round(w, store, len(rounds), name, final=True)
@@ -190,9 +172,15 @@ class Admin(admin_pb2_grpc.AdminServicer):
                     await self.front.control(w, "thaw")
                     raise
                 phases["target_adopt"] = (time.perf_counter() - t) * 1e3
+                warm = False              # it is the live context there now
             self.front.moved[request.ctx] = reply.endpoint
             t = time.perf_counter()
-            await self.front.control(w, "retire")
+            try:
+                await self.front.control(w, "retire")
+            except CudaError:
+                if alive(w.proc):
+                    raise
+                # it died after the target adopted the context: gone either way, the move stands
             phases["retire"] = (time.perf_counter() - t) * 1e3
             downtime = time.perf_counter() - frozen
             loading = True
@@ -201,10 +189,51 @@ class Admin(admin_pb2_grpc.AdminServicer):
             return pb.HandoffReply(ctx=request.ctx, to=request.to, round_bytes=rounds, downtime_ms=downtime * 1e3,
                                    seconds=time.perf_counter() - t0, phase_ms=phases, round_ms=round_ms)
         except CudaError as e:
+            if warm:
+                await self.drop_warm(request.to, request.ctx)
             await self.fail(context, e)
         finally:
             if not loading:
                 shutil.rmtree(store, ignore_errors=True)
+
+    async def pre_copy(self, w, store, max_rounds, adopt):
+        """Pre-copy rounds while the application runs; the target's warm copy loads each round
+        (adopt) while the next one copies. Returns the bytes and milliseconds of each round,
+        and the last round's name."""
+        rounds, round_ms, name, warming = [], [], "", None
+        smallest, grew = None, 0      # the smallest round after the first; rounds since it
+        try:
+            for i in range(max(2, max_rounds or MAX_ROUNDS)):
+                copied, name, _, ms = await self.handoff_round(w, store, i, name, final=False)
+                rounds.append(copied)
+                round_ms.append(ms)
+                if warming is not None:
+                    await warming
+                warming = asyncio.ensure_future(adopt(name, warm=True, full=True, advance=i > 0))
+                if i == 0:
+                    continue
+                # On while they shrink, with a round's grace: one may grow while the target
+                # catches up (round 2 waits for round 0's long load).
+                if smallest is None or copied < smallest:
+                    smallest, grew = copied, 0
+                else:
+                    grew += 1
+                if copied <= SMALL_ROUND or grew >= 2:
+                    break
+            await warming        # before the freeze: after it, the target loads the last round alone
+        finally:
+            if warming is not None and not warming.done():
+                warming.cancel()
+        return rounds, round_ms, name
+
+    @staticmethod
+    async def drop_warm(target, ctx):
+        """A failed handoff: the target frees its warm copy now (if it still has one, and lives)."""
+        try:
+            async with grpc.aio.insecure_channel(admin_socket(target)) as channel:
+                await admin_pb2_grpc.AdminStub(channel).DropWarm(pb.DropWarmRequest(ctx=ctx), timeout=5)
+        except grpc.aio.AioRpcError:
+            pass
 
     async def handoff_round(self, w, store, i, parent, final):
         """One round into the handoff's store: a pre-copy round, or the frozen last one."""
@@ -230,6 +259,15 @@ class Admin(admin_pb2_grpc.AdminServicer):
         except grpc.aio.AioRpcError:
             pass
         shutil.rmtree(store, ignore_errors=True)
+
+    async def DropWarm(self, request, context):
+        w = self.front.workers.get(request.ctx)
+        if w is None or w.state != "warming":
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no warm copy of context {request.ctx} on this server")
+        del self.front.workers[request.ctx]
+        if w.proc.returncode is None:
+            w.proc.kill()
+        return pb.DropWarmReply()
 
     async def DeleteImage(self, request, context):
         from phos.snapshot import ImageError, delete_image

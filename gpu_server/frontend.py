@@ -307,12 +307,16 @@ class FrontEnd:
         worker.ctl_seq += 1
         seq = worker.ctl_seq
         queue = worker.ctl_waiters[seq] = asyncio.Queue()
+        exited = CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"the worker of context {worker.ctx_id} exited")
         try:
-            await worker.ctl.send(wire.encode_request([(seq, name, args, None)])[0])
+            try:
+                await worker.ctl.send(wire.encode_request([(seq, name, args, None)])[0])
+            except zmq.ZMQError:
+                raise exited from None        # watch() closed its socket: the worker is gone
             while True:
                 res = await queue.get()
                 if res is None:
-                    raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"the worker of context {worker.ctx_id} exited")
+                    raise exited
                 if res.status == CUresult.CUDA_ERROR_NOT_READY and progress is not None:
                     await progress(res)
                     continue

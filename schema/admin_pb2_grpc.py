@@ -64,6 +64,11 @@ class AdminStub:
                 request_serializer=admin__pb2.HandoffRequest.SerializeToString,
                 response_deserializer=admin__pb2.HandoffReply.FromString,
                 _registered_method=True)
+        self.DropWarm = channel.unary_unary(
+                '/phos.admin.v1.Admin/DropWarm',
+                request_serializer=admin__pb2.DropWarmRequest.SerializeToString,
+                response_deserializer=admin__pb2.DropWarmReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -107,6 +112,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropWarm(self, request, context):
+        """Drop a handoff's warm copy of a context (restored with `warm`, never made live): the
+        source asks when the handoff fails, so the copy's device memory is freed at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +152,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Handoff,
                     request_deserializer=admin__pb2.HandoffRequest.FromString,
                     response_serializer=admin__pb2.HandoffReply.SerializeToString,
+            ),
+            'DropWarm': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropWarm,
+                    request_deserializer=admin__pb2.DropWarmRequest.FromString,
+                    response_serializer=admin__pb2.DropWarmReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +321,33 @@ class Admin:
             '/phos.admin.v1.Admin/Handoff',
             admin__pb2.HandoffRequest.SerializeToString,
             admin__pb2.HandoffReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropWarm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phos.admin.v1.Admin/DropWarm',
+            admin__pb2.DropWarmRequest.SerializeToString,
+            admin__pb2.DropWarmReply.FromString,
             options,
             channel_credentials,
             insecure,

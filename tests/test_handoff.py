@@ -3,6 +3,7 @@
 The application is a Python client program; it keeps its PHOS_SERVER pointing at the first
 server, whose front end redirects its re-attach to the context's new worker.
 """
+import glob
 import os
 import signal
 import threading
@@ -120,6 +121,34 @@ def test_target_killed_mid_handoff_leaves_the_program_running_here(servers, clie
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "stays live here" in e.details(), e.details()
     assert app.get(x, N).tobytes() == expected.tobytes()
     assert contexts(one).get(app.id) == "running"
+
+
+def test_a_failed_handoff_frees_the_targets_warm_copy_at_once(servers, client):
+    """The source's worker dies after the first pre-copy rounds, while the target keeps a warm
+    copy: the handoff fails, and the target drops that copy at once instead of holding its
+    memory until its attach timeout runs out."""
+    one, two = servers("one"), servers("two")
+    app = App(client(one))
+    app.put(np.ones(64 << 20, np.float32))                 # 256 MiB: each round takes a while on emu
+    app.sync()
+    pid = {c.id: c.pid for c in stub(one.address).ListContexts(pb.ListContextsRequest()).contexts}[app.id]
+    before = set(glob.glob("/dev/shm/phos-handoff-*"))
+    done = {}
+
+    def handoff():
+        try:
+            stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+        except grpc.RpcError as e:
+            done["error"] = e
+    mover = threading.Thread(target=handoff)
+    mover.start()
+    # round 1 written: the target holds (or is loading) round 0; the frozen round is still to come
+    assert wait_until(lambda: any(os.path.exists(f"{d}/images/round1.json")
+                                  for d in set(glob.glob("/dev/shm/phos-handoff-*")) - before), 60, step=0.005)
+    os.kill(pid, signal.SIGKILL)
+    mover.join(60)
+    assert "error" in done and "exited" in done["error"].details(), done
+    assert wait_until(lambda: app.id not in contexts(two), 5), contexts(two)
 
 
 def test_handoff_of_an_unknown_context_is_refused(servers):
