@@ -409,6 +409,8 @@ bool Connection::wait_for(uint64_t seq, const HostDestination* out, double timeo
             continue;   // a reply to something else (a call that timed out earlier): keep waiting
         }
         if (ctx_ != 0 && !reattaching_ && (w == Socket::Wait::gone || socket_.lost())) {
+            // The worker answered, then left (ctxDestroy): read that answer first.
+            if ((box_waiting_ && box_answered(&frame, &size)) || socket_.readable()) continue;
             // The worker went away: a server may restore the context from a checkpoint.
             // A call with a timeout (the exit handler's ctxDestroy) looks no longer than that.
             if (!reattach(seq, mine, timeout >= 0 ? std::max(0.0, timeout - seconds_since(start)) : -1)) return false;
