@@ -264,9 +264,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
         w = self.front.workers.get(request.ctx)
         if w is None or w.state != "warming":
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no warm copy of context {request.ctx} on this server")
-        del self.front.workers[request.ctx]
-        if w.proc.returncode is None:
-            w.proc.kill()
+        self.front.discard(request.ctx)
         return pb.DropWarmReply()
 
     async def DeleteImage(self, request, context):

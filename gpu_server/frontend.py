@@ -182,9 +182,7 @@ class FrontEnd:
         name = await asyncio.to_thread(latest_image, DirStore(store), ctx, token)
         if name is None:
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {ctx} has no recovery image here for that token")
-        dead = self.workers.pop(ctx, None)
-        if dead is not None and dead.proc.returncode is None:
-            dead.proc.kill()           # a zombie, or stuck: it must not serve anyone again
+        self.discard(ctx)              # a zombie, or stuck: it must not serve anyone again
         log.warning("context %d: its worker is gone; restoring it from recovery image %s", ctx, name)
         worker, _ = await self.restore(store, name, full=False)
         return worker
@@ -404,12 +402,18 @@ class FrontEnd:
             worker.proc.kill()
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"context {ctx_id} is live on this server: stop it before restoring its image")
         if live is not None and live.state == "warming":
-            live.proc.kill()          # an earlier handoff's warm copy that nobody advanced
+            self.discard(ctx_id)      # an earlier handoff's warm copy that nobody advanced
         worker.ctx_id, worker.state = ctx_id, "warming" if warm else "running"
         self.workers[ctx_id] = worker
         self.moved.pop(ctx_id, None)          # it came back here
         self.counts["restores"] += 1
         return worker, res
+
+    def discard(self, ctx):
+        """Take context ctx's worker out of the table and kill it if it still runs."""
+        worker = self.workers.pop(ctx, None)
+        if worker is not None and worker.proc.returncode is None:
+            worker.proc.kill()
 
     async def advance(self, store, name, ctx, final=True, full=False):
         """A handoff's later image: the warm copy of context ctx moves on to it, loading only
