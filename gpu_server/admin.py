@@ -167,7 +167,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 t = time.perf_counter()
                 phases.update({f"last_round_{k}": v for k, v in steps.items()}, last_round=(t - frozen) * 1e3)
                 try:
-                    reply = await adopt(name, advance=True)
+                    # loaded in full before the client comes: the delta is small, and a
+                    # loader thread left running would slow the target's first calls (GIL)
+                    reply = await adopt(name, advance=True, full=True)
                 except CudaError:
                     await self.front.control(w, "thaw")
                     raise

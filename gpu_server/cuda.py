@@ -16,6 +16,7 @@ from phos.gpu_server.backend import DeviceInfo, Function
 from phos.schema.cuda_types import CudaError, CUresult
 
 GiB = 1 << 30
+PIN_PIECE = 2 << 20      # staging areas are pinned in pieces this big (see register_host)
 
 
 def ok(result, what):
@@ -26,12 +27,9 @@ def ok(result, what):
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
 
 
-# Launches are the hot path: calling the driver through ctypes costs a third of cuda-python's wrapper.
-_cuLaunchKernel = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-_cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-_cuLaunchKernel.restype = ctypes.c_int
-# ... and cuLaunchKernelEx with a prepared CUlaunchConfig costs less again: four arguments to
-# convert instead of eleven (an application repeats a handful of launch shapes).
+# Launches are the hot path: calling the driver through ctypes costs a third of cuda-python's
+# wrapper, and cuLaunchKernelEx with a prepared CUlaunchConfig less again than cuLaunchKernel:
+# four arguments to convert instead of eleven (an application repeats a handful of launch shapes).
 _cuLaunchKernelEx = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
 _cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
 _cuLaunchKernelEx.restype = ctypes.c_int
@@ -89,7 +87,9 @@ class CudaBackend:
         self.reserved = self._reserve(ok(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
         self.space = AddressSpace(self.reserved, granularity)
         self.handles = {}            # base -> (mapped length, physical handle)
-        self.registered = []         # pinned host ranges (the staging area)
+        self.registered = []         # pinned host ranges (the staging area's pieces)
+        self.pinned_areas = []       # (start, end) of each staging area
+        self.closing = False         # close() began: pinning stops
         self.streams = set()         # the streams we created: a checkpoint's cut fences them
         self.launch_configs = {}     # (grid, block, shared bytes, stream) -> (CUlaunchConfig, its address)
         self.pinning = []            # threads pinning staging areas
@@ -149,28 +149,51 @@ class CudaBackend:
 
     def htod(self, dst, data, stream):
         src = np.frombuffer(data, np.uint8)
-        if stream is None:
-            ok(cu.cuMemcpyHtoD(dst, src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
-        else:
-            ok(cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream), "cuMemcpyHtoDAsync")
+        for off, n in self._pieces(src.ctypes.data, src.nbytes):
+            if stream is None:
+                ok(cu.cuMemcpyHtoD(dst + off, src.ctypes.data + off, n), "cuMemcpyHtoD")
+            else:
+                ok(cu.cuMemcpyHtoDAsync(dst + off, src.ctypes.data + off, n, stream), "cuMemcpyHtoDAsync")
 
     def dtoh(self, src, out, stream):
-        if stream is None:
-            ok(cu.cuMemcpyDtoH(out.ctypes.data, src, out.nbytes), "cuMemcpyDtoH")
-        else:
-            ok(cu.cuMemcpyDtoHAsync(out.ctypes.data, src, out.nbytes, stream), "cuMemcpyDtoHAsync")
+        for off, n in self._pieces(out.ctypes.data, out.nbytes):
+            if stream is None:
+                ok(cu.cuMemcpyDtoH(out.ctypes.data + off, src + off, n), "cuMemcpyDtoH")
+            else:
+                ok(cu.cuMemcpyDtoHAsync(out.ctypes.data + off, src + off, n, stream), "cuMemcpyDtoHAsync")
+        if stream is not None:
             ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def register_host(self, buf):
-        """Pin the shared staging area, so copies through it run at full link speed. In a
-        thread: pinning its 64 MiB takes ~50 ms, which the attaching client (one re-attaching
-        after a handoff, say) would wait for; until then copies use it unpinned."""
+        """Pin the shared staging area, so copies through it run at full link speed.
+
+        Pinning holds a driver lock that stalls this process's launches and copies meanwhile:
+        36-43 ms for a client's fresh 64 MiB (perf/probe_driver_stalls.py), which a client
+        re-attaching after a handoff would wait for. So a thread pins it in 2 MiB pieces a
+        moment apart (a stall of ~1 ms each), and copies through it split where pieces meet
+        (a copy runs pinned only within one registration). Until then copies run unpinned."""
         def pin():
             ok(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-            if int(cu.cuMemHostRegister(buf.ctypes.data, buf.nbytes, 0)[0]) == 0:
-                self.registered.append(buf.ctypes.data)
+            for off in range(0, buf.nbytes, PIN_PIECE):
+                if self.closing or int(cu.cuMemHostRegister(buf.ctypes.data + off, min(PIN_PIECE, buf.nbytes - off), 0)[0]) != 0:
+                    return
+                self.registered.append(buf.ctypes.data + off)
+                time.sleep(0.001)
+        self.pinned_areas.append((buf.ctypes.data, buf.ctypes.data + buf.nbytes))
         self.pinning.append(threading.Thread(target=pin, name="phos-pin", daemon=True))
         self.pinning[-1].start()
+
+    def _pieces(self, host, nbytes):
+        """(offset, length) runs of a host range, split where a staging area's pinned pieces meet."""
+        area = next((lo for lo, hi in self.pinned_areas if lo <= host < hi), None)
+        if area is None:
+            return [(0, nbytes)]
+        out, off = [], 0
+        while off < nbytes:
+            n = min(nbytes - off, PIN_PIECE - (host + off - area) % PIN_PIECE)
+            out.append((off, n))
+            off += n
+        return out
 
     def dtod(self, dst, src, nbytes, stream):
         ok(cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream or 0), "cuMemcpyDtoDAsync")
@@ -195,6 +218,9 @@ class CudaBackend:
 
     def get_function(self, module, name):
         fn = ok(cu.cuModuleGetFunction(module[0], name.encode()), f"cuModuleGetFunction({name})")
+        # the driver loads functions lazily, at their first launch: load it now, so a context
+        # restored or handed off here does not make its application wait for that
+        ok(cu.cuFuncLoad(fn), f"cuFuncLoad({name})")
         params = []
         while True:
             err, offset, size = cu.cuFuncGetParamInfo(fn, len(params))
@@ -293,6 +319,7 @@ class CudaBackend:
             ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def close(self):
+        self.closing = True
         cu.cuCtxSynchronize()
         for thread in self.pinning:
             thread.join()
@@ -369,7 +396,8 @@ class CudaSnapshotOps:
             ok(cu.cuMemcpyHtoDAsync(table, spec.ctypes.data, 16 * n, stream), "cuMemcpyHtoDAsync")
             params = np.array([table, sums, n], np.uint64)
             args = np.array([params.ctypes.data, params.ctypes.data + 8, params.ctypes.data + 16], np.uint64)
-            err = _cuLaunchKernel(int(self.kernel), n, 1, 1, 256, 1, 1, 0, int(stream), args.ctypes.data, None)
+            config = _LaunchConfig((n, 1, 1), (256, 1, 1), 0, int(stream), None, 0)
+            err = _cuLaunchKernelEx(ctypes.addressof(config), int(self.kernel), args.ctypes.data, None)
             if err:
                 ok((err,), "launch of pfp1_lane_sums")
             ok(cu.cuMemcpyDtoHAsync(out.ctypes.data, sums, 16 * n, stream), "cuMemcpyDtoHAsync")
@@ -407,6 +435,9 @@ class CudaSnapshotOps:
         pinning holds a driver lock that would stall the application for a quarter second."""
         for key in self.streams:
             self._buffers(key, self.BUFFER[key])
+            for n in (0, 1):
+                self._table(f"{key}{n}", 1024)
+        self._table("cut", 1024)
 
     def _buffers(self, key, at_least):
         """The two pinned host buffers of a stream, grown to hold a chunk of at_least bytes.
@@ -456,8 +487,8 @@ class CudaSnapshotOps:
             yield list(zip(pending[0], pending[1]()))
 
     def write(self, chunks, load, pool, urgent=False):
-        """Copy chunks to the device through a pinned buffer: pool threads put load(i)'s bytes
-        in place, then the link copies them at full speed. Returns the fingerprints of what landed.
+        """Copy chunks to the device through a pinned buffer: pool threads read chunk i in
+        place (load(i, out)), then the link copies them at full speed. Returns the fingerprints of what landed.
         urgent: a call waits for these (own stream and buffer, beside the background loading)."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
@@ -466,10 +497,7 @@ class CudaSnapshotOps:
         for start, end in self._batches(chunks, len(host)):
             offsets = np.cumsum([0] + [size for _, size in chunks[start:end]])
 
-            def place(i):
-                data = load(start + i)
-                host[offsets[i]:offsets[i + 1]] = np.frombuffer(data, np.uint8)
-            list(pool.map(place, range(end - start)))
+            list(pool.map(lambda i: load(start + i, host[offsets[i]:offsets[i + 1]]), range(end - start)))
             for (addr, size), off in zip(chunks[start:end], offsets):
                 ok(cu.cuMemcpyHtoDAsync(addr, host.ctypes.data + int(off), size, stream), "cuMemcpyHtoDAsync")
             fps += self._hash(chunks[start:end], f"{key}0", stream)()

@@ -42,6 +42,22 @@ def writer(app, stop, ends, share=0.1, step=0.01):
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
 
 
+def timed_reattach():
+    """Record when the client's re-attaches start and end (perf_counter), to place them in the gap."""
+    from phos.client_stub.connection import Connection
+    marks, plain = [], getattr(Connection.reattach, "plain", Connection.reattach)
+
+    def reattach(self, seq):
+        t = time.perf_counter()
+        try:
+            return plain(self, seq)
+        finally:
+            marks.append((t, time.perf_counter()))
+    reattach.plain = plain
+    Connection.reattach = reattach
+    return marks
+
+
 def measure(backend, nbytes, work_dir):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
@@ -51,6 +67,7 @@ def measure(backend, nbytes, work_dir):
         os.environ["PHOS_SERVER"] = one.address
         cu._reset_for_tests()
         assert cu.cuInit(0)[0] == 0
+        reattaches = timed_reattach()
         app = App(cu, nbytes)
         stop, ends = threading.Event(), []
         loop = threading.Thread(target=writer, args=(app, stop, ends))
@@ -70,11 +87,18 @@ def measure(backend, nbytes, work_dir):
         p = reply.phase_ms
         frozen = t0 + (p["pre_copy"] + p["last_round"] / 2) / 1e3
         at_freeze = (min(e for e in ends if e > frozen) - max(e for e in ends if e < frozen)) * 1e3
+        # the application's timeline around the freeze, in ms after it: where the gap went
+        last = max(e for e in ends if e < frozen)
+        after = [e for e in ends if e > frozen][:2]
+        timeline = {"last_sync_before": (last - frozen) * 1e3, "source_let_go": reply.downtime_ms,
+                    "reattach": [[(a - frozen) * 1e3, (b - frozen) * 1e3] for a, b in reattaches],
+                    "syncs_after": [(e - frozen) * 1e3 for e in after]}
         for srv in (one, two):        # the workers' attach lines (PHOS_LOG=INFO), beside the stub's
             print("".join(line for line in srv.output().splitlines(True) if "attached" in line), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
                 "baseline_gap_ms": baseline, "round_bytes": list(reply.round_bytes),
-                "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms]}
+                "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms],
+                "timeline_ms": timeline}
     finally:
         cu._reset_for_tests()
         one.stop()
@@ -108,7 +132,8 @@ def main():
               f"{r['server_hold_ms']:.1f} | {rounds} |")
     # where the downtime went: the source's frozen last round, the target adopting it, and
     # after the source let go (the stub re-attaching, replaying, the first calls loading)
-    steps = ["last_round_describe", "last_round_fingerprint", "last_round_copy", "last_round_commit", "target_adopt", "retire"]
+    steps = ["last_round_describe", "last_round_fingerprint", "last_round_copy", "last_round_copy_device", "last_round_copy_store",
+             "last_round_commit", "target_adopt", "retire"]
     print("\n| size | gap around the freeze (ms) | " + " | ".join(steps) + " |")
     print("|---|---|" + "---|" * len(steps))
     for r in rows:

@@ -37,7 +37,7 @@ import numpy as np
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_lengths, read_chunk,
-                                 read_image)
+                                 read_chunk_into, read_image)
 
 log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # the background thread copies this much per device round trip
@@ -245,8 +245,7 @@ class Checkpoint(ChunkJob):
             t1 = time.perf_counter()
             self.fps = self.fp_wait()
             t2 = time.perf_counter()
-            for batch in self.chunks.batches(self.claim(range(len(self.chunks)))):
-                self.save(batch)
+            self.save(self.claim(range(len(self.chunks))))     # one pass: the backend batches its copies
             self.phase_ms.update(describe=(t1 - t0) * 1e3, fingerprint=(t2 - t1) * 1e3, copy=(time.perf_counter() - t2) * 1e3)
         else:
             self.thread = threading.Thread(target=self.run, name="phos-checkpoint", daemon=True)
@@ -262,8 +261,9 @@ class Checkpoint(ChunkJob):
                 self.keys[c] = fps[c].hex()
             else:
                 need.append(c)
-        done = 0
+        done, t = 0, time.perf_counter()
         for batch in self.session.backend.snap.read(self.chunks.spans(need), urgent) if need else ():
+            t = self._timed("copy_device", t)
             writes = []
             for c, (data, fp) in zip(need[done:done + len(batch)], batch):
                 if fp == fps[c] or self.precopy:      # pre-copy: what was copied is what counts
@@ -275,7 +275,15 @@ class Checkpoint(ChunkJob):
             for c, write in writes:       # the batch's buffer is reused once we ask for the next
                 self.keys[c] = write.result()
             done += len(batch)
+            t = self._timed("copy_store", t)
         self.mark_done(idx)
+
+    def _timed(self, step, since):
+        """Add the time since `since` to a step of a paused copy (a handoff's frozen round reports them)."""
+        now = time.perf_counter()
+        if not self.concurrent:
+            self.phase_ms[step] = self.phase_ms.get(step, 0.0) + (now - since) * 1e3
+        return now
 
     def run(self):
         """The background thread: save every chunk nobody saved first."""
@@ -490,15 +498,16 @@ class Restore(ChunkJob):
             self.start(full)
         return m.cut_seq
 
-    def read(self, c):
+    def read(self, c, out):
+        """Chunk c's stored contents into out (a host buffer of its length)."""
         try:     # every header field is checked here; the contents' fingerprint on the device
-            return read_chunk(self.store, self.keys[c], expected_len=self.chunks.size[c], check=False)
+            read_chunk_into(self.store, self.keys[c], out, check=False)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
 
     def load(self, idx, urgent=False):
         """Load claimed chunks, verifying each."""
-        fps = self.session.backend.snap.write(self.chunks.spans(idx), lambda i: self.read(idx[i]), self.io, urgent)
+        fps = self.session.backend.snap.write(self.chunks.spans(idx), lambda i, out: self.read(idx[i], out), self.io, urgent)
         for c, fp in zip(idx, fps):
             if fp.hex() != self.keys[c]:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE,

@@ -115,6 +115,14 @@ class MemoryStore:
             raise ImageError(f"chunk {key} is {len(blob)} bytes, over the limit of {max_bytes}")
         return blob
 
+    def get_chunk_into(self, key, head, body):
+        """Fill head, then body, from the blob's start (see DirStore); returns the blob's length."""
+        blob = memoryview(self.get_chunk(key))
+        head[:min(len(head), len(blob))] = blob[:len(head)]
+        rest = blob[len(head):len(head) + len(body)]
+        body[:len(rest)] = rest
+        return len(blob)
+
     def list_chunks(self):
         with self._mu:
             return sorted(self._chunks)
@@ -260,6 +268,22 @@ class DirStore:
         if data is None:
             raise ImageError(f"chunk {key} is missing from the store {self.path}")
         return data
+
+    def get_chunk_into(self, key, head, body):
+        """Read the chunk file's start into head and what follows into body, in one call and
+        no copy in between; returns the file's length (the caller checks it against the header)."""
+        try:
+            fd = os.open(self._chunk_path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            raise ImageError(f"chunk {key} is missing from the store {self.path}") from None
+        try:
+            size = os.fstat(fd).st_size
+            got = os.readv(fd, [head, body])
+        finally:
+            os.close(fd)
+        if got != min(size, len(head) + len(body)):
+            raise ImageError(f"chunk {key} changed while it was read ({got} of {size} bytes)")
+        return size
 
     def list_chunks(self):
         out = []

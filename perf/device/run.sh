@@ -7,7 +7,7 @@
 # zstandard and no package manager: carry them as wheels in .whl/ (see the README's
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
-# perf/bench_snapshot.py), handoff (perf/bench_fingerprint.py, perf/bench_handoff.py), bench (the other perf/* benchmarks),
+# perf/bench_snapshot.py), probe (perf/probe_driver_stalls.py), handoff (perf/bench_fingerprint.py, perf/bench_handoff.py), bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
@@ -46,6 +46,9 @@ if want snap; then
     # PHOS_BENCH_SIZES= (empty) runs the tests alone
     [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
         --sizes "${PHOS_BENCH_SIZES-1,8,32}" --json "$OUT/bench_snapshot.json"
+fi
+if want probe; then
+    step probe-driver-stalls python3 perf/probe_driver_stalls.py
 fi
 if want handoff; then
     step bench-fingerprint python3 perf/bench_fingerprint.py --sizes 1,8

@@ -1,0 +1,180 @@
+"""What the driver makes an application wait for right after a handoff (issue 6), measured alone:
+
+1. lazy function loading: the first launch of a function fetched with cuModuleGetFunction,
+   against one whose load was forced beforehand with cuFuncLoad;
+2. pinning a staging area (cuMemHostRegister, 64 MiB) in another thread while the
+   application launches and synchronizes, or runs Python: does the driver hold its launches,
+   or the binding the GIL, meanwhile? For a client's staging file fresh from ftruncate, and
+   one its maker populated.
+3. another process (a retiring worker, gpu_server/cuda.py's CudaBackend) freeing its
+   memory and its context: how long does the application's launch+sync stall?
+
+    python perf/probe_driver_stalls.py          # on the H200 (perf/device/run.sh probe)
+"""
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_snapshot import FILL_PTX, MiB  # noqa: E402
+
+
+def ok(res):
+    err, *rest = res if isinstance(res, tuple) else (res,)
+    assert int(err) == 0, res
+    return rest[0] if len(rest) == 1 else rest
+
+
+def launch_sync(fn, buf, words=4096, seed=0):
+    t = time.perf_counter()
+    args = [np.array([buf], np.uint64), np.array([words], np.uint64), np.array([seed], np.uint64)]
+    ptrs = np.array([a.ctypes.data for a in args], np.uint64)
+    ok(cu.cuLaunchKernel(fn, 16, 1, 1, 256, 1, 1, 0, 0, ptrs.ctypes.data, 0))
+    ok(cu.cuCtxSynchronize())
+    return (time.perf_counter() - t) * 1e3
+
+
+def first_launches(buf):
+    rows = []
+    for preload in (False, True):
+        module = ok(cu.cuModuleLoadData(FILL_PTX.encode() + b"\0"))
+        fn = ok(cu.cuModuleGetFunction(module, b"fill_u64"))
+        t = time.perf_counter()
+        if preload:
+            ok(cu.cuFuncLoad(fn))
+        load = (time.perf_counter() - t) * 1e3
+        rows.append(("cuFuncLoad first" if preload else "lazy", load, launch_sync(fn, buf), launch_sync(fn, buf)))
+        ok(cu.cuModuleUnload(module))
+    return rows
+
+
+def staging_area(kind):
+    """64 MiB as a worker maps a client's staging file: the file fresh from ftruncate (no page
+    exists yet), or populated by its maker (MAP_POPULATE); or anonymous memory, touched."""
+    if kind == "anonymous, touched":
+        area = mmap.mmap(-1, 64 * MiB)
+        np.frombuffer(area, np.uint8)[::4096] = 1
+        return area, 0.0
+    path = f"/dev/shm/phos-probe-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.ftruncate(fd, 64 * MiB)
+    t = time.perf_counter()
+    if kind == "shm file, populated":
+        mmap.mmap(fd, 64 * MiB, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()
+    made = (time.perf_counter() - t) * 1e3
+    area = mmap.mmap(fd, 64 * MiB)
+    os.close(fd)
+    os.unlink(path)
+    return area, made
+
+
+def pin_stall(fn, buf, kind, driver_loop=True):
+    """Longest gap of a loop over 400 ms (launch+sync, or pure Python), with a 64 MiB
+    cuMemHostRegister from another thread at 100 ms."""
+    ctx = ok(cu.cuCtxGetCurrent())
+    area, made = staging_area(kind)
+    host = np.frombuffer(area, np.uint8)
+    took = []
+
+    def pinner():
+        ok(cu.cuCtxSetCurrent(ctx))
+        time.sleep(0.1)
+        t = time.perf_counter()
+        ok(cu.cuMemHostRegister(host.ctypes.data, host.nbytes, 0))
+        took.append((time.perf_counter() - t) * 1e3)
+    thread = threading.Thread(target=pinner)
+    thread.start()
+    ends, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < 0.4:
+        if driver_loop:
+            launch_sync(fn, buf)
+        else:
+            sum(range(200))
+        ends.append(time.perf_counter())
+    thread.join()
+    ok(cu.cuMemHostUnregister(host.ctypes.data))
+    del host
+    area.close()
+    return float(np.diff(ends).max()) * 1e3, took[0], made
+
+
+RETIRING = """
+import json, sys, time
+from phos.gpu_server.cuda import CudaBackend, GiB
+b = CudaBackend()
+ptrs = [b.alloc(GiB) for _ in range(int(sys.argv[1]))]
+print("ready", flush=True)
+sys.stdin.readline()
+marks = {"start": time.perf_counter()}
+for p in ptrs:
+    b.free(p)
+marks["freed"] = time.perf_counter()
+b.close()
+marks["closed"] = time.perf_counter()
+print(json.dumps(marks), flush=True)
+"""
+
+
+def teardown_stall(fn, buf, gib):
+    """Longest launch+sync gap while another process frees gib GiB, closes its context and exits."""
+    child = subprocess.Popen([sys.executable, "-c", RETIRING, str(gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    ends = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.1:
+        launch_sync(fn, buf)
+        ends.append(time.perf_counter())
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    while child.poll() is None:
+        launch_sync(fn, buf)
+        ends.append(time.perf_counter())
+    exited = time.perf_counter()
+    while time.perf_counter() - exited < 0.1:
+        launch_sync(fn, buf)
+        ends.append(time.perf_counter())
+    marks = json.loads(child.stdout.readline())
+    ends = np.array(ends)
+
+    def worst(a, b):
+        inside = ends[(ends > a) & (ends <= b + 0.05)]
+        return float(np.diff(inside).max()) * 1e3 if len(inside) > 1 else float("nan")
+    return (worst(marks["start"], marks["freed"]), worst(marks["freed"], marks["closed"]), worst(marks["closed"], exited),
+            (marks["freed"] - marks["start"]) * 1e3, (marks["closed"] - marks["freed"]) * 1e3, (exited - marks["closed"]) * 1e3,
+            float(np.diff(ends[ends < marks["start"]]).max()) * 1e3)
+
+
+def main():
+    ok(cu.cuInit(0))
+    print("CUDA_MODULE_LOADING =", os.environ.get("CUDA_MODULE_LOADING", "(unset: LAZY is the default)"))
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(0))))
+    ok(cu.cuCtxSetCurrent(ctx))
+    buf = int(ok(cu.cuMemAlloc(8 * MiB)))
+    print("\n| function | cuFuncLoad (ms) | first launch+sync (ms) | second (ms) |\n|---|---|---|---|")
+    for name, load, first, second in first_launches(buf):
+        print(f"| {name} | {load:.2f} | {first:.2f} | {second:.3f} |")
+    module = ok(cu.cuModuleLoadData(FILL_PTX.encode() + b"\0"))
+    fn = ok(cu.cuModuleGetFunction(module, b"fill_u64"))
+    launch_sync(fn, buf)
+    print("\n| staging memory | made (ms) | cuMemHostRegister 64 MiB in a thread (ms) | longest launch+sync gap meanwhile (ms) "
+          "| longest pure-Python loop gap meanwhile (ms) |\n|---|---|---|---|---|")
+    for kind in ("anonymous, touched", "shm file, fresh", "shm file, populated") * 2:
+        gap, took, made = pin_stall(fn, buf, kind)
+        py_gap, took2, _ = pin_stall(fn, buf, kind, driver_loop=False)
+        print(f"| {kind} | {made:.1f} | {took:.1f} / {took2:.1f} | {gap:.2f} | {py_gap:.2f} |")
+    print("\n| another process's memory | longest gap before (ms) | while it frees (ms, gap) | closes its context | exits |"
+          "\n|---|---|---|---|---|")
+    for gib in (1, 8, 1, 8):
+        g_free, g_close, g_exit, t_free, t_close, t_exit, before = teardown_stall(fn, buf, gib)
+        print(f"| {gib} GiB | {before:.2f} | {t_free:.1f}, {g_free:.2f} | {t_close:.1f}, {g_close:.2f} | {t_exit:.1f}, {g_exit:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
