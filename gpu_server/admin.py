@@ -117,13 +117,17 @@ class Admin(admin_pb2_grpc.AdminServicer):
             name = request.name or await asyncio.to_thread(latest_image, DirStore(request.store))
             if not name:
                 raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {request.store}")
+            found = time.perf_counter()
             store = os.path.abspath(request.store)
             if request.advance:
                 w, res = await self.front.advance(store, name, request.ctx, final=not request.warm, full=request.full)
             else:
                 w, res = await self.front.restore(store, name, request.full, warm=request.warm)
+            result = json.loads(res.text)
             return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res.u64s[1], name=name, seconds=time.perf_counter() - t0,
-                                   bytes=json.loads(res.text)["bytes"], endpoint=w.endpoint)
+                                   bytes=result["bytes"], endpoint=w.endpoint,
+                                   phase_ms={**result["phase_ms"], "find_image": (found - t0) * 1e3,
+                                             "worker_call": (time.perf_counter() - found) * 1e3})
         except CudaError as e:
             await self.fail(context, e)
         except OSError as e:
@@ -174,6 +178,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                     await self.front.control(w, "thaw")
                     raise
                 phases["target_adopt"] = (time.perf_counter() - t) * 1e3
+                phases.update({f"target_{k}": v for k, v in reply.phase_ms.items()})
                 warm = False              # it is the live context there now
             self.front.moved[request.ctx] = reply.endpoint
             t = time.perf_counter()

@@ -228,9 +228,14 @@ class FrontEnd:
             asyncio.get_running_loop().create_task(self._add_to_pool())
 
     async def _add_to_pool(self):
+        worker = None
         try:
-            self.pool.append(await self.start_worker(0, 0, standby=True))
+            worker = await self.start_worker(0, 0, standby=True)
+            await self.open_control(worker)        # a restore into it skips that step
+            self.pool.append(worker)
         except CudaError as e:
+            if worker is not None and worker.proc.returncode is None:
+                worker.proc.kill()
             log.warning("could not pre-start a worker: %s", e.message)
             await asyncio.sleep(1)        # the device may be busy or gone: no tight retry loop
         finally:
@@ -286,6 +291,14 @@ class FrontEnd:
         """One call on a worker's control socket; returns its final Result (progress gets the others).
 
         Calls may overlap (a stats query during a checkpoint): replies are routed by seq."""
+        await self.open_control(worker)
+        res = await self._control_call(worker, name, args, progress)
+        if res.status:
+            raise CudaError(res.status, res.message)
+        return res
+
+    async def open_control(self, worker):
+        """Connect to a worker's control socket and present its token, once."""
         async with worker.ctl_lock:
             if worker.ctl is None:
                 worker.ctl = self.zctx.socket(zmq.DEALER)
@@ -296,10 +309,6 @@ class FrontEnd:
                 res = await self._control_call(worker, "attach", {"ctx": worker.ctx_id, "token": worker.ctl_token})
                 if res.status:
                     raise CudaError(res.status, res.message)
-        res = await self._control_call(worker, name, args, progress)
-        if res.status:
-            raise CudaError(res.status, res.message)
-        return res
 
     async def _control_call(self, worker, name, args, progress=None):
         worker.ctl_seq += 1
@@ -388,7 +397,6 @@ class FrontEnd:
         """Restore an image into a pre-started worker; returns (worker, Result of the restore call).
         warm: a handoff's early image, which no client may attach to until advance()."""
         worker = self.pool.pop(0) if self.pool else await self.start_worker(0, 0, standby=True)
-        self.fill_pool()
         worker.state = "restoring"
         try:
             res = await self.control(worker, "restore", {"store": store, "name": name, "full": full})
@@ -396,6 +404,8 @@ class FrontEnd:
             if worker.proc.returncode is None:
                 worker.proc.kill()
             raise
+        finally:     # after the restore: starting a process (a fork of ours) holds up this loop
+            self.fill_pool()
         ctx_id = res.u64s[0]
         live = self.workers.get(ctx_id)
         if live is not None and alive(live.proc) and live.state != "warming":

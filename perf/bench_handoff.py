@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_snapshot import GiB, MiB, App, start_server  # noqa: E402
+from bench_snapshot import GiB, MiB, App, start_server, timed_reattach  # noqa: E402
 
 
 def writer(app, stop, ends, share=0.1, step=0.01):
@@ -40,22 +40,6 @@ def writer(app, stop, ends, share=0.1, step=0.01):
         ends.append(time.perf_counter())
         i += 1
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
-
-
-def timed_reattach():
-    """Record when the client's re-attaches start and end (perf_counter), to place them in the gap."""
-    from phos.client_stub.connection import Connection
-    marks, plain = [], getattr(Connection.reattach, "plain", Connection.reattach)
-
-    def reattach(self, seq):
-        t = time.perf_counter()
-        try:
-            return plain(self, seq)
-        finally:
-            marks.append((t, time.perf_counter()))
-    reattach.plain = plain
-    Connection.reattach = reattach
-    return marks
 
 
 def measure(backend, nbytes, work_dir):
@@ -133,7 +117,7 @@ def main():
     # where the downtime went: the source's frozen last round, the target adopting it, and
     # after the source let go (the stub re-attaching, replaying, the first calls loading)
     steps = ["last_round_describe", "last_round_fingerprint", "last_round_copy", "last_round_copy_device", "last_round_copy_store",
-             "last_round_commit", "target_adopt", "retire"]
+             "last_round_commit", "target_adopt", "target_manifest", "target_load", "retire"]
     print("\n| size | gap around the freeze (ms) | " + " | ".join(steps) + " |")
     print("|---|---|" + "---|" * len(steps))
     for r in rows:

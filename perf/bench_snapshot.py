@@ -148,6 +148,22 @@ def start_server(backend, work_dir, name):
     return srv
 
 
+def timed_reattach():
+    """Record when the client's re-attaches start and end (perf_counter), to place them in the gap."""
+    from phos.client_stub.connection import Connection
+    marks, plain = [], getattr(Connection.reattach, "plain", Connection.reattach)
+
+    def reattach(self, seq):
+        t = time.perf_counter()
+        try:
+            return plain(self, seq)
+        finally:
+            marks.append((t, time.perf_counter()))
+    reattach.plain = plain
+    Connection.reattach = reattach
+    return marks
+
+
 def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
@@ -193,12 +209,16 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     one.proc.wait()
     four = server("four")
     os.environ["PHOS_SERVER"] = four.address
+    reattaches = timed_reattach()
     t = time.perf_counter()
-    stub(four.address).Restore(pb.RestoreRequest(store=shm_dir))
+    reply = stub(four.address).Restore(pb.RestoreRequest(store=shm_dir))
     row["restore_on_demand_usable_s"] = time.perf_counter() - t
+    row["restore_on_demand_phase_ms"] = {k: round(v, 2) for k, v in reply.phase_ms.items()}
+    row["restore_on_demand_server_s"] = reply.seconds
     app.launch(app.scratch, app.work_words, 7, blocks=64)
     app.sync()
     row["first_kernel_after_restore_s"] = time.perf_counter() - t
+    row["reattach_ms"] = [[round((a - t) * 1e3, 1), round((b - t) * 1e3, 1)] for a, b in reattaches]
     cu._reset_for_tests()
     four.stop()
     one.stop()

@@ -256,9 +256,10 @@ class Checkpoint(ChunkJob):
     def save(self, idx, urgent=False):
         """Save claimed chunks: skip those the store holds, copy and validate the rest."""
         fps, need = self.fps, []
-        for c in idx:
-            if self.writer.reuse_chunk(fps[c].hex()):
-                self.keys[c] = fps[c].hex()
+        keys = [fps[c].hex() for c in idx]
+        for c, k, held in zip(idx, keys, self.writer.reuse_chunks(keys)):
+            if held:
+                self.keys[c] = k
             else:
                 need.append(c)
         done, t = 0, time.perf_counter()
@@ -393,6 +394,7 @@ class Restore(ChunkJob):
 
     def __init__(self, session, store, name, key=None):
         self.session, self.store, self.name = session, store, name
+        t0 = time.perf_counter()
         try:
             self.manifest = read_image(store, name, key=key)
         except ImageError as e:
@@ -402,6 +404,13 @@ class Restore(ChunkJob):
         self.stopping = False        # advance() holds the background loader
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
         self.started = time.perf_counter()
+        self.phase_ms = {"manifest": (self.started - t0) * 1e3}    # recreate's and advance's steps
+
+    def step(self, name, since):
+        """Record a step's time since `since`; returns now."""
+        now = time.perf_counter()
+        self.phase_ms[name] = self.phase_ms.get(name, 0.0) + (now - since) * 1e3
+        return now
 
     def refuse(self, why):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"image {self.name!r}: {why}")
@@ -409,7 +418,7 @@ class Restore(ChunkJob):
     def recreate(self):
         """Recreate modules, functions, streams, events and allocations with their ids and addresses."""
         m, s = self.manifest, self.session
-        backend = s.backend
+        backend, t = s.backend, time.perf_counter()
         if m.backend != backend.name:
             self.refuse(f"taken on the {m.backend} backend, this server runs {backend.name}")
         if m.to_dict().get("address_space", {}).get("base", s.space.base) != s.space.base:
@@ -420,6 +429,7 @@ class Restore(ChunkJob):
         sess = m.to_dict().get("session")
         if not isinstance(sess, dict) or not {"ctx", "token", "next_id"} <= set(sess):
             self.refuse("it names no session (ctx, token, next_id)")
+        t = self.step("device", t)
         placed = {}              # (module id, global name) -> where the device put it
         for e in m.modules:
             try:
@@ -449,8 +459,10 @@ class Restore(ChunkJob):
         for e in m.events:
             s.objects[e["id"]] = ("event", backend.event_create(e["flags"]))
             s.meta[e["id"]] = {"flags": e["flags"]}
+        t = self.step("modules", t)
         for e in m.allocations:
             backend.alloc(e["size"], at=e["address"])
+        t = self.step("allocations", t)
         self.adopt_session(m)
         regions = [(placed.get((e.get("module"), e.get("name")), e["address"]), e) for e in region_entries(m)]
         self.bases = [ptr for ptr, _ in regions]      # advance() pairs a later image's entries with them
@@ -470,6 +482,8 @@ class Restore(ChunkJob):
         context, as a handoff's last round: only the chunks whose contents changed load again.
         Returns the later image's cut, or None when the images differ in more than contents
         (objects created or destroyed): then it must be restored afresh."""
+        t = time.perf_counter()
+        self.phase_ms = {}
         try:     # the chunks of the image it advances from were checked when it was read
             m = read_image(self.store, name, check_chunks=False)
         except ImageError as e:
@@ -494,8 +508,10 @@ class Restore(ChunkJob):
             self.bytes_done -= sum(self.chunks.size[c] for c in loaded)
         self.manifest, self.name = m, name
         self.adopt_session(m)
+        t = self.step("manifest", t)
         if self.failure is None:
             self.start(full)
+            self.step("load", t)
         return m.cut_seq
 
     def read(self, c, out):

@@ -632,13 +632,17 @@ class ImageWriter:
     def reuse_chunk(self, key):
         """True when the store already holds chunk `key` (e.g. a device-side fingerprint
         matched): the caller may then reference it without sending the bytes."""
+        return self.reuse_chunks([key])[0]
+
+    def reuse_chunks(self, keys):
+        """reuse_chunk for many keys at once (a cut's thousands): [bool]."""
         self._check_open()
-        if key in self.present or self.store.has_chunk(check_key(key)):
-            with self._mu:
-                self.reused_chunks += 1
-                self.present.add(key)
-            return True
-        return False
+        present, has = self.present, self.store.has_chunk
+        found = [k in present or has(check_key(k)) for k in keys]
+        with self._mu:
+            self.reused_chunks += sum(found)
+            present.update(k for k, f in zip(keys, found) if f)
+        return found
 
     def add_region(self, data, chunk_size=DEFAULT_CHUNK_SIZE):
         """Split a buffer into chunks and add each; returns their keys."""
