@@ -337,23 +337,27 @@ class Connection:
         we resend the unacknowledged calls after it. Calls we no longer hold are lost: then
         the context cannot go on, and we say so."""
         started = time.perf_counter()
-        deadline, why, old_staging = time.monotonic() + REATTACH_TIMEOUT, "", None
+        deadline, why, old_staging, passed_over = time.monotonic() + REATTACH_TIMEOUT, "", None, False
         while True:
             try:
-                endpoint, args = self.find_again()
+                endpoint, args = self.find_again(passed_over)
+            except CudaError as e:
+                why, passed_over = e.message, False
+            else:
                 found = time.perf_counter()
                 old_staging = self.staging if self.staging is not None else old_staging
                 self.close()
                 self.open_socket(endpoint)
                 self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
-                res = self.attach(args, lambda a: self.call_now("attach", a))
+                try:
+                    res = self.attach(args, lambda a: self.call_now("attach", a))
+                except CudaError as e:
+                    res = Result(0, e.status, e.message, [], 0.0, "", b"", None, [])
                 if res.status == 0:
                     log.info("context re-attached at %s in %.1f ms (found in %.1f, attached in %.1f)", endpoint,
                              (time.perf_counter() - started) * 1e3, (found - started) * 1e3, (time.perf_counter() - found) * 1e3)
                     break
-                why = res.message
-            except CudaError as e:
-                why = e.message
+                why, passed_over = res.message, True      # where it pointed, nobody answered for the context
             if time.monotonic() > deadline:
                 raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED,
                                 f"the context's worker went away and no server restored it within {REATTACH_TIMEOUT:g} s ({why})")

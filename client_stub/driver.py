@@ -234,14 +234,17 @@ def _finder(conn, ctx_id, token):
     """How a context's connection finds its worker again after a restore (Connection.reattach):
     it asks its server (PHOS_SERVER, read then), then the standby (PHOS_STANDBY, else the one
     its worker named, as the native stub does); whichever knows the context is asked first
-    next time."""
+    next time. passed_over: attaching where the last answer pointed failed (the server that
+    answered had handed the context off to one that died since), so that server is asked last."""
     order = []
 
-    def find():
+    def find(passed_over=False):
         servers = [os.environ.get("PHOS_SERVER", DEFAULT_SERVER), os.environ.get("PHOS_STANDBY") or conn.standby]
         for server in order + servers:
             if server and server not in order:
                 order.append(server)
+        if passed_over:
+            order.append(order.pop(0))
         why = "no server to ask"
         for server in list(order):
             front = Connection(server)

@@ -200,3 +200,31 @@ def test_a_warm_copy_of_other_objects_is_restored_afresh(servers, client, tmp_pa
     two, store, b, x = warm_then_advance(servers, client, tmp_path, allocate)
     assert region(DirStore(tmp_path / "after"), "after", int(x)).tobytes() == region(store, b, int(x)).tobytes()
     assert "restoring it afresh" in two.output()
+
+
+def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, client, tmp_path):
+    """The context moved from `one` to `two`, which takes recovery images (standby `three`).
+    When `two` dies, `one` still redirects to two's dead worker: the client must then ask the
+    others (the standby its worker named) instead of asking `one` until it gives up."""
+    from test_recovery import recovering
+    directory = tmp_path / "rec"
+    one = servers("one")
+    three = recovering(servers, "three", directory=directory)
+    two = recovering(servers, "two", directory=directory, args=["--standby", three.address])
+    cu = client(one)
+    rhs = np.sin(np.arange(N, dtype=np.float32))
+    expected = reference(cu, rhs)
+    app = App(cu)
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    for i in range(TOTAL):
+        if i == 100:
+            app.sync()
+            stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+            app.sync()                                  # re-attached at two: its worker takes recovery images
+            assert wait_until(lambda: any(n.startswith("rec-") for n in os.listdir(directory / f"ctx{app.id}" / "images")), 10)
+            os.kill(two.proc.pid, signal.SIGKILL)      # its front end; its workers die with it
+            two.proc.wait()
+        app.jacobi(x, y, r, N, 1)
+        x, y = y, x
+    assert app.get(x, N).tobytes() == expected.tobytes()
+    assert "restoring it from recovery image" in three.output()

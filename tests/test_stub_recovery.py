@@ -146,3 +146,22 @@ def test_server_lost_recovers_on_the_standby(iterate, servers, tmp_path, how):
     finally:
         if how == "stopped":
             kill(one)           # SIGKILL reaches a stopped process; SIGTERM at the end would wait
+
+
+def test_target_server_lost_after_a_handoff_recovers_on_its_standby(iterate, servers, tmp_path, monkeypatch, backend):
+    """The context moves from `one` to `two` (recovery images, standby `three`), then `two`
+    dies. `one` still points at two's dead worker: the stub asks `one` last from then on, and
+    the standby that two's worker named restores the context."""
+    monkeypatch.setattr(test_stub_reattach, "TOTAL", 4 * RUNNING_TOTAL[backend])
+    directory = tmp_path / "rec"
+    one = servers("one")
+    three = recovering(servers, "three", directory, 0.2)
+    two = recovering(servers, "two", directory, 0.2, "--standby", three.address)
+    prog, expected = running(iterate, one)
+    ctx = the_context(one)
+    admin(one.address).Handoff(pb.HandoffRequest(ctx=ctx.id, to=two.address))
+    assert wait_until(lambda: images(directory, ctx.id), 20), prog.fail_text()
+    assert prog.proc.poll() is None, prog.fail_text()
+    kill(two)
+    err = finish(prog, expected, ctx.id)
+    assert f"context {ctx.id} re-attached at {three.address}" in err, err

@@ -671,6 +671,7 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
         if (!endpoint.empty()) {
             attached = attach_again(endpoint, timeout, cut, why);
             if (attached) break;
+            passed_over_ = found_at_;   // it handed the context to a server that died since, say
         }
         if (seconds_since(start) >= limit) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -720,17 +721,21 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
 // Where does the context live now? Asks the front ends that may know, with
 // reattach{ctx, token}: the one that found it last time first, then PHOS_SERVER (read now:
 // the context may have moved to another server), then the standby (PHOS_STANDBY, else the
-// one attach named). Returns the worker's endpoint, or "" with `why`.
+// one attach named); one whose answer led to no worker last time, last. Returns the worker's
+// endpoint, or "" with `why`.
 std::string Connection::find_context(double timeout, std::string& why) {
-    const std::string servers[] = {found_at_, env_string("PHOS_SERVER", kDefaultServer),
-                                   env_string("PHOS_STANDBY", standby_.c_str())};
+    std::vector<std::string> servers;
+    for (const std::string& server : {found_at_, env_string("PHOS_SERVER", kDefaultServer),
+                                      env_string("PHOS_STANDBY", standby_.c_str())})
+        if (!server.empty() && std::find(servers.begin(), servers.end(), server) == servers.end()) servers.push_back(server);
+    auto passed = std::find(servers.begin(), servers.end(), passed_over_);
+    if (passed != servers.end()) std::rotate(passed, passed + 1, servers.end());
     std::string whys;
-    for (size_t i = 0; i < 3; i++) {
-        const std::string& server = servers[i];
-        if (server.empty() || std::find(servers, servers + i, server) != servers + i) continue;   // asked already
+    for (const std::string& server : servers) {
         std::string endpoint = ask_front_end(server, timeout, why);
         if (!endpoint.empty()) {
             found_at_ = server;
+            passed_over_.clear();
             return endpoint;
         }
         whys += (whys.empty() ? "" : "; ") + why;

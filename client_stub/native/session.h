@@ -149,6 +149,7 @@ private:
     uint64_t durable_ = 0;                              // calls up to it are in the latest image
     std::string standby_;                               // the standby server ("" none)
     std::string found_at_;                              // the front end that last found the context
+    std::string passed_over_;                           // ...where it pointed, nobody answered: asked last
     bool bounding_ = false;                             // bound_log is waiting for an image
     std::vector<char*> old_areas_;
     std::string dead_;                                  // why the context is lost, once it is
