@@ -97,8 +97,12 @@ def restore(opts):
 
 
 def handoff(opts):
-    reply = call(stub(opts.server).Handoff, pb.HandoffRequest(ctx=opts.ctx, to=opts.to, max_rounds=opts.rounds))
-    out = {"ctx": reply.ctx, "to": reply.to, "round_bytes": list(reply.round_bytes), "downtime_ms": reply.downtime_ms,
+    if opts.chunk_mb < 0:
+        raise SystemExit("phos: --chunk-mb must be 0 (sized to the context) or more")
+    reply = call(stub(opts.server).Handoff, pb.HandoffRequest(ctx=opts.ctx, to=opts.to, max_rounds=opts.rounds,
+                                                              chunk_size=opts.chunk_mb << 20))
+    out = {"ctx": reply.ctx, "to": reply.to, "chunk_size": reply.chunk_size, "round_bytes": list(reply.round_bytes),
+           "downtime_ms": reply.downtime_ms,
            "seconds": reply.seconds, "round_ms": list(reply.round_ms), "phase_ms": {k: round(v, 3) for k, v in sorted(reply.phase_ms.items())}}
     if opts.json:
         print(json.dumps(out))
@@ -168,7 +172,8 @@ def add_commands(sub, default_server):
     p = sub.add_parser("handoff", help="move a live context to another server on this host")
     p.add_argument("ctx", type=int)
     p.add_argument("--to", required=True, help="the target server's address")
-    p.add_argument("--rounds", type=int, default=0, help="pre-copy rounds at most (default 5)")
+    p.add_argument("--rounds", type=int, default=0, help="pre-copy rounds at most (default 12)")
+    p.add_argument("--chunk-mb", type=int, default=0, help="chunk size in MiB (default: about 1024 chunks, 2 to 16 MiB each)")
     common(p)
     p.set_defaults(func=handoff)
 
