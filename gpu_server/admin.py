@@ -35,7 +35,6 @@ GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
 MAX_ROUNDS = 12                  # pre-copy rounds of a handoff, at most
 SMALL_ROUND = 4 << 20            # a pre-copy round this small ends them: the frozen one will be small too
 HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
-HANDOFF_CHUNKS = 1024            # a handoff sizes its chunks to about this many (handoff_chunk_size)
 
 
 def admin_socket(server):
@@ -46,17 +45,6 @@ def admin_socket(server):
     if url.scheme == "tcp":
         return f"unix:/tmp/phos/admin-{url.port}.sock"
     raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
-
-
-def handoff_chunk_size(nbytes):
-    """The chunk size of a handoff of nbytes: about HANDOFF_CHUNKS chunks, 2 MiB (the VMM
-    granularity) to 16 MiB. The frozen round's bookkeeping grows with the number of chunks
-    (~5 µs each on the H200's CPU: 20 ms at 8 GiB in 2 MiB chunks), its copy only with the
-    bytes that changed, rounded up to whole chunks."""
-    size = DEFAULT_CHUNK_SIZE
-    while size < (16 << 20) and nbytes > size * HANDOFF_CHUNKS:
-        size *= 2
-    return size
 
 
 class Admin(admin_pb2_grpc.AdminServicer):
@@ -174,7 +162,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
                         raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
                                         f"handoff of context {request.ctx} to {request.to} failed, it stays live here: {why}") from None
 
-                chunk = request.chunk_size or handoff_chunk_size((await self.describe(w)).bytes)
+                # 2 MiB unless asked: 8 MiB chunks at 8 GiB cut the frozen round's per-chunk work
+                # by 14 ms but copied twice the bytes, and the downtime grew (perf/RESULTS.md)
+                chunk = request.chunk_size or DEFAULT_CHUNK_SIZE
                 warm = True
                 rounds, round_ms, name = await self.pre_copy(w, store, request.max_rounds, chunk, adopt)
                 frozen = time.perf_counter()

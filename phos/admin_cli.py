@@ -98,7 +98,7 @@ def restore(opts):
 
 def handoff(opts):
     if opts.chunk_mb < 0:
-        raise SystemExit("phos: --chunk-mb must be 0 (sized to the context) or more")
+        raise SystemExit("phos: --chunk-mb must be 0 (the default, 2) or more")
     reply = call(stub(opts.server).Handoff, pb.HandoffRequest(ctx=opts.ctx, to=opts.to, max_rounds=opts.rounds,
                                                               chunk_size=opts.chunk_mb << 20))
     out = {"ctx": reply.ctx, "to": reply.to, "chunk_size": reply.chunk_size, "round_bytes": list(reply.round_bytes),
@@ -173,7 +173,7 @@ def add_commands(sub, default_server):
     p.add_argument("ctx", type=int)
     p.add_argument("--to", required=True, help="the target server's address")
     p.add_argument("--rounds", type=int, default=0, help="pre-copy rounds at most (default 12)")
-    p.add_argument("--chunk-mb", type=int, default=0, help="chunk size in MiB (default: about 1024 chunks, 2 to 16 MiB each)")
+    p.add_argument("--chunk-mb", type=int, default=0, help="the rounds' chunk size in MiB (default 2)")
     common(p)
     p.set_defaults(func=handoff)
 

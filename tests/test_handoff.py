@@ -74,7 +74,7 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     assert reply.ctx == app.id and len(reply.round_bytes) >= 3 and reply.downtime_ms > 0
     assert len(reply.round_ms) == len(reply.round_bytes)             # where the time went, per round
     assert {"pre_copy", "last_round", "target_adopt", "retire"} <= set(reply.phase_ms)
-    assert reply.chunk_size == 2 << 20                   # a small context: the smallest chunks
+    assert reply.chunk_size == 2 << 20                   # the default
     assert app.id in contexts(two) and app.id not in contexts(one)
     assert "restoring it afresh" not in two.output()     # the warm copy followed the rounds
 
@@ -99,12 +99,6 @@ def test_a_bad_chunk_size_is_refused_and_the_context_stays_here(servers, client)
     assert "chunk size 12345 must be a multiple of 8" in e.value.details()
     assert contexts(one).get(app.id) == "running" and app.id not in contexts(two)
     assert app.get(app.jacobi(x, y, r, N, TOTAL - 20), N).tobytes() == expected.tobytes()
-
-
-def test_a_handoff_sizes_its_chunks_to_the_context():
-    from phos.gpu_server.admin import handoff_chunk_size
-    MiB, GiB = 1 << 20, 1 << 30
-    assert [handoff_chunk_size(n) // MiB for n in (0, 1 * GiB, 2 * GiB, 3 * GiB, 8 * GiB, 64 * GiB)] == [2, 2, 2, 4, 8, 16]
 
 
 def test_target_killed_mid_handoff_leaves_the_program_running_here(servers, client):
