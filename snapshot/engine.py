@@ -163,6 +163,13 @@ class ChunkJob:
         self.failure = None          # an exception from the background thread
         self.thread = None
         self.bytes_total = self.bytes_done = 0
+        self.phase_ms = {}           # steps and their times, for the reports of a handoff and a restore
+
+    def step(self, name, since):
+        """Add the time since `since` to step `name`; returns now."""
+        now = time.perf_counter()
+        self.phase_ms[name] = self.phase_ms.get(name, 0.0) + (now - since) * 1e3
+        return now
 
     def claim(self, idx):
         """Mark the pending chunks of idx busy; returns them."""
@@ -218,7 +225,6 @@ class Checkpoint(ChunkJob):
         super().__init__()
         self.mismatched = 0          # saved chunks that differed from the cut
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
-        self.phase_ms = {}           # a paused cut's steps and the commit, for a handoff's report
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
         self.started = time.perf_counter()
 
@@ -264,7 +270,7 @@ class Checkpoint(ChunkJob):
                 need.append(c)
         done, t = 0, time.perf_counter()
         for batch in self.session.backend.snap.read(self.chunks.spans(need), urgent) if need else ():
-            t = self._timed("copy_device", t)
+            t = self.step("copy_device", t) if not self.concurrent else t     # a paused round reports its steps
             writes = []
             for c, (data, fp) in zip(need[done:done + len(batch)], batch):
                 if fp == fps[c] or self.precopy:      # pre-copy: what was copied is what counts
@@ -276,15 +282,8 @@ class Checkpoint(ChunkJob):
             for c, write in writes:       # the batch's buffer is reused once we ask for the next
                 self.keys[c] = write.result()
             done += len(batch)
-            t = self._timed("copy_store", t)
+            t = self.step("copy_store", t) if not self.concurrent else t
         self.mark_done(idx)
-
-    def _timed(self, step, since):
-        """Add the time since `since` to a step of a paused copy (a handoff's frozen round reports them)."""
-        now = time.perf_counter()
-        if not self.concurrent:
-            self.phase_ms[step] = self.phase_ms.get(step, 0.0) + (now - since) * 1e3
-        return now
 
     def run(self):
         """The background thread: save every chunk nobody saved first."""
@@ -403,14 +402,7 @@ class Restore(ChunkJob):
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
         self.stopping = False        # advance() holds the background loader
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
-        self.started = time.perf_counter()
-        self.phase_ms = {"manifest": (self.started - t0) * 1e3}    # recreate's and advance's steps
-
-    def step(self, name, since):
-        """Record a step's time since `since`; returns now."""
-        now = time.perf_counter()
-        self.phase_ms[name] = self.phase_ms.get(name, 0.0) + (now - since) * 1e3
-        return now
+        self.started = self.step("manifest", t0)
 
     def refuse(self, why):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"image {self.name!r}: {why}")
