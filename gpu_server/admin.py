@@ -142,7 +142,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
         they go on while what they copy shrinks. Any failure before the target holds the
         context leaves it running here."""
         t0 = time.perf_counter()
-        store = tempfile.mkdtemp(prefix="phos-handoff-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        # named for this process, so that a server started after it was killed can sweep it (frontend.sweep_shm)
+        store = tempfile.mkdtemp(prefix=f"phos-handoff-{os.getpid()}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         loading = warm = False      # warm: the target may hold a warm copy that is not yet the live one
         try:
             w = self.worker(request.ctx)

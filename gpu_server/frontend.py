@@ -7,7 +7,9 @@ import asyncio
 import ipaddress
 import logging
 import os
+import re
 import secrets
+import shutil
 import signal
 import sys
 import urllib.parse
@@ -90,13 +92,49 @@ class RecoveryOptions:
 
 def alive(proc):
     """Whether a worker runs: a killed one is a zombie until our child watcher reaps it."""
-    if proc.returncode is not None:
-        return False
+    return proc.returncode is None and pid_alive(proc.pid)
+
+
+def pid_alive(pid):
+    """Whether process pid runs (a zombie does not)."""
     try:
-        with open(f"/proc/{proc.pid}/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")      # gone, unless there is no /proc to ask
     except (OSError, IndexError):
-        return True           # no /proc: trust returncode
+        return True
+
+
+_LEFT_IN_SHM = re.compile(r"phos-(?:handoff-)?(\d+)-[0-9a-z_]+")
+
+
+def sweep_shm(directory="/dev/shm"):
+    """Remove what a killed process left in shared memory: a client's staging file
+    (phos-<pid>-<random>, unlinked as soon as the worker maps it) or a handoff's store
+    (phos-handoff-<pid>-<random>, removed when the handoff ends), once process <pid> is gone.
+    (A process in another PID namespace that shares /dev/shm looks gone too: its staging
+    file then goes unshared, or its handoff fails and its context stays where it was.)
+    Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _LEFT_IN_SHM.fullmatch(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            removed.append(name)
+        except OSError:          # another user's: not ours to remove
+            pass
+    return removed
 
 
 class FrontEnd:
@@ -443,6 +481,9 @@ class FrontEnd:
 
     async def serve(self):
         from phos.gpu_server import admin
+        gone = sweep_shm()
+        if gone:
+            log.info("removed %d file(s) that killed processes left in /dev/shm: %s", len(gone), ", ".join(gone[:5]))
         zctx = self.zctx = zmq.asyncio.Context()
         sock = zctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
