@@ -202,7 +202,6 @@ class Worker:
         self.recovery_options = recovery   # (directory, every seconds, every calls) or None
         self.standby_server = standby      # the server that restores us if ours dies, told to clients
         self.told_durable = 0              # the last Reply.durableSeq sent
-        self.recovering = False            # the running checkpoint is a recovery image
         self.last_image = (None, None, ())  # (store, name, chunk keys) of the last image committed
         self.queued_checkpoint = None      # (peer, seq, args) of a control checkpoint waiting for it
         self.warm = None                   # the Restore of a context nobody attached to yet (advance_restore)
@@ -407,12 +406,17 @@ class Worker:
         if restored and os.path.abspath(restored[0]) == os.path.abspath(s.recovery.path):
             s.recovery.restored_from(restored[1], restored[2])      # its parent, if it is in our store
 
+    @property
+    def recovering(self):
+        """The running checkpoint is a recovery image (begun, not yet committed or failed)."""
+        r = self.session.recovery
+        return r is not None and r.running is not None
+
     def take_recovery_image(self):
         r = self.session.recovery
         path, name, parent = r.begin()
         try:
             self.begin_checkpoint(path, name, parent)
-            self.recovering = True
         except Exception as e:       # the store is full or gone: the client keeps its log, we try again later
             r.failed(getattr(e, "message", None) or f"{type(e).__name__}: {e}")
 
@@ -497,7 +501,6 @@ class Worker:
                 self.frozen = False    # a handoff's last round failed: the context goes on here
             s.checkpoint = None
             if self.recovering:
-                self.recovering = False
                 s.recovery.committed(result["cut_seq"]) if result else s.recovery.failed(message)
                 queued, self.queued_checkpoint = self.queued_checkpoint, None
                 if queued:
