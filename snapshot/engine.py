@@ -248,11 +248,11 @@ class Checkpoint(ChunkJob):
                                                    fence=self.concurrent and not self.precopy)
         self.fps = None
         if paused:
-            t1 = time.perf_counter()
+            t = self.step("describe", t0)
             self.fps = self.fp_wait()
-            t2 = time.perf_counter()
+            t = self.step("fingerprint", t)
             self.save(self.claim(range(len(self.chunks))))     # one pass: the backend batches its copies
-            self.phase_ms.update(describe=(t1 - t0) * 1e3, fingerprint=(t2 - t1) * 1e3, copy=(time.perf_counter() - t2) * 1e3)
+            self.step("copy", t)
         else:
             self.thread = threading.Thread(target=self.run, name="phos-checkpoint", daemon=True)
             self.thread.start()
@@ -352,7 +352,7 @@ class Checkpoint(ChunkJob):
             man = self.writer.commit(fields)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, str(e)) from None
-        self.phase_ms["commit"] = (time.perf_counter() - t0) * 1e3
+        self.step("commit", t0)
         st = self.writer.stats()
         return {"name": self.name, "bytes": self.bytes_total, "copied_bytes": st["raw_bytes"],
                 "stored_bytes": st["stored_bytes"], "new_chunks": st["new_chunks"], "reused_chunks": st["reused_chunks"],
