@@ -81,6 +81,15 @@ def cu(server, monkeypatch):
     driver._reset_for_tests()
 
 
+def recovery_images(directory, ctx):
+    """The committed recovery images of context `ctx` under a --recovery-dir. Its manifest
+    commits an image (its digest file lands first): a killed server may leave only that."""
+    from phos.gpu_server.recovery import context_store
+    from phos.snapshot import DirStore
+    path = context_store(directory, ctx)
+    return [n for n in DirStore(path).list_images() if n.startswith("rec-")] if os.path.isdir(path) else []
+
+
 def wait_until(predicate, timeout, step=0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import wait_until
+from conftest import recovery_images, wait_until
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
 from phos.snapshot import DirStore
@@ -232,7 +232,7 @@ def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, 
             app.sync()
             stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
             app.sync()                                  # re-attached at two: its worker takes recovery images
-            assert wait_until(lambda: any(n.startswith("rec-") for n in os.listdir(directory / f"ctx{app.id}" / "images")), 10)
+            assert wait_until(lambda: recovery_images(directory, app.id), 10)
             os.kill(two.proc.pid, signal.SIGKILL)      # its front end; its workers die with it
             two.proc.wait()
         app.jacobi(x, y, r, N, 1)

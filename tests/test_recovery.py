@@ -10,7 +10,7 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import wait_until
+from conftest import recovery_images, wait_until
 from test_snapshot_engine import App
 
 N, TOTAL, KILL_AT = 1 << 16, 240, 90       # 256 KiB vectors: copies go through the staging area
@@ -53,7 +53,7 @@ def test_worker_killed_mid_run_recovers_bit_exact(servers, client, tmp_path):
 
     def kill(app):
         app.sync()
-        assert wait_until(lambda: any(n.startswith("rec-") for n in os.listdir(tmp_path / "rec" / f"ctx{app.id}" / "images")), 10)
+        assert wait_until(lambda: recovery_images(tmp_path / "rec", app.id), 10)
         before = set(srv.workers())
         pid = next(p for p in before if f"--ctx {app.id}" in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
         app.get(app.put(np.ones(8, np.float32)), 8)     # answered, after the image's cut: replayed later

@@ -13,7 +13,7 @@ import signal
 import pytest
 
 import test_stub_reattach
-from conftest import wait_until
+from conftest import recovery_images as images, wait_until
 from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
 from test_stub_reattach import PAUSE, Program, iterate, kill, reference  # noqa: F401 (iterate: the fixture)
@@ -35,12 +35,6 @@ def the_context(server):
     return contexts[0]
 
 
-def images(directory, ctx):
-    """The committed recovery images of context `ctx`."""
-    path = directory / f"ctx{ctx}" / "images"
-    return [n for n in os.listdir(path) if n.startswith("rec-")] if path.is_dir() else []
-
-
 def kill_worker(server, ctx):
     pid = ctx.pid
     assert pid in server.workers()
@@ -48,9 +42,11 @@ def kill_worker(server, ctx):
     assert wait_until(lambda: pid not in server.workers(), 10)
 
 
-def finish(prog, expected, ctx):
+def finish(prog, expected, ctx, *servers):
+    """The program's end; on failure, with the last of each server's log in `servers`."""
     code, out, err = prog.finish()
-    assert code == 0 and out == expected, f"{out}\n{err}"
+    logs = "".join(f"\n--- server log {s.address}:\n{s.output()[-6000:]}" for s in servers)
+    assert code == 0 and out == expected, f"{out}\n{err}{logs}"
     assert f"context {ctx} re-attached" in err, err
     return err
 
@@ -163,5 +159,5 @@ def test_target_server_lost_after_a_handoff_recovers_on_its_standby(iterate, ser
     assert wait_until(lambda: images(directory, ctx.id), 20), prog.fail_text()
     assert prog.proc.poll() is None, prog.fail_text()
     kill(two)
-    err = finish(prog, expected, ctx.id)
+    err = finish(prog, expected, ctx.id, three, one)
     assert f"context {ctx.id} re-attached at {three.address}" in err, err
