@@ -3,6 +3,7 @@ memory per second, between two server processes on one GPU (issue 6).
 
     python perf/bench_handoff.py --backend cuda --sizes 1,8              # on the H200 (perf/device/run.sh handoff)
     python perf/bench_handoff.py --backend emu --sizes 16 --unit MiB      # anywhere
+    python perf/bench_handoff.py --backend emu --sizes 256 --unit MiB --chunk-kib 64   # 8 GiB's 4,096 chunks
 
 Downtime is the longest gap between two of the application's completed synchronizing calls
 during the handoff; the loop without a handoff gives the baseline gap.
@@ -42,7 +43,7 @@ def writer(app, stop, ends, share=0.1, step=0.01):
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
 
 
-def measure(backend, nbytes, work_dir):
+def measure(backend, nbytes, work_dir, chunk_size=0):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
@@ -59,7 +60,7 @@ def measure(backend, nbytes, work_dir):
         time.sleep(1.0)
         baseline = float(np.diff(ends).max()) * 1e3
         t0 = time.perf_counter()
-        reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=int(app.ctx), to=two.address))
+        reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=int(app.ctx), to=two.address, chunk_size=chunk_size))
         t1 = time.perf_counter()
         time.sleep(1.0)
         stop.set()
@@ -98,6 +99,8 @@ def main():
     ap.add_argument("--backend", default="cuda", choices=["cuda", "emu"])
     ap.add_argument("--sizes", default="1,8")
     ap.add_argument("--unit", default="GiB", choices=["GiB", "MiB"])
+    ap.add_argument("--chunk-kib", type=int, default=0,
+                    help="chunk size (default: the server's, 2 MiB); small chunks on emu give a large context's chunk count")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
@@ -105,7 +108,8 @@ def main():
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         row = {"size": f"{size} {args.unit}",
-               **measure(args.backend, size * (GiB if args.unit == "GiB" else MiB), tempfile.mkdtemp(prefix="phos-handoff-bench-"))}
+               **measure(args.backend, size * (GiB if args.unit == "GiB" else MiB), tempfile.mkdtemp(prefix="phos-handoff-bench-"),
+                       args.chunk_kib << 10)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| size | handoff total (s) | application downtime (ms) | gap without handoff (ms) | calls held by the source (ms) | bytes per round |")

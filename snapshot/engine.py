@@ -482,10 +482,9 @@ class Restore(ChunkJob):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
         if same_objects(self.manifest) != same_objects(m):
             return None
-        old_keys = set(self.keys)
-        for k in {k for e in region_entries(m) for k in e["chunks"]} - old_keys:
-            if not self.store.has_chunk(k):
-                self.refuse(f"chunk {k} is missing from the store")
+        missing = self.store.first_missing({k for e in region_entries(m) for k in e["chunks"]} - set(self.keys))
+        if missing:
+            self.refuse(f"chunk {missing} is missing from the store")
         self.stopping = True          # the loader stops between batches; what it holds, it finishes
         if self.thread is not None:
             self.thread.join()

@@ -50,6 +50,7 @@ other manifest references (delete_image / gc).
 """
 import hashlib
 import hmac
+import itertools
 import json
 import math
 import re
@@ -60,7 +61,7 @@ import time
 import zstandard
 
 from .fingerprint import fingerprint
-from .store import DirStore, ImageError, MemoryStore, check_key, check_name  # noqa: F401 (re-exported)
+from .store import DirStore, ImageError, MemoryStore, all_keys, check_key, check_name  # noqa: F401 (re-exported)
 
 FORMAT = "phos-image"
 VERSION = 1
@@ -83,7 +84,7 @@ DIGEST_PLAIN = b"blake2b-256"
 DIGEST_KEYED = b"blake2b-256-keyed"
 _QUOTED_KEY_RE = re.compile(rb'"([0-9a-f]{32})"')
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2}){0,64}")
-_KEYS_RE = re.compile(r"(?:[0-9a-f]{32})*")       # chunk keys, joined
+_CONTAINERS = itertools.repeat((dict, list))
 
 
 # ---------------------------------------------------------------------------------
@@ -275,7 +276,8 @@ def _check_digest(name, data, digest, key):
 
 def _depth_ok(obj, limit=MAX_JSON_DEPTH):
     """No value nests deeper than limit (the top object is at depth 0). Walks containers
-    level by level, so the thousands of chunk keys cost one isinstance each."""
+    level by level; a list holding no container (thousands of chunk keys) is passed over
+    by one scan in C."""
     level, depth = [obj] if isinstance(obj, (dict, list)) else [], 0
     while level:
         nested = []
@@ -283,6 +285,8 @@ def _depth_ok(obj, limit=MAX_JSON_DEPTH):
             values = o.values() if isinstance(o, dict) else o
             if depth >= limit and len(values):
                 return False
+            if not any(map(isinstance, values, _CONTAINERS)):
+                continue
             nested.extend(v for v in values if isinstance(v, (dict, list)))
         level, depth = nested, depth + 1
     return True
@@ -360,14 +364,14 @@ class _V:
         if len(chunks) != want:
             self.fail(f"{p}.chunks", f"{len(chunks)} chunks, expected {want} for {size} bytes in "
                                      f"chunks of {cs}")
-        if not (all(isinstance(k, str) for k in chunks) and _KEYS_RE.fullmatch("".join(chunks))
-                and all(len(k) == 32 for k in chunks)):
+        if not all_keys(chunks):
             for j, k in enumerate(chunks):      # one is bad: name it
                 self.key(k, f"{p}.chunks[{j}]")
 
 
-def validate_manifest(m, name=None):
-    """Check a manifest dict's structure, types and consistency; ImageError on the first problem."""
+def validate_manifest(m, name=None, depth_checked=False):
+    """Check a manifest dict's structure, types and consistency; ImageError on the first problem.
+    depth_checked: the caller has checked its nesting (_parse_manifest does, before anything else)."""
     v = _V(name if name is not None else (m.get("name") if isinstance(m, dict) else None))
     if not isinstance(m, dict):
         raise ImageError(f"image {v.image!r}: manifest is not a JSON object")
@@ -468,7 +472,7 @@ def validate_manifest(m, name=None):
     v.int(err, "status", "error", lo=-(1 << 63), hi=U64 - 1)
     v.str(err, "message", "error", maxlen=65536)
     v.obj(m, "metadata", "")
-    if not _depth_ok(m):
+    if not depth_checked and not _depth_ok(m):
         raise ImageError(f"image {v.image!r}: manifest nests deeper than {MAX_JSON_DEPTH} levels")
     return m
 
@@ -513,12 +517,10 @@ class Manifest:
         d = self._data
         return {e["image"] for e in d["modules"]} | {k for kind in ("globals", "allocations") for e in d[kind] for k in e["chunks"]}
 
-    def missing_chunk(self, present):
-        """(key, where) of the first chunk that present(key) denies, or None."""
-        for k in self.chunk_keys():
-            if not present(k):
-                return k, next(where for key, where in self.chunk_refs() if key == k)
-        return None
+    def missing_chunk(self, store, present=frozenset()):
+        """(key, where) of a chunk neither in `present` nor in the store, or None."""
+        k = store.first_missing(self.chunk_keys() - present)
+        return None if k is None else (k, next(where for key, where in self.chunk_refs() if key == k))
 
     @property
     def total_bytes(self):
@@ -556,10 +558,10 @@ def read_image(store, name, key=None, check_chunks=True):
     raw, digest = store.get_manifest(name, max_bytes=MAX_MANIFEST_BYTES)
     _check_digest(name, raw, digest, key)
     data = _parse_manifest(name, raw)
-    validate_manifest(data, name)
+    validate_manifest(data, name, depth_checked=True)
     man = Manifest(data, bytes(raw))
     if check_chunks:
-        missing = man.missing_chunk(store.has_chunk)
+        missing = man.missing_chunk(store)
         if missing:
             raise ImageError(f"image {name!r}: chunk {missing[0]} ({missing[1]}) is missing from the store")
     return man
@@ -672,7 +674,7 @@ class ImageWriter:
             if len(raw) > MAX_MANIFEST_BYTES:
                 raise ImageError(f"image {self.name!r}: manifest of {len(raw)} bytes is over the limit")
             man = Manifest(json.loads(raw), raw)
-            missing = man.missing_chunk(lambda k: k in self.present or self.store.has_chunk(k))
+            missing = man.missing_chunk(self.store, self.present)
             if missing:
                 raise ImageError(f"image {self.name!r}: chunk {missing[0]} ({missing[1]}) was never added to the store")
             if self.store.has_image(self.name):

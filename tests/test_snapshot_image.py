@@ -215,8 +215,9 @@ def test_a_writer_takes_its_parents_known_chunks_without_asking_the_store(store,
     base, _ = write_image(store, "base", contents)
     known = base.chunk_keys()
     asked = []
-    real = store.has_chunk
-    monkeypatch.setattr(store, "has_chunk", lambda k: asked.append(k) or real(k))
+    has, first_missing = store.has_chunk, store.first_missing
+    monkeypatch.setattr(store, "has_chunk", lambda k: asked.append(k) or has(k))
+    monkeypatch.setattr(store, "first_missing", lambda keys: asked.extend(keys) or first_missing(keys))
     w = ImageWriter(store, "next", parent="base", known=known)
     assert all(w.reuse_chunk(k) for k in known) and asked == []
     m = base.to_dict()
@@ -271,6 +272,32 @@ def test_truncated_chunk(store):
     set_chunk_blob(store, key, blob[:20])
     with pytest.raises(ImageError, match=f"chunk {key} is truncated.*header"):
         read_chunk(store, key)
+
+
+@pytest.mark.parametrize("count", [3, 300])      # a few keys are asked one by one, hundreds by listing
+def test_first_missing_names_a_chunk_the_store_lacks(store, count):
+    w = ImageWriter(store, "x")
+    keys = [w.add_chunk(np.full(8, i, np.uint64).tobytes()) for i in range(count)]
+    w.close()
+    assert store.first_missing(keys) is None and store.first_missing(set(keys)) is None
+    lacking = "cd" * 16
+    assert store.first_missing([*keys, lacking]) == lacking
+    remove_chunk(store, keys[count // 2])
+    assert store.first_missing(keys) == keys[count // 2]
+    for bad in ("../../etc/passwd", "AB" * 16, keys[0][:16] + "," + keys[0][17:], 7):
+        with pytest.raises(ImageError, match="invalid chunk key"):
+            store.first_missing([*keys, bad])
+
+
+def test_a_manifest_key_hiding_two_keys_or_a_comma_is_refused(store):
+    """Keys are checked all at once, joined by commas: a key holding a comma must not pass."""
+    man, _ = write_image(store, "img", make_contents())
+    m = man.to_dict()
+    chunks = m["allocations"][0]["chunks"]
+    for bad in (chunks[0][:31] + ",", chunks[0][:16] + "," + chunks[0][17:], chunks[0] + "," + chunks[1]):
+        m["allocations"][0]["chunks"] = [bad, *chunks[1:]]
+        with pytest.raises(ImageError, match=r"allocations\[0\]\.chunks\[0\]: expected a chunk key"):
+            validate_manifest(m, "img")
 
 
 def test_missing_chunk(store):

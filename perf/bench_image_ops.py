@@ -1,0 +1,80 @@
+"""The per-chunk bookkeeping of images, without a device: what a handoff's frozen round and an
+on-demand restore spend in Python for every chunk of a large context (no byte is copied here).
+
+    python perf/bench_image_ops.py --chunks 2048,4096,16384
+
+A 32 GiB context is 2,048 chunks of 16 MiB (bench_snapshot) or 16,384 of 2 MiB; 8 GiB in 2 MiB
+chunks (a handoff) is 4,096. Each chunk here is a tiny file with a distinct key, in a DirStore
+on /dev/shm, so the times are the manifest's and the store's, not the bytes'.
+
+    commit            ImageWriter.commit of the manifest (the chunks are in the store)
+    read (checked)    read_image with every chunk's presence checked (a restore)
+    read              read_image without (an advance: its new chunks are checked alone)
+    latest of 2       latest_image in a store of two images (the recovery front end)
+"""
+import argparse
+import os
+import secrets
+import shutil
+import tempfile
+import time
+
+from phos.snapshot import DirStore, ImageWriter, latest_image, read_image
+
+CHUNK = 16 << 20
+
+
+def best_ms(fn, n=5):
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def fields(keys, chunk=CHUNK):
+    return {"backend": "emu", "cut_seq": 7,
+            "device": {"name": "bench", "uuid": "00" * 16, "cc": [9, 0], "total_mem": 1 << 40},
+            "allocations": [{"address": 1 << 40, "size": len(keys) * chunk, "chunk_size": chunk, "chunks": keys}],
+            "session": {"ctx": 1, "token": "ab" * 32, "next_id": 9}}
+
+
+def one_size(root, n):
+    store = DirStore(os.path.join(root, f"s{n}"), fsync=False)
+    w = ImageWriter(store, "base")
+    keys = [w.add_chunk(secrets.token_bytes(64)) for _ in range(n)]
+    w.commit(fields(keys))
+    names = iter(f"img{i}" for i in range(1000))
+
+    def commit():
+        w = ImageWriter(store, next(names), parent="base", known=keys)
+        w.commit(fields(keys))
+    row = {"chunks": n, "commit": best_ms(commit)}
+    row["read (checked)"] = best_ms(lambda: read_image(store, "base"))
+    row["read"] = best_ms(lambda: read_image(store, "base", check_chunks=False))
+    for name in store.list_images():
+        if name not in ("base", "img0"):
+            store.delete_image(name)
+    row["latest of 2"] = best_ms(lambda: latest_image(store, 1))
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", default="2048,4096,16384", help="chunk counts")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="phos-bench-image-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        rows = [one_size(root, int(n)) for n in args.chunks.split(",")]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    cols = list(rows[0])
+    print("| " + " | ".join(c if c == "chunks" else f"{c} (ms)" for c in cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) if c == "chunks" else f"{r[c]:.2f}" for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
