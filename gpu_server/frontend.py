@@ -437,7 +437,7 @@ class FrontEnd:
         worker = self.pool.pop(0) if self.pool else await self.start_worker(0, 0, standby=True)
         worker.state = "restoring"
         try:
-            res = await self.control(worker, "restore", {"store": store, "name": name, "full": full})
+            res = await self.control(worker, "restore", {"store": store, "name": name, "full": full, "warm": warm})
         except BaseException:
             if worker.proc.returncode is None:
                 worker.proc.kill()

@@ -36,6 +36,10 @@ log = logging.getLogger("phos.worker")
 ORPHAN_GRACE = float(os.environ.get("PHOS_ORPHAN_GRACE", "2"))   # seconds without a client before the context is freed
 ATTACH_TIMEOUT = float(os.environ.get("PHOS_ATTACH_TIMEOUT", "30"))
 REATTACH_TIMEOUT = float(os.environ.get("PHOS_REATTACH_TIMEOUT", "60"))   # a restored context waits this long for its client
+# A restore on demand loads in the background once its client has attached and gone quiet
+# this long (its re-attach and first calls served first: a loader thread would slow them
+# down, competing for the interpreter), or by the deadline, whoever attached.
+LOADER_QUIET, LOADER_DEADLINE = 0.002, 0.1
 PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
@@ -205,6 +209,8 @@ class Worker:
         self.last_image = (None, None, ())  # (store, name, chunk keys) of the last image committed
         self.queued_checkpoint = None      # (peer, seq, args) of a control checkpoint waiting for it
         self.warm = None                   # the Restore of a context nobody attached to yet (advance_restore)
+        self.last_call = 0.0               # when the last message was served
+        self.loader_by = 0.0               # a restore on demand starts loading in the background by then
 
     def handle(self, frames):
         """Serve one message: [routing id, Request, payload...]."""
@@ -435,8 +441,9 @@ class Worker:
             self.ack = r.recreate()
             s.restoring, s.snapshotting = r, True
             t = time.perf_counter()
-            r.start(full=a.full)
+            r.start(full=a.full, deferred=not a.warm)
             r.step("load" if a.full else "start", t)
+            self.loader_by = time.perf_counter() + LOADER_DEADLINE
         except BaseException:
             s.closing = True          # half a context: let the front end start a fresh worker
             raise
@@ -515,6 +522,10 @@ class Worker:
             self.progress_at = time.monotonic()
             self.answer_control(*self.job, CUresult.CUDA_ERROR_NOT_READY, "", {"u64s": [cp.bytes_done, cp.bytes_total]})
         r = s.restoring
+        if r is not None and r.loader_held:
+            now = time.perf_counter()
+            if now > self.loader_by or self.attached and now - self.last_call > LOADER_QUIET:
+                r.start_loader()
         if r is not None and r.first_touch is not None and self.first_call_loaded is None:
             self.first_call_loaded = r.first_touch
         if r is not None and not r.running:
@@ -535,7 +546,7 @@ class Worker:
         if self.ctl is not None:
             poller.register(self.ctl, zmq.POLLIN)
         self.standby, self.alone_since = standby, time.monotonic()
-        last, awake = 0.0, False
+        awake = False
         held = zmq.Poller()      # while frozen: the front end only (connection events wait for a thaw)
         if self.ctl is not None:
             held.register(self.ctl, zmq.POLLIN)
@@ -552,7 +563,7 @@ class Worker:
                 if self.ctl is not None and self.ctl in ready:
                     self.handle_control(self.ctl.recv_multipart(copy=False))
                 continue
-            hot = SPIN and time.perf_counter() - last < SPIN
+            hot = SPIN and time.perf_counter() - self.last_call < SPIN
             box = self.session.box
             if box is not None and hot != awake:
                 box.awake[0] = awake = hot      # clients ring the doorbell only while we sleep
@@ -561,20 +572,22 @@ class Worker:
                 continue               # it may have frozen the context
             if self.box_ready():
                 self.serve_box()
-                last = time.perf_counter()
+                self.last_call = time.perf_counter()
                 continue
             if hot:
                 # a client mid-burst: catch its next message without the cost of sleeping in poll
                 if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     self.handle(self.sock.recv_multipart(copy=False))
-                    last = time.perf_counter()
+                    self.last_call = time.perf_counter()
                 continue
             # with a mailbox, wake now and then: a doorbell can cross our going to sleep
             timeout = 10 if box is not None else 20 if self.session.snapshotting else 250
+            if self.session.restoring is not None and self.session.restoring.loader_held:
+                timeout = 1                # its loader starts once we are quiet (tick)
             ready = dict(poller.poll(timeout))
             if self.sock in ready:
                 self.handle(self.sock.recv_multipart(copy=False))
-                last = time.perf_counter()
+                self.last_call = time.perf_counter()
             if self.ctl is not None and self.ctl in ready:
                 self.handle_control(self.ctl.recv_multipart(copy=False))
             if monitor in ready:

@@ -237,7 +237,10 @@ struct Checkpoint {
 # no client has attached to yet (a handoff's warm target): it moves on to this image, loading
 # only the chunks that changed. Refused with CUDA_ERROR_ILLEGAL_STATE if the images differ
 # in more than contents; restore the image afresh then.
-struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; }
+# Without `full`, contents load in the background once the client has attached and its first
+# calls were served (or 0.1 s on); with `warm` (a handoff's early image, which no client
+# attaches to before `advance`), at once.
+struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; warm @4 :Bool; }
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
 struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }

@@ -401,6 +401,7 @@ class Restore(ChunkJob):
         super().__init__()
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
         self.stopping = False        # advance() holds the background loader
+        self.loader_held = False     # the loader waits for start_loader()
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
         self.started = self.step("manifest", t0)
 
@@ -488,7 +489,7 @@ class Restore(ChunkJob):
         self.stopping = True          # the loader stops between batches; what it holds, it finishes
         if self.thread is not None:
             self.thread.join()
-        self.stopping = False
+        self.stopping, self.thread = False, None
         by_base = {ptr: e["chunks"] for ptr, e in zip(self.bases, region_entries(m))}
         keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
         with self.cv:
@@ -529,12 +530,26 @@ class Restore(ChunkJob):
             if mine:
                 self.load(mine)
 
-    def start(self, full):
+    def start(self, full, deferred=False):
+        """full: load everything now. Else a background thread loads it, from now on or, with
+        deferred, once start_loader() is called: the worker serves its client's re-attach
+        and first calls before the loader competes with them for the interpreter."""
         if full:
             self.load_all()
+        elif deferred:
+            self.loader_held = True
         else:
+            self.start_loader()
+
+    def start_loader(self):
+        self.loader_held = False
+        if self.thread is None:
             self.thread = threading.Thread(target=self.run, name="phos-restore", daemon=True)
             self.thread.start()
+
+    @property
+    def running(self):
+        return self.loader_held or super().running
 
     def run(self):
         try:
@@ -560,6 +575,8 @@ class Restore(ChunkJob):
 
     def wait(self):
         """Block until every chunk is loaded (a synchronous full restore, or shutdown)."""
+        if self.loader_held:
+            self.start_loader()
         if self.thread is not None:
             self.thread.join()
         if self.failure is not None:

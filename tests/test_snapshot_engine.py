@@ -252,6 +252,36 @@ def test_a_write_through_a_loaded_pointer_is_caught(servers, client, tmp_path):
     assert (app.get(target, n) == 7.0).all()
 
 
+def test_a_deferred_loader_loads_only_what_calls_touch_until_it_is_started(tmp_path):
+    """A restore on demand holds its background loader until the worker starts it (its client
+    served first): meanwhile a call loads just the chunks it touches; once started, everything
+    loads and the contents are the image's."""
+    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.worker import Session
+    from phos.snapshot.engine import Checkpoint, Restore
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    ptr = s.backend.alloc(8 << 20)
+    s.backend.htod(ptr, filler(8 << 20).tobytes(), None)
+    cp = Checkpoint(s, DirStore(tmp_path), "a", paused=True, chunk_size=1 << 20)
+    cp.cut(1, paused=True)
+    cp.finish(1)
+    fresh = Session(EmuBackend(), 0, b"t" * 16)
+    r = Restore(fresh, DirStore(tmp_path), "a")
+    r.recreate()
+    r.start(full=False, deferred=True)
+    assert r.loader_held and r.running and r.thread is None
+    threading.Event().wait(0.2)
+    assert r.bytes_done == 0, "the loader ran before it was started"
+    r.before_access(ptr + (3 << 20) + 5, 8)
+    assert r.bytes_done == 1 << 20                  # the one chunk the call touched
+    r.start_loader()
+    r.wait()
+    assert not r.running and r.bytes_done == r.bytes_total == 8 << 20
+    out = np.empty(8 << 20, np.uint8)
+    fresh.backend.dtoh(ptr, out, None)
+    assert out.tobytes() == filler(8 << 20).tobytes()
+
+
 def test_on_demand_restore_runs_kernels_before_everything_is_loaded(servers, client, tmp_path, monkeypatch):
     one = servers("one")
     app = App(client(one))
