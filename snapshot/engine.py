@@ -36,7 +36,7 @@ import numpy as np
 
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
-from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_lengths, read_chunk,
+from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, read_chunk,
                                  read_chunk_into, read_image)
 
 log = logging.getLogger("phos.snapshot")
@@ -52,22 +52,29 @@ class Chunks:
         self.regions = sorted(regions)
         self.bases = [r[0] for r in self.regions]
         self.first = []              # index of each region's first chunk
-        self.addr, self.size = [], []
-        for base, size, cs in self.regions:
-            self.first.append(len(self.addr))
-            for j, n in enumerate(chunk_lengths(size, cs)):
-                self.addr.append(base + j * cs)
-                self.size.append(n)
+        addr, size = [], []          # built by NumPy: a handoff's frozen round makes thousands
+        for base, nbytes, cs in self.regions:
+            self.first.append(sum(map(len, addr)))
+            n = chunk_count(nbytes, cs)
+            addr.append(base + np.arange(n, dtype=np.uint64) * np.uint64(cs))
+            size.append(np.full(n, cs, np.uint64))
+            if n:
+                size[-1][-1] = nbytes - (n - 1) * cs
+        self.sizes = np.concatenate(size) if size else np.zeros(0, np.uint64)
+        self.addr = np.concatenate(addr).tolist() if addr else []
+        self.size = self.sizes.tolist()
         self.state = np.zeros(len(self.addr), np.int8)
 
     def __len__(self):
         return len(self.addr)
 
     def spans(self, idx):
+        if idx == range(len(self.addr)):
+            return list(zip(self.addr, self.size))
         return [(self.addr[c], self.size[c]) for c in idx]
 
     def region(self, r):
-        return range(self.first[r], self.first[r] + len(chunk_lengths(self.regions[r][1], self.regions[r][2])))
+        return range(self.first[r], self.first[r] + chunk_count(self.regions[r][1], self.regions[r][2]))
 
     def covering(self, ptr, nbytes):
         """Chunk indices that [ptr, ptr+nbytes) touches."""
@@ -102,6 +109,13 @@ class Chunks:
         if r < 0 or ptr >= self.regions[r][0] + self.regions[r][1]:
             return range(0)
         return self.region(r)
+
+
+def indices(idx):
+    """Chunk indices (a range or a list) as an array, to index the chunk tables in one step."""
+    if isinstance(idx, range):
+        return np.arange(idx.start, idx.stop, idx.step, dtype=np.int64)
+    return np.asarray(idx, dtype=np.int64)
 
 
 def kernel_pointers(session, params):
@@ -173,21 +187,24 @@ class ChunkJob:
 
     def claim(self, idx):
         """Mark the pending chunks of idx busy; returns them."""
+        idx = indices(idx)
         with self.cv:
-            mine = [c for c in idx if self.chunks.state[c] == PENDING]
+            mine = idx[self.chunks.state[idx] == PENDING]
             self.chunks.state[mine] = BUSY
-            return mine
+            return mine.tolist()
 
     def mark_done(self, idx):
+        idx = indices(idx)
         with self.cv:
-            self.chunks.state[list(idx)] = DONE
-            self.bytes_done += sum(self.chunks.size[c] for c in idx)
+            self.chunks.state[idx] = DONE
+            self.bytes_done += int(self.chunks.sizes[idx].sum())
             self.cv.notify_all()
 
     def wait_done(self, idx):
         """Wait until the other side has finished the chunks of idx it claimed."""
+        idx = indices(idx)
         with self.cv:
-            while self.failure is None and not all(self.chunks.state[c] == DONE for c in idx):
+            while self.failure is None and not (self.chunks.state[idx] == DONE).all():
                 self.cv.wait(0.1)
 
     def fail(self, e):
@@ -338,7 +355,7 @@ class Checkpoint(ChunkJob):
         fields = dict(self.fields)
         i = 0
         for e in fields["allocations"] + fields["globals"]:
-            n = len(chunk_lengths(e["size"], e["chunk_size"]))
+            n = chunk_count(e["size"], e["chunk_size"])
             e["chunks"] = self.keys[i:i + n]
             i += n
         elapsed = time.perf_counter() - self.started
@@ -493,11 +510,11 @@ class Restore(ChunkJob):
         by_base = {ptr: e["chunks"] for ptr, e in zip(self.bases, region_entries(m))}
         keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
         with self.cv:
-            changed = [c for c, (old, new) in enumerate(zip(self.keys, keys)) if old != new]
+            changed = indices([c for c, (old, new) in enumerate(zip(self.keys, keys)) if old != new])
             self.keys = keys
-            loaded = [c for c in changed if self.chunks.state[c] == DONE]
+            loaded = changed[self.chunks.state[changed] == DONE]
             self.chunks.state[loaded] = PENDING
-            self.bytes_done -= sum(self.chunks.size[c] for c in loaded)
+            self.bytes_done -= int(self.chunks.sizes[loaded].sum())
         self.manifest, self.name = m, name
         self.adopt_session(m)
         t = self.step("manifest", t)

@@ -211,10 +211,13 @@ def read_chunk_into(store, key, out, check=True):
         raise ImageError(f"chunk {key} is corrupt: its contents fingerprint to {found}")
 
 
+def chunk_count(size, chunk_size):
+    return -(-size // chunk_size) if size else 0
+
+
 def chunk_lengths(size, chunk_size):
     """Lengths of a region's chunks: full chunks, then the remainder."""
-    n = -(-size // chunk_size) if size else 0
-    return [min(chunk_size, size - j * chunk_size) for j in range(n)]
+    return [min(chunk_size, size - j * chunk_size) for j in range(chunk_count(size, chunk_size))]
 
 
 def read_region(store, entry, max_len=MAX_CHUNK_BYTES):
@@ -360,7 +363,7 @@ class _V:
         if e["address"] + size > U64:
             self.fail(f"{p}.size", f"region {e['address']:#x}+{size} runs past the 64-bit address space")
         chunks = self.list(e, "chunks", p)
-        want = -(-size // cs)
+        want = chunk_count(size, cs)
         if len(chunks) != want:
             self.fail(f"{p}.chunks", f"{len(chunks)} chunks, expected {want} for {size} bytes in "
                                      f"chunks of {cs}")
