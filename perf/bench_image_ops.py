@@ -11,6 +11,10 @@ on /dev/shm, so the times are the manifest's and the store's, not the bytes'.
     read (checked)    read_image with every chunk's presence checked (a restore)
     read              read_image without (an advance: its new chunks are checked alone)
     latest of 2       latest_image in a store of two images (the recovery front end)
+    frozen round      a handoff's paused last round on emu, 1% of the chunks changed, the
+                      emulator's fingerprints taken beforehand (describe, copy, commit)
+    advance           the target's warm restore moving on to that round's image (manifest
+                      and load of what changed)
 """
 import argparse
 import os
@@ -60,13 +64,45 @@ def one_size(root, n):
     return row
 
 
+def rounds(root, n, chunk=4096):
+    """A context of n small chunks on emu: (frozen round, advance) in ms, bookkeeping only."""
+    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.worker import Session
+    from phos.snapshot.engine import Checkpoint, Restore
+    s = Session(EmuBackend(), 1, b"t" * 16)
+    ptr = s.backend.alloc(n * chunk)
+    s.backend.htod(ptr, secrets.token_bytes(n * chunk), None)
+    store = DirStore(os.path.join(root, f"r{n}"), fsync=False)
+    base = Checkpoint(s, store, "base", paused=True, chunk_size=chunk)
+    base.cut(1, paused=True)
+    base.finish(1)
+    s.backend.htod(ptr, secrets.token_bytes(max(1, n // 100) * chunk), None)
+    now = s.backend.snap.fingerprints(base.chunks.spans(range(len(base.chunks))), False)()
+    s.backend.snap.fingerprints = lambda chunks, fence: lambda: now    # the emulator hashes on the CPU: not timed
+    times = {"frozen round": [], "advance": []}
+    for i in range(5):
+        cp = Checkpoint(s, store, f"round{i}", parent="base", paused=True, chunk_size=chunk, known=base.chunk_keys())
+        t = time.perf_counter()
+        cp.cut(2, paused=True)
+        cp.finish(2)
+        times["frozen round"].append(time.perf_counter() - t)
+        target = Session(EmuBackend(), 0, b"t" * 16)
+        r = Restore(target, store, "base")
+        r.recreate()
+        r.start(full=True)
+        t = time.perf_counter()
+        r.advance(f"round{i}", full=True)
+        times["advance"].append(time.perf_counter() - t)
+    return {k: min(v) * 1e3 for k, v in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", default="2048,4096,16384", help="chunk counts")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="phos-bench-image-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
-        rows = [one_size(root, int(n)) for n in args.chunks.split(",")]
+        rows = [{**one_size(root, int(n)), **rounds(root, int(n))} for n in args.chunks.split(",")]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     cols = list(rows[0])

@@ -540,7 +540,9 @@ class Restore(ChunkJob):
         self.mark_done(idx)
 
     def load_all(self):
-        for batch in self.chunks.batches(range(len(self.chunks))):
+        with self.cv:      # after an advance, the few that changed: batches of those alone
+            pending = np.flatnonzero(self.chunks.state == PENDING).tolist()
+        for batch in self.chunks.batches(pending):
             if self.failure is not None or self.stopping:
                 return
             mine = self.claim(batch)
