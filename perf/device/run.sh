@@ -7,7 +7,8 @@
 # zstandard and no package manager: carry them as wheels in .whl/ (see the README's
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
-# perf/bench_snapshot.py), probe (perf/probe_driver_stalls.py), handoff (perf/bench_fingerprint.py, perf/bench_handoff.py), bench (the other perf/* benchmarks),
+# perf/bench_snapshot.py), probe (perf/probe_driver_stalls.py), handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py,
+# perf/bench_handoff.py), bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
@@ -51,6 +52,7 @@ if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
 fi
 if want handoff; then
+    step bench-image-ops python3 perf/bench_image_ops.py     # the per-chunk Python of a frozen round, on this host's CPU
     step bench-fingerprint python3 perf/bench_fingerprint.py --sizes 1,8
     step bench-handoff python3 perf/bench_handoff.py --backend cuda --sizes ${PHOS_HANDOFF_SIZES:-1,8} --json "$OUT/bench_handoff.json"
 fi
