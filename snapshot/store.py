@@ -217,16 +217,21 @@ def _read_bounded(path, max_bytes, what):
         f = open(path, "rb")
     except FileNotFoundError:
         return None
+    except OSError as e:          # a directory in its place, or no permission
+        raise ImageError(f"{what} cannot be read ({path}): {e.strerror}") from None
     with f:
-        if max_bytes is not None:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise ImageError(f"{what} is {size} bytes, over the limit of {max_bytes}")
-            data = f.read(max_bytes + 1)
-            if len(data) > max_bytes:
-                raise ImageError(f"{what} is over the limit of {max_bytes} bytes")
-            return data
-        return f.read()
+        try:
+            if max_bytes is not None:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_bytes:
+                    raise ImageError(f"{what} is {size} bytes, over the limit of {max_bytes}")
+                data = f.read(max_bytes + 1)
+                if len(data) > max_bytes:
+                    raise ImageError(f"{what} is over the limit of {max_bytes} bytes")
+                return data
+            return f.read()
+        except OSError as e:
+            raise ImageError(f"{what} cannot be read ({path}): {e.strerror}") from None
 
 
 class DirStore:
@@ -317,9 +322,13 @@ class DirStore:
             fd = os.open(self._chunk_path(key), os.O_RDONLY)
         except FileNotFoundError:
             raise ImageError(f"chunk {key} is missing from the store {self.path}") from None
+        except OSError as e:
+            raise ImageError(f"chunk {key} cannot be read from the store {self.path}: {e.strerror}") from None
         try:
             size = os.fstat(fd).st_size
             got = os.readv(fd, [head, body])
+        except OSError as e:      # not a regular file (a directory in its place), or an I/O error
+            raise ImageError(f"chunk {key} cannot be read from the store {self.path}: {e.strerror}") from None
         finally:
             os.close(fd)
         if got != min(size, len(head) + len(body)):

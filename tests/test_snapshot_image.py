@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import phos.snapshot.fingerprint as fpmod
 from phos.snapshot.fingerprint import fingerprint, fingerprints, reference_fingerprint
 from phos.snapshot.image import (HEADER, HEADER_SIZE, ImageError, ImageWriter, canonical_json, decode_chunk,
-                                 delete_image, encode_chunk, gc, manifest_digest, read_chunk, read_image,
+                                 delete_image, encode_chunk, gc, manifest_digest, read_chunk, read_chunk_into, read_image,
                                  read_region, validate_manifest)
 from phos.snapshot.store import DirStore, MemoryStore
 
@@ -308,6 +308,26 @@ def test_missing_chunk(store):
         read_image(store, "img")
     with pytest.raises(ImageError, match=f"chunk {key} is missing"):
         read_chunk(store, key)
+
+
+def test_a_directory_in_place_of_a_chunk_or_manifest_is_a_clear_error(tmp_path):
+    """A store's file replaced by a directory (tampering, a bad copy) is an ImageError naming
+    it, on every way in, never an OSError out of the server."""
+    store = DirStore(tmp_path / "store")
+    man, _ = write_image(store, "img", make_contents())
+    key = man.allocations[0]["chunks"][2]
+    path = tmp_path / "store" / "chunks" / key[:2] / key
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(ImageError, match=f"chunk {key} cannot be read"):
+        read_chunk(store, key)
+    with pytest.raises(ImageError, match=f"chunk {key} cannot be read"):
+        read_chunk_into(store, key, bytearray(man.allocations[0]["chunk_size"]))
+    manifest = tmp_path / "store" / "images" / "img.json"
+    manifest.unlink()
+    manifest.mkdir()
+    with pytest.raises(ImageError, match="manifest of image 'img' cannot be read"):
+        read_image(store, "img")
 
 
 def test_tampered_manifest(store):
