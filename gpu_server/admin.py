@@ -7,8 +7,6 @@ import asyncio
 import datetime
 import json
 import os
-import shutil
-import tempfile
 import time
 import urllib.parse
 
@@ -17,6 +15,7 @@ import grpc
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
 from phos.gpu_server.frontend import alive
+from phos.gpu_server.handoff_store import HandoffStore
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import latest_image
 from phos.snapshot.image import DEFAULT_CHUNK_SIZE
@@ -35,6 +34,7 @@ GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
 MAX_ROUNDS = 12                  # pre-copy rounds of a handoff, at most
 SMALL_ROUND = 4 << 20            # a pre-copy round this small ends them: the frozen one will be small too
 HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
+HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 
 
 def admin_socket(server):
@@ -142,8 +142,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
         they go on while what they copy shrinks. Any failure before the target holds the
         context leaves it running here."""
         t0 = time.perf_counter()
-        # named for this process, so that a server started after it was killed can sweep it (frontend.sweep_shm)
-        store = tempfile.mkdtemp(prefix=f"phos-handoff-{os.getpid()}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        store = None                # a HandoffStore, once the target said where
         loading = warm = False      # warm: the target may hold a warm copy that is not yet the live one
         try:
             w = self.worker(request.ctx)
@@ -154,14 +153,21 @@ class Admin(admin_pb2_grpc.AdminServicer):
             async with grpc.aio.insecure_channel(target_socket) as channel:
                 target = admin_pb2_grpc.AdminStub(channel)
 
-                async def adopt(name, **how):
+                async def ask(call, timeout):
                     try:
-                        return await target.Restore(pb.RestoreRequest(store=store, name=name, ctx=request.ctx, **how),
-                                                    timeout=HANDOFF_RESTORE_TIMEOUT)
+                        return await call(timeout=timeout)
                     except (grpc.aio.AioRpcError, OSError) as e:
                         why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                         raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
                                         f"handoff of context {request.ctx} to {request.to} failed, it stays live here: {why}") from None
+
+                async def adopt(name, **how):
+                    return await ask(lambda timeout: target.Restore(
+                        pb.RestoreRequest(store=store.path, name=name, ctx=request.ctx, **how), timeout=timeout),
+                        HANDOFF_RESTORE_TIMEOUT)
+
+                info = await ask(lambda timeout: target.Stats(pb.StatsRequest(), timeout=timeout), HANDOFF_ASK_TIMEOUT)
+                store = HandoffStore(request.ctx, info.recovery_dir)
 
                 # 2 MiB unless asked: 8 MiB chunks at 8 GiB cut the frozen round's per-chunk work
                 # by 14 ms but copied twice the bytes, and the downtime grew (perf/RESULTS.md)
@@ -196,7 +202,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
             phases["retire"] = (time.perf_counter() - t) * 1e3
             downtime = time.perf_counter() - frozen
             loading = True
-            asyncio.ensure_future(self.remove_when_loaded(store, request.to, request.ctx))
+            asyncio.ensure_future(self.remove_when_loaded(store, name, request.to, request.ctx))
             self.front.counts["handoffs"] += 1
             return pb.HandoffReply(ctx=request.ctx, to=request.to, round_bytes=rounds, downtime_ms=downtime * 1e3,
                                    seconds=time.perf_counter() - t0, phase_ms=phases, round_ms=round_ms, chunk_size=chunk)
@@ -205,8 +211,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 await self.drop_warm(request.to, request.ctx)
             await self.fail(context, e)
         finally:
-            if not loading:
-                shutil.rmtree(store, ignore_errors=True)
+            if not loading and store is not None:
+                store.remove()
 
     async def pre_copy(self, w, store, max_rounds, chunk, adopt):
         """Pre-copy rounds while the application runs; the target's warm copy loads each round
@@ -251,15 +257,17 @@ class Admin(admin_pb2_grpc.AdminServicer):
         """One round into the handoff's store: a pre-copy round, or the frozen last one."""
         async def ignore(res):
             pass
-        args = {"store": store, "name": f"round{i}", "parent": parent, "paused": final, "freeze": final, "precopy": not final,
-                "chunkSize": chunk}
+        name = store.round_name(i)
+        args = {"store": store.path, "name": name, "parent": parent, "paused": final, "freeze": final, "precopy": not final,
+                "chunkSize": chunk, "noSync": True}
         res = await self.front.control(w, "checkpoint", args, ignore)
         result = json.loads(res.text)
-        return result["copied_bytes"], f"round{i}", result["phase_ms"], result["seconds"] * 1e3
+        return result["copied_bytes"], name, result["phase_ms"], result["seconds"] * 1e3
 
     @staticmethod
-    async def remove_when_loaded(store, target, ctx):
-        """The target loads on demand from the handoff's store: remove it once that is done."""
+    async def remove_when_loaded(store, last, target, ctx):
+        """The target loads on demand from the handoff's store: remove the rounds once that is
+        done, but the last one where it is the target's recovery image."""
         deadline = time.monotonic() + 600
         try:
             async with grpc.aio.insecure_channel(admin_socket(target)) as channel:
@@ -271,7 +279,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                     await asyncio.sleep(0.5)
         except grpc.aio.AioRpcError:
             pass
-        shutil.rmtree(store, ignore_errors=True)
+        store.remove(keep=last if store.recovery else None)
 
     async def DropWarm(self, request, context):
         w = self.front.workers.get(request.ctx)
@@ -296,7 +304,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
         contexts = (await self.ListContexts(request, context)).contexts
         return pb.StatsReply(backend=self.front.backend_name, devices=len(self.front.devices), contexts=len(contexts),
                              standby_workers=len(self.front.pool), bytes=sum(c.bytes for c in contexts),
-                             checkpoints=self.front.counts["checkpoints"], restores=self.front.counts["restores"])
+                             checkpoints=self.front.counts["checkpoints"], restores=self.front.counts["restores"],
+                             recovery_dir=os.path.abspath(self.front.recovery.directory) if self.front.recovery else "")
 
 
 async def start(front, address):

@@ -44,7 +44,7 @@ PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
 FIRST_HANDLE = 0x1000
-CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy")
+CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync")
 BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
 
 
@@ -375,18 +375,19 @@ class Worker:
             return None
         if s.checkpoint is not None or s.restoring is not None:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "a checkpoint or restore of this context is still running")
-        self.begin_checkpoint(a.store, a.name, a.parent, a.paused, a.compress, a.chunkSize, a.precopy)
+        self.begin_checkpoint(a.store, a.name, a.parent, a.paused, a.compress, a.chunkSize, a.precopy, not a.noSync)
         # Frozen from the cut on: a call run while the image is still being written would be
         # acknowledged to the client, yet missing from the image the target restores.
         self.frozen = a.freeze and a.paused
         self.job, self.progress_at = (peer, seq), time.monotonic()
         self.tick()
 
-    def begin_checkpoint(self, store_path, name, parent="", paused=False, compress=False, chunk_size=0, precopy=False):
+    def begin_checkpoint(self, store_path, name, parent="", paused=False, compress=False, chunk_size=0, precopy=False,
+                         sync=True):
         from phos.snapshot.store import DirStore
         s = self.session
         try:
-            store = DirStore(store_path)
+            store = DirStore(store_path, fsync=sync)
         except OSError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {store_path!r}: {e}") from None
         last_store, last_name, last_keys = self.last_image     # its chunks need no asking the store

@@ -106,7 +106,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Handoff(self, request, context):
-        """Move a live context to the server at `to` (same host: the image travels through /dev/shm).
+        """Move a live context to the server at `to` (same host: the image travels through /dev/shm,
+        or the target's recovery store, where its last round is then the context's recovery image).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -230,6 +230,8 @@ struct Checkpoint {
   freeze @6 :Bool;             # with paused: afterwards run no more client calls until thaw or retire
   precopy @7 :Bool;            # a handoff's pre-copy round: contents as they are while the
                                # application runs, with no cut (see snapshot/engine.py)
+  noSync @8 :Bool;             # no fsync of its files: a handoff's rounds outlive processes
+                               # (in the page cache), not a power cut, and need no more
 }
 # Restore an image into a worker that holds no context yet (a pre-started one). The Result's
 # u64s are [ctx id, cut seq]; with `full`, it comes once every chunk is loaded.

@@ -753,13 +753,16 @@ def check_token(token, digest):
 
 
 def latest_image(store, ctx=None, token=None):
-    """The name of the newest readable image in a store (of context ctx, and whose session
-    token is `token`, if given), or None."""
+    """The name of the newest readable, consistent image in a store (of context ctx, and whose
+    session token is `token`, if given), or None. A handoff's pre-copy round is consistent in
+    its objects only: never anybody's latest."""
     best = None
     for name in store.list_images():
         try:
             m = read_image(store, name, check_chunks=False)
         except Exception:       # an unreadable image is never anybody's latest
+            continue
+        if m.metadata.get("mode") == "precopy":
             continue
         session = getattr(m, "session", {})
         if ctx is not None and session.get("ctx") != ctx:

@@ -13,10 +13,10 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import recovery_images, wait_until
+from conftest import wait_until
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
-from phos.snapshot import DirStore
+from phos.snapshot import DirStore, latest_image, read_image
 from test_snapshot_engine import App, checkpoint, region
 
 N, TOTAL = 1 << 15, 300
@@ -134,11 +134,15 @@ def test_target_killed_mid_handoff_leaves_the_program_running_here(servers, clie
     assert contexts(one).get(app.id) == "running"
 
 
-def test_a_failed_handoff_frees_the_targets_warm_copy_at_once(servers, client):
+@pytest.mark.parametrize("into", ["shm", "recovery store"])
+def test_a_failed_handoff_frees_the_targets_warm_copy_at_once(servers, client, tmp_path, into):
     """The source's worker dies after the first pre-copy rounds, while the target keeps a warm
     copy: the handoff fails, and the target drops that copy at once instead of holding its
-    memory until its attach timeout runs out."""
-    one, two = servers("one"), servers("two")
+    memory until its attach timeout runs out. The rounds are removed: a directory of their own
+    in /dev/shm, or, for a target taking recovery images, its store of the context."""
+    from test_recovery import recovering
+    one = servers("one")
+    two = recovering(servers, "two", every="600", directory=tmp_path / "rec") if into == "recovery store" else servers("two")
     app = App(client(one))
     app.put(np.ones(64 << 20, np.float32))                 # 256 MiB: each round takes a while on emu
     app.sync()
@@ -151,15 +155,18 @@ def test_a_failed_handoff_frees_the_targets_warm_copy_at_once(servers, client):
             stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
         except grpc.RpcError as e:
             done["error"] = e
+
+    def stores():
+        return [tmp_path / "rec" / f"ctx{app.id}"] if into == "recovery store" else set(glob.glob("/dev/shm/phos-handoff-*")) - before
     mover = threading.Thread(target=handoff)
     mover.start()
     # round 1 written: the target holds (or is loading) round 0; the frozen round is still to come
-    assert wait_until(lambda: any(os.path.exists(f"{d}/images/round1.json")
-                                  for d in set(glob.glob("/dev/shm/phos-handoff-*")) - before), 60, step=0.005)
+    assert wait_until(lambda: any(glob.glob(f"{d}/images/handoff-*-round1.json") for d in stores()), 60, step=0.005)
     os.kill(pid, signal.SIGKILL)
     mover.join(60)
     assert "error" in done and "exited" in done["error"].details(), done
     assert wait_until(lambda: app.id not in contexts(two), 5), contexts(two)
+    assert not any(os.path.exists(d) for d in stores()), "the failed handoff's rounds were left behind"
 
 
 def test_handoff_of_an_unknown_context_is_refused(servers):
@@ -213,15 +220,39 @@ def test_a_warm_copy_of_other_objects_is_restored_afresh(servers, client, tmp_pa
     assert "restoring it afresh" in two.output()
 
 
+def test_the_targets_recovery_images_follow_on_from_the_handoffs_last_round(servers, client, tmp_path):
+    """A target taking recovery images gets the rounds in its store of the context: its first
+    image of its own is incremental on the last round, and then the rounds are all gone."""
+    from test_recovery import recovering
+    directory = tmp_path / "rec"
+    one, two = servers("one"), recovering(servers, "two", every="1", directory=directory)
+    app = App(client(one))
+    x = app.put(np.arange(1 << 20, dtype=np.float32))
+    app.sync()
+    stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+    store = DirStore(directory / f"ctx{app.id}")
+    last = latest_image(store, app.id)
+    assert last.startswith("handoff-") and read_image(store, last).metadata["mode"] == "paused"
+    assert app.get(x, 1 << 20).tobytes() == np.arange(1 << 20, dtype=np.float32).tobytes()    # re-attached at two
+    app.put(np.ones(8, np.float32))                     # something new for its next image
+    app.sync()
+    assert wait_until(lambda: any(n.startswith("rec-") and n.endswith("-000001") for n in store.list_images()), 10)
+    first = next(n for n in store.list_images() if n.startswith("rec-"))
+    assert read_image(store, first).parent == last, "the target's first image is not incremental on the last round"
+    assert wait_until(lambda: not [n for n in store.list_images() if n.startswith("handoff-")], 10), store.list_images()
+
+
 def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, client, tmp_path):
-    """The context moved from `one` to `two`, which takes recovery images (standby `three`).
-    When `two` dies, `one` still redirects to two's dead worker: the client must then ask the
-    others (the standby its worker named) instead of asking `one` until it gives up."""
+    """The context moved from `one` to `two`, which takes recovery images (standby `three`),
+    and `two` dies at once, before it took an image of its own: the handoff's last round, in
+    two's recovery store, is the context's recovery image. `one` still redirects to two's dead
+    worker: the client must then ask the others (the standby its worker named) instead of
+    asking `one` until it gives up."""
     from test_recovery import recovering
     directory = tmp_path / "rec"
     one = servers("one")
     three = recovering(servers, "three", directory=directory)
-    two = recovering(servers, "two", directory=directory, args=["--standby", three.address])
+    two = recovering(servers, "two", every="600", directory=directory, args=["--standby", three.address])
     cu = client(one)
     rhs = np.sin(np.arange(N, dtype=np.float32))
     expected = reference(cu, rhs)
@@ -231,8 +262,10 @@ def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, 
         if i == 100:
             app.sync()
             stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
-            app.sync()                                  # re-attached at two: its worker takes recovery images
-            assert wait_until(lambda: recovery_images(directory, app.id), 10)
+            app.sync()                                  # re-attached at two
+            # the handoff's last round went to two's recovery store: it is the recovery image
+            # there from the start, before two took any of its own
+            assert latest_image(DirStore(directory / f"ctx{app.id}"), app.id).startswith("handoff-")
             os.kill(two.proc.pid, signal.SIGKILL)      # its front end; its workers die with it
             two.proc.wait()
         app.jacobi(x, y, r, N, 1)

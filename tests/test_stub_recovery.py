@@ -16,6 +16,7 @@ import test_stub_reattach
 from conftest import recovery_images as images, wait_until
 from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
+from phos.snapshot import DirStore, latest_image
 from test_stub_reattach import PAUSE, Program, iterate, kill, reference  # noqa: F401 (iterate: the fixture)
 
 # sweeps of a run killed while it computes: seconds of work on emu, and on a GPU (where 400
@@ -146,17 +147,21 @@ def test_server_lost_recovers_on_the_standby(iterate, servers, tmp_path, how):
 
 def test_target_server_lost_after_a_handoff_recovers_on_its_standby(iterate, servers, tmp_path, monkeypatch, backend):
     """The context moves from `one` to `two` (recovery images, standby `three`), then `two`
-    dies. `one` still points at two's dead worker: the stub asks `one` last from then on, and
-    the standby that two's worker named restores the context."""
+    dies at once, before it took an image of its own: the handoff's last round is the image.
+    `one` still points at two's dead worker: the stub asks `one` last from then on, and the
+    standby restores the context."""
     monkeypatch.setattr(test_stub_reattach, "TOTAL", 4 * RUNNING_TOTAL[backend])
     directory = tmp_path / "rec"
     one = servers("one")
     three = recovering(servers, "three", directory, 0.2)
-    two = recovering(servers, "two", directory, 0.2, "--standby", three.address)
+    two = recovering(servers, "two", directory, 600, "--standby", three.address)     # no image of its own
     prog, expected = running(iterate, one)
     ctx = the_context(one)
     admin(one.address).Handoff(pb.HandoffRequest(ctx=ctx.id, to=two.address))
-    assert wait_until(lambda: images(directory, ctx.id), 20), prog.fail_text()
+    # the handoff's last round is in two's recovery store: the context's recovery image at once
+    assert latest_image(DirStore(directory / f"ctx{ctx.id}"), ctx.id).startswith("handoff-")
+    cut = the_context(two).last_seq
+    assert wait_until(lambda: the_context(two).last_seq > cut, 20), prog.fail_text()   # re-attached there
     assert prog.proc.poll() is None, prog.fail_text()
     kill(two)
     err = finish(prog, expected, ctx.id, three, one)
