@@ -20,7 +20,7 @@ from conftest import wait_until
 from ptx_helpers import compile_ptx
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
-from phos.snapshot import DirStore, read_image, read_region
+from phos.snapshot import DirStore, latest_image, read_image, read_region
 from phos.snapshot.fingerprint import _finish, fingerprint
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -214,6 +214,7 @@ def test_a_precopy_round_holds_no_write_up_and_stores_what_it_copied(tmp_path):
     assert result["mode"] == "precopy" and True not in urgent and result["recopied_chunks"] == 0
     m = read_image(DirStore(tmp_path), "round0")
     assert m.metadata["mode"] == "precopy"
+    assert latest_image(DirStore(tmp_path)) is None, "a pre-copy round is consistent in its objects only"
     for k in m.allocations[0]["chunks"]:           # check=True: the bytes fingerprint to their key
         read_chunk(DirStore(tmp_path), k, expected_len=1 << 20, check=True)
 
