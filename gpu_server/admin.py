@@ -209,10 +209,13 @@ class Admin(admin_pb2_grpc.AdminServicer):
         except CudaError as e:
             if warm:
                 await self.drop_warm(request.to, request.ctx)
+            if store is not None:      # gone before the caller hears of the failure
+                await asyncio.to_thread(store.remove)
+                store = None
             await self.fail(context, e)
         finally:
             if not loading and store is not None:
-                store.remove()
+                await asyncio.to_thread(store.remove)     # off the loop: it may be gigabytes of files
 
     async def pre_copy(self, w, store, max_rounds, chunk, adopt):
         """Pre-copy rounds while the application runs; the target's warm copy loads each round
@@ -279,7 +282,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                     await asyncio.sleep(0.5)
         except grpc.aio.AioRpcError:
             pass
-        store.remove(keep=last if store.recovery else None)
+        await asyncio.to_thread(store.remove, last if store.recovery else None)
 
     async def DropWarm(self, request, context):
         w = self.front.workers.get(request.ctx)

@@ -43,11 +43,13 @@ def writer(app, stop, ends, share=0.1, step=0.01):
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
 
 
-def measure(backend, nbytes, work_dir, chunk_size=0):
+def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir=""):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
-    one, two = start_server(backend, work_dir, "one"), start_server(backend, work_dir, "two")
+    # a target taking recovery images gets the rounds in its recovery directory
+    recovering = ["--recovery-dir", recovery_dir, "--checkpoint-every", "600"] if recovery_dir else []
+    one, two = start_server(backend, work_dir, "one"), start_server(backend, work_dir, "two", recovering)
     try:
         os.environ["PHOS_SERVER"] = one.address
         cu._reset_for_tests()
@@ -101,6 +103,8 @@ def main():
     ap.add_argument("--unit", default="GiB", choices=["GiB", "MiB"])
     ap.add_argument("--chunk-kib", type=int, default=0,
                     help="chunk size (default: the server's, 2 MiB); small chunks on emu give a large context's chunk count")
+    ap.add_argument("--target-recovery-dir", default="",
+                    help="the target takes recovery images there (the rounds go there instead of /dev/shm)")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
@@ -109,7 +113,7 @@ def main():
     for size in [int(s) for s in args.sizes.split(",")]:
         row = {"size": f"{size} {args.unit}",
                **measure(args.backend, size * (GiB if args.unit == "GiB" else MiB), tempfile.mkdtemp(prefix="phos-handoff-bench-"),
-                       args.chunk_kib << 10)}
+                       args.chunk_kib << 10, args.target_recovery_dir)}
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| size | handoff total (s) | application downtime (ms) | gap without handoff (ms) | calls held by the source (ms) | bytes per round |")

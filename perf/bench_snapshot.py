@@ -134,14 +134,15 @@ def run_work(app, seconds=None, during=None):
     return len(ends) / elapsed, float(gaps.max()) * 1e3, result
 
 
-def start_server(backend, work_dir, name):
-    """A server whose pre-started worker is up: restores adopt it instead of starting one."""
+def start_server(backend, work_dir, name, extra=()):
+    """A server whose pre-started worker is up: restores adopt it instead of starting one.
+    extra: more `phos server` arguments."""
     from conftest import ServerProc
     from phos.admin_cli import stub
     from phos.schema import admin_pb2 as pb
     d = os.path.join(work_dir, name)
     os.makedirs(d, exist_ok=True)
-    srv = ServerProc(backend, d, pool=1)
+    srv = ServerProc(backend, d, pool=1, extra=tuple(extra))
     deadline = time.monotonic() + 60
     while stub(srv.address).Stats(pb.StatsRequest()).standby_workers < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
