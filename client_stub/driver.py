@@ -257,6 +257,8 @@ def _finder(conn, ctx_id, token):
             if res is not None and res.status == 0:
                 order.remove(server)
                 order.insert(0, server)
+                if res.data:            # handed off: the standby of the server it went to
+                    conn.standby = bytes(res.data).decode()
                 return res.text, {"ctx": ctx_id, "token": token}
             why = res.message if res is not None else why
         raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, why)

@@ -191,7 +191,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 phases["target_adopt"] = (time.perf_counter() - t) * 1e3
                 phases.update({f"target_{k}": v for k, v in reply.phase_ms.items()})
                 warm = False              # it is the live context there now
-            self.front.moved[request.ctx] = reply.endpoint
+            self.front.moved[request.ctx] = (reply.endpoint, info.standby)
             t = time.perf_counter()
             try:
                 await self.front.control(w, "retire")
@@ -308,7 +308,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
         return pb.StatsReply(backend=self.front.backend_name, devices=len(self.front.devices), contexts=len(contexts),
                              standby_workers=len(self.front.pool), bytes=sum(c.bytes for c in contexts),
                              checkpoints=self.front.counts["checkpoints"], restores=self.front.counts["restores"],
-                             recovery_dir=os.path.abspath(self.front.recovery.directory) if self.front.recovery else "")
+                             recovery_dir=os.path.abspath(self.front.recovery.directory) if self.front.recovery else "",
+                             standby=self.front.recovery.standby if self.front.recovery else "")
 
 
 async def start(front, address):

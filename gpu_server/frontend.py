@@ -148,7 +148,7 @@ class FrontEnd:
         self.filling = 0            # pool workers being started
         self.pool_size = POOL_SIZE
         self.counts = {"checkpoints": 0, "restores": 0, "handoffs": 0}
-        self.moved = {}             # ctx id -> data endpoint of the worker a handoff gave it to
+        self.moved = {}             # ctx id -> (data endpoint of the worker a handoff gave it to, its server's standby)
         self.recovery = recovery    # RecoveryOptions, or None
         self.recovering = {}        # ctx id -> the task restoring it from its recovery images
         self.stopping = asyncio.Event()
@@ -196,8 +196,9 @@ class FrontEnd:
         return {"u64s": [worker.ctx_id], "text": worker.endpoint, "data": worker.token}
 
     async def reattach(self, a):
-        if a.ctx in self.moved:
-            return {"u64s": [a.ctx], "text": self.moved[a.ctx]}      # handed off: its worker is elsewhere
+        if a.ctx in self.moved:      # handed off: its worker is elsewhere, and whom to ask if that died
+            endpoint, standby = self.moved[a.ctx]
+            return {"u64s": [a.ctx], "text": endpoint, "data": standby.encode()}
         worker = self.workers.get(a.ctx)
         if (worker is None or not alive(worker.proc)) and self.recovery is not None:
             ctx, token = a.ctx, bytes(a.token)

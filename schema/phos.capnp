@@ -80,6 +80,9 @@
 # reattach{ctx, token}; a front end that does not hold the context restores it from the
 # latest image in its recovery directory whose session token matches. The client resends
 # its log after the cut, and drops the Results of calls that had been answered already.
+# A front end that handed the context off answers reattach with the target's worker and the
+# target server's standby (Result data): a client that had not re-attached at the target
+# before it died still learns whom to ask.
 
 const protocolVersion :UInt32 = 2;   # 2: Reply.durableSeq, logFull, recovery fields of attach
 
@@ -167,7 +170,8 @@ struct Call {
     # control socket (see Snapshots above); reattach is a client's call to a front end.
     checkpoint @38 :Checkpoint;
     restore @39 :Restore;
-    reattach @40 :Attach;      # where does context `ctx` live now? Result text: its worker endpoint
+    reattach @40 :Attach;      # where does context `ctx` live now? Result text: its worker endpoint;
+                             # data, when it was handed off: the standby of the server it went to
     ctxStats @41 :Void;        # u64s: [bytes allocated, allocations, last executed seq]
     thaw @42 :Void;            # control: a frozen worker (checkpoint with freeze) serves its client again
     retire @43 :Void;          # control: a frozen worker's context lives elsewhere now: exit

@@ -242,12 +242,14 @@ def test_the_targets_recovery_images_follow_on_from_the_handoffs_last_round(serv
     assert wait_until(lambda: not [n for n in store.list_images() if n.startswith("handoff-")], 10), store.list_images()
 
 
-def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, client, tmp_path):
+@pytest.mark.parametrize("reattached", [True, False])
+def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, client, tmp_path, reattached):
     """The context moved from `one` to `two`, which takes recovery images (standby `three`),
     and `two` dies at once, before it took an image of its own: the handoff's last round, in
     two's recovery store, is the context's recovery image. `one` still redirects to two's dead
-    worker: the client must then ask the others (the standby its worker named) instead of
-    asking `one` until it gives up."""
+    worker: the client must then ask the others instead of asking `one` until it gives up;
+    the standby its worker at two named, or, if it had not re-attached there yet, the one
+    `one` names with its answer."""
     from test_recovery import recovering
     directory = tmp_path / "rec"
     one = servers("one")
@@ -262,7 +264,8 @@ def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, 
         if i == 100:
             app.sync()
             stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
-            app.sync()                                  # re-attached at two
+            if reattached:
+                app.sync()                              # re-attached at two
             # the handoff's last round went to two's recovery store: it is the recovery image
             # there from the start, before two took any of its own
             assert latest_image(DirStore(directory / f"ctx{app.id}"), app.id).startswith("handoff-")

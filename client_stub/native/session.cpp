@@ -758,7 +758,10 @@ std::string Connection::ask_front_end(const std::string& server, double timeout,
     if (!front.ok()) r = failure(kNoDevice, front.socket_.error());
     else if (!front.socket_.greeted()) r = failure(kNoDevice, "no front end answers at " + server);
     else r = front.call(wire::Call::reattach(ctx_, token_), nullptr, timeout);
-    if (r.status == 0 && !r.text.empty()) return r.text;
+    if (r.status == 0 && !r.text.empty()) {
+        if (!r.data.empty()) standby_ = r.data;   // handed off: the standby of the server it went to
+        return r.text;
+    }
     why = r.message.empty() ? "the front end at " + server + " sent no worker endpoint" : r.message;
     return "";
 }
