@@ -43,6 +43,7 @@ log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # the background thread copies this much per device round trip
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
+FEW = 32                         # chunk lists up to this long are walked in Python, longer ones by NumPy
 
 
 class Chunks:
@@ -185,26 +186,39 @@ class ChunkJob:
         self.phase_ms[name] = self.phase_ms.get(name, 0.0) + (now - since) * 1e3
         return now
 
+    # A call touches a chunk or a few (a Python loop is cheapest); a round or a whole region
+    # thousands (array steps are): FEW tells them apart.
     def claim(self, idx):
         """Mark the pending chunks of idx busy; returns them."""
-        idx = indices(idx)
+        state = self.chunks.state
         with self.cv:
-            mine = idx[self.chunks.state[idx] == PENDING]
-            self.chunks.state[mine] = BUSY
-            return mine.tolist()
+            if len(idx) > FEW:
+                ix = indices(idx)
+                mine = ix[state[ix] == PENDING].tolist()
+            else:
+                mine = [c for c in idx if state[c] == PENDING]
+            state[mine] = BUSY
+            return mine
 
     def mark_done(self, idx):
-        idx = indices(idx)
         with self.cv:
-            self.chunks.state[idx] = DONE
-            self.bytes_done += int(self.chunks.sizes[idx].sum())
+            if len(idx) > FEW:
+                ix = indices(idx)
+                self.chunks.state[ix] = DONE
+                self.bytes_done += int(self.chunks.sizes[ix].sum())
+            else:
+                self.chunks.state[list(idx)] = DONE
+                self.bytes_done += sum(self.chunks.size[c] for c in idx)
             self.cv.notify_all()
+
+    def done(self, idx):
+        state = self.chunks.state
+        return (state[indices(idx)] == DONE).all() if len(idx) > FEW else all(state[c] == DONE for c in idx)
 
     def wait_done(self, idx):
         """Wait until the other side has finished the chunks of idx it claimed."""
-        idx = indices(idx)
         with self.cv:
-            while self.failure is None and not (self.chunks.state[idx] == DONE).all():
+            while self.failure is None and not self.done(idx):
                 self.cv.wait(0.1)
 
     def fail(self, e):
