@@ -254,7 +254,7 @@ class Worker:
                          (time.perf_counter() - t0) * 1e3)
                 if shm:
                     self.box_peer, self.box_seen = peer, self.session.box.seq(0)
-                self.start_recovery(restored=self.warm and (self.warm.store.path, self.warm.name, self.ack))
+                self.start_recovery(restored=self.warm)
                 self.warm = None
                 status, message, fields = CUresult.CUDA_SUCCESS, "", {
                     "u64s": [self.session.ctx_id, int(shm), self.ack, int(self.session.recovery is not None)],
@@ -404,14 +404,15 @@ class Worker:
     # -- recovery images (gpu_server/recovery.py) -----------------------------------------
     def start_recovery(self, restored=None):
         """The context is live here: take recovery images of it from now on, if the server does.
-        restored: (store path, image name, cut) it came from."""
+        restored: the Restore it came from (at the cut self.ack)."""
         from phos.gpu_server.recovery import Recovery
         s = self.session
         if self.recovery_options is None or s.recovery is not None:
             return
         s.recovery = Recovery(self.recovery_options[0], s.ctx_id, *self.recovery_options[1:])
-        if restored and os.path.abspath(restored[0]) == os.path.abspath(s.recovery.path):
-            s.recovery.restored_from(restored[1], restored[2])      # its parent, if it is in our store
+        if restored and restored.store.path == os.path.abspath(s.recovery.path):
+            s.recovery.restored_from(restored.name, self.ack)       # its parent, as it is in our store
+            self.last_image = (restored.store.path, restored.name, restored.chunk_keys())   # chunks it holds
 
     @property
     def recovering(self):
