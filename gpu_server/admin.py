@@ -205,7 +205,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
             asyncio.ensure_future(self.remove_when_loaded(store, name, request.to, request.ctx))
             self.front.counts["handoffs"] += 1
             return pb.HandoffReply(ctx=request.ctx, to=request.to, round_bytes=rounds, downtime_ms=downtime * 1e3,
-                                   seconds=time.perf_counter() - t0, phase_ms=phases, round_ms=round_ms, chunk_size=chunk)
+                                   seconds=time.perf_counter() - t0, phase_ms=phases, round_ms=round_ms, chunk_size=chunk,
+                                   **({"recovery_store": store.path, "recovery_image": name} if store.recovery else {}))
         except CudaError as e:
             if warm:
                 await self.drop_warm(request.to, request.ctx)

@@ -89,11 +89,12 @@ class Recovery:
             log.info("could not prune recovery image %s: %s", name, e)
 
     def retire(self):
-        """The context lives on elsewhere (a handoff): remove only the images this worker took."""
+        """The context lives on elsewhere (a handoff): remove the images this worker took and
+        the one it was restored from (a handoff's last round, say), not the new owner's."""
         self.retired = True
         self.prune_done()
         for name in DirStore(self.path).list_images():
-            if name.startswith(f"rec-{self.tag}-"):
+            if name.startswith(f"rec-{self.tag}-") or name == self.latest:
                 self._delete(name)
 
     def discard(self):

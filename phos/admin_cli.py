@@ -103,13 +103,16 @@ def handoff(opts):
                                                               chunk_size=opts.chunk_mb << 20))
     out = {"ctx": reply.ctx, "to": reply.to, "chunk_size": reply.chunk_size, "round_bytes": list(reply.round_bytes),
            "downtime_ms": reply.downtime_ms,
-           "seconds": reply.seconds, "round_ms": list(reply.round_ms), "phase_ms": {k: round(v, 3) for k, v in sorted(reply.phase_ms.items())}}
+           "seconds": reply.seconds, "round_ms": list(reply.round_ms), "phase_ms": {k: round(v, 3) for k, v in sorted(reply.phase_ms.items())},
+           "recovery_store": reply.recovery_store, "recovery_image": reply.recovery_image}
     if opts.json:
         print(json.dumps(out))
     else:
         rounds = ", ".join(human(b) for b in reply.round_bytes)
         print(f"context {reply.ctx} moved to {reply.to} in {reply.seconds * 1e3:.1f} ms; rounds copied {rounds}; "
               f"its calls were held {reply.downtime_ms:.1f} ms")
+        if reply.recovery_image:
+            print(f"its recovery image there: {reply.recovery_image} in {reply.recovery_store}")
     return 0
 
 

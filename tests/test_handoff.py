@@ -4,8 +4,11 @@ The application is a Python client program; it keeps its PHOS_SERVER pointing at
 server, whose front end redirects its re-attach to the context's new worker.
 """
 import glob
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -229,9 +232,10 @@ def test_the_targets_recovery_images_follow_on_from_the_handoffs_last_round(serv
     app = App(client(one))
     x = app.put(np.arange(1 << 20, dtype=np.float32))
     app.sync()
-    stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+    reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
     store = DirStore(directory / f"ctx{app.id}")
     last = latest_image(store, app.id)
+    assert (reply.recovery_store, reply.recovery_image) == (store.path, last)
     assert last.startswith("handoff-") and read_image(store, last).metadata["mode"] == "paused"
     assert app.get(x, 1 << 20).tobytes() == np.arange(1 << 20, dtype=np.float32).tobytes()    # re-attached at two
     app.put(np.ones(8, np.float32))                     # something new for its next image
@@ -240,6 +244,29 @@ def test_the_targets_recovery_images_follow_on_from_the_handoffs_last_round(serv
     first = next(n for n in store.list_images() if n.startswith("rec-"))
     assert read_image(store, first).parent == last, "the target's first image is not incremental on the last round"
     assert wait_until(lambda: not [n for n in store.list_images() if n.startswith("handoff-")], 10), store.list_images()
+
+
+def test_phos_handoff_says_where_the_recovery_image_is(servers, client, tmp_path):
+    """`phos handoff` to a server taking recovery images names the image the last round left
+    there; with --json too. The context goes on at the target."""
+    from test_recovery import recovering
+    one, two = servers("one"), recovering(servers, "two", every="600", directory=tmp_path / "rec")
+    app = App(client(one))
+    x = app.put(np.arange(4096, dtype=np.float32))
+    app.sync()
+    run = subprocess.run([sys.executable, "-m", "phos.cli", "handoff", str(app.id), "--to", two.address,
+                          "--server", one.address, "--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    store = DirStore(tmp_path / "rec" / f"ctx{app.id}")
+    assert out["recovery_store"] == store.path and out["recovery_image"] == latest_image(store, app.id)
+    assert app.get(x, 4096).tobytes() == np.arange(4096, dtype=np.float32).tobytes()
+    assert contexts(two).get(app.id) == "running"
+    run = subprocess.run([sys.executable, "-m", "phos.cli", "handoff", str(app.id), "--to", one.address,
+                          "--server", two.address], capture_output=True, text=True)
+    assert run.returncode == 0 and f"moved to {one.address}" in run.stdout, run.stderr
+    assert "recovery image" not in run.stdout             # `one` takes none: the rounds went through /dev/shm
+    assert wait_until(lambda: not store.list_images(), 5), store.list_images()     # two let go of its image
 
 
 @pytest.mark.parametrize("reattached", [True, False])
