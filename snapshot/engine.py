@@ -518,7 +518,7 @@ class Restore(ChunkJob):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
         if same_objects(self.manifest) != same_objects(m):
             return None
-        missing = self.store.first_missing({k for e in region_entries(m) for k in e["chunks"]} - set(self.keys))
+        missing = min(self.store.missing({k for e in region_entries(m) for k in e["chunks"]} - set(self.keys)), default=None)
         if missing:
             self.refuse(f"chunk {missing} is missing from the store")
         self.stopping = True          # the loader stops between batches; what it holds, it finishes

@@ -522,7 +522,7 @@ class Manifest:
 
     def missing_chunk(self, store, present=frozenset()):
         """(key, where) of a chunk neither in `present` nor in the store, or None."""
-        k = store.first_missing(self.chunk_keys() - present)
+        k = min(store.missing(self.chunk_keys() - present), default=None)
         return None if k is None else (k, next(where for key, where in self.chunk_refs() if key == k))
 
     @property
@@ -642,8 +642,9 @@ class ImageWriter:
     def reuse_chunks(self, keys):
         """reuse_chunk for many keys at once (a cut's thousands): [bool]."""
         self._check_open()
-        present, has = self.present, self.store.has_chunk
-        found = [k in present or has(check_key(k)) for k in keys]
+        present = self.present
+        lacking = self.store.missing([k for k in keys if k not in present])    # thousands at once
+        found = [k not in lacking for k in keys]
         with self._mu:
             self.reused_chunks += sum(found)
             present.update(k for k, f in zip(keys, found) if f)

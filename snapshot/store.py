@@ -8,7 +8,7 @@ A store holds opaque blobs under two namespaces and knows nothing of their forma
 Both stores have the same interface:
 
     put_chunk(key, blob)         has_chunk(key) -> bool     get_chunk(key, max_bytes) -> bytes
-    first_missing(keys) -> a key the store lacks, or None (checks thousands at once)
+    missing(keys) -> the set of those the store lacks (checks thousands at once)
     list_chunks() -> [key]       delete_chunk(key)
     put_manifest(name, manifest, digest)                    get_manifest(name, max_bytes) -> (manifest, digest)
     list_images() -> [name]      has_image(name)            delete_image(name)
@@ -118,11 +118,11 @@ class MemoryStore:
         check_key(key)
         return key in self._chunks
 
-    def first_missing(self, keys):
+    def missing(self, keys):
         for key in keys:
             check_key(key)
         with self._mu:
-            return next(iter(set(keys) - self._chunks.keys()), None)
+            return set(keys) - self._chunks.keys()
 
     def get_chunk(self, key, max_bytes=None):
         check_key(key)
@@ -287,27 +287,25 @@ class DirStore:
     def has_chunk(self, key):
         return os.path.isfile(self._chunk_path(key))
 
-    def first_missing(self, keys):
-        """A few keys: one access() each. Thousands (a restore of 32 GiB): one listing of each
-        chunk directory they fall in, 2.5 to 6 times faster than a stat each."""
+    def missing(self, keys):
+        """The keys the store lacks. A few: one access() each. Thousands (a restore of 32 GiB):
+        one listing of each chunk directory they fall in, 2.5 to 6 times faster than a stat each."""
         keys = list(keys)
         if not all_keys(keys):
             for key in keys:
                 check_key(key)      # raises, naming the bad one
         d = self._chunks
         if len(keys) < 256:
-            return next((k for k in keys if not os.access(f"{d}/{k[:2]}/{k}", os.F_OK)), None)
-        wanted = {}
+            return {k for k in keys if not os.access(f"{d}/{k[:2]}/{k}", os.F_OK)}
+        wanted, lack = {}, set()
         for k in keys:
             wanted.setdefault(k[:2], set()).add(k)
         for sub, want in wanted.items():
             try:
-                lack = want.difference(os.listdir(f"{d}/{sub}"))
+                lack |= want.difference(os.listdir(f"{d}/{sub}"))
             except FileNotFoundError:
-                lack = want
-            if lack:
-                return min(lack)
-        return None
+                lack |= want
+        return lack
 
     def get_chunk(self, key, max_bytes=None):
         data = _read_bounded(self._chunk_path(key), max_bytes, f"chunk {key}")

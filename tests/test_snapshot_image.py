@@ -215,9 +215,9 @@ def test_a_writer_takes_its_parents_known_chunks_without_asking_the_store(store,
     base, _ = write_image(store, "base", contents)
     known = base.chunk_keys()
     asked = []
-    has, first_missing = store.has_chunk, store.first_missing
+    has, missing = store.has_chunk, store.missing
     monkeypatch.setattr(store, "has_chunk", lambda k: asked.append(k) or has(k))
-    monkeypatch.setattr(store, "first_missing", lambda keys: asked.extend(keys) or first_missing(keys))
+    monkeypatch.setattr(store, "missing", lambda keys: asked.extend(keys) or missing(keys))
     w = ImageWriter(store, "next", parent="base", known=known)
     assert all(w.reuse_chunk(k) for k in known) and asked == []
     m = base.to_dict()
@@ -275,18 +275,19 @@ def test_truncated_chunk(store):
 
 
 @pytest.mark.parametrize("count", [3, 300])      # a few keys are asked one by one, hundreds by listing
-def test_first_missing_names_a_chunk_the_store_lacks(store, count):
+def test_missing_names_the_chunks_the_store_lacks(store, count):
     w = ImageWriter(store, "x")
     keys = [w.add_chunk(np.full(8, i, np.uint64).tobytes()) for i in range(count)]
     w.close()
-    assert store.first_missing(keys) is None and store.first_missing(set(keys)) is None
+    assert store.missing(keys) == set() and store.missing(set(keys)) == set()
     lacking = "cd" * 16
-    assert store.first_missing([*keys, lacking]) == lacking
+    assert store.missing([*keys, lacking]) == {lacking}
     remove_chunk(store, keys[count // 2])
-    assert store.first_missing(keys) == keys[count // 2]
+    remove_chunk(store, keys[-1])
+    assert store.missing(keys) == {keys[count // 2], keys[-1]}
     for bad in ("../../etc/passwd", "AB" * 16, keys[0][:16] + "," + keys[0][17:], 7):
         with pytest.raises(ImageError, match="invalid chunk key"):
-            store.first_missing([*keys, bad])
+            store.missing([*keys, bad])
 
 
 def test_a_manifest_key_hiding_two_keys_or_a_comma_is_refused(store):
