@@ -55,7 +55,7 @@ class Chunks:
         self.first = []              # index of each region's first chunk
         addr, size = [], []          # built by NumPy: a handoff's frozen round makes thousands
         for base, nbytes, cs in self.regions:
-            self.first.append(sum(map(len, addr)))
+            self.first.append(self.first[-1] + len(addr[-1]) if addr else 0)
             n = chunk_count(nbytes, cs)
             addr.append(base + np.arange(n, dtype=np.uint64) * np.uint64(cs))
             size.append(np.full(n, cs, np.uint64))
