@@ -63,7 +63,8 @@ class LocalServer:
             time.sleep(0.02)
 
     def output(self):
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         with open(self.log.name) as f:
             return f.read()
 

@@ -35,6 +35,7 @@ def server(backend, tmp_path_factory):
     srv = ServerProc(backend, tmp_path_factory.mktemp("srv"))
     yield srv
     srv.stop()
+    print(f"--- server {srv.dir}, last lines:\n{srv.output()[-3000:]}")
 
 
 @pytest.fixture
@@ -51,6 +52,7 @@ def servers(backend, tmp_path):
     yield start
     for srv in started:
         srv.stop()
+        print(f"--- server {srv.dir}, last lines:\n{srv.output()[-3000:]}")   # pytest shows it on a failure
 
 
 @pytest.fixture

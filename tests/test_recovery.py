@@ -77,7 +77,7 @@ def test_whole_server_killed_recovers_on_the_standby(servers, client, tmp_path):
 
     def kill(app):
         app.sync()
-        assert wait_until(lambda: len(os.listdir(directory / f"ctx{app.id}" / "images")) > 0, 10)
+        assert wait_until(lambda: recovery_images(directory, app.id), 10)
         os.kill(one.proc.pid, signal.SIGKILL)      # the front end; its workers die with it
         one.proc.wait()
 
