@@ -185,6 +185,11 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     app = App(cu, nbytes)
     ctx = int(app.ctx)
     row["kernels_per_s"], row["gap_ms_idle"], _ = run_work(app, seconds=1.0)
+    # stop the world first: where a copy's time goes (device copies vs chunk files), with no
+    # application beside it; removed at once, so that /dev/shm holds one image at a time
+    res = checkpoint(one, ctx, shm_dir, paused=True)
+    row["checkpoint_paused_s"], row["checkpoint_paused_phase_ms"] = res["seconds"], res["phase_ms"]
+    shutil.rmtree(shm_dir)
     t = time.perf_counter()
     row["kernels_per_s_during"], row["pause_ms"], res = run_work(app, during=lambda: checkpoint(one, ctx, shm_dir))
     row["checkpoint_host_s"] = res["seconds"]
@@ -280,6 +285,12 @@ def print_table(rows):
               f"{p['pause_ms']:.1f} (cut {p['cut_ms']:.1f}; loop without checkpoint {p['gap_ms_idle']:.1f}) | "
               f"{100 * p['kernels_per_s_during'] / p['kernels_per_s']:.0f}% ({p['kernels_per_s_during']:.0f} vs {p['kernels_per_s']:.0f}/s) | "
               f"{p['first_kernel_after_restore_s'] * 1e3:.1f} |")
+    print("\n| size | paused checkpoint to host (s, GB/s) | its steps (ms) |")
+    print("|---|---|---|")
+    for r in rows:
+        p = r["phos"]
+        steps = ", ".join(f"{k} {v:.0f}" for k, v in p["checkpoint_paused_phase_ms"].items())
+        print(f"| {r['size']} | {p['checkpoint_paused_s']:.3f} ({gbs(r['bytes'], p['checkpoint_paused_s'])}) | {steps} |")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
 # zstandard and no package manager: carry them as wheels in .whl/ (see the README's
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
-# perf/bench_snapshot.py), probe (perf/probe_driver_stalls.py), handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py,
-# perf/bench_handoff.py), bench (the other perf/* benchmarks),
+# perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
+# handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py), bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
@@ -44,6 +44,8 @@ fi
 if want snap; then
     step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_snapshot_engine.py \
         tests/test_handoff.py tests/test_recovery.py
+fi
+if want snap || want snap-bench; then
     # PHOS_BENCH_SIZES= (empty) runs the tests alone
     [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
         --sizes "${PHOS_BENCH_SIZES-1,8,32}" --json "$OUT/bench_snapshot.json"
