@@ -355,6 +355,10 @@ class FrontEnd:
         queue = worker.ctl_waiters[seq] = asyncio.Queue()
         exited = CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"the worker of context {worker.ctx_id} exited")
         try:
+            # Gone already: the reader woke the calls it knew of, and a closed socket may still
+            # take a send without a word (pyzmq), which would leave this call waiting for good.
+            if worker.proc.returncode is not None or worker.ctl.closed:
+                raise exited
             try:
                 await worker.ctl.send(wire.encode_request([(seq, name, args, None)])[0])
             except zmq.ZMQError:
