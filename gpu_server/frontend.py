@@ -29,6 +29,7 @@ WORKER_START_TIMEOUT = float(os.environ.get("PHOS_WORKER_START_TIMEOUT", "60"))
 
 POOL_SIZE = int(os.environ.get("PHOS_POOL", "1"))     # pre-started workers, ready for a context or a restore
 MAX_STARTING = 2          # workers being pre-started at once
+REFILL_AFTER_RESTORE = 0.3    # seconds: a restored context's client re-attaches and runs its first calls first
 
 
 @dataclass
@@ -447,8 +448,8 @@ class FrontEnd:
             if worker.proc.returncode is None:
                 worker.proc.kill()
             raise
-        finally:     # after the restore: starting a process (a fork of ours) holds up this loop
-            self.fill_pool()
+        finally:     # not before the client re-attached: starting a process (a fork of ours) holds up this loop
+            asyncio.get_running_loop().call_later(REFILL_AFTER_RESTORE, self.fill_pool)
         ctx_id = res.u64s[0]
         live = self.workers.get(ctx_id)
         if live is not None and alive(live.proc) and live.state != "warming":

@@ -78,7 +78,7 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir=""):
         last = max(e for e in ends if e < frozen)
         after = [e for e in ends if e > frozen][:2]
         timeline = {"last_sync_before": (last - frozen) * 1e3, "source_let_go": reply.downtime_ms,
-                    "reattach": [[(a - frozen) * 1e3, (b - frozen) * 1e3] for a, b in reattaches],
+                    "reattach": [[(a - frozen) * 1e3, (b - frozen) * 1e3, said] for a, b, said in reattaches],
                     "syncs_after": [(e - frozen) * 1e3 for e in after]}
         for srv in (one, two):        # the workers' attach lines (PHOS_LOG=INFO), beside the stub's
             print("".join(line for line in srv.output().splitlines(True) if "attached" in line), end="")

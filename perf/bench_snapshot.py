@@ -16,6 +16,7 @@ from the Restore call to the end of the application's first kernel there. "host 
 is an image store on /dev/shm.
 """
 import argparse
+import logging.handlers
 import ctypes
 import json
 import os
@@ -150,16 +151,24 @@ def start_server(backend, work_dir, name, extra=()):
 
 
 def timed_reattach():
-    """Record when the client's re-attaches start and end (perf_counter), to place them in the gap."""
+    """Record when the client's re-attaches start and end (perf_counter), to place them in the
+    gap, and what the client said of its steps (finding the context, attaching to its worker)."""
     from phos.client_stub.connection import Connection
     marks, plain = [], getattr(Connection.reattach, "plain", Connection.reattach)
 
     def reattach(self, seq):
+        said = logging.handlers.BufferingHandler(100)
+        client = logging.getLogger("phos.client")
+        level = client.level
+        client.addHandler(said)
+        client.setLevel(logging.INFO)
         t = time.perf_counter()
         try:
             return plain(self, seq)
         finally:
-            marks.append((t, time.perf_counter()))
+            marks.append((t, time.perf_counter(), "; ".join(r.getMessage() for r in said.buffer)))
+            client.removeHandler(said)
+            client.setLevel(level)
     reattach.plain = plain
     Connection.reattach = reattach
     return marks
@@ -224,7 +233,7 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     app.launch(app.scratch, app.work_words, 7, blocks=64)
     app.sync()
     row["first_kernel_after_restore_s"] = time.perf_counter() - t
-    row["reattach_ms"] = [[round((a - t) * 1e3, 1), round((b - t) * 1e3, 1)] for a, b in reattaches]
+    row["reattach_ms"] = [[round((a - t) * 1e3, 1), round((b - t) * 1e3, 1), said] for a, b, said in reattaches]
     cu._reset_for_tests()
     four.stop()
     one.stop()

@@ -161,13 +161,19 @@ def test_killed_server_restored_elsewhere_continues_bit_for_bit(servers, client,
     assert result["mode"] == "concurrent" and not result["paused"]
     kill(one)
     two = servers("two")                       # another server process, another address
+    standby = lambda: stub(two.address).Stats(pb.StatsRequest()).standby_workers     # noqa: E731
+    assert wait_until(lambda: standby() == 1, 30)
     monkeypatch.setenv("PHOS_SERVER", two.address)
     reply = restore(two, store)
     assert reply.ctx == app.id
+    # the restore took the pre-started worker; its replacement starts only once the client had
+    # time to re-attach: a process start holds the front end up while it answers the client
+    assert len(two.workers()) == 1
     addresses = {e["address"] for e in read_image(DirStore(store), reply.name).allocations}
     assert {int(x), int(y), int(r)} <= addresses
     out = app.get(app.jacobi(x, y, r, n, total - k), n)
     assert out.tobytes() == expected.tobytes()
+    assert wait_until(lambda: standby() == 1, 30), "the pool was not refilled after the restore"
 
 
 def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_path):
