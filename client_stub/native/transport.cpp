@@ -80,12 +80,13 @@ void Socket::open() {
 Socket::~Socket() { close(); }
 
 void Socket::close() {
+    // Stop the monitor before closing its reader: libzmq sends an event (a disconnect, say)
+    // blocking, under the lock that stopping the monitor takes, and with no reader left that
+    // send waits for ever (a program hung in cudaDeviceReset while its worker went away).
+    if (socket_) zmq_socket_monitor(socket_, nullptr, 0);
     if (monitor_) zmq_close(monitor_);
     monitor_ = nullptr;
-    if (socket_) {
-        zmq_socket_monitor(socket_, nullptr, 0);
-        zmq_close(socket_);
-    }
+    if (socket_) zmq_close(socket_);
     socket_ = nullptr;
 }
 
