@@ -8,6 +8,7 @@
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
 # perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
+# arena (perf/probe_host_arena.py: can images live in pinned shared memory?),
 # handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py), bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes).
 set -uo pipefail
@@ -52,6 +53,9 @@ if want snap || want snap-bench; then
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
+fi
+if want arena; then
+    step probe-host-arena python3 perf/probe_host_arena.py --gib "${PHOS_ARENA_GIB:-4}"
 fi
 if want handoff; then
     step bench-image-ops python3 perf/bench_image_ops.py     # the per-chunk Python of a frozen round, on this host's CPU
