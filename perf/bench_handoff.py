@@ -6,7 +6,9 @@ memory per second, between two server processes on one GPU (issue 6).
     python perf/bench_handoff.py --backend emu --sizes 256 --unit MiB --chunk-kib 64   # 8 GiB's 4,096 chunks
 
 Downtime is the longest gap between two of the application's completed synchronizing calls
-during the handoff; the loop without a handoff gives the baseline gap.
+during the handoff; the loop without a handoff gives the baseline gap. That gap includes the
+loop's own wait between its steps (10 ms); "longest step" is how long one step (its launches
+and the synchronize after them) took from its first call to its end: the stall itself.
 """
 import argparse
 import json
@@ -21,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_snapshot import GiB, MiB, App, start_server, timed_reattach  # noqa: E402
 
 
-def writer(app, stop, ends, share=0.1, step=0.01):
+def writer(app, stop, ends, starts, share=0.1, step=0.01):
     """Every `step` seconds rewrite share*step of the context's memory (the next slice of its
-    buffers) and synchronize; record when each sync completed."""
+    buffers) and synchronize; record when each step began and when its sync completed."""
     app.ok(app.cu.cuCtxSetCurrent(app.ctx))
     per_step = int(sum(n for _, n in app.buffers) * share * step) // 8 * 8
     b, off, i = 0, 0, 0
@@ -38,6 +40,7 @@ def writer(app, stop, ends, share=0.1, step=0.01):
             if off >= n:
                 b, off = (b + 1) % len(app.buffers), 0
         app.sync()
+        starts.append(t)
         ends.append(time.perf_counter())
         i += 1
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
@@ -56,11 +59,12 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir=""):
         assert cu.cuInit(0)[0] == 0
         reattaches = timed_reattach()
         app = App(cu, nbytes)
-        stop, ends = threading.Event(), []
-        loop = threading.Thread(target=writer, args=(app, stop, ends))
+        stop, ends, starts = threading.Event(), [], []
+        loop = threading.Thread(target=writer, args=(app, stop, ends, starts))
         loop.start()
         time.sleep(1.0)
         baseline = float(np.diff(ends).max()) * 1e3
+        baseline_step = max(e - s for s, e in zip(starts, ends)) * 1e3
         t0 = time.perf_counter()
         reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=int(app.ctx), to=two.address, chunk_size=chunk_size))
         t1 = time.perf_counter()
@@ -70,6 +74,7 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir=""):
         during = [e for e in ends if t0 <= e <= t1 + 1.0]
         before = max(e for e in ends if e < t0)
         gap = float(np.diff([before] + during).max()) * 1e3
+        step = max(e - s for s, e in zip(starts, ends) if t0 <= e <= t1 + 1.0) * 1e3
         # the gap around the freeze: the server's clock started with the RPC, within a millisecond of t0
         p = reply.phase_ms
         frozen = t0 + (p["pre_copy"] + p["last_round"] / 2) / 1e3
@@ -83,7 +88,7 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir=""):
         for srv in (one, two):        # the workers' attach lines (PHOS_LOG=INFO), beside the stub's
             print("".join(line for line in srv.output().splitlines(True) if "attached" in line), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
-                "baseline_gap_ms": baseline, "round_bytes": list(reply.round_bytes),
+                "baseline_gap_ms": baseline, "longest_step_ms": step, "baseline_step_ms": baseline_step, "round_bytes": list(reply.round_bytes),
                 "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms],
                 "timeline_ms": timeline}
     finally:
@@ -116,12 +121,13 @@ def main():
                        args.chunk_kib << 10, args.target_recovery_dir)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| size | handoff total (s) | application downtime (ms) | gap without handoff (ms) | calls held by the source (ms) | bytes per round |")
-    print("|---|---|---|---|---|---|")
+    print("\n| size | handoff total (s) | application downtime (ms) | gap without handoff (ms) | longest step (ms) "
+          "| without handoff (ms) | calls held by the source (ms) | bytes per round |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rounds = ", ".join(f"{b / MiB:.0f} MiB" for b in r["round_bytes"])
         print(f"| {r['size']} | {r['handoff_s']:.3f} | {r['downtime_ms']:.1f} | {r['baseline_gap_ms']:.1f} | "
-              f"{r['server_hold_ms']:.1f} | {rounds} |")
+              f"{r['longest_step_ms']:.1f} | {r['baseline_step_ms']:.1f} | {r['server_hold_ms']:.1f} | {rounds} |")
     # where the downtime went: the source's frozen last round, the target adopting it, and
     # after the source let go (the stub re-attaching, replaying, the first calls loading)
     steps = ["last_round_describe", "last_round_fingerprint", "last_round_copy", "last_round_copy_device", "last_round_copy_store",
