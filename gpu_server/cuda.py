@@ -389,10 +389,11 @@ class CudaSnapshotOps:
     def _hash(self, chunks, key, stream):
         """Enqueue pfp1 lane sums of chunks on stream; returns a function giving the fingerprints."""
         from phos.snapshot.fingerprint import finish_many
-        n = len(chunks)
+        rows = np.asarray(chunks, np.uint64).reshape(-1, 2)     # a cut's thousands come as an array already
+        n = len(rows)
         table, sums, spec, out, _ = self._table(key, n)
         if n:
-            spec[:2 * n] = np.array(chunks, np.uint64).reshape(-1)
+            spec[:2 * n] = rows.reshape(-1)
             ok(cu.cuMemcpyHtoDAsync(table, spec.ctypes.data, 16 * n, stream), "cuMemcpyHtoDAsync")
             params = np.array([table, sums, n], np.uint64)
             args = np.array([params.ctypes.data, params.ctypes.data + 8, params.ctypes.data + 16], np.uint64)
@@ -407,7 +408,7 @@ class CudaSnapshotOps:
         def wait():
             _wait_event(event)
             cu.cuEventDestroy(event)
-            return finish_many(out[:2 * n], [size for _, size in chunks])
+            return finish_many(out[:2 * n], rows[:, 1])
         return wait
 
     def _app_streams(self):

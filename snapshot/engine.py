@@ -4,8 +4,9 @@ restores that hand the context back before its contents are loaded (DESIGN 7, 8,
 It runs inside a context worker and sees its Session (gpu_server/worker.py). The device
 work goes through the backend's snapshot operations (`backend.snap`):
 
-    fingerprints(chunks, fence) -> wait()     pfp1 of each (address, length) chunk; with
-                                             fence, later application work waits for it
+    fingerprints(chunks, fence) -> wait()     pfp1 of each (address, length) chunk (pairs, or
+                                             an (n, 2) uint64 array); with fence, later
+                                             application work waits for it
     read(chunks, urgent)                     copy chunks to the host: yields batches of
                                              [(bytes, fingerprint of what was copied)]; a
                                              batch stays valid until the one after the next
@@ -62,7 +63,9 @@ class Chunks:
             if n:
                 size[-1][-1] = nbytes - (n - 1) * cs
         self.sizes = np.concatenate(size) if size else np.zeros(0, np.uint64)
-        self.addr = np.concatenate(addr).tolist() if addr else []
+        addrs = np.concatenate(addr) if addr else np.zeros(0, np.uint64)
+        self.table = np.stack([addrs, self.sizes], axis=1)      # (n, 2): every chunk, for the cut's fingerprints
+        self.addr = addrs.tolist()
         self.size = self.sizes.tolist()
         self.state = np.zeros(len(self.addr), np.int8)
 
@@ -70,8 +73,6 @@ class Chunks:
         return len(self.addr)
 
     def spans(self, idx):
-        if idx == range(len(self.addr)):
-            return list(zip(self.addr, self.size))
         return [(self.addr[c], self.size[c]) for c in idx]
 
     def region(self, r):
@@ -275,8 +276,7 @@ class Checkpoint(ChunkJob):
         self.keys = [None] * len(self.chunks)
         self.bytes_total, self.bytes_done = sum(self.chunks.size), 0
         self.mismatch = False
-        self.fp_wait = s.backend.snap.fingerprints(self.chunks.spans(range(len(self.chunks))),
-                                                   fence=self.concurrent and not self.precopy)
+        self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)
         self.fps = None
         if paused:
             t = self.step("describe", t0)
