@@ -412,7 +412,7 @@ class Worker:
         s.recovery = Recovery(self.recovery_options[0], s.ctx_id, *self.recovery_options[1:])
         if restored and restored.store.path == os.path.abspath(s.recovery.path):
             s.recovery.restored_from(restored.name, self.ack)       # its parent, as it is in our store
-            self.last_image = (restored.store.path, restored.name, restored.chunk_keys())   # chunks it holds
+            self.last_image = (restored.store.path, restored.name, restored.manifest.chunk_keys())   # chunks it holds
 
     @property
     def recovering(self):

@@ -25,14 +25,11 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
-MiB, GiB = 1 << 20, 1 << 30
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_snapshot import GiB, MiB  # noqa: E402
+from probe_driver_stalls import ok  # noqa: E402
+
 CHUNK = 16 * MiB
-
-
-def ok(res):
-    err, *rest = res if isinstance(res, tuple) else (res,)
-    assert int(err) == 0, res
-    return rest[0] if len(rest) == 1 else rest
 
 
 def huge_pages_free():

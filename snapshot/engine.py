@@ -439,10 +439,6 @@ class Restore(ChunkJob):
     def refuse(self, why):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"image {self.name!r}: {why}")
 
-    def chunk_keys(self):
-        """Every chunk key of the image restored: its contents and its modules."""
-        return frozenset(self.keys) | {e["image"] for e in self.manifest.modules}
-
     def recreate(self):
         """Recreate modules, functions, streams, events and allocations with their ids and addresses."""
         m, s = self.manifest, self.session

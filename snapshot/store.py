@@ -260,7 +260,9 @@ class DirStore:
         self._local = _SharedExclusive()
 
     def _chunk_path(self, key):
-        check_key(key)
+        return self._chunk_file(check_key(key))
+
+    def _chunk_file(self, key):          # a key already checked
         return os.path.join(self._chunks, key[:2], key)
 
     def _write_atomic(self, path, data):
@@ -299,15 +301,14 @@ class DirStore:
         one listing of each chunk directory they fall in, 2.5 to 6 times faster than a stat each."""
         keys = list(keys)
         check_keys(keys)
-        d = self._chunks
         if len(keys) < 256:
-            return {k for k in keys if not os.access(f"{d}/{k[:2]}/{k}", os.F_OK)}
+            return {k for k in keys if not os.access(self._chunk_file(k), os.F_OK)}
         wanted, lack = {}, set()
         for k in keys:
             wanted.setdefault(k[:2], set()).add(k)
         for sub, want in wanted.items():
             try:
-                lack |= want.difference(os.listdir(f"{d}/{sub}"))
+                lack |= want.difference(os.listdir(os.path.join(self._chunks, sub)))
             except FileNotFoundError:
                 lack |= want
         return lack

@@ -30,12 +30,17 @@ class ServerProc(LocalServer):
         return [int(p) for p in out.stdout.split()]
 
 
+def stop_and_show(srv):
+    """Stop a fixture's server and print its last log lines: pytest shows them for a failing test."""
+    srv.stop()
+    print(f"--- server {srv.dir}, last lines:\n{srv.output()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def server(backend, tmp_path_factory):
     srv = ServerProc(backend, tmp_path_factory.mktemp("srv"))
     yield srv
-    srv.stop()
-    print(f"--- server {srv.dir}, last lines:\n{srv.output()[-3000:]}")
+    stop_and_show(srv)
 
 
 @pytest.fixture
@@ -51,8 +56,7 @@ def servers(backend, tmp_path):
         return srv
     yield start
     for srv in started:
-        srv.stop()
-        print(f"--- server {srv.dir}, last lines:\n{srv.output()[-3000:]}")   # pytest shows it on a failure
+        stop_and_show(srv)
 
 
 @pytest.fixture
