@@ -77,7 +77,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
         return pb.ListContextsReply(contexts=out)
 
     async def Checkpoint(self, request, context):
-        from phos.snapshot.store import DirStore
+        from phos.snapshot.host_store import open_store
         try:
             w = self.worker(request.ctx)
             if not request.store:
@@ -85,7 +85,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
             name = request.name or f"ctx{request.ctx}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%fZ}"
             parent = ""
             if request.incremental:
-                parent = await asyncio.to_thread(latest_image, DirStore(request.store), request.ctx) or ""
+                parent = await asyncio.to_thread(latest_image, open_store(request.store), request.ctx) or ""
             queue = asyncio.Queue()
 
             async def progress(res):
@@ -112,10 +112,10 @@ class Admin(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
 
     async def Restore(self, request, context):
-        from phos.snapshot.store import DirStore
+        from phos.snapshot.host_store import open_store
         t0 = time.perf_counter()
         try:
-            name = request.name or await asyncio.to_thread(latest_image, DirStore(request.store))
+            name = request.name or await asyncio.to_thread(latest_image, open_store(request.store))
             if not name:
                 raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {request.store}")
             found = time.perf_counter()
@@ -167,7 +167,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
                         HANDOFF_RESTORE_TIMEOUT)
 
                 info = await ask(lambda timeout: target.Stats(pb.StatsRequest(), timeout=timeout), HANDOFF_ASK_TIMEOUT)
-                store = HandoffStore(request.ctx, info.recovery_dir)
+                # a host store both servers pin: the rounds go device to device through it
+                shared = info.host_store if info.host_store and info.host_store == self.front.host_store else ""
+                store = HandoffStore(request.ctx, info.recovery_dir, shared)
 
                 # 2 MiB unless asked: 8 MiB chunks at 8 GiB cut the frozen round's per-chunk work
                 # by 14 ms but copied twice the bytes, and the downtime grew (perf/RESULTS.md)
@@ -294,9 +296,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
 
     async def DeleteImage(self, request, context):
         from phos.snapshot import ImageError, delete_image
-        from phos.snapshot.store import DirStore
+        from phos.snapshot.host_store import open_store
         try:
-            freed = await asyncio.to_thread(delete_image, DirStore(request.store), request.name, None, True)
+            freed = await asyncio.to_thread(delete_image, open_store(request.store), request.name, None, True)
         except ImageError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except OSError as e:
@@ -310,7 +312,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
                              standby_workers=len(self.front.pool), bytes=sum(c.bytes for c in contexts),
                              checkpoints=self.front.counts["checkpoints"], restores=self.front.counts["restores"],
                              recovery_dir=os.path.abspath(self.front.recovery.directory) if self.front.recovery else "",
-                             standby=self.front.recovery.standby if self.front.recovery else "")
+                             standby=self.front.recovery.standby if self.front.recovery else "",
+                             host_store=self.front.host_store or "")
 
 
 async def start(front, address):

@@ -4,6 +4,7 @@ Allocations are VMM mappings inside one range reserved at the fixed base
 (DESIGN decision 3), so a restored or handed-off context keeps its addresses.
 """
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.schema.cuda_types import CudaError, CUresult
 
+log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
 PIN_PIECE = 2 << 20      # staging areas are pinned in pieces this big (see register_host)
 
@@ -374,6 +376,7 @@ class CudaSnapshotOps:
         self.streams = {"bulk": ok(cu.cuStreamCreateWithPriority(flags, 0), "cuStreamCreate"),
                         "urgent": ok(cu.cuStreamCreateWithPriority(flags, greatest), "cuStreamCreate")}
         self.host = {k: [] for k in self.streams}      # pinned buffers, made on first use
+        self.pinned = []         # (start, end) of host memory pinned for direct copies (pin)
         self.tables = {}         # purpose -> chunk table and sums, on the device and pinned on the host
 
     def _table(self, key, n):
@@ -440,6 +443,29 @@ class CudaSnapshotOps:
                 self._table(f"{key}{n}", 1024)
         self._table("cut", 1024)
 
+    def pin(self, memory, piece):
+        """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in
+        pieces of whole slots: one copy runs pinned only within one registration. A pre-started
+        worker does it before any application uses it: pinning holds a driver lock, and costs
+        70-105 ms per GiB (perf/probe_host_arena.py). Returns False (logged) if it could not."""
+        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        start, done = memory.ctypes.data, []
+        for off in range(0, memory.nbytes, piece):
+            n = min(piece, memory.nbytes - off)
+            err = cu.cuMemHostRegister(start + off, n, 0x02)[0]       # CU_MEMHOSTREGISTER_DEVICEMAP
+            if int(err):
+                log.warning("pinning %d MiB of host store memory failed (%s): copies go through buffers", n >> 20, err)
+                for at in done:
+                    cu.cuMemHostUnregister(at)
+                return False
+            done.append(start + off)
+        self.pinned.append((start, start + memory.nbytes))
+        return True
+
+    def maps(self, host):
+        lo = host.ctypes.data
+        return any(a <= lo and lo + host.nbytes <= b for a, b in self.pinned)
+
     def _buffers(self, key, at_least):
         """The two pinned host buffers of a stream, grown to hold a chunk of at_least bytes.
         Made when first needed, not at the cut: pinning takes milliseconds per 100 MiB."""
@@ -463,20 +489,25 @@ class CudaSnapshotOps:
             start = end
         return out
 
-    def read(self, chunks, urgent=False):
-        """Yield batches of (host bytes, fingerprint). Two host buffers take turns, so the next
-        batch is copying while the caller stores this one; a batch stays valid until the one
-        after the next is asked for."""
+    def read(self, chunks, urgent=False, into=None):
+        """Yield batches of (host bytes, fingerprint). Without into, two host buffers take turns,
+        so the next batch is copying while the caller stores this one; a batch stays valid until
+        the one after the next is asked for. With into (views of pinned memory, one per chunk)
+        the chunks land there, in batches of a buffer's size all the same."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
-        stream, buffers = self.streams[key], self._buffers(key, max(size for _, size in chunks))
+        stream, biggest = self.streams[key], max(size for _, size in chunks)
+        buffers = self._buffers(key, biggest) if into is None else None
+        capacity = len(buffers[0]) if into is None else max(self.BUFFER[key], biggest)
         pending = None
-        for n, (start, end) in enumerate(self._batches(chunks, len(buffers[0]))):
-            host, off, views, spans = buffers[n % 2], 0, [], []
-            for addr, size in chunks[start:end]:
-                ok(cu.cuMemcpyDtoHAsync(host.ctypes.data + off, addr, size, stream), "cuMemcpyDtoHAsync")
-                views.append(host[off:off + size])
-                spans.append((host.ctypes.data + off, size))
+        for n, (start, end) in enumerate(self._batches(chunks, capacity)):
+            off, views, spans = 0, [], []
+            for i in range(start, end):
+                addr, size = chunks[i]
+                view = buffers[n % 2][off:off + size] if into is None else into[i]
+                ok(cu.cuMemcpyDtoHAsync(view.ctypes.data, addr, size, stream), "cuMemcpyDtoHAsync")
+                views.append(view)
+                spans.append((view.ctypes.data, size))
                 off += size
             # the kernel reads the pinned copy itself (unified addressing maps it): the exact
             # fingerprint of the bytes handed on, even if the application wrote the chunk meanwhile
@@ -487,12 +518,17 @@ class CudaSnapshotOps:
         if pending is not None:
             yield list(zip(pending[0], pending[1]()))
 
-    def write(self, chunks, load, pool, urgent=False):
+    def write(self, chunks, load, pool, urgent=False, sources=None):
         """Copy chunks to the device through a pinned buffer: pool threads read chunk i in
-        place (load(i, out)), then the link copies them at full speed. Returns the fingerprints of what landed.
+        place (load(i, out)), then the link copies them at full speed; or straight from
+        sources[i], views of pinned memory. Returns the fingerprints of what landed.
         urgent: a call waits for these (own stream and buffer, beside the background loading)."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
+        if sources is not None:
+            for (addr, size), src in zip(chunks, sources):
+                ok(cu.cuMemcpyHtoDAsync(addr, src.ctypes.data, size, self.streams[key]), "cuMemcpyHtoDAsync")
+            return self._hash(chunks, f"{key}0", self.streams[key])()
         stream, host = self.streams[key], self._buffers(key, max(size for _, size in chunks))[0]
         fps = []
         for start, end in self._batches(chunks, len(host)):

@@ -174,14 +174,22 @@ class EmuSnapshotOps:
         fps = [fingerprint(self.view(a, n)) for a, n in chunks]   # calls run in order: the cut is now
         return lambda: fps
 
-    def read(self, chunks, urgent=False):
-        for a, n in chunks:
-            data = self.view(a, n).copy()
+    def maps(self, host):
+        return True             # no copy engines: any host memory will do
+
+    def read(self, chunks, urgent=False, into=None):
+        for i, (a, n) in enumerate(chunks):
+            data = self.view(a, n).copy() if into is None else into[i]
+            if into is not None:
+                data[:] = self.view(a, n)
             yield [(data, fingerprint(data))]
 
-    def write(self, chunks, load, pool, urgent=False):
+    def write(self, chunks, load, pool, urgent=False, sources=None):
         def place(i):
             a, n = chunks[i]
-            load(i, self.view(a, n))
+            if sources is None:
+                load(i, self.view(a, n))
+            else:
+                self.view(a, n)[:] = sources[i]
             return fingerprint(self.view(a, n))
         return list(pool.map(place, range(len(chunks))))

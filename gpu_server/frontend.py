@@ -139,8 +139,9 @@ def sweep_shm(directory="/dev/shm"):
 
 
 class FrontEnd:
-    def __init__(self, backend_name, listen, curve=None, recovery=None):
+    def __init__(self, backend_name, listen, curve=None, recovery=None, host_store=None):
         self.backend_name, self.listen = backend_name, listen
+        self.host_store = host_store      # a HostStore's path: pre-started workers pin its memory
         self.backend = load_backend(backend_name)
         self.devices = self.backend.devices()
         self.curve = curve          # (server public, server secret, authorized client keys dir) or None
@@ -215,11 +216,11 @@ class FrontEnd:
         """The supervisor's part: a context whose worker died (here, or with its whole server)
         comes back from its latest recovery image, if the asker holds its session token."""
         from phos.gpu_server.recovery import context_store
-        from phos.snapshot import DirStore, latest_image
+        from phos.snapshot import latest_image, open_store
         store = context_store(self.recovery.directory, ctx)
         if not os.path.isdir(store):
             return None
-        name = await asyncio.to_thread(latest_image, DirStore(store), ctx, token)
+        name = await asyncio.to_thread(latest_image, open_store(store), ctx, token)
         if name is None:
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {ctx} has no recovery image here for that token")
         self.discard(ctx)              # a zombie, or stuck: it must not serve anyone again
@@ -291,6 +292,7 @@ class FrontEnd:
             "--endpoint", endpoint, "--ctx", str(ctx_id), "--control", control_endpoint(self.listen, ctx_id),
             "--device", str(device), "--flags", str(flags), *(["--standby"] if standby else []),
             *(self.recovery.worker_args() if self.recovery else []),
+            *(["--host-store", self.host_store] if self.host_store and standby else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         secret = self.curve[1].decode() if self.curve else ""
         try:
@@ -542,7 +544,7 @@ class FrontEnd:
 _CONTEXT_CALLS = frozenset(n for n in wire.phos_capnp.Call.schema.union_fields) - set(FrontEnd.CALLS) - {"attach"}
 
 
-def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None):
+def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None, host_store=None):
     # We start workers with fork+exec while gRPC's threads run; its fork handlers would run in
     # the child before exec (and crashed it now and then), and we need none of them.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -550,6 +552,6 @@ def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None):
     check_listen(listen, curve)
     if listen.startswith("ipc://"):
         os.makedirs(os.path.dirname(listen[len("ipc://"):]) or ".", exist_ok=True)
-    front = FrontEnd(backend, listen, curve, recovery)
+    front = FrontEnd(backend, listen, curve, recovery, host_store)
     front.pool_size = pool
     uvloop.run(front.serve())

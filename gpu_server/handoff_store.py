@@ -4,9 +4,11 @@ A target that takes recovery images gets them in its recovery store of the conte
 (gpu_server/recovery.py): the last round is then the context's recovery image there from
 the moment it adopts it, its own recovery images follow it incrementally, and a target that
 dies before it took one loses nothing. The path must be one this server can write, as a
-handoff's store always had to be (the same host, or a shared file system); when it is not,
-and for a target without recovery, the rounds go to a directory in /dev/shm named for this
-process (frontend.sweep_shm removes what a killed one left).
+handoff's store always had to be (the same host, or a shared file system). Otherwise, when
+both servers pin the same HostStore (--host-store), the rounds go there: the device copies
+them into its shared memory and the target's device straight out of it, with no files.
+Else they go to a directory in /dev/shm named for this process (frontend.sweep_shm removes
+what a killed one left).
 """
 import contextlib
 import logging
@@ -16,16 +18,17 @@ import shutil
 import tempfile
 
 from phos.gpu_server.recovery import context_store
-from phos.snapshot import DirStore, ImageError, gc
+from phos.snapshot import DirStore, ImageError, gc, open_store
 
 log = logging.getLogger("phos.admin")
 
 
 class HandoffStore:
-    def __init__(self, ctx, recovery_dir=""):
+    def __init__(self, ctx, recovery_dir="", host_store=""):
         self.tag = secrets.token_hex(4)    # a later handoff of the context into the same store names its own rounds
         self.rounds = []                   # names of the rounds begun
         self.recovery = False
+        self.shared = False                # a store others use too: remove our images, not the store
         if recovery_dir:
             path = context_store(os.path.abspath(recovery_dir), ctx)
             try:
@@ -35,7 +38,9 @@ class HandoffStore:
             except OSError as e:
                 log.warning("context %d: the target's recovery store %s cannot be written here (%s): "
                             "the handoff goes through /dev/shm", ctx, path, e.strerror)
-        if not self.recovery:
+        if not self.recovery and host_store:
+            self.path, self.shared = host_store, True
+        elif not self.recovery:
             self.path = tempfile.mkdtemp(prefix=f"phos-handoff-{os.getpid()}-",
                                          dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
@@ -46,19 +51,19 @@ class HandoffStore:
 
     def remove(self, keep=None):
         """Remove the rounds, but `keep` (the last, the target's recovery image now): the
-        whole directory in /dev/shm; in a recovery store, our images and the chunks no image
-        needs any more (others may be the context's recovery images of another server)."""
-        if not self.recovery:
+        whole directory in /dev/shm; in a recovery or host store, our images and the chunks no
+        image needs any more (others may be the context's recovery images of another server)."""
+        if not (self.recovery or self.shared):
             shutil.rmtree(self.path, ignore_errors=True)
             return
         try:
-            store = DirStore(self.path)
+            store = open_store(self.path)
             for name in self.rounds:
                 if name != keep:
                     with contextlib.suppress(ImageError):
                         store.delete_image(name)
             gc(store)          # None when a recovery image is being written: its next prune collects
-            if self.made and keep is None and not store.list_images():
+            if self.recovery and self.made and keep is None and not store.list_images():
                 shutil.rmtree(self.path, ignore_errors=True)
         except (OSError, ImageError) as e:
             log.warning("could not remove the handoff's rounds from %s: %s", self.path, e)

@@ -16,7 +16,7 @@ import threading
 import time
 
 from phos.snapshot import delete_image
-from phos.snapshot.store import DirStore
+from phos.snapshot.host_store import open_store
 
 log = logging.getLogger("phos.recovery")
 
@@ -84,7 +84,7 @@ class Recovery:
 
     def _delete(self, name):
         try:
-            delete_image(DirStore(self.path), name)
+            delete_image(open_store(self.path), name)
         except Exception as e:       # pruning is best effort: the next one collects it
             log.info("could not prune recovery image %s: %s", name, e)
 
@@ -93,7 +93,7 @@ class Recovery:
         the one it was restored from (a handoff's last round, say), not the new owner's."""
         self.retired = True
         self.prune_done()
-        for name in DirStore(self.path).list_images():
+        for name in open_store(self.path).list_images():
             if name.startswith(f"rec-{self.tag}-") or name == self.latest:
                 self._delete(name)
 

@@ -46,13 +46,15 @@ def writer(app, stop, ends, starts, share=0.1, step=0.01):
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
 
 
-def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir=""):
+def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store=""):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
-    # a target taking recovery images gets the rounds in its recovery directory
+    # a target taking recovery images gets the rounds in its recovery directory; else servers
+    # sharing a host store, there
     recovering = ["--recovery-dir", recovery_dir, "--checkpoint-every", "600"] if recovery_dir else []
-    one, two = start_server(backend, work_dir, "one"), start_server(backend, work_dir, "two", recovering)
+    shared = ["--host-store", host_store] if host_store else []
+    one, two = start_server(backend, work_dir, "one", shared), start_server(backend, work_dir, "two", recovering + shared)
     try:
         os.environ["PHOS_SERVER"] = one.address
         cu._reset_for_tests()
@@ -110,15 +112,29 @@ def main():
                     help="chunk size (default: the server's, 2 MiB); small chunks on emu give a large context's chunk count")
     ap.add_argument("--target-recovery-dir", default="",
                     help="the target takes recovery images there (the rounds go there instead of /dev/shm)")
+    ap.add_argument("--via", default="host store", choices=["host store", "shm"],
+                    help="where the rounds go: a HostStore both servers pin (twice the context's size, on /dev/shm), "
+                    "or chunk files in /dev/shm")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
+    import shutil
     import tempfile
+    from phos.snapshot import HostStore
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
-        row = {"size": f"{size} {args.unit}",
-               **measure(args.backend, size * (GiB if args.unit == "GiB" else MiB), tempfile.mkdtemp(prefix="phos-handoff-bench-"),
-                       args.chunk_kib << 10, args.target_recovery_dir)}
+        nbytes = size * (GiB if args.unit == "GiB" else MiB)
+        host = ""
+        if args.via == "host store":
+            host = tempfile.mkdtemp(prefix="phos-bench-host-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            HostStore.create(host, 2 * nbytes + 512 * MiB, capacity=max(args.chunk_kib << 10, 2 * MiB))
+        try:
+            row = {"size": f"{size} {args.unit}", "via": args.via,
+                   **measure(args.backend, nbytes, tempfile.mkdtemp(prefix="phos-handoff-bench-"),
+                             args.chunk_kib << 10, args.target_recovery_dir, host)}
+        finally:
+            if host:
+                shutil.rmtree(host, ignore_errors=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| size | handoff total (s) | application downtime (ms) | gap without handoff (ms) | longest step (ms) "

@@ -13,7 +13,8 @@ against a run without checkpoint and the longest gap between two completed syncs
 pause it saw). Then: a checkpoint to local disk, a full restore into a second server
 process on the same GPU, and an on-demand restore after the first server is killed, timed
 from the Restore call to the end of the application's first kernel there. "host memory"
-is an image store on /dev/shm.
+is a HostStore on /dev/shm (snapshot/host_store.py), pinned by every server's pre-started
+worker: the device copies chunks straight into it and back.
 """
 import argparse
 import logging.handlers
@@ -179,8 +180,12 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
 
+    from phos.snapshot import HostStore, delete_image
+    # host memory: a HostStore that every server's pre-started worker pins, room for one image
+    host = HostStore.create(shm_dir, int(nbytes * 1.1) + 64 * (chunk + 4096), capacity=chunk)
+
     def server(name):
-        return start_server(backend, work_dir, name)
+        return start_server(backend, work_dir, name, extra=("--host-store", shm_dir))
 
     def checkpoint(srv, ctx, store, **kw):
         msgs = list(stub(srv.address).Checkpoint(pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk, **kw)))
@@ -194,11 +199,11 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     app = App(cu, nbytes)
     ctx = int(app.ctx)
     row["kernels_per_s"], row["gap_ms_idle"], _ = run_work(app, seconds=1.0)
-    # stop the world first: where a copy's time goes (device copies vs chunk files), with no
-    # application beside it; removed at once, so that /dev/shm holds one image at a time
+    # stop the world first: where a copy's time goes (device copies vs storing), with no
+    # application beside it; deleted at once, so that the next image is copied whole again
     res = checkpoint(one, ctx, shm_dir, paused=True)
     row["checkpoint_paused_s"], row["checkpoint_paused_phase_ms"] = res["seconds"], res["phase_ms"]
-    shutil.rmtree(shm_dir)
+    delete_image(host, res["name"])
     t = time.perf_counter()
     row["kernels_per_s_during"], row["pause_ms"], res = run_work(app, during=lambda: checkpoint(one, ctx, shm_dir))
     row["checkpoint_host_s"] = res["seconds"]

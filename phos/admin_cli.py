@@ -118,9 +118,9 @@ def handoff(opts):
 
 def image_inspect(opts):
     from phos.snapshot import latest_image
-    from phos.snapshot import DirStore, ImageError, read_image
+    from phos.snapshot import ImageError, open_store, read_image
     try:
-        store = DirStore(opts.dir)
+        store = open_store(opts.dir)
         name = opts.name or latest_image(store)
         if not name:
             raise SystemExit(f"phos: no readable image in {opts.dir}")

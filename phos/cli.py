@@ -34,11 +34,31 @@ def cmd_server(opts):
         raise SystemExit("phos server: --checkpoint-every, --checkpoint-calls and --standby need --recovery-dir")
     if opts.checkpoint_every < 0 or opts.checkpoint_calls < 0:
         raise SystemExit("phos server: --checkpoint-every and --checkpoint-calls must not be negative")
+    host_store = host_store_option(opts)
     try:
-        frontend.run(opts.backend, opts.listen, curve, pool=opts.pool, recovery=recovery)
+        frontend.run(opts.backend, opts.listen, curve, pool=opts.pool, recovery=recovery, host_store=host_store)
     except ValueError as e:
         raise SystemExit(f"phos server: {e}")
     return 0
+
+
+def host_store_option(opts):
+    """--host-store DIR [--host-memory SIZE]: the host store's path, made first if SIZE is given
+    and DIR holds none yet."""
+    from phos.snapshot.host_store import HostStore, ImageError, is_host_store, parse_size
+    if opts.host_store is None:
+        if opts.host_memory:
+            raise SystemExit("phos server: --host-memory needs --host-store DIR (a directory on /dev/shm, for memory)")
+        return None
+    path = os.path.abspath(opts.host_store)
+    try:
+        if not is_host_store(path):
+            if not opts.host_memory:
+                raise SystemExit(f"phos server: {path} holds no host store; give --host-memory SIZE to make one")
+            HostStore.create(path, parse_size(opts.host_memory))
+        return path
+    except (ImageError, ValueError, OSError) as e:
+        raise SystemExit(f"phos server: host store {path}: {e}")
 
 
 def cmd_keygen(opts):
@@ -77,6 +97,9 @@ def main(argv=None):
     p.add_argument("--checkpoint-calls", type=int, default=0, metavar="N", help="calls between recovery images")
     p.add_argument("--standby", metavar="ADDR", help="the server (with the same --recovery-dir) that clients turn "
                    "to if this one dies")
+    p.add_argument("--host-store", metavar="DIR", help="an image store in shared host memory that pre-started workers "
+                   "pin, so checkpoints and restores into it run at the host link's speed")
+    p.add_argument("--host-memory", metavar="SIZE", help="make the --host-store this big (e.g. 40G) if it does not exist")
     p.add_argument("--log-level", default=os.environ.get("PHOS_LOG", "WARNING"))
     p.set_defaults(func=cmd_server)
 

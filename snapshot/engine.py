@@ -7,13 +7,18 @@ work goes through the backend's snapshot operations (`backend.snap`):
     fingerprints(chunks, fence) -> wait()     pfp1 of each (address, length) chunk (pairs, or
                                              an (n, 2) uint64 array); with fence, later
                                              application work waits for it
-    read(chunks, urgent)                     copy chunks to the host: yields batches of
+    read(chunks, urgent, into)               copy chunks to the host: yields batches of
                                              [(bytes, fingerprint of what was copied)]; a
                                              batch stays valid until the one after the next
-                                             is asked for
-    write(chunks, load, pool) -> fps         copy chunk i's bytes, load(i), to the device (pool
-                                             threads fetch them); returns the fingerprints of
-                                             what landed there, so restores verify on the device
+                                             is asked for. into: a host view per chunk to
+                                             copy it to (a HostStore's slots), not a buffer
+    write(chunks, load, pool, urgent, sources) -> fps
+                                             copy chunk i's bytes, load(i), to the device (pool
+                                             threads fetch them), or straight from sources[i];
+                                             returns the fingerprints of what landed there,
+                                             so restores verify on the device
+    maps(host) -> bool                       whether read and write may copy straight to and
+                                             from this host memory (cuda: pinned here)
 
 Checkpoint: the cut is a point in the call stream (the worker's last executed call). The
 engine records the context's objects, fingerprints every chunk at the cut, and saves the
@@ -37,8 +42,8 @@ import numpy as np
 
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
-from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, read_chunk,
-                                 read_chunk_into, read_image)
+from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, chunk_payload,
+                                 read_chunk, read_chunk_into, read_image)
 
 log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # the background thread copies this much per device round trip
@@ -255,6 +260,8 @@ class Checkpoint(ChunkJob):
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
         super().__init__()
+        # a HostStore this process pinned: the device copies chunks straight into its slots
+        self.direct = self.level is None and hasattr(store, "reserve") and session.backend.snap.maps(store.memory)
         self.mismatched = 0          # saved chunks that differed from the cut
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
@@ -299,21 +306,36 @@ class Checkpoint(ChunkJob):
                 self.keys[c] = k
             else:
                 need.append(c)
-        done, t = 0, time.perf_counter()
-        for batch in self.session.backend.snap.read(self.chunks.spans(need), urgent) if need else ():
-            t = self.step("copy_device", t) if not self.concurrent else t     # a paused round reports its steps
-            writes = []
-            for c, (data, fp) in zip(need[done:done + len(batch)], batch):
-                if fp == fps[c] or self.precopy:      # pre-copy: what was copied is what counts
-                    writes.append((c, self.io.submit(self.writer.add_chunk, data, fp)))
-                else:              # written behind our back since the cut
-                    with self.cv:
-                        self.mismatched += 1
-                        self.mismatch = True
-            for c, write in writes:       # the batch's buffer is reused once we ask for the next
-                self.keys[c] = write.result()
-            done += len(batch)
-            t = self.step("copy_store", t) if not self.concurrent else t
+        spans = self.chunks.spans(need)
+        slots = self.store.reserve(len(need)) if self.direct and need else None
+        into = [self.store.payload(slot, n) for slot, (_, n) in zip(slots, spans)] if slots else None
+        try:
+            done, t = 0, time.perf_counter()
+            for batch in self.session.backend.snap.read(spans, urgent, into) if need else ():
+                t = self.step("copy_device", t) if not self.concurrent else t     # a paused round reports its steps
+                writes, direct = [], []
+                for j, (c, (data, fp)) in enumerate(zip(need[done:done + len(batch)], batch), done):
+                    if fp == fps[c] or self.precopy:      # pre-copy: what was copied is what counts
+                        if slots:
+                            direct.append((c, j, data, fp))
+                        else:
+                            writes.append((c, self.io.submit(self.writer.add_chunk, data, fp)))
+                    else:              # written behind our back since the cut
+                        with self.cv:
+                            self.mismatched += 1
+                            self.mismatch = True
+                if direct:
+                    keys = self.writer.add_slots([slots[j] for _, j, _, _ in direct], [d for _, _, d, _ in direct],
+                                                 [fp for _, _, _, fp in direct])
+                    for (c, j, _, _), k in zip(direct, keys):
+                        self.keys[c], slots[j] = k, None
+                for c, write in writes:       # the batch's buffer is reused once we ask for the next
+                    self.keys[c] = write.result()
+                done += len(batch)
+                t = self.step("copy_store", t) if not self.concurrent else t
+        finally:
+            if slots:              # mismatched, or the copy failed: nobody will publish them
+                self.store.release([slot for slot in slots if slot is not None])
         self.mark_done(idx)
 
     def run(self):
@@ -434,6 +456,8 @@ class Restore(ChunkJob):
         self.stopping = False        # advance() holds the background loader
         self.loader_held = False     # the loader waits for start_loader()
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
+        # a HostStore this process pinned: chunks go to the device straight from its slots
+        self.direct = hasattr(store, "source") and session.backend.snap.maps(store.memory)
         self.started = self.step("manifest", t0)
 
     def refuse(self, why):
@@ -544,9 +568,21 @@ class Restore(ChunkJob):
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
 
+    def sources(self, idx):
+        """Where the store keeps chunks idx, header checked, for the device to copy from; None
+        when it has no such place for them all (they are read into a copy buffer instead)."""
+        if not self.direct:
+            return None
+        try:
+            out = [chunk_payload(self.store, self.keys[c], int(self.chunks.sizes[c])) for c in idx]
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
+        return None if any(p is None for p in out) else out
+
     def load(self, idx, urgent=False):
         """Load claimed chunks, verifying each."""
-        fps = self.session.backend.snap.write(self.chunks.spans(idx), lambda i, out: self.read(idx[i], out), self.io, urgent)
+        fps = self.session.backend.snap.write(self.chunks.spans(idx), lambda i, out: self.read(idx[i], out), self.io, urgent,
+                                              self.sources(idx))
         for c, fp in zip(idx, fps):
             if fp.hex() != self.keys[c]:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE,

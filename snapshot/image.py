@@ -211,6 +211,17 @@ def read_chunk_into(store, key, out, check=True):
         raise ImageError(f"chunk {key} is corrupt: its contents fingerprint to {found}")
 
 
+def chunk_payload(store, key, expected_len):
+    """A raw chunk's payload where the store keeps it, header checked, without copying it (a
+    HostStore's shared memory: a restore copies it straight to the device); None when the
+    store has no such place or the chunk is compressed. The caller checks the fingerprint."""
+    if not hasattr(store, "source"):
+        return None
+    header, payload, blob_len = store.source(key)
+    comp, _ = _check_header(key, blob_len, header, expected_len, MAX_CHUNK_BYTES)
+    return payload if comp == COMP_RAW else None
+
+
 def chunk_count(size, chunk_size):
     return -(-size // chunk_size) if size else 0
 
@@ -633,6 +644,26 @@ class ImageWriter:
             self.stored_bytes += sum(len(p) for p in parts)
             self.present.add(k)
         return k
+
+    def add_slots(self, slots, payloads, fps):
+        """Publish chunks the device copied straight into a HostStore's reserved slots (raw,
+        fingerprinted on the device); returns their keys. Chunks the store held already
+        free their slot."""
+        self._check_open()
+        keys = [bytes(fp).hex() for fp in fps]
+        lens = [len(p) for p in payloads]
+        headers = [HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, COMP_RAW, n, n, bytes(fp)) for n, fp in zip(lens, fps)]
+        new = self.store.publish(slots, keys, headers, lens)
+        with self._mu:
+            for k, n, fresh in zip(keys, lens, new):
+                self.present.add(k)
+                if fresh:
+                    self.new_chunks += 1
+                    self.raw_bytes += n
+                    self.stored_bytes += HEADER_SIZE + n
+                else:
+                    self.reused_chunks += 1
+        return keys
 
     def reuse_chunk(self, key):
         """True when the store already holds chunk `key` (e.g. a device-side fingerprint

@@ -393,11 +393,7 @@ class DirStore:
             _fsync_dir(self._images)
 
     def stats(self):
-        chunk_bytes = chunks = 0
-        for key in self.list_chunks():
-            with contextlib.suppress(FileNotFoundError):
-                chunk_bytes += os.stat(self._chunk_path(key)).st_size
-                chunks += 1
+        chunk_bytes, chunks = self._chunk_stats()
         image_bytes = images = 0
         for f in os.listdir(self._images):
             if f.endswith(".json") or f.endswith(".digest"):
@@ -405,6 +401,15 @@ class DirStore:
                     image_bytes += os.stat(os.path.join(self._images, f)).st_size
                 images += f.endswith(".json")
         return {"bytes": chunk_bytes + image_bytes, "chunk_bytes": chunk_bytes, "chunks": chunks, "images": images}
+
+    def _chunk_stats(self):
+        """(bytes, count) of the chunks held."""
+        chunk_bytes = chunks = 0
+        for key in self.list_chunks():
+            with contextlib.suppress(FileNotFoundError):
+                chunk_bytes += os.stat(self._chunk_path(key)).st_size
+                chunks += 1
+        return chunk_bytes, chunks
 
     # locking: flock on <store>/.lock works across processes and across open files of one process
     @contextlib.contextmanager

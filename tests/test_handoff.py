@@ -19,7 +19,7 @@ import pytest
 from conftest import wait_until
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
-from phos.snapshot import DirStore, latest_image, read_image
+from phos.snapshot import DirStore, HostStore, latest_image, read_image
 from test_snapshot_engine import App, checkpoint, region
 
 N, TOTAL = 1 << 15, 300
@@ -33,9 +33,9 @@ def reference(cu, rhs):
     return out
 
 
-def start(servers, client, rhs):
+def start(servers, client, rhs, args=()):
     """Two servers, the reference result, and the program's context on the first server."""
-    one, two = servers("one"), servers("two")
+    one, two = servers("one", args=args), servers("two", args=args)
     cu = client(one)
     expected = reference(cu, rhs)
     app = App(cu)
@@ -47,12 +47,15 @@ def contexts(server):
     return {c.id: c.state for c in stub(server.address).ListContexts(pb.ListContextsRequest()).contexts}
 
 
-@pytest.mark.parametrize("spin", ["0", "1000"])
-def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatch, spin):
+@pytest.mark.parametrize("spin, via", [("0", "shm"), ("1000", "shm"), ("0", "host store")])
+def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatch, tmp_path, spin, via):
     """spin: the workers' PHOS_SPIN_US. Spinning (the default on machines with more than four
-    cores) serves calls and control messages by another path than sleeping in poll."""
+    cores) serves calls and control messages by another path than sleeping in poll.
+    via: where the rounds go; a HostStore both servers share takes them without files."""
     monkeypatch.setenv("PHOS_SPIN_US", spin)
-    one, two, app, (x, y, r), expected = start(servers, client, np.sin(np.arange(N, dtype=np.float32)))
+    host = HostStore.create(tmp_path / "host", 64 << 20) if via == "host store" else None
+    args = ("--host-store", host.path) if host else ()
+    one, two, app, (x, y, r), expected = start(servers, client, np.sin(np.arange(N, dtype=np.float32)), args)
     done = {}
     mover = threading.Thread(target=lambda: done.update(
         reply=stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))))
@@ -80,6 +83,9 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     assert reply.chunk_size == 2 << 20                   # the default
     assert app.id in contexts(two) and app.id not in contexts(one)
     assert "restoring it afresh" not in two.output()     # the warm copy followed the rounds
+    if host:       # the rounds went through it, and are gone once the target loaded them
+        assert wait_until(lambda: not host.list_images() and not host.stats()["chunks"], 30)
+        assert host._seq() >= 2 * len(reply.round_bytes), "the rounds' chunks did not pass through its slots"
 
 
 def test_a_dead_target_leaves_the_context_running_here(servers, client):

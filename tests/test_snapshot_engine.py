@@ -20,7 +20,7 @@ from conftest import wait_until
 from ptx_helpers import compile_ptx
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
-from phos.snapshot import DirStore, latest_image, read_image, read_region
+from phos.snapshot import DirStore, HostStore, latest_image, open_store, read_image, read_region
 from phos.snapshot.fingerprint import _finish, fingerprint
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -140,12 +140,24 @@ def test_pfp1_kernel_matches_the_reference():
     assert fresh.split("\n", 7)[-1] == ptx.decode().split("\n", 7)[-1], "snapshot/kernels/pfp1.ptx is stale: rebuild it from pfp1.cu"
 
 
-def test_killed_server_restored_elsewhere_continues_bit_for_bit(servers, client, tmp_path, monkeypatch):
+def image_store(kind, tmp_path):
+    """(path, `phos server` arguments) of an image store: a directory, or a HostStore in
+    shared memory that the servers' workers copy straight into and out of."""
+    path = tmp_path / "images"
+    if kind == "host":
+        HostStore.create(path, 256 * MiB)
+        return path, ("--host-store", str(path))
+    return path, ()
+
+
+@pytest.mark.parametrize("kind", ["dir", "host"])
+def test_killed_server_restored_elsewhere_continues_bit_for_bit(servers, client, tmp_path, monkeypatch, kind):
     """Checkpoint at iteration k, kill the server, restore into another server process: the
     program continues with the same pointers and ends bit for bit where an uninterrupted run does."""
     n, k, total = 1 << 15, 15, 40
     rhs = np.sin(np.arange(n, dtype=np.float32))
-    one = servers("one")
+    store, args = image_store(kind, tmp_path)
+    one = servers("one", args=args)
     cu = client(one)
     ref_app = App(cu)
     x, y, r = ref_app.put(np.zeros(n, np.float32)), ref_app.put(np.zeros(n, np.float32)), ref_app.put(rhs)
@@ -156,11 +168,10 @@ def test_killed_server_restored_elsewhere_continues_bit_for_bit(servers, client,
     x, y, r = app.put(np.zeros(n, np.float32)), app.put(np.zeros(n, np.float32)), app.put(rhs)
     x, y = (x, y) if app.jacobi(x, y, r, n, k) == x else (y, x)
     app.sync()
-    store = tmp_path / "images"
     result = checkpoint(one, app.id, store)
     assert result["mode"] == "concurrent" and not result["paused"]
     kill(one)
-    two = servers("two")                       # another server process, another address
+    two = servers("two", args=args)            # another server process, another address
     standby = lambda: stub(two.address).Stats(pb.StatsRequest()).standby_workers     # noqa: E731
     assert wait_until(lambda: standby() == 1, 30)
     monkeypatch.setenv("PHOS_SERVER", two.address)
@@ -169,24 +180,25 @@ def test_killed_server_restored_elsewhere_continues_bit_for_bit(servers, client,
     # the restore took the pre-started worker; its replacement starts only once the client had
     # time to re-attach: a process start holds the front end up while it answers the client
     assert len(two.workers()) == 1
-    addresses = {e["address"] for e in read_image(DirStore(store), reply.name).allocations}
+    addresses = {e["address"] for e in read_image(open_store(store), reply.name).allocations}
     assert {int(x), int(y), int(r)} <= addresses
     out = app.get(app.jacobi(x, y, r, n, total - k), n)
     assert out.tobytes() == expected.tobytes()
     assert wait_until(lambda: standby() == 1, 30), "the pool was not refilled after the restore"
 
 
-def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_path):
+@pytest.mark.parametrize("kind", ["dir", "host"])
+def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_path, kind):
     """The program keeps writing (memset, copies, kernels) while the checkpoint copies: the image
     holds the state at the cut, and no pause was needed."""
-    one = servers("one")
+    store, args = image_store(kind, tmp_path)
+    one = servers("one", args=args)
     app = App(client(one))
     app.put(filler(96 * MiB))                  # copied first, so the writes below land mid-copy
     n = 1 << 18
     before_x, before_y = np.arange(n, dtype=np.float32), np.full(n, 3.0, np.float32)
     x, y, r = app.put(before_x), app.put(before_y), app.put(np.ones(n, np.float32))
     app.sync()
-    store = tmp_path / "images"
     t, done = checkpoint_underway(one, app, store)
     app.ok(app.cu.cuMemsetD32(x, 0x7F7F7F7F, n))
     app.ok(app.cu.cuMemcpyHtoD(y, np.zeros(n, np.float32), 4 * n))
@@ -194,7 +206,7 @@ def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_p
     app.sync()
     t.join()
     assert done["mode"] == "concurrent" and not done["paused"] and done["recopied_chunks"] == 0
-    s = DirStore(store)
+    s = open_store(store)
     assert region(s, done["name"], int(x)).tobytes() == before_x.tobytes()
     assert region(s, done["name"], int(y)).tobytes() == before_y.tobytes()
 
@@ -315,21 +327,25 @@ def test_on_demand_restore_runs_kernels_before_everything_is_loaded(servers, cli
     assert stats[reply.ctx].first_call_loaded < reply.bytes, "the first call waited for the whole image"
 
 
-def test_incremental_checkpoint_stores_only_what_changed(servers, client, tmp_path):
-    one = servers("one")
+@pytest.mark.parametrize("kind", ["dir", "host"])
+def test_incremental_checkpoint_stores_only_what_changed(servers, client, tmp_path, kind):
+    store, args = image_store(kind, tmp_path)
+    one = servers("one", args=args)
     app = App(client(one))
     big = app.put(filler(32 * MiB))
     app.sync()
-    store = tmp_path / "images"
     first = checkpoint(one, app.id, store)
     app.ok(app.cu.cuMemsetD8(big, 0x55, MiB))      # one chunk changes
     app.sync()
     second = checkpoint(one, app.id, store, incremental=True)
     assert first["copied_bytes"] >= 32 * MiB and second["copied_bytes"] <= 2 * MiB
     assert second["stored_bytes"] < first["stored_bytes"] / 8
-    m = read_image(DirStore(store), second["name"])
+    m = read_image(open_store(store), second["name"])
     assert m.parent == first["name"]
-    image = region(DirStore(store), second["name"], int(big))
+    image = region(open_store(store), second["name"], int(big))
+    if kind == "host":          # the chunks went to the slots, none to files
+        assert open_store(store).stats()["chunks"] == first["new_chunks"] + second["new_chunks"]
+        assert not os.listdir(store / "chunks")
     assert (image[:MiB] == 0x55).all() and image[MiB:].tobytes() == filler(32 * MiB)[MiB:].tobytes()
 
 

@@ -14,6 +14,7 @@ from phos.snapshot.fingerprint import fingerprint, fingerprints, reference_finge
 from phos.snapshot.image import (HEADER, HEADER_SIZE, ImageError, ImageWriter, canonical_json, decode_chunk,
                                  delete_image, encode_chunk, gc, manifest_digest, read_chunk, read_chunk_into, read_image,
                                  read_region, validate_manifest)
+from phos.snapshot.host_store import HostStore
 from phos.snapshot.store import DirStore, MemoryStore
 
 # ------------------------------------------------------------------ fingerprint
@@ -91,14 +92,23 @@ def test_fingerprints_chunks():
 
 # ------------------------------------------------------------------ stores and images
 
-@pytest.fixture(params=["dir", "memory"])
+@pytest.fixture(params=["dir", "memory", "host"])
 def store(request, tmp_path):
+    if request.param == "host":       # slots of 8 KiB: a 4 KiB chunk, or a tampered longer blob
+        return HostStore.create(tmp_path / "store", 1024 * (4096 + 8192), capacity=8192)
     return DirStore(tmp_path / "store") if request.param == "dir" else MemoryStore()
 
 
 def set_chunk_blob(store, key, blob):
     if isinstance(store, MemoryStore):
         store._chunks[key] = bytes(blob)
+    elif isinstance(store, HostStore):        # the slot's header and payload, and the index's length
+        slot, blob = store._slot(key), bytes(blob)
+        start = slot * store.slot_bytes
+        store.memory[start:start + min(len(blob), HEADER_SIZE)] = np.frombuffer(blob[:HEADER_SIZE], np.uint8)
+        payload = np.frombuffer(blob[HEADER_SIZE:], np.uint8)
+        store.memory[start + store.head:start + store.head + len(payload)] = payload
+        store._records["length"][slot] = len(blob)
     else:
         with open(store._chunk_path(key), "wb") as f:
             f.write(blob)

@@ -1,0 +1,344 @@
+"""An image store in shared host memory, for checkpoints at the host link's speed (issue 5).
+
+A DirStore on /dev/shm writes every byte twice: the device copies a chunk into a pinned
+buffer, then a thread writes it into a chunk file, and that file's pages are allocated and
+zeroed on the way (95% of a paused checkpoint, perf/RESULTS.md). Here the chunks live in
+fixed slots of one arena file that every worker of a server maps and pins once, when it is
+pre-started: the device copies a chunk straight into its slot, and a restore copies it
+straight back (perf/probe_host_arena.py: 55 GB/s each way, pinned by a second process too).
+
+    DIR/arena      slots of HEAD + capacity bytes: the chunk's 40-byte header (image.py),
+                   then its payload, page-aligned for the copy engines
+    DIR/slots      the index: a header, then one record per slot (below)
+    DIR/images/    manifests and digests, as in a DirStore; DIR/.lock as well
+
+A record is (key, blob length, state, seq). States: FREE, RESERVED (a writer's, its pid in
+the key field until it publishes), PUBLISHED. Every change happens under an flock of the
+index and takes the next seq, so a reader (no lock) brings its key -> slot map up to date
+by looking at the records whose seq moved. A torn read can only name a wrong slot, and the
+chunk's header and fingerprint are checked on every read, as in any store.
+"""
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
+import threading
+
+import numpy as np
+
+from .image import HEADER_SIZE
+from .store import DirStore, ImageError, check_key, check_keys
+
+MAGIC, VERSION = b"PHOSHOST", 1
+INDEX_HEADER = struct.Struct("<8sIIQQQQ")       # magic, version, 0, head, capacity, slots, seq
+RECORD = np.dtype([("key", "u1", 16), ("length", "<u4"), ("state", "<u4"), ("seq", "<u8")])
+FREE, RESERVED, PUBLISHED = 0, 1, 2
+HEAD = 4096                                     # room for the chunk header; keeps payloads page-aligned
+DEFAULT_CAPACITY = 2 << 20                      # image.DEFAULT_CHUNK_SIZE
+INDEX_FILE, ARENA_FILE = "slots", "arena"
+_open_stores = {}                               # path -> HostStore: one mapping per process (pinned once)
+_open_mu = threading.Lock()
+
+
+def is_host_store(path):
+    return os.path.isfile(os.path.join(os.fspath(path), INDEX_FILE))
+
+
+def open_store(path, fsync=True):
+    """The store at path: a HostStore where one was made, else a DirStore (made if need be)."""
+    path = os.path.abspath(os.fspath(path))
+    if not is_host_store(path):
+        return DirStore(path, fsync=fsync)
+    with _open_mu:
+        store = _open_stores.get(path)
+        if store is None:
+            store = _open_stores[path] = HostStore(path)
+        return store
+
+
+def parse_size(text):
+    """'40G', '512M', '1048576' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise ValueError(f"size {text!r}: expected a number of bytes, or one with K, M, G or T") from None
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class HostStore(DirStore):
+    """A store of images whose chunks live in a shared arena of slots; see the module docstring.
+    Manifests, locks and their checks are DirStore's."""
+
+    @classmethod
+    def create(cls, path, nbytes, capacity=DEFAULT_CAPACITY):
+        """Make an empty store of nbytes of slots at path (a directory on /dev/shm, for memory).
+        The arena is sparse: its pages are allocated when first pinned or written."""
+        path = os.path.abspath(os.fspath(path))
+        if capacity <= 0 or capacity % 4096:
+            raise ImageError(f"slot capacity {capacity} must be a positive multiple of 4096")
+        if is_host_store(path):
+            raise ImageError(f"{path} already holds a host store")
+        slots = nbytes // (HEAD + capacity)
+        if slots < 1:
+            raise ImageError(f"a host store of {nbytes} bytes holds no slot of {HEAD + capacity} bytes")
+        if os.path.isdir(os.path.join(path, "images")) and os.listdir(os.path.join(path, "images")):
+            raise ImageError(f"{path} already holds images of a directory store")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, ARENA_FILE), "wb") as f:
+            f.truncate(slots * (HEAD + capacity))
+        tmp = os.path.join(path, INDEX_FILE + ".new")
+        with open(tmp, "wb") as f:
+            f.write(INDEX_HEADER.pack(MAGIC, VERSION, 0, HEAD, capacity, slots, 0))
+            f.truncate(INDEX_HEADER.size + slots * RECORD.itemsize)
+        os.replace(tmp, os.path.join(path, INDEX_FILE))     # what makes it a host store
+        return open_store(path)
+
+    def __init__(self, path):
+        super().__init__(path, fsync=False)       # memory: nothing to sync
+        index = os.path.join(self.path, INDEX_FILE)
+        self._index_fd = os.open(index, os.O_RDWR)
+        size = os.fstat(self._index_fd).st_size
+        head = os.pread(self._index_fd, INDEX_HEADER.size, 0)
+        if len(head) < INDEX_HEADER.size:
+            raise ImageError(f"host store {self.path}: its index is truncated ({size} bytes)")
+        magic, version, _, self.head, self.capacity, self.slots, _ = INDEX_HEADER.unpack(head)
+        if magic != MAGIC:
+            raise ImageError(f"host store {self.path}: its index is not a phos host store index (magic {magic!r})")
+        if version != VERSION:
+            raise ImageError(f"host store {self.path}: index version {version}, this reader supports {VERSION}")
+        self.slot_bytes = self.head + self.capacity
+        if size != INDEX_HEADER.size + self.slots * RECORD.itemsize or self.head != HEAD:
+            raise ImageError(f"host store {self.path}: its index is {size} bytes, not what {self.slots} slots need")
+        arena = os.path.join(self.path, ARENA_FILE)
+        try:
+            fd = os.open(arena, os.O_RDWR)
+        except OSError as e:
+            raise ImageError(f"host store {self.path}: its arena cannot be opened: {e.strerror}") from None
+        try:
+            if os.fstat(fd).st_size != self.slots * self.slot_bytes:
+                raise ImageError(f"host store {self.path}: its arena is {os.fstat(fd).st_size} bytes, "
+                                 f"{self.slots} slots need {self.slots * self.slot_bytes}")
+            self.arena = mmap.mmap(fd, self.slots * self.slot_bytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._index_map = mmap.mmap(self._index_fd, size, flags=mmap.MAP_SHARED)
+        self._records = np.frombuffer(self._index_map, RECORD, self.slots, INDEX_HEADER.size)
+        self.memory = np.frombuffer(self.arena, np.uint8)      # what a worker pins (snap.register_host)
+        self._mu = threading.Lock()         # held with the index's flock, to change records
+        self._map_mu = threading.Lock()     # held to bring the key -> slot map up to date
+        self._seen = 0                 # the seq our map is up to date with
+        self._where = {}               # key -> slot, published chunks
+        self._key_of = {}              # slot -> key, for the records that change
+
+    # -- the index ------------------------------------------------------------------------
+    def _seq(self):
+        return int(np.frombuffer(self._index_map, "<u8", 1, INDEX_HEADER.size - 8)[0])
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Exclusive: threads here by the mutex, processes by flock. Yields the next seq to use."""
+        with self._mu:
+            fcntl.flock(self._index_fd, fcntl.LOCK_EX)
+            try:
+                seq = [self._seq()]
+
+                def take():
+                    seq[0] += 1
+                    return seq[0]
+                yield take
+                np.frombuffer(self._index_map, "<u8", 1, INDEX_HEADER.size - 8)[0] = seq[0]
+            finally:
+                fcntl.flock(self._index_fd, fcntl.LOCK_UN)
+
+    def _refresh(self):
+        """Bring key -> slot up to date with the records changed since we last looked."""
+        with self._map_mu:
+            now = self._seq()
+            if now == self._seen:
+                return
+            rec = self._records
+            changed = np.flatnonzero(rec["seq"] > self._seen)
+            published = changed[rec["state"][changed] == PUBLISHED]
+            hexes = rec["key"][published].tobytes().hex()
+            for slot in changed.tolist():
+                old = self._key_of.pop(slot, None)
+                if old is not None and self._where.get(old) == slot:
+                    del self._where[old]
+            for i, slot in enumerate(published.tolist()):
+                key = hexes[32 * i:32 * i + 32]
+                self._where[key], self._key_of[slot] = slot, key
+            self._seen = now
+
+    def _slot(self, key):
+        check_key(key)
+        self._refresh()
+        slot = self._where.get(key)
+        if slot is None:
+            raise ImageError(f"chunk {key} is missing from the store {self.path}")
+        return slot
+
+    # -- writing straight into slots (the snapshot engine) ----------------------------------
+    def reserve(self, n):
+        """n free slots for this process to fill; ImageError when the store has too few."""
+        pid = np.frombuffer(np.array([os.getpid()], "<u8").tobytes(), np.uint8)
+        with self._locked() as take:
+            rec = self._records
+            free = np.flatnonzero(rec["state"] == FREE)
+            if len(free) < n:
+                self._reclaim(take)
+                free = np.flatnonzero(rec["state"] == FREE)
+            if len(free) < n:
+                used = self.slots - len(free)
+                raise ImageError(f"host store {self.path} is full: {n} more chunks of up to {self.capacity >> 10} KiB needed, "
+                                 f"{used} of its {self.slots} slots are in use")
+            slots = free[:n]
+            rec["key"][slots] = 0
+            rec["key"][slots, :8] = pid
+            rec["length"][slots] = 0
+            rec["state"][slots] = RESERVED
+            for slot in slots.tolist():
+                rec["seq"][slot] = take()
+        return slots.tolist()
+
+    def _reclaim(self, take):
+        """Free the slots that writers which died left reserved (under the lock)."""
+        rec = self._records
+        held = np.flatnonzero(rec["state"] == RESERVED)
+        pids = rec["key"][held, :8].copy().view("<u8").reshape(-1)
+        for slot, pid in zip(held.tolist(), pids.tolist()):
+            if not _alive(pid):
+                rec["state"][slot] = FREE
+                rec["seq"][slot] = take()
+
+    def payload(self, slot, nbytes):
+        """The writable payload of a slot, nbytes long (a NumPy view of the arena)."""
+        if not 0 <= nbytes <= self.capacity:
+            raise ImageError(f"chunk of {nbytes} bytes does not fit the host store's {self.capacity}-byte slots")
+        start = slot * self.slot_bytes + self.head
+        return self.memory[start:start + nbytes]
+
+    def publish(self, slots, keys, headers, payload_lens):
+        """Make filled slots the chunks `keys` (headers: their encoded chunk headers), all under
+        one lock. Returns [bool]: False where the store held that chunk already; that slot is
+        freed and the other copy counts."""
+        for slot, header in zip(slots, headers):
+            start = slot * self.slot_bytes
+            self.memory[start:start + len(header)] = np.frombuffer(header, np.uint8)
+        out = []
+        with self._locked() as take:
+            self._refresh()           # under the lock: nobody publishes the same chunk meanwhile
+            rec = self._records
+            for slot, key, header, n in zip(slots, keys, headers, payload_lens):
+                check_key(key)
+                held = self._where.get(key)
+                if held is not None and rec["state"][held] == PUBLISHED and rec["key"][held].tobytes().hex() == key:
+                    rec["state"][slot] = FREE
+                    out.append(False)
+                else:
+                    rec["key"][slot] = np.frombuffer(bytes.fromhex(key), np.uint8)
+                    rec["length"][slot] = len(header) + n
+                    rec["state"][slot] = PUBLISHED
+                    self._where[key], self._key_of[slot] = slot, key    # a chunk twice in one call counts once
+                    out.append(True)
+                rec["seq"][slot] = take()
+        return out
+
+    def release(self, slots):
+        """Give back reserved slots that were not published (a failed or mismatched copy)."""
+        if not slots:
+            return
+        with self._locked() as take:
+            rec = self._records
+            for slot in slots:
+                if rec["state"][slot] == RESERVED:
+                    rec["state"][slot] = FREE
+                    rec["seq"][slot] = take()
+
+    def source(self, key):
+        """(header bytes, payload view) of a stored chunk, without copying it: a restore copies
+        the payload straight to the device. The caller checks the header (image.py)."""
+        slot = self._slot(key)
+        length = int(self._records["length"][slot])
+        if length > HEADER_SIZE + self.capacity:
+            raise ImageError(f"chunk {key}: the host store's index gives it {length} bytes, more than a slot")
+        start = slot * self.slot_bytes
+        header = self.memory[start:start + HEADER_SIZE].tobytes()
+        body = max(length - HEADER_SIZE, 0)
+        return header, self.memory[start + self.head:start + self.head + body], length
+
+    # -- the store interface ------------------------------------------------------------------
+    def put_chunk(self, key, blob):
+        check_key(key)
+        parts = blob if isinstance(blob, (tuple, list)) else (blob,)
+        data = memoryview(b"".join(bytes(p) for p in parts))
+        if self.has_chunk(key):
+            return
+        slot, = self.reserve(1)
+        try:
+            self.payload(slot, len(data) - HEADER_SIZE)[:] = np.frombuffer(data[HEADER_SIZE:], np.uint8)
+            self.publish([slot], [key], [bytes(data[:HEADER_SIZE])], [len(data) - HEADER_SIZE])
+        except BaseException:
+            self.release([slot])
+            raise
+
+    def has_chunk(self, key):
+        check_key(key)
+        self._refresh()
+        return key in self._where
+
+    def missing(self, keys):
+        keys = list(keys)
+        check_keys(keys)
+        self._refresh()
+        return {k for k in keys if k not in self._where}
+
+    def get_chunk(self, key, max_bytes=None):
+        header, body, length = self.source(key)
+        if max_bytes is not None and length > max_bytes:
+            raise ImageError(f"chunk {key} is {length} bytes, over the limit of {max_bytes}")
+        return header + body.tobytes()
+
+    def get_chunk_into(self, key, head, body):
+        header, payload, length = self.source(key)
+        n = min(len(head), len(header))
+        head[:n] = header[:n]
+        m = min(len(body), len(payload))
+        np.frombuffer(body, np.uint8, m)[:] = payload[:m]
+        return length
+
+    def list_chunks(self):
+        self._refresh()
+        return sorted(self._where)
+
+    def delete_chunk(self, key):
+        check_key(key)
+        with self._locked() as take:
+            self._refresh()
+            slot = self._where.get(key)
+            rec = self._records
+            if slot is not None and rec["state"][slot] == PUBLISHED and rec["key"][slot].tobytes().hex() == key:
+                rec["state"][slot] = FREE
+                rec["seq"][slot] = take()
+
+    def _chunk_stats(self):
+        published = self._records["state"] == PUBLISHED
+        return int(self._records["length"][published].sum(dtype=np.uint64)), int(published.sum())
+
+    def stats(self):
+        return {**super().stats(), "capacity_bytes": self.slots * self.capacity,
+                "free_slots": int((self._records["state"] == FREE).sum())}
+
+    def __repr__(self):
+        return f"HostStore({self.path!r}, {self.slots} slots of {self.capacity >> 10} KiB)"

@@ -1,0 +1,136 @@
+"""HostStore: an image store in shared host memory (snapshot/host_store.py). The image format's
+own checks run on it in test_snapshot_image.py (its `store` fixture); checkpoints and restores
+through servers in test_snapshot_engine.py. Here: what is its own, slots shared by processes."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from phos.snapshot import DirStore, HostStore, ImageWriter, open_store, read_chunk
+from phos.snapshot.host_store import INDEX_FILE, RECORD, parse_size
+from phos.snapshot.image import ImageError
+
+SLOT = 8192
+
+
+@pytest.fixture
+def store(tmp_path):
+    return HostStore.create(tmp_path / "host", 16 * (4096 + SLOT), capacity=SLOT)
+
+
+def chunk(seed):
+    return np.random.default_rng(seed).integers(0, 256, SLOT, dtype=np.uint8).tobytes()
+
+
+def add(store, *seeds):
+    with ImageWriter(store, f"scratch{seeds[0]}", level=None) as w:
+        return [w.add_chunk(chunk(s)) for s in seeds]
+
+
+def test_open_store_tells_the_kinds_apart_and_keeps_one_mapping(tmp_path, store):
+    assert isinstance(open_store(tmp_path / "plain"), DirStore) and not isinstance(open_store(tmp_path / "plain"), HostStore)
+    assert open_store(store.path) is store        # one mapping per process: a worker pins it once
+    with pytest.raises(ImageError, match="already holds a host store"):
+        HostStore.create(store.path, 1 << 20)
+
+
+def test_a_full_store_says_so_and_reserves_nothing(store):
+    keys = add(store, *range(10))
+    with pytest.raises(ImageError, match=r"is full: 7 more chunks .* 10 of its 16 slots are in use"):
+        store.reserve(7)
+    assert store.stats()["free_slots"] == 6
+    assert [read_chunk(store, k) for k in keys] == [chunk(s) for s in range(10)]
+
+
+def test_a_chunk_written_twice_is_stored_once(store):
+    first = add(store, 1)
+    slot, = store.reserve(1)
+    store.payload(slot, SLOT)[:] = np.frombuffer(chunk(1), np.uint8)
+    with ImageWriter(store, "again", level=None) as w:
+        from phos.snapshot.fingerprint import fingerprint
+        assert w.add_slots([slot], [store.payload(slot, SLOT)], [fingerprint(chunk(1))]) == first
+        assert w.stats()["new_chunks"] == 0 and w.stats()["reused_chunks"] == 1
+    assert store.stats()["chunks"] == 1 and store.stats()["free_slots"] == 15
+
+
+CHILD = """
+import os, sys
+from phos.snapshot import ImageWriter, open_store
+store = open_store(sys.argv[1])
+with ImageWriter(store, "child", level=None) as w:
+    print(w.add_chunk(bytes(range(256)) * 32), flush=True)
+store.reserve(int(sys.argv[2]))      # and die holding these
+os._exit(0)
+"""
+
+
+def test_processes_share_chunks_and_a_dead_writers_reservations_come_back(store):
+    out = subprocess.run([sys.executable, "-c", CHILD, store.path, "12"], capture_output=True, text=True, check=True)
+    key = out.stdout.strip()
+    assert store.has_chunk(key) and read_chunk(store, key) == bytes(range(256)) * 32
+    assert store.stats()["free_slots"] == 3          # 1 published, 12 reserved by a process now gone
+    assert len(store.reserve(10)) == 10              # short of slots: the dead writer's come back
+
+
+def test_deleted_chunks_free_their_slots(store):
+    keys = add(store, 1, 2, 3)
+    store.delete_chunk(keys[1])
+    assert store.missing(keys) == {keys[1]} and store.stats()["free_slots"] == 14
+    with pytest.raises(ImageError, match="missing"):
+        read_chunk(store, keys[1])
+    assert HostStore(store.path).missing(keys) == {keys[1]}       # another opening sees the same
+
+
+def test_a_damaged_index_or_arena_is_refused_clearly(tmp_path, store):
+    index = os.path.join(store.path, INDEX_FILE)
+    with open(index, "r+b") as f:
+        f.write(b"NOTPHOS!")
+    with pytest.raises(ImageError, match="not a phos host store index"):
+        HostStore(store.path)
+    with open(index, "r+b") as f:
+        f.write(b"PHOSHOST\x07")
+    with pytest.raises(ImageError, match="index version 7"):
+        HostStore(store.path)
+    with open(index, "r+b") as f:
+        f.write(b"PHOSHOST\x01")
+        f.truncate(os.path.getsize(index) - RECORD.itemsize)
+    with pytest.raises(ImageError, match="not what 16 slots need"):
+        HostStore(store.path)
+    other = HostStore.create(tmp_path / "other", 4 * (4096 + SLOT), capacity=SLOT)
+    os.truncate(os.path.join(other.path, "arena"), 4096)
+    with pytest.raises(ImageError, match="arena is 4096 bytes"):
+        HostStore(other.path)
+
+
+def test_a_slot_too_small_for_the_chunk_is_a_clear_error(store):
+    slot, = store.reserve(1)
+    with pytest.raises(ImageError, match="does not fit the host store's 8192-byte slots"):
+        store.payload(slot, SLOT + 8)
+
+
+@pytest.mark.parametrize("text, size", [("40G", 40 << 30), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+def test_a_bad_size_is_a_clear_error():
+    with pytest.raises(ValueError, match="expected a number of bytes"):
+        parse_size("lots")
+
+
+def test_the_servers_options_make_or_find_the_store(tmp_path):
+    import argparse
+    from phos.cli import host_store_option
+    opts = lambda **kw: argparse.Namespace(**{"host_store": None, "host_memory": None, **kw})     # noqa: E731
+    assert host_store_option(opts()) is None
+    with pytest.raises(SystemExit, match="--host-memory needs --host-store"):
+        host_store_option(opts(host_memory="1G"))
+    where = str(tmp_path / "host")
+    with pytest.raises(SystemExit, match="holds no host store; give --host-memory"):
+        host_store_option(opts(host_store=where))
+    with pytest.raises(SystemExit, match="expected a number of bytes"):
+        host_store_option(opts(host_store=where, host_memory="big"))
+    assert host_store_option(opts(host_store=where, host_memory="16M")) == where
+    assert HostStore(where).slots == 7 and host_store_option(opts(host_store=where)) == where
