@@ -193,6 +193,8 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
 
     row = {}
     one = server("one")
+    # did its workers pin the host store (INFO: "pinned host store ... in N s"), or say why not?
+    row["host_store_log"] = [ln.split("] ", 1)[-1] for ln in one.output().splitlines() if "host store" in ln][:4]
     os.environ["PHOS_SERVER"] = one.address
     cu._reset_for_tests()
     assert cu.cuInit(0)[0] == 0
@@ -256,6 +258,7 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
+    os.environ.setdefault("PHOS_LOG", "INFO")        # the servers' workers say how pinning went
     unit = GiB if args.unit == "GiB" else MiB
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:

@@ -47,6 +47,7 @@ from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError
 
 log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # the background thread copies this much per device round trip
+DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostStore
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
 FEW = 32                         # chunk lists up to this long are walked in Python, longer ones by NumPy
@@ -94,11 +95,11 @@ class Chunks:
         end = min(ptr + nbytes, base + size)
         return range(self.first[r] + (ptr - base) // cs, self.first[r] + (end - 1 - base) // cs + 1)
 
-    def batches(self, idx):
-        """idx in runs of at most BATCH_BYTES (one chunk at least): a device round trip each."""
+    def batches(self, idx, limit=BATCH_BYTES):
+        """idx in runs of at most limit bytes (one chunk at least): a device round trip each."""
         run, size = [], 0
         for c in idx:
-            if run and size + self.size[c] > BATCH_BYTES:
+            if run and size + self.size[c] > limit:
                 yield run
                 run, size = [], 0
             run.append(c)
@@ -592,7 +593,9 @@ class Restore(ChunkJob):
     def load_all(self):
         with self.cv:      # after an advance, the few that changed: batches of those alone
             pending = np.flatnonzero(self.chunks.state == PENDING).tolist()
-        for batch in self.chunks.batches(pending):
+        # straight from pinned memory the link is fast enough that the round trips showed (21
+        # GB/s at 128 MiB each on the H200): fewer, bigger ones then
+        for batch in self.chunks.batches(pending, DIRECT_BATCH_BYTES if self.direct else BATCH_BYTES):
             if self.failure is not None or self.stopping:
                 return
             mine = self.claim(batch)

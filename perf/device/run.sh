@@ -9,7 +9,8 @@
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
 # perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
 # arena (perf/probe_host_arena.py: can images live in pinned shared memory?),
-# handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py), bench (the other perf/* benchmarks),
+# handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py; handoff-bench: the last alone),
+# bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
@@ -43,8 +44,9 @@ if want stub; then
     step stub-apps sh tests/apps/run_native_vs_stub.sh
 fi
 if want snap; then
-    step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_snapshot_engine.py \
-        tests/test_handoff.py tests/test_recovery.py
+    # PHOS_SNAP_TESTS: the test files to run (default: all three)
+    step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda \
+        ${PHOS_SNAP_TESTS:-tests/test_snapshot_engine.py tests/test_handoff.py tests/test_recovery.py}
 fi
 if want snap || want snap-bench; then
     # PHOS_BENCH_SIZES= (empty) runs the tests alone
@@ -60,6 +62,8 @@ fi
 if want handoff; then
     step bench-image-ops python3 perf/bench_image_ops.py     # the per-chunk Python of a frozen round, on this host's CPU
     step bench-fingerprint python3 perf/bench_fingerprint.py --sizes 1,8
+fi
+if want handoff || want handoff-bench; then
     step bench-handoff python3 perf/bench_handoff.py --backend cuda --sizes ${PHOS_HANDOFF_SIZES:-1,8} --json "$OUT/bench_handoff.json"
 fi
 if want locust; then
