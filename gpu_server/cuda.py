@@ -335,14 +335,11 @@ class CudaBackend:
 
 
 def _wait_event(event):
-    """Wait for an event without holding the GIL meanwhile (cuEventSynchronize may keep it, and
-    the worker's loop serving the application must not stall behind our copies)."""
-    while True:
-        err = cu.cuEventQuery(event)[0]
-        if int(err) != CUresult.CUDA_ERROR_NOT_READY:
-            ok((err,), "cuEventQuery")
-            return
-        time.sleep(0.00005)
+    """Wait for one of our events (made with CU_EVENT_BLOCKING_SYNC: the thread sleeps, no core
+    spins). cuda.bindings releases the GIL for every driver call (NVIDIA/cuda-python#1065), so
+    the worker's loop serving the application runs meanwhile; polling cuEventQuery every 50 µs
+    instead took the GIL ~100 times per batch away from that loop."""
+    ok(cu.cuEventSynchronize(event), "cuEventSynchronize")
 
 
 def _pinned(nbytes):
@@ -407,7 +404,8 @@ class CudaSnapshotOps:
             if err:
                 ok((err,), "launch of pfp1_lane_sums")
             ok(cu.cuMemcpyDtoHAsync(out.ctypes.data, sums, 16 * n, stream), "cuMemcpyDtoHAsync")
-        event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+        event = ok(cu.cuEventCreate(flags), "cuEventCreate")
         ok(cu.cuEventRecord(event, stream), "cuEventRecord")
 
         def wait():
@@ -446,23 +444,27 @@ class CudaSnapshotOps:
         self._table("cut", 1024)
 
     def pin(self, memory, piece):
-        """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in
-        pieces of whole slots: one copy runs pinned only within one registration. A pre-started
-        worker does it before any application uses it: pinning holds a driver lock, and costs
-        70-105 ms per GiB (perf/probe_host_arena.py). Returns False (logged) if it could not."""
+        """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it: in
+        one registration, or if the driver refuses that, in pieces of whole slots (one copy
+        runs pinned only within one registration). A pre-started worker does it before any
+        application uses it: pinning holds a driver lock, and costs 70-105 ms per GiB of
+        allocated pages (perf/probe_host_arena.py). Returns False (logged) if it could not."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         start, done = memory.ctypes.data, []
-        for off in range(0, memory.nbytes, piece):
-            n = min(piece, memory.nbytes - off)
-            err = cu.cuMemHostRegister(start + off, n, 0x02)[0]       # CU_MEMHOSTREGISTER_DEVICEMAP
-            if int(err):
-                log.warning("pinning %d MiB of host store memory failed (%s): copies go through buffers", n >> 20, err)
-                for at in done:
-                    cu.cuMemHostUnregister(at)
-                return False
-            done.append(start + off)
-        self.pinned.append((start, start + memory.nbytes))
-        return True
+        for size in (memory.nbytes, piece):
+            for off in range(0, memory.nbytes, size):
+                err = cu.cuMemHostRegister(start + off, min(size, memory.nbytes - off), 0)[0]
+                if int(err):
+                    break
+                done.append(start + off)
+            else:
+                self.pinned.append((start, start + memory.nbytes))
+                return True
+            for at in done:
+                cu.cuMemHostUnregister(at)
+            done = []
+            log.warning("pinning host store memory in pieces of %d MiB failed (%s)", size >> 20, err)
+        return False
 
     def maps(self, host):
         lo = host.ctypes.data

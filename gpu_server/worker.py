@@ -624,8 +624,8 @@ def _die_with_parent():
 
 
 def pin_host_store(backend, path):
-    """Pin a HostStore's memory, a GiB of whole slots at a time; without it, checkpoints and
-    restores through that store copy through buffers (slower, still correct)."""
+    """Pin a HostStore's memory (whole, or a GiB of whole slots at a time); without it,
+    checkpoints and restores through that store copy through buffers (slower, still correct)."""
     try:
         store = open_store(path)
     except (OSError, ImageError) as e:

@@ -134,3 +134,12 @@ def test_the_servers_options_make_or_find_the_store(tmp_path):
         host_store_option(opts(host_store=where, host_memory="big"))
     assert host_store_option(opts(host_store=where, host_memory="16M")) == where
     assert HostStore(where).slots == 7 and host_store_option(opts(host_store=where)) == where
+
+
+def test_a_store_bigger_than_its_file_system_is_refused_at_once(tmp_path):
+    """Its memory is allocated when it is made: a sparse arena on a full /dev/shm would kill
+    the worker that first touched a missing page."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(ImageError, match="cannot be allocated there"):
+        HostStore.create(tmp_path / "huge", free + (64 << 30))
+    assert not os.path.exists(tmp_path / "huge" / "arena") and not os.path.exists(tmp_path / "huge" / INDEX_FILE)
