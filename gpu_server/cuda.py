@@ -19,6 +19,7 @@ from phos.schema.cuda_types import CudaError, CUresult
 log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
 PIN_PIECE = 2 << 20      # staging areas are pinned in pieces this big (see register_host)
+DEVICEMAP = 0x02         # CU_MEMHOSTREGISTER_DEVICEMAP
 
 
 def ok(result, what):
@@ -335,11 +336,16 @@ class CudaBackend:
 
 
 def _wait_event(event):
-    """Wait for one of our events (made with CU_EVENT_BLOCKING_SYNC: the thread sleeps, no core
-    spins). cuda.bindings releases the GIL for every driver call (NVIDIA/cuda-python#1065), so
-    the worker's loop serving the application runs meanwhile; polling cuEventQuery every 50 µs
-    instead took the GIL ~100 times per batch away from that loop."""
-    ok(cu.cuEventSynchronize(event), "cuEventSynchronize")
+    """Wait for an event, polling: the worker's loop serving the application must not stall
+    behind our copies. (cuda.bindings releases the GIL in every driver call, NVIDIA/cuda-python
+    #1065, so cuEventSynchronize on a blocking-sync event would do too; tried on the H200, it
+    changed neither the application's throughput during a checkpoint nor the copy rate.)"""
+    while True:
+        err = cu.cuEventQuery(event)[0]
+        if int(err) != CUresult.CUDA_ERROR_NOT_READY:
+            ok((err,), "cuEventQuery")
+            return
+        time.sleep(0.00005)
 
 
 def _pinned(nbytes):
@@ -404,8 +410,7 @@ class CudaSnapshotOps:
             if err:
                 ok((err,), "launch of pfp1_lane_sums")
             ok(cu.cuMemcpyDtoHAsync(out.ctypes.data, sums, 16 * n, stream), "cuMemcpyDtoHAsync")
-        flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
-        event = ok(cu.cuEventCreate(flags), "cuEventCreate")
+        event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         ok(cu.cuEventRecord(event, stream), "cuEventRecord")
 
         def wait():
@@ -444,27 +449,26 @@ class CudaSnapshotOps:
         self._table("cut", 1024)
 
     def pin(self, memory, piece):
-        """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it: in
-        one registration, or if the driver refuses that, in pieces of whole slots (one copy
-        runs pinned only within one registration). A pre-started worker does it before any
-        application uses it: pinning holds a driver lock, and costs 70-105 ms per GiB of
-        allocated pages (perf/probe_host_arena.py). Returns False (logged) if it could not."""
+        """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in
+        pieces of whole slots: one copy runs pinned only within one registration. A pre-started
+        worker does it before any application uses it: pinning holds a driver lock, and costs
+        ~280 ms per GiB of a fresh store's pages (perf/RESULTS.md). Pieces, not one registration:
+        with 17 GiB pinned whole, the application stalled 162 ms in a handoff on the H200 (30 ms
+        in pieces), most likely behind the retiring worker unpinning it all in one call.
+        Returns False (logged) if it could not."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         start, done = memory.ctypes.data, []
-        for size in (memory.nbytes, piece):
-            for off in range(0, memory.nbytes, size):
-                err = cu.cuMemHostRegister(start + off, min(size, memory.nbytes - off), 0)[0]
-                if int(err):
-                    break
-                done.append(start + off)
-            else:
-                self.pinned.append((start, start + memory.nbytes))
-                return True
-            for at in done:
-                cu.cuMemHostUnregister(at)
-            done = []
-            log.warning("pinning host store memory in pieces of %d MiB failed (%s)", size >> 20, err)
-        return False
+        for off in range(0, memory.nbytes, piece):
+            n = min(piece, memory.nbytes - off)
+            err = cu.cuMemHostRegister(start + off, n, DEVICEMAP)[0]
+            if int(err):
+                log.warning("pinning %d MiB of host store memory failed (%s): copies go through buffers", n >> 20, err)
+                for at in done:
+                    cu.cuMemHostUnregister(at)
+                return False
+            done.append(start + off)
+        self.pinned.append((start, start + memory.nbytes))
+        return True
 
     def maps(self, host):
         lo = host.ctypes.data
