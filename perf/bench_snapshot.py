@@ -8,7 +8,8 @@ so nothing deduplicates). The driver's rows come from a child process that alloc
 fills the same amount, which we lock, checkpoint, restore and unlock from here.
 
 phos rows: the application (this process, through the Python client) keeps launching a
-kernel and synchronizing while a concurrent checkpoint runs; we record its throughput
+kernel and synchronizing while a concurrent checkpoint, asked for by another process as
+`phos checkpoint` would be, runs; we record its throughput
 against a run without checkpoint and the longest gap between two completed syncs (the
 pause it saw). Then: a checkpoint to local disk, a full restore into a second server
 process on the same GPU, and an on-demand restore after the first server is killed, timed
@@ -122,6 +123,36 @@ class App:
             i += 1
 
 
+CHECKPOINT_CHILD = """
+import sys
+from phos.admin_cli import stub
+from phos.schema import admin_pb2 as pb
+address, ctx, store, chunk = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+admin = stub(address)
+admin.Stats(pb.StatsRequest())                  # connected before we are timed
+print("READY", flush=True)
+sys.stdin.readline()
+print(list(admin.Checkpoint(pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk)))[-1].result_json, flush=True)
+"""
+
+
+def checkpoint_from_another_process(address, ctx, store, chunk):
+    """A function that checkpoints from a process of its own, started and connected already, as
+    `phos checkpoint` would: the application's process runs the application alone (its Python
+    threads would share their GIL with the admin call's otherwise). Returns the result."""
+    child = subprocess.Popen([sys.executable, "-c", CHECKPOINT_CHILD, address, str(ctx), store, str(chunk)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "READY"
+
+    def run():
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out = child.stdout.readline()
+        assert child.wait() == 0 and out, "the checkpoint failed (the child said why)"
+        return json.loads(out)
+    return run
+
+
 def run_work(app, seconds=None, during=None):
     """Kernels per second of the working loop, and its longest gap, for `seconds` or while `during` runs."""
     stop, ends = threading.Event(), []
@@ -207,7 +238,8 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     row["checkpoint_paused_s"], row["checkpoint_paused_phase_ms"] = res["seconds"], res["phase_ms"]
     delete_image(host, res["name"])
     t = time.perf_counter()
-    row["kernels_per_s_during"], row["pause_ms"], res = run_work(app, during=lambda: checkpoint(one, ctx, shm_dir))
+    row["kernels_per_s_during"], row["pause_ms"], res = run_work(
+        app, during=checkpoint_from_another_process(one.address, ctx, shm_dir, chunk))
     row["checkpoint_host_s"] = res["seconds"]
     row["checkpoint_host_wall_s"] = time.perf_counter() - t
     row["checkpoint_host_meta"] = {k: res[k] for k in ("pause_ms", "paused", "recopied_chunks", "copied_bytes")}

@@ -122,6 +122,19 @@ def finish_many(sums, lengths):
     return [raw[i:i + FP_BYTES] for i in range(0, len(raw), FP_BYTES)]
 
 
+def hash_parts(rows, part):
+    """(n, 2) chunks (address, length) as entries of the pfp1 kernel (kernels/pfp1.cu) of at
+    most `part` bytes (a multiple of 8): (address, length | first word << 32), and the index of
+    each chunk's first entry. Their lane sums add up to the chunk's (step 3 above)."""
+    lengths = rows[:, 1]
+    counts = np.maximum((lengths + np.uint64(part - 1)) // np.uint64(part), np.uint64(1))
+    firsts = (np.cumsum(counts) - counts).astype(np.int64)
+    owner = np.repeat(np.arange(len(rows)), counts.astype(np.int64))
+    offsets = (np.arange(len(owner)) - firsts[owner]).astype(np.uint64) * np.uint64(part)
+    sizes = np.minimum(lengths[owner] - offsets, np.uint64(part))
+    return np.stack([rows[owner, 0] + offsets, sizes | ((offsets // np.uint64(8)) << np.uint64(32))], axis=1), firsts
+
+
 def _keys(start, n):
     """Index keys for words start..start+n-1 of both lanes, shape (2, n); cached."""
     ck = (start, n)

@@ -21,7 +21,7 @@ from ptx_helpers import compile_ptx
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
 from phos.snapshot import DirStore, HostStore, latest_image, open_store, read_image, read_region
-from phos.snapshot.fingerprint import _finish, fingerprint
+from phos.snapshot.fingerprint import _finish, finish_many, fingerprint, hash_parts
 
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MiB = 1 << 20
@@ -128,14 +128,23 @@ def test_pfp1_kernel_matches_the_reference():
     for d in datas:
         ptrs.append(b.alloc(max(len(d), 1)))
         b.htod(ptrs[-1], d.tobytes(), None)
-    table, sums = b.alloc(16 * len(datas)), b.alloc(16 * len(datas))
-    b.htod(table, np.array([v for p, d in zip(ptrs, datas) for v in (p, len(d))], np.uint64).tobytes(), None)
-    b.launch(fn, (len(datas), 1, 1), (256, 1, 1), 0, None, struct.pack("<QQII", table, sums, len(datas), 0))
-    out = np.zeros(16 * len(datas), np.uint8)
-    b.dtoh(sums, out, None)
-    words = out.view(np.uint64)
-    for i, d in enumerate(datas):
-        assert _finish(int(words[2 * i]), int(words[2 * i + 1]), len(d)) == fingerprint(d.tobytes()), len(d)
+    rows = np.array([(p, len(d)) for p, d in zip(ptrs, datas)], np.uint64)
+
+    def lane_sums(entries):
+        table, sums = b.alloc(16 * len(entries)), b.alloc(16 * len(entries))
+        b.htod(table, entries.tobytes(), None)
+        b.launch(fn, (len(entries), 1, 1), (256, 1, 1), 0, None, struct.pack("<QQII", table, sums, len(entries), 0))
+        out = np.zeros(16 * len(entries), np.uint8)
+        b.dtoh(sums, out, None)
+        return out.view(np.uint64).reshape(-1, 2)
+    whole = lane_sums(rows)
+    for (s0, s1), d in zip(whole, datas):
+        assert _finish(int(s0), int(s1), len(d)) == fingerprint(d.tobytes()), len(d)
+    # in parts of 4 KiB (cuda.py hashes a batch's few big chunks so): the parts add up
+    entries, firsts = hash_parts(rows, 4096)
+    assert len(entries) == 1 + 1 + 1 + 1 + 3 + 18
+    assert (np.add.reduceat(lane_sums(entries), firsts, axis=0) == whole).all()
+    assert finish_many(whole, rows[:, 1]) == [fingerprint(d.tobytes()) for d in datas]
     fresh = compile_ptx(os.path.abspath(os.path.join(root, "pfp1.cu")), "compute_75")
     assert fresh.split("\n", 7)[-1] == ptx.decode().split("\n", 7)[-1], "snapshot/kernels/pfp1.ptx is stale: rebuild it from pfp1.cu"
 
