@@ -251,6 +251,9 @@ class Checkpoint(ChunkJob):
         known: the parent's chunk keys, when the caller holds them (ImageWriter)."""
         if chunk_size <= 0 or chunk_size % 8 or chunk_size > MAX_CHUNK_BYTES:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk size {chunk_size} must be a multiple of 8 up to {MAX_CHUNK_BYTES}")
+        if chunk_size > getattr(store, "capacity", chunk_size):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk size {chunk_size} is over the {store.capacity}-byte "
+                            f"slots of the host store {store.path}")
         self.session, self.store, self.name = session, store, name
         self.concurrent = not paused
         self.precopy = precopy and not paused
@@ -309,8 +312,8 @@ class Checkpoint(ChunkJob):
                 need.append(c)
         spans = self.chunks.spans(need)
         slots = self.store.reserve(len(need)) if self.direct and need else None
-        into = [self.store.payload(slot, n) for slot, (_, n) in zip(slots, spans)] if slots else None
         try:
+            into = [self.store.payload(slot, n) for slot, (_, n) in zip(slots, spans)] if slots else None
             done, t = 0, time.perf_counter()
             for batch in self.session.backend.snap.read(spans, urgent, into) if need else ():
                 t = self.step("copy_device", t) if not self.concurrent else t     # a paused round reports its steps

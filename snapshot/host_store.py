@@ -11,6 +11,7 @@ straight back (perf/probe_host_arena.py: 55 GB/s each way, pinned by a second pr
                    then its payload, page-aligned for the copy engines
     DIR/slots      the index: a header, then one record per slot (below)
     DIR/images/    manifests and digests, as in a DirStore; DIR/.lock as well
+    DIR/chunks/    a chunk bigger than a slot (a module's image), in a file as in a DirStore
 
 A record is (key, blob length, state, seq). States: FREE, RESERVED (a writer's, its pid in
 the key field until it publishes), PUBLISHED. Every change happens under an flock of the
@@ -159,15 +160,15 @@ class HostStore(DirStore):
         """Exclusive: threads here by the mutex, processes by flock. Yields the next seq to use."""
         with self._mu:
             fcntl.flock(self._index_fd, fcntl.LOCK_EX)
-            try:
-                seq = [self._seq()]
+            seq = [self._seq()]
 
-                def take():
-                    seq[0] += 1
-                    return seq[0]
+            def take():
+                seq[0] += 1
+                return seq[0]
+            try:
                 yield take
+            finally:      # even after a failure: the records it changed must be seen as changed
                 np.frombuffer(self._index_map, "<u8", 1, INDEX_HEADER.size - 8)[0] = seq[0]
-            finally:
                 fcntl.flock(self._index_fd, fcntl.LOCK_UN)
 
     def _refresh(self):
@@ -275,9 +276,16 @@ class HostStore(DirStore):
                     rec["seq"][slot] = take()
 
     def source(self, key):
-        """(header bytes, payload view) of a stored chunk, without copying it: a restore copies
-        the payload straight to the device. The caller checks the header (image.py)."""
-        slot = self._slot(key)
+        """(header bytes, payload view, blob length) of a chunk in a slot, without copying it: a
+        restore copies the payload straight to the device. The caller checks the header
+        (image.py). None for a chunk kept in a file (a module image bigger than a slot)."""
+        check_key(key)
+        self._refresh()
+        slot = self._where.get(key)
+        if slot is None:
+            if DirStore.has_chunk(self, key):
+                return None
+            raise ImageError(f"chunk {key} is missing from the store {self.path}")
         length = int(self._records["length"][slot])
         if length > HEADER_SIZE + self.capacity:
             raise ImageError(f"chunk {key}: the host store's index gives it {length} bytes, more than a slot")
@@ -286,13 +294,16 @@ class HostStore(DirStore):
         body = max(length - HEADER_SIZE, 0)
         return header, self.memory[start + self.head:start + self.head + body], length
 
-    # -- the store interface ------------------------------------------------------------------
+    # -- the store interface: chunks in slots; one bigger than a slot (a module's image) in
+    # -- a file, as a DirStore keeps it
     def put_chunk(self, key, blob):
         check_key(key)
         parts = blob if isinstance(blob, (tuple, list)) else (blob,)
         data = memoryview(b"".join(bytes(p) for p in parts))
         if self.has_chunk(key):
             return
+        if len(data) - HEADER_SIZE > self.capacity:
+            return DirStore.put_chunk(self, key, data)
         slot, = self.reserve(1)
         try:
             self.payload(slot, len(data) - HEADER_SIZE)[:] = np.frombuffer(data[HEADER_SIZE:], np.uint8)
@@ -304,22 +315,29 @@ class HostStore(DirStore):
     def has_chunk(self, key):
         check_key(key)
         self._refresh()
-        return key in self._where
+        return key in self._where or DirStore.has_chunk(self, key)
 
     def missing(self, keys):
         keys = list(keys)
         check_keys(keys)
         self._refresh()
-        return {k for k in keys if k not in self._where}
+        lack = {k for k in keys if k not in self._where}
+        return DirStore.missing(self, lack) if lack else lack
 
     def get_chunk(self, key, max_bytes=None):
-        header, body, length = self.source(key)
+        got = self.source(key)
+        if got is None:
+            return DirStore.get_chunk(self, key, max_bytes)
+        header, body, length = got
         if max_bytes is not None and length > max_bytes:
             raise ImageError(f"chunk {key} is {length} bytes, over the limit of {max_bytes}")
         return header + body.tobytes()
 
     def get_chunk_into(self, key, head, body):
-        header, payload, length = self.source(key)
+        got = self.source(key)
+        if got is None:
+            return DirStore.get_chunk_into(self, key, head, body)
+        header, payload, length = got
         n = min(len(head), len(header))
         head[:n] = header[:n]
         m = min(len(body), len(payload))
@@ -328,10 +346,11 @@ class HostStore(DirStore):
 
     def list_chunks(self):
         self._refresh()
-        return sorted(self._where)
+        return sorted(set(self._where).union(DirStore.list_chunks(self)))
 
     def delete_chunk(self, key):
         check_key(key)
+        DirStore.delete_chunk(self, key)
         with self._locked() as take:
             self._refresh()
             slot = self._where.get(key)
@@ -342,7 +361,8 @@ class HostStore(DirStore):
 
     def _chunk_stats(self):
         published = self._records["state"] == PUBLISHED
-        return int(self._records["length"][published].sum(dtype=np.uint64)), int(published.sum())
+        in_files = DirStore._chunk_stats(self)
+        return int(self._records["length"][published].sum(dtype=np.uint64)) + in_files[0], int(published.sum()) + in_files[1]
 
     def stats(self):
         return {**super().stats(), "capacity_bytes": self.slots * self.capacity,

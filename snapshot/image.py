@@ -215,9 +215,10 @@ def chunk_payload(store, key, expected_len):
     """A raw chunk's payload where the store keeps it, header checked, without copying it (a
     HostStore's shared memory: a restore copies it straight to the device); None when the
     store has no such place or the chunk is compressed. The caller checks the fingerprint."""
-    if not hasattr(store, "source"):
+    got = store.source(key) if hasattr(store, "source") else None
+    if got is None:
         return None
-    header, payload, blob_len = store.source(key)
+    header, payload, blob_len = got
     comp, _ = _check_header(key, blob_len, header, expected_len, MAX_CHUNK_BYTES)
     return payload if comp == COMP_RAW else None
 

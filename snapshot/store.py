@@ -405,7 +405,7 @@ class DirStore:
     def _chunk_stats(self):
         """(bytes, count) of the chunks held."""
         chunk_bytes = chunks = 0
-        for key in self.list_chunks():
+        for key in DirStore.list_chunks(self):       # the files (a HostStore lists its slots too)
             with contextlib.suppress(FileNotFoundError):
                 chunk_bytes += os.stat(self._chunk_path(key)).st_size
                 chunks += 1

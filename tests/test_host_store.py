@@ -143,3 +143,31 @@ def test_a_store_bigger_than_its_file_system_is_refused_at_once(tmp_path):
     with pytest.raises(ImageError, match="cannot be allocated there"):
         HostStore.create(tmp_path / "huge", free + (64 << 30))
     assert not os.path.exists(tmp_path / "huge" / "arena") and not os.path.exists(tmp_path / "huge" / INDEX_FILE)
+
+
+def test_a_chunk_bigger_than_a_slot_is_kept_in_a_file(store):
+    """A module's image may be bigger than a slot: it goes to a file, as a DirStore keeps it,
+    and reads, lists, counts and deletes like any chunk."""
+    big = np.random.default_rng(5).integers(0, 256, 3 * SLOT + 1, dtype=np.uint8).tobytes()
+    small, = add(store, 1)
+    with ImageWriter(store, "module", level=None) as w:
+        key = w.add_chunk(big)
+    assert os.path.isfile(os.path.join(store.path, "chunks", key[:2], key))
+    assert read_chunk(store, key) == big and store.source(key) is None
+    assert store.missing([key, small, "0" * 32]) == {"0" * 32}
+    assert store.list_chunks() == sorted([key, small])
+    assert store.stats()["chunks"] == 2 and store.stats()["free_slots"] == 15
+    store.delete_chunk(key)
+    assert store.missing([key]) == {key} and store.list_chunks() == [small]
+
+
+def test_a_chunk_size_over_the_slots_is_refused_before_anything_is_copied(store):
+    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.worker import Session
+    from phos.schema.cuda_types import CudaError
+    from phos.snapshot.engine import Checkpoint
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    s.backend.alloc(1 << 20)
+    with pytest.raises(CudaError, match="chunk size 65536 is over the 8192-byte slots of the host store"):
+        Checkpoint(s, store, "big", chunk_size=1 << 16)
+    assert store.stats()["free_slots"] == 16 and not store.list_images()
