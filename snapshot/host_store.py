@@ -221,6 +221,11 @@ class HostStore(DirStore):
                 rec["seq"][slot] = take()
         return slots.tolist()
 
+    def reclaim(self):
+        """Free the slots that writers which died left reserved (garbage collection calls it)."""
+        with self._locked() as take:
+            self._reclaim(take)
+
     def _reclaim(self, take):
         """Free the slots that writers which died left reserved (under the lock)."""
         rec = self._records

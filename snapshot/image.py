@@ -773,6 +773,8 @@ def gc(store):
             if k not in refs:
                 store.delete_chunk(k)
                 freed += 1
+        if hasattr(store, "reclaim"):      # a HostStore: slots a writer that died had reserved
+            store.reclaim()
         return freed, before - store.stats()["chunk_bytes"]
 
 

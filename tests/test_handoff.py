@@ -143,18 +143,22 @@ def test_target_killed_mid_handoff_leaves_the_program_running_here(servers, clie
     assert contexts(one).get(app.id) == "running"
 
 
-@pytest.mark.parametrize("into, words", [("shm", 64 << 20), ("recovery store", 64 << 20), ("shm", 1 << 16)],
-                         ids=["shm", "recovery store", "shm, between rounds"])
+@pytest.mark.parametrize("into, words", [("shm", 64 << 20), ("recovery store", 64 << 20), ("shm", 1 << 16),
+                                         ("host store", 64 << 20)],
+                         ids=["shm", "recovery store", "shm, between rounds", "host store"])
 def test_a_failed_handoff_frees_the_targets_warm_copy_at_once(servers, client, tmp_path, into, words):
     """The source's worker dies after the first pre-copy rounds, while the target keeps a warm
     copy: the handoff fails, and the target drops that copy at once instead of holding its
     memory until its attach timeout runs out. The rounds are removed: a directory of their own
-    in /dev/shm, or, for a target taking recovery images, its store of the context.
+    in /dev/shm, or, for a target taking recovery images, its store of the context, or from
+    a host store both servers share, every slot (the dead worker's reservations too).
     256 MiB: on emu the worker dies in the middle of a round. 256 KiB (and on cuda, where
     rounds are quick): between two, and the next round's call must not wait for it forever."""
     from test_recovery import recovering
-    one = servers("one")
-    two = recovering(servers, "two", every="600", directory=tmp_path / "rec") if into == "recovery store" else servers("two")
+    host = HostStore.create(tmp_path / "host", 2 * 4 * words + (64 << 20)) if into == "host store" else None
+    args = ("--host-store", host.path) if host else ()
+    one = servers("one", args=args)
+    two = recovering(servers, "two", every="600", directory=tmp_path / "rec") if into == "recovery store" else servers("two", args=args)
     app = App(client(one))
     app.put(np.ones(words, np.float32))
     app.sync()
@@ -169,6 +173,8 @@ def test_a_failed_handoff_frees_the_targets_warm_copy_at_once(servers, client, t
             done["error"] = e
 
     def stores():
+        if host:
+            return [host.path]
         return [tmp_path / "rec" / f"ctx{app.id}"] if into == "recovery store" else set(glob.glob("/dev/shm/phos-handoff-*")) - before
     mover = threading.Thread(target=handoff)
     mover.start()
@@ -178,7 +184,11 @@ def test_a_failed_handoff_frees_the_targets_warm_copy_at_once(servers, client, t
     mover.join(60)
     assert "error" in done and "exited" in done["error"].details(), done
     assert wait_until(lambda: app.id not in contexts(two), 5), contexts(two)
-    assert not any(os.path.exists(d) for d in stores()), "the failed handoff's rounds were left behind"
+    if host:
+        assert wait_until(lambda: not host.list_images() and host.stats()["free_slots"] == host.slots, 10), \
+            ("the failed handoff's rounds were left behind", host.list_images(), host.stats())
+    else:
+        assert not any(os.path.exists(d) for d in stores()), "the failed handoff's rounds were left behind"
 
 
 def test_handoff_of_an_unknown_context_is_refused(servers):

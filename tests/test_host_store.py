@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from phos.snapshot import DirStore, HostStore, ImageWriter, open_store, read_chunk
+from phos.snapshot import DirStore, HostStore, ImageWriter, gc, open_store, read_chunk
 from phos.snapshot.host_store import INDEX_FILE, RECORD, parse_size
 from phos.snapshot.image import ImageError
 
@@ -72,6 +72,11 @@ def test_processes_share_chunks_and_a_dead_writers_reservations_come_back(store)
     assert store.has_chunk(key) and read_chunk(store, key) == bytes(range(256)) * 32
     assert store.stats()["free_slots"] == 3          # 1 published, 12 reserved by a process now gone
     assert len(store.reserve(10)) == 10              # short of slots: the dead writer's come back
+    store.release(store.reserve(3))
+    subprocess.run([sys.executable, "-c", CHILD, store.path, "3"], check=True, capture_output=True)
+    assert store.stats()["free_slots"] == 2          # 10 ours, 3 the second child's (its chunk was there)
+    gc(store)                                        # garbage collection gives them back too
+    assert store.stats()["free_slots"] == 2 + 3 + 1 and not store.list_chunks()    # and the chunk: in no image
 
 
 def test_deleted_chunks_free_their_slots(store):
