@@ -12,7 +12,7 @@ this probe had measured 55 for a 4 GiB file pinned whole, and pinning 37 GiB too
     D2H, H2D      cuMemcpy*Async of 16 MiB chunks into / out of it
     CPU reads     whether the second process can read it with the CPU (a disk copy needs to)
 
-    python perf/probe_host_arena.py [--gib 16]        # on the H200 (perf/device/run.sh arena)
+    python perf/probe_host_arena.py [--gib 16] [--only VMM]   # on the H200 (perf/device/run.sh arena)
 """
 import argparse
 import mmap
@@ -179,6 +179,7 @@ def probe_vmm(nbytes, dev, stream):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=int, default=16, help="size of each kind of memory")
+    ap.add_argument("--only", default="", help="probe only the kinds whose name holds this (e.g. VMM)")
     args = ap.parse_args()
     nbytes = args.gib * GiB
     ok(cu.cuInit(0))
@@ -193,6 +194,8 @@ def main():
     print(f"\n| memory ({args.gib} GiB) | make (ms/GiB) | pin or map (ms/GiB) | second process: pin or map (ms/GiB) "
           "| its CPU reads it | D2H (GB/s) | H2D (GB/s) |\n|---|---|---|---|---|---|---|")
     for kind, run in kinds.items():
+        if args.only.lower() not in kind.lower():
+            continue
         try:
             made, pinned, (status, again, reads), d2h, h2d = run()
             again_s = f"{again * 1e3 / args.gib:.0f}" if status == "0" else status

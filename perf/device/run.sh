@@ -57,7 +57,7 @@ if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
 fi
 if want arena; then
-    step probe-host-arena python3 perf/probe_host_arena.py --gib "${PHOS_ARENA_GIB:-16}"
+    step probe-host-arena python3 perf/probe_host_arena.py --gib "${PHOS_ARENA_GIB:-16}" --only "${PHOS_ARENA_ONLY:-}"
 fi
 if want handoff; then
     step bench-image-ops python3 perf/bench_image_ops.py     # the per-chunk Python of a frozen round, on this host's CPU
