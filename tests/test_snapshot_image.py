@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import phos.snapshot.fingerprint as fpmod
 from phos.snapshot.fingerprint import fingerprint, fingerprints, reference_fingerprint
 from phos.snapshot.image import (HEADER, HEADER_SIZE, ImageError, ImageWriter, canonical_json, decode_chunk,
-                                 delete_image, encode_chunk, gc, manifest_digest, read_chunk, read_chunk_into, read_image,
+                                 delete_image, encode_chunk, gc, latest_image, manifest_digest, read_chunk, read_chunk_into,
+                                 read_image,
                                  read_region, validate_manifest)
 from phos.snapshot.host_store import HostStore
 from phos.snapshot.store import DirStore, MemoryStore
@@ -620,3 +621,21 @@ def test_random_manifest_field_damage(path, value, delete):
     man = _check_read(s)
     if man is not None:
         validate_manifest(man.to_dict(), "img")
+
+
+def test_latest_image_is_the_newest_that_reads_and_qualifies(store):
+    """Newest by `created`; a newer image that is tampered with, another context's, or a
+    handoff's pre-copy round is passed over for the next."""
+    import time as _time
+    write_image(store, "old", make_contents(1))
+    _time.sleep(0.01)
+    write_image(store, "newer", make_contents(2))
+    assert latest_image(store) == "newer"
+    rewrite(store, "newer", lambda m: m["metadata"].update(mode="precopy"))     # digest kept: unreadable now
+    assert latest_image(store) == "old"
+    _time.sleep(0.01)
+    write_image(store, "newest", make_contents(3))
+    assert latest_image(store) == "newest" and latest_image(store, ctx=12345) is None
+    raw, _ = store.get_manifest("newest")
+    set_manifest(store, "newest", raw.replace(b'"cut_seq":1234', b'"cut_seq":1235'))       # tampered: its digest fails
+    assert latest_image(store) == "old"
