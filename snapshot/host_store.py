@@ -53,7 +53,7 @@ def open_store(path, fsync=True):
         return DirStore(path, fsync=fsync)
     with _open_mu:
         store = _open_stores.get(path)
-        if store is None:
+        if store is None or not store.is_current():        # made again since: a new mapping
             store = _open_stores[path] = HostStore(path)
         return store
 
@@ -86,8 +86,8 @@ class HostStore(DirStore):
     def create(cls, path, nbytes, capacity=DEFAULT_CAPACITY):
         """Make an empty store of nbytes of slots at path (a directory on /dev/shm, for memory).
         Its memory is allocated now: a sparse file on a full /dev/shm would kill the worker
-        that first touches a page (SIGBUS), and pinning allocated pages takes a worker a sixth
-        of the time (perf/RESULTS.md)."""
+        that first touches a page (SIGBUS), and a worker pins allocated pages faster (37 GiB:
+        10.3 s, not 16.3; perf/RESULTS.md)."""
         path = os.path.abspath(os.fspath(path))
         if capacity <= 0 or capacity % 4096:
             raise ImageError(f"slot capacity {capacity} must be a positive multiple of 4096")
@@ -118,7 +118,28 @@ class HostStore(DirStore):
         super().__init__(path, fsync=False)       # memory: nothing to sync
         index = os.path.join(self.path, INDEX_FILE)
         self._index_fd = os.open(index, os.O_RDWR)
-        size = os.fstat(self._index_fd).st_size
+        try:
+            self._check_index()
+        except BaseException:
+            os.close(self._index_fd)
+            raise
+        try:
+            self.arena = self._map_arena()
+        except BaseException:
+            os.close(self._index_fd)
+            raise
+        self._index_map = mmap.mmap(self._index_fd, INDEX_HEADER.size + self.slots * RECORD.itemsize, flags=mmap.MAP_SHARED)
+        self._records = np.frombuffer(self._index_map, RECORD, self.slots, INDEX_HEADER.size)
+        self.memory = np.frombuffer(self.arena, np.uint8)      # what a worker pins (snap.pin)
+        self._mu = threading.Lock()         # held with the index's flock, to change records
+        self._map_mu = threading.Lock()     # held to bring the key -> slot map up to date
+        self._seen = 0                 # the seq our map is up to date with
+        self._where = {}               # key -> slot, published chunks
+        self._key_of = {}              # slot -> key, for the records that change
+
+    def _check_index(self):
+        st = os.fstat(self._index_fd)
+        self._inode, size = (st.st_dev, st.st_ino), st.st_size
         head = os.pread(self._index_fd, INDEX_HEADER.size, 0)
         if len(head) < INDEX_HEADER.size:
             raise ImageError(f"host store {self.path}: its index is truncated ({size} bytes)")
@@ -127,29 +148,32 @@ class HostStore(DirStore):
             raise ImageError(f"host store {self.path}: its index is not a phos host store index (magic {magic!r})")
         if version != VERSION:
             raise ImageError(f"host store {self.path}: index version {version}, this reader supports {VERSION}")
+        if self.capacity <= 0 or self.capacity % 4096 or self.slots <= 0:
+            raise ImageError(f"host store {self.path}: its index names {self.slots} slots of {self.capacity} bytes")
         self.slot_bytes = self.head + self.capacity
         if size != INDEX_HEADER.size + self.slots * RECORD.itemsize or self.head != HEAD:
             raise ImageError(f"host store {self.path}: its index is {size} bytes, not what {self.slots} slots need")
-        arena = os.path.join(self.path, ARENA_FILE)
+
+    def _map_arena(self):
         try:
-            fd = os.open(arena, os.O_RDWR)
+            fd = os.open(os.path.join(self.path, ARENA_FILE), os.O_RDWR)
         except OSError as e:
             raise ImageError(f"host store {self.path}: its arena cannot be opened: {e.strerror}") from None
         try:
             if os.fstat(fd).st_size != self.slots * self.slot_bytes:
                 raise ImageError(f"host store {self.path}: its arena is {os.fstat(fd).st_size} bytes, "
                                  f"{self.slots} slots need {self.slots * self.slot_bytes}")
-            self.arena = mmap.mmap(fd, self.slots * self.slot_bytes, flags=mmap.MAP_SHARED)
+            return mmap.mmap(fd, self.slots * self.slot_bytes, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        self._index_map = mmap.mmap(self._index_fd, size, flags=mmap.MAP_SHARED)
-        self._records = np.frombuffer(self._index_map, RECORD, self.slots, INDEX_HEADER.size)
-        self.memory = np.frombuffer(self.arena, np.uint8)      # what a worker pins (snap.register_host)
-        self._mu = threading.Lock()         # held with the index's flock, to change records
-        self._map_mu = threading.Lock()     # held to bring the key -> slot map up to date
-        self._seen = 0                 # the seq our map is up to date with
-        self._where = {}               # key -> slot, published chunks
-        self._key_of = {}              # slot -> key, for the records that change
+
+    def is_current(self):
+        """Whether the store at our path is still the one we mapped (not removed, or made anew)."""
+        try:
+            st = os.stat(os.path.join(self.path, INDEX_FILE))
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._inode
 
     # -- the index ------------------------------------------------------------------------
     def _seq(self):

@@ -176,3 +176,20 @@ def test_a_chunk_size_over_the_slots_is_refused_before_anything_is_copied(store)
     with pytest.raises(CudaError, match="chunk size 65536 is over the 8192-byte slots of the host store"):
         Checkpoint(s, store, "big", chunk_size=1 << 16)
     assert store.stats()["free_slots"] == 16 and not store.list_images()
+
+
+def test_a_store_made_again_at_the_same_path_is_mapped_again(tmp_path, store):
+    import shutil
+    add(store, 1)
+    shutil.rmtree(store.path)
+    again = HostStore.create(store.path, 4 * (4096 + SLOT), capacity=SLOT)
+    assert again is not store and open_store(store.path) is again and again.slots == 4 and not again.list_chunks()
+
+
+def test_a_bad_store_leaves_no_file_open(tmp_path, store):
+    os.truncate(os.path.join(store.path, "arena"), 4096)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(ImageError, match="arena is 4096 bytes"):
+            HostStore(store.path)
+    assert len(os.listdir("/proc/self/fd")) == before
