@@ -725,7 +725,12 @@ class ImageWriter:
             self._open = False
             self._session.__exit__(None, None, None)
 
-    abort = close
+    def abort(self):
+        """Give up the image. In a HostStore, whose room is fixed, what it stored goes at once
+        (garbage collection, when no other writer is active) instead of at the next deletion."""
+        self.close()
+        if hasattr(self.store, "reclaim"):
+            gc(self.store)
 
     def stats(self):
         return {"new_chunks": self.new_chunks, "reused_chunks": self.reused_chunks,

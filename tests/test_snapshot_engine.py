@@ -416,3 +416,18 @@ def test_cli_and_admin_api(servers, client, tmp_path):
     freed = stub(one.address).DeleteImage(pb.DeleteImageRequest(store=str(store), name=result["name"]))
     assert freed.freed_chunks == 0          # the second image still holds every chunk
     assert len(DirStore(store).list_images()) == 1
+
+
+def test_a_full_host_store_fails_the_checkpoint_clearly_and_the_context_lives_on(servers, client, tmp_path):
+    host = HostStore.create(tmp_path / "small", 8 * (4096 + (2 << 20)))       # 8 slots, 16 MiB
+    one = servers("one", args=("--host-store", host.path))
+    app = App(client(one))
+    data = filler(32 * MiB)
+    ptr = app.put(data)
+    app.sync()
+    with pytest.raises(grpc.RpcError, match="is full"):
+        checkpoint(one, app.id, host.path)
+    assert not host.list_images()
+    assert host.stats()["free_slots"] == 8, "what the failed checkpoint stored (its module) was not given back"
+    assert app.get(ptr, 32 * MiB, np.uint8).tobytes() == data.tobytes()       # still live, unharmed
+    assert checkpoint(one, app.id, tmp_path / "dir")["bytes"] >= 32 * MiB     # and a store with room takes it
