@@ -431,3 +431,21 @@ def test_a_full_host_store_fails_the_checkpoint_clearly_and_the_context_lives_on
     assert host.stats()["free_slots"] == 8, "what the failed checkpoint stored (its module) was not given back"
     assert app.get(ptr, 32 * MiB, np.uint8).tobytes() == data.tobytes()       # still live, unharmed
     assert checkpoint(one, app.id, tmp_path / "dir")["bytes"] >= 32 * MiB     # and a store with room takes it
+
+
+def test_a_compressed_image_in_a_host_store_goes_through_buffers_and_restores(servers, client, tmp_path, monkeypatch):
+    """Compressed chunks cannot be copied straight into slots or out of them: they go through
+    the buffers, into slots all the same, and restore bit for bit."""
+    store, args = image_store("host", tmp_path)
+    one = servers("one", args=args)
+    app = App(client(one))
+    data = filler(8 * MiB)
+    ptr = app.put(data)
+    app.sync()
+    result = checkpoint(one, app.id, store, compress=True)
+    assert result["stored_bytes"] < result["copied_bytes"] and open_store(store).stats()["chunks"] == result["new_chunks"]
+    kill(one)
+    two = servers("two", args=args)
+    monkeypatch.setenv("PHOS_SERVER", two.address)
+    restore(two, store, full=True)
+    assert app.get(ptr, 8 * MiB, np.uint8).tobytes() == data.tobytes()
