@@ -17,7 +17,7 @@ from phos.schema import admin_pb2_grpc
 from phos.gpu_server.frontend import alive
 from phos.gpu_server.handoff_store import HandoffStore
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.snapshot import latest_image
+from phos.snapshot import ImageError, latest_image, open_store
 from phos.snapshot.image import DEFAULT_CHUNK_SIZE
 
 GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
@@ -77,7 +77,6 @@ class Admin(admin_pb2_grpc.AdminServicer):
         return pb.ListContextsReply(contexts=out)
 
     async def Checkpoint(self, request, context):
-        from phos.snapshot.host_store import open_store
         try:
             w = self.worker(request.ctx)
             if not request.store:
@@ -85,7 +84,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
             name = request.name or f"ctx{request.ctx}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%fZ}"
             parent = ""
             if request.incremental:
-                parent = await asyncio.to_thread(latest_image, open_store(request.store), request.ctx) or ""
+                parent = await asyncio.to_thread(lambda: latest_image(open_store(request.store), request.ctx)) or ""
             queue = asyncio.Queue()
 
             async def progress(res):
@@ -108,14 +107,13 @@ class Admin(admin_pb2_grpc.AdminServicer):
                                         result_json=json.dumps(result))
         except CudaError as e:
             await self.fail(context, e)
-        except OSError as e:
+        except (OSError, ImageError) as e:     # the store cannot be opened (a damaged host store's index, say)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
 
     async def Restore(self, request, context):
-        from phos.snapshot.host_store import open_store
         t0 = time.perf_counter()
         try:
-            name = request.name or await asyncio.to_thread(latest_image, open_store(request.store))
+            name = request.name or await asyncio.to_thread(lambda: latest_image(open_store(request.store)))
             if not name:
                 raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {request.store}")
             found = time.perf_counter()
@@ -131,7 +129,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                                              "worker_call": (time.perf_counter() - found) * 1e3})
         except CudaError as e:
             await self.fail(context, e)
-        except OSError as e:
+        except (OSError, ImageError) as e:     # the store cannot be opened (a damaged host store's index, say)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
 
     async def Handoff(self, request, context):
@@ -295,10 +293,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
         return pb.DropWarmReply()
 
     async def DeleteImage(self, request, context):
-        from phos.snapshot import ImageError, delete_image
-        from phos.snapshot.host_store import open_store
+        from phos.snapshot import delete_image
         try:
-            freed = await asyncio.to_thread(delete_image, open_store(request.store), request.name, None, True)
+            freed = await asyncio.to_thread(lambda: delete_image(open_store(request.store), request.name, None, True))
         except ImageError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except OSError as e:

@@ -216,11 +216,14 @@ class FrontEnd:
         """The supervisor's part: a context whose worker died (here, or with its whole server)
         comes back from its latest recovery image, if the asker holds its session token."""
         from phos.gpu_server.recovery import context_store
-        from phos.snapshot import latest_image, open_store
+        from phos.snapshot import ImageError, latest_image, open_store
         store = context_store(self.recovery.directory, ctx)
         if not os.path.isdir(store):
             return None
-        name = await asyncio.to_thread(latest_image, open_store(store), ctx, token)
+        try:
+            name = await asyncio.to_thread(lambda: latest_image(open_store(store), ctx, token))
+        except (OSError, ImageError) as e:
+            raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {ctx}: its recovery store {store}: {e}") from None
         if name is None:
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {ctx} has no recovery image here for that token")
         self.discard(ctx)              # a zombie, or stuck: it must not serve anyone again

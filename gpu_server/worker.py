@@ -364,6 +364,9 @@ class Worker:
                 self.answer_control(peer, seq, CUresult.CUDA_SUCCESS, "", fields)
         except CudaError as e:
             self.answer_control(peer, seq, e.status, f"{name}: {e.message}", {})
+        except Exception as e:     # a bug of ours: fail the call loudly, keep the context
+            log.exception("context %d: control call %s raised", self.session.ctx_id, name)
+            self.answer_control(peer, seq, CUresult.CUDA_ERROR_UNKNOWN, f"{name}: internal error: {type(e).__name__}: {e}", {})
 
     def answer_control(self, peer, seq, status, message, fields):
         self.ctl.send_multipart([peer, *build_reply(seq, [(seq, status, message, fields)])])
@@ -388,7 +391,7 @@ class Worker:
         s = self.session
         try:
             store = open_store(store_path, fsync=sync)
-        except OSError as e:
+        except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {store_path!r}: {e}") from None
         last_store, last_name, last_keys = self.last_image     # its chunks need no asking the store
         known = last_keys if parent and (last_store, last_name) == (store.path, parent) else ()
@@ -436,7 +439,7 @@ class Worker:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker already holds a context")
         try:
             r = engine.Restore(s, open_store(a.store), a.name)
-        except OSError as e:
+        except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {a.store!r}: {e}") from None
         try:
             self.ack = r.recreate()

@@ -449,3 +449,27 @@ def test_a_compressed_image_in_a_host_store_goes_through_buffers_and_restores(se
     monkeypatch.setenv("PHOS_SERVER", two.address)
     restore(two, store, full=True)
     assert app.get(ptr, 8 * MiB, np.uint8).tobytes() == data.tobytes()
+
+
+def test_a_damaged_host_store_is_refused_clearly_and_the_context_lives_on(servers, client, tmp_path):
+    """Bad input: a host store whose index was overwritten. Every admin call naming it says
+    so; the context, its worker and the server go on."""
+    host = HostStore.create(tmp_path / "host", 64 * MiB)
+    one = servers("one")
+    app = App(client(one))
+    data = filler(4 * MiB)
+    ptr = app.put(data)
+    app.sync()
+    with open(os.path.join(host.path, "slots"), "r+b") as f:
+        f.write(b"NOTPHOS!")
+    calls = {"checkpoint": lambda: checkpoint(one, app.id, host.path),
+             "incremental checkpoint": lambda: checkpoint(one, app.id, host.path, incremental=True),
+             "restore": lambda: restore(one, host.path),
+             "restore by name": lambda: restore(one, host.path, name="x"),
+             "delete": lambda: stub(one.address).DeleteImage(pb.DeleteImageRequest(store=str(host.path), name="x"))}
+    for what, call in calls.items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert "not a phos host store index" in e.value.details(), (what, e.value.details())
+    assert app.get(ptr, 4 * MiB, np.uint8).tobytes() == data.tobytes()
+    assert checkpoint(one, app.id, tmp_path / "dir")["bytes"] >= 4 * MiB
