@@ -637,6 +637,7 @@ def pin_host_store(backend, path):
     t = time.perf_counter()
     if backend.snap.pin(store.memory, store.slot_bytes * max(1, (1 << 30) // store.slot_bytes)):
         log.info("pinned host store %s (%d MiB) in %.2f s", path, store.memory.nbytes >> 20, time.perf_counter() - t)
+    store.refresh()       # a restore into this worker then reads only the index's later changes
 
 
 def main(argv=None):

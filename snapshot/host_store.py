@@ -205,14 +205,20 @@ class HostStore(DirStore):
             changed = np.flatnonzero(rec["seq"] > self._seen)
             published = changed[rec["state"][changed] == PUBLISHED]
             hexes = rec["key"][published].tobytes().hex()
-            for slot in changed.tolist():
-                old = self._key_of.pop(slot, None)
-                if old is not None and self._where.get(old) == slot:
-                    del self._where[old]
-            for i, slot in enumerate(published.tolist()):
-                key = hexes[32 * i:32 * i + 32]
-                self._where[key], self._key_of[slot] = slot, key
+            if self._key_of:          # the first time, nothing to forget
+                for slot in changed.tolist():
+                    old = self._key_of.pop(slot, None)
+                    if old is not None and self._where.get(old) == slot:
+                        del self._where[old]
+            slots = published.tolist()
+            keys = [hexes[i:i + 32] for i in range(0, 32 * len(slots), 32)]
+            self._where.update(zip(keys, slots))
+            self._key_of.update(zip(slots, keys))
             self._seen = now
+
+    def refresh(self):
+        """Read the index now (a pre-started worker does, so that a restore need not)."""
+        self._refresh()
 
     def _slot(self, key):
         check_key(key)
