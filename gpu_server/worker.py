@@ -18,6 +18,7 @@ import os
 import signal
 import stat
 import sys
+import threading
 import time
 import types
 
@@ -626,6 +627,17 @@ def _die_with_parent():
         pass
 
 
+def _exit_on_sigterm(*_):
+    """Exit through the cleanup in main(). The SystemExit lands wherever the main thread is,
+    and where that is a callback whose exceptions Python ignores (a weakref callback run by the
+    garbage collector: seen in CI), it is lost and the worker lives on without its front end.
+    So a timer ends the process anyway if the cleanup has not within 5 s."""
+    timer = threading.Timer(5.0, os._exit, (0,))
+    timer.daemon = True
+    timer.start()
+    sys.exit(0)
+
+
 def pin_host_store(backend, path):
     """Pin a HostStore's memory (whole, or a GiB of whole slots at a time); without it,
     checkpoints and restores through that store copy through buffers (slower, still correct)."""
@@ -657,7 +669,7 @@ def main(argv=None):
     opts = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("PHOS_LOG", "WARNING"), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # A checkpoint's threads share the GIL with the loop serving the client: hand it back fast.
     sys.setswitchinterval(0.0002)
     token = bytes.fromhex(sys.stdin.readline().strip())
