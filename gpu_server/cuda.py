@@ -484,12 +484,16 @@ class CudaSnapshotOps:
         lo = host.ctypes.data
         return any(a <= lo and lo + host.nbytes <= b for a, b in self.pinned)
 
+    def _buffer_size(self, key, at_least):
+        """A stream's copy buffers: BUFFER[key], or at_least rounded up to a MiB if bigger."""
+        return max(self.BUFFER[key], -(-at_least // (1 << 20)) << 20)
+
     def _buffers(self, key, at_least):
         """The two pinned host buffers of a stream, grown to hold a chunk of at_least bytes.
         Made when first needed, not at the cut: pinning takes milliseconds per 100 MiB."""
         buffers = self.host[key]
         if not buffers or len(buffers[0]) < at_least:
-            size = max(self.BUFFER[key], -(-at_least // (1 << 20)) << 20)
+            size = self._buffer_size(key, at_least)
             buffers[:] = [_pinned(size), _pinned(size)]      # the old ones stay allocated: rare, and safe
         return buffers
 
@@ -512,7 +516,7 @@ class CudaSnapshotOps:
         there and sent on from there. Made when first needed (a checkpoint's first batch)."""
         buffers = self.device.get(key)
         if buffers is None or buffers[1] < at_least:
-            size = max(self.BUFFER[key], -(-at_least // (1 << 20)) << 20)
+            size = self._buffer_size(key, at_least)
             buffers = self.device[key] = ([int(ok(cu.cuMemAlloc(size), "cuMemAlloc")) for _ in (0, 1)], size)
         return buffers
 

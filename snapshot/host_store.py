@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from .image import HEADER_SIZE
+from .image import DEFAULT_CHUNK_SIZE, HEADER_SIZE
 from .store import DirStore, ImageError, check_key, check_keys
 
 MAGIC, VERSION = b"PHOSHOST", 1
@@ -36,7 +36,7 @@ INDEX_HEADER = struct.Struct("<8sIIQQQQ")       # magic, version, 0, head, capac
 RECORD = np.dtype([("key", "u1", 16), ("length", "<u4"), ("state", "<u4"), ("seq", "<u8")])
 FREE, RESERVED, PUBLISHED = 0, 1, 2
 HEAD = 4096                                     # room for the chunk header; keeps payloads page-aligned
-DEFAULT_CAPACITY = 2 << 20                      # image.DEFAULT_CHUNK_SIZE
+DEFAULT_CAPACITY = DEFAULT_CHUNK_SIZE
 INDEX_FILE, ARENA_FILE = "slots", "arena"
 _open_stores = {}                               # path -> HostStore: one mapping per process (pinned once)
 _open_mu = threading.Lock()
@@ -130,6 +130,7 @@ class HostStore(DirStore):
             raise
         self._index_map = mmap.mmap(self._index_fd, INDEX_HEADER.size + self.slots * RECORD.itemsize, flags=mmap.MAP_SHARED)
         self._records = np.frombuffer(self._index_map, RECORD, self.slots, INDEX_HEADER.size)
+        self._header_seq = np.frombuffer(self._index_map, "<u8", 1, INDEX_HEADER.size - 8)     # the index's last seq
         self.memory = np.frombuffer(self.arena, np.uint8)      # what a worker pins (snap.pin)
         self._mu = threading.Lock()         # held with the index's flock, to change records
         self._map_mu = threading.Lock()     # held to bring the key -> slot map up to date
@@ -177,7 +178,7 @@ class HostStore(DirStore):
 
     # -- the index ------------------------------------------------------------------------
     def _seq(self):
-        return int(np.frombuffer(self._index_map, "<u8", 1, INDEX_HEADER.size - 8)[0])
+        return int(self._header_seq[0])
 
     @contextlib.contextmanager
     def _locked(self):
@@ -192,7 +193,7 @@ class HostStore(DirStore):
             try:
                 yield take
             finally:      # even after a failure: the records it changed must be seen as changed
-                np.frombuffer(self._index_map, "<u8", 1, INDEX_HEADER.size - 8)[0] = seq[0]
+                self._header_seq[0] = seq[0]
                 fcntl.flock(self._index_fd, fcntl.LOCK_UN)
 
     def _refresh(self):
@@ -219,6 +220,10 @@ class HostStore(DirStore):
     def refresh(self):
         """Read the index now (a pre-started worker does, so that a restore need not)."""
         self._refresh()
+
+    def _holds(self, slot, key):
+        """Whether the record of slot is chunk key, published (read under the lock: the map may lag)."""
+        return self._records["state"][slot] == PUBLISHED and self._records["key"][slot].tobytes().hex() == key
 
     def _slot(self, key):
         check_key(key)
@@ -287,7 +292,7 @@ class HostStore(DirStore):
             for slot, key, header, n in zip(slots, keys, headers, payload_lens):
                 check_key(key)
                 held = self._where.get(key)
-                if held is not None and rec["state"][held] == PUBLISHED and rec["key"][held].tobytes().hex() == key:
+                if held is not None and self._holds(held, key):
                     rec["state"][slot] = FREE
                     out.append(False)
                 else:
@@ -332,11 +337,10 @@ class HostStore(DirStore):
     # -- the store interface: chunks in slots; one bigger than a slot (a module's image) in
     # -- a file, as a DirStore keeps it
     def put_chunk(self, key, blob):
-        check_key(key)
-        parts = blob if isinstance(blob, (tuple, list)) else (blob,)
-        data = memoryview(b"".join(bytes(p) for p in parts))
         if self.has_chunk(key):
             return
+        parts = blob if isinstance(blob, (tuple, list)) else (blob,)
+        data = memoryview(b"".join(bytes(p) for p in parts))
         if len(data) - HEADER_SIZE > self.capacity:
             return DirStore.put_chunk(self, key, data)
         slot, = self.reserve(1)
@@ -389,10 +393,9 @@ class HostStore(DirStore):
         with self._locked() as take:
             self._refresh()
             slot = self._where.get(key)
-            rec = self._records
-            if slot is not None and rec["state"][slot] == PUBLISHED and rec["key"][slot].tobytes().hex() == key:
-                rec["state"][slot] = FREE
-                rec["seq"][slot] = take()
+            if slot is not None and self._holds(slot, key):
+                self._records["state"][slot] = FREE
+                self._records["seq"][slot] = take()
 
     def _chunk_stats(self):
         published = self._records["state"] == PUBLISHED

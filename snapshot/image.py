@@ -116,6 +116,12 @@ def encode_chunk(data, fp=None, level=1):
     return b"".join(parts), fp
 
 
+def chunk_header(comp, raw_len, stored_len, fp):
+    """The 40-byte header a stored chunk starts with (HEADER: magic, version, compression, raw
+    and stored lengths, fingerprint)."""
+    return HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, comp, raw_len, stored_len, fp)
+
+
 def encode_chunk_parts(data, fp=None, level=1):
     """Like encode_chunk, with the blob as (header, payload): big chunks are written without
     joining them into one more copy."""
@@ -129,8 +135,7 @@ def encode_chunk_parts(data, fp=None, level=1):
         z = _compressor(level).compress(raw)
         if len(z) < len(raw):
             comp, payload = COMP_ZSTD, z
-    header = HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, comp, len(raw), len(payload), fp)
-    return (header, payload), fp
+    return (chunk_header(comp, len(raw), len(payload), fp), payload), fp
 
 
 def _check_header(key, blob_len, head, expected_len, max_len):
@@ -653,7 +658,7 @@ class ImageWriter:
         self._check_open()
         keys = [bytes(fp).hex() for fp in fps]
         lens = [len(p) for p in payloads]
-        headers = [HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, COMP_RAW, n, n, bytes(fp)) for n, fp in zip(lens, fps)]
+        headers = [chunk_header(COMP_RAW, n, n, bytes(fp)) for n, fp in zip(lens, fps)]
         new = self.store.publish(slots, keys, headers, lens)
         with self._mu:
             for k, n, fresh in zip(keys, lens, new):
