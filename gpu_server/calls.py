@@ -180,8 +180,19 @@ def stream_destroy(s, a, p):
     s.drop(a.id)
 
 
+def wait_device(s, wait, done):
+    """Wait for the device. A running checkpoint copies in steps on this thread: take them
+    meanwhile, or an application waiting for a long kernel would hold the copy up."""
+    cp = s.checkpoint
+    if cp is None or not cp.running:
+        return wait()
+    while not done():
+        cp.advance()
+
+
 def stream_synchronize(s, a, p):
-    s.backend.stream_sync(_stream(s, a.id))
+    stream = _stream(s, a.id)
+    wait_device(s, lambda: s.backend.stream_sync(stream), lambda: s.backend.stream_query(stream))
 
 
 def stream_query(s, a, p):
@@ -202,7 +213,8 @@ def event_record(s, a, p):
 
 
 def event_synchronize(s, a, p):
-    s.backend.event_sync(s.handle("event", a.id))
+    event = s.handle("event", a.id)
+    wait_device(s, lambda: s.backend.event_sync(event), lambda: s.backend.event_query(event))
 
 
 def event_query(s, a, p):
@@ -220,7 +232,7 @@ def event_destroy(s, a, p):
 
 
 def ctx_synchronize(s, a, p):
-    s.backend.synchronize()
+    wait_device(s, s.backend.synchronize, s.backend.idle)
 
 
 def ctx_destroy(s, a, p):

@@ -3,6 +3,7 @@
 Allocations are VMM mappings inside one range reserved at the fixed base
 (DESIGN decision 3), so a restored or handed-off context keeps its addresses.
 """
+import collections
 import ctypes
 import logging
 import os
@@ -15,6 +16,7 @@ from cuda.bindings import driver as cu
 from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.schema.cuda_types import CudaError, CUresult
+from phos.snapshot.engine import BATCH_BYTES, URGENT_BATCH_BYTES
 
 log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
@@ -323,6 +325,10 @@ class CudaBackend:
         for stream in (0, *self.streams):
             ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
+    def idle(self):
+        """Whether the application's work is done (what synchronize waits for)."""
+        return all(self.stream_query(stream) for stream in (0, *self.streams))
+
     def close(self):
         self.closing = True
         cu.cuCtxSynchronize()
@@ -342,12 +348,16 @@ def _wait_event(event):
     behind our copies. (cuda.bindings releases the GIL in every driver call, NVIDIA/cuda-python
     #1065, so cuEventSynchronize on a blocking-sync event would do too; tried on the H200, it
     changed neither the application's throughput during a checkpoint nor the copy rate.)"""
-    while True:
-        err = cu.cuEventQuery(event)[0]
-        if int(err) != CUresult.CUDA_ERROR_NOT_READY:
-            ok((err,), "cuEventQuery")
-            return
+    while not _event_done(event):
         time.sleep(0.00005)
+
+
+def _event_done(event):
+    err = cu.cuEventQuery(event)[0]
+    if int(err) == CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    ok((err,), "cuEventQuery")
+    return True
 
 
 def _pinned(nbytes):
@@ -367,7 +377,7 @@ class CudaSnapshotOps:
     buffer of ours, hashes it there and sends it to the host from there, on the same stream:
     the fingerprint of what was copied.
     """
-    BUFFER = {"bulk": 128 << 20, "urgent": 16 << 20}     # at least; two of each: copies alternate between them
+    BUFFER = {"bulk": BATCH_BYTES, "urgent": URGENT_BATCH_BYTES}     # at least: the engine's batches; two of each
 
     def __init__(self, backend):
         from phos import snapshot
@@ -420,7 +430,9 @@ class CudaSnapshotOps:
         event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         ok(cu.cuEventRecord(event, stream), "cuEventRecord")
 
-        def wait():
+        def wait(block=True):
+            if not block and not _event_done(event):
+                return None
             _wait_event(event)
             cu.cuEventDestroy(event)
             lane_sums = out[:2 * n].reshape(-1, 2)
@@ -520,39 +532,50 @@ class CudaSnapshotOps:
             buffers = self.device[key] = ([int(ok(cu.cuMemAlloc(size), "cuMemAlloc")) for _ in (0, 1)], size)
         return buffers
 
-    def read(self, chunks, urgent=False, into=None):
-        """Yield batches of (host bytes, fingerprint). Each batch is copied on the device into a
-        buffer of ours first, hashed there and sent to the host from there: the fingerprint is
-        that of the bytes handed on even if the application writes a chunk meanwhile, and the
-        hash reads device memory, not the host copy (which held the copies to ~9.6 GB/s on the
-        H200). Without into, the batch lands in one of two pinned host buffers that take turns,
-        so the next batch copies while the caller stores this one; a batch stays valid until the
-        one after the next is asked for. With into (views of pinned memory, one per chunk), the
-        chunks land there."""
+    def read(self, batches, urgent=False):
+        """Copy batches of chunks to the host (snapshot/engine.py has the contract). Each batch
+        is copied on the device into a buffer of ours first, hashed there and sent to the host
+        from there: the fingerprint is that of the bytes handed on even if the application
+        writes a chunk meanwhile, and the hash reads device memory, not the host copy (which
+        held the copies to ~9.6 GB/s on the H200). Two batches are under way at a time, in
+        buffers that take turns: the next copies while the caller stores this one. Without
+        into, a batch lands in one of two pinned host buffers; with it (views of pinned memory,
+        one per chunk), the chunks land there."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
-        stream, biggest = self.streams[key], max(size for _, size in chunks)
-        stages, capacity = self._device_buffers(key, biggest)
-        host = self._buffers(key, capacity) if into is None else None
-        pending = None
-        for n, (start, end) in enumerate(self._batches(chunks, capacity)):
-            stage, off, views, spans = stages[n % 2], 0, [], []
-            for i in range(start, end):
-                addr, size = chunks[i]
-                ok(cu.cuMemcpyDtoDAsync(stage + off, addr, size, stream), "cuMemcpyDtoDAsync")
-                if into is not None:
-                    ok(cu.cuMemcpyDtoHAsync(into[i].ctypes.data, stage + off, size, stream), "cuMemcpyDtoHAsync")
-                views.append(into[i] if into is not None else host[n % 2][off:off + size])
-                spans.append((stage + off, size))
-                off += size
-            if into is None:
-                ok(cu.cuMemcpyDtoHAsync(host[n % 2].ctypes.data, stage, off, stream), "cuMemcpyDtoHAsync")
-            wait = self._hash(spans, f"{key}{n % 2}", stream)
-            if pending is not None:
-                yield list(zip(pending[0], pending[1]()))
-            pending = (views, wait)
-        if pending is not None:
-            yield list(zip(pending[0], pending[1]()))
+        stream, batches, under_way, n = self.streams[key], iter(batches), collections.deque(), 0
+        try:
+            while True:
+                while len(under_way) < 2 and (batch := next(batches, None)) is not None:
+                    under_way.append(self._copy_out(key, stream, n % 2, *batch))
+                    n += 1
+                if not under_way:
+                    return
+                views, tag, wait = under_way[0]
+                while (fps := wait(block=False)) is None:
+                    yield None
+                under_way.popleft()
+                yield tag, list(zip(views, fps))
+        finally:          # stopped early: what is under way still lands where it was sent
+            for _, _, wait in under_way:
+                wait()
+
+    def _copy_out(self, key, stream, turn, chunks, into, tag):
+        """Enqueue one batch's copies into buffer `turn`: (views, tag, wait for fingerprints)."""
+        stage, capacity = self._device_buffers(key, sum(size for _, size in chunks))
+        stage = stage[turn]
+        host = self._buffers(key, capacity)[turn] if into is None else None
+        off, views, spans = 0, [], []
+        for i, (addr, size) in enumerate(chunks):
+            ok(cu.cuMemcpyDtoDAsync(stage + off, addr, size, stream), "cuMemcpyDtoDAsync")
+            if into is not None:
+                ok(cu.cuMemcpyDtoHAsync(into[i].ctypes.data, stage + off, size, stream), "cuMemcpyDtoHAsync")
+            views.append(into[i] if into is not None else host[off:off + size])
+            spans.append((stage + off, size))
+            off += size
+        if into is None:
+            ok(cu.cuMemcpyDtoHAsync(host.ctypes.data, stage, off, stream), "cuMemcpyDtoHAsync")
+        return views, tag, self._hash(spans, f"{key}{turn}", stream)
 
     def write(self, chunks, load, pool, urgent=False, sources=None):
         """Copy chunks to the device through a pinned buffer: pool threads read chunk i in

@@ -8,7 +8,6 @@ import os
 import time
 import uuid
 
-import numpy as np
 
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.backend import DeviceInfo, Function
@@ -157,6 +156,9 @@ class EmuBackend:
     def synchronize(self):
         pass
 
+    def idle(self):
+        return True
+
     def close(self):
         pass
 
@@ -172,17 +174,22 @@ class EmuSnapshotOps:
 
     def fingerprints(self, chunks, fence):
         fps = [fingerprint(self.view(a, n)) for a, n in chunks]   # calls run in order: the cut is now
-        return lambda: fps
+        return lambda block=True: fps
 
     def maps(self, host):
         return True             # no copy engines: any host memory will do
 
-    def read(self, chunks, urgent=False, into=None):
-        for i, (a, n) in enumerate(chunks):
-            data = self.view(a, n).copy() if into is None else into[i]
-            if into is not None:
-                data[:] = self.view(a, n)
-            yield [(data, fingerprint(data))]
+    def read(self, batches, urgent=False):
+        for chunks, into, tag in batches:
+            copied = []
+            for i, (a, n) in enumerate(chunks):
+                if copied:
+                    yield None          # a chunk at a time, as a device copies beside the calls
+                data = self.view(a, n).copy() if into is None else into[i]
+                if into is not None:
+                    data[:] = self.view(a, n)
+                copied.append((data, fingerprint(data)))
+            yield tag, copied
 
     def write(self, chunks, load, pool, urgent=False, sources=None):
         def place(i):

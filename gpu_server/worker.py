@@ -499,6 +499,8 @@ class Worker:
         """Finish or report on a running checkpoint; retire a restore whose loading ended."""
         s = self.session
         cp = s.checkpoint
+        if cp is not None:
+            cp.advance()               # its copies run in steps on this thread, between calls
         if cp is not None and not cp.running:
             try:
                 result = cp.finish(self.ack)
@@ -587,6 +589,8 @@ class Worker:
                 continue
             # with a mailbox, wake now and then: a doorbell can cross our going to sleep
             timeout = 10 if box is not None else 20 if self.session.snapshotting else 250
+            if self.session.checkpoint is not None and self.session.checkpoint.running:
+                timeout = 0                # its next step is ours to take
             if self.session.restoring is not None and self.session.restoring.loader_held:
                 timeout = 1                # its loader starts once we are quiet (tick)
             ready = dict(poller.poll(timeout))
@@ -670,8 +674,8 @@ def main(argv=None):
     logging.basicConfig(level=os.environ.get("PHOS_LOG", "WARNING"), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    # A checkpoint's threads share the GIL with the loop serving the client: hand it back fast.
-    sys.setswitchinterval(0.0002)
+    # A restore's loader and the I/O threads share the GIL with the loop serving the client: hand it back fast.
+    sys.setswitchinterval(float(os.environ.get("PHOS_SWITCH_US", "200")) / 1e6)
     token = bytes.fromhex(sys.stdin.readline().strip())
     curve_secret = sys.stdin.readline().strip().encode()
     control_token = bytes.fromhex(sys.stdin.readline().strip())

@@ -4,14 +4,18 @@ restores that hand the context back before its contents are loaded (DESIGN 7, 8,
 It runs inside a context worker and sees its Session (gpu_server/worker.py). The device
 work goes through the backend's snapshot operations (`backend.snap`):
 
-    fingerprints(chunks, fence) -> wait()     pfp1 of each (address, length) chunk (pairs, or
+    fingerprints(chunks, fence) -> wait      pfp1 of each (address, length) chunk (pairs, or
                                              an (n, 2) uint64 array); with fence, later
-                                             application work waits for it
-    read(chunks, urgent, into)               copy chunks to the host: yields batches of
-                                             [(bytes, fingerprint of what was copied)]; a
-                                             batch stays valid until the one after the next
-                                             is asked for. into: a host view per chunk to
-                                             copy it to (a HostStore's slots), not a buffer
+                                             application work waits for it. wait() gives
+                                             them; wait(block=False) None until they are done
+    read(batches, urgent)                    copy batches of chunks to the host; pulls
+                                             (chunks, into, tag) from the iterable batches as
+                                             its buffers free up, and yields (tag, [(bytes,
+                                             fingerprint of what was copied)]) per batch in
+                                             order, or None while the device is still copying;
+                                             a batch's bytes stay valid until the next item is
+                                             asked for. into: a host view per chunk to copy it
+                                             to (a HostStore's slots), or None for a buffer
     write(chunks, load, pool, urgent, sources) -> fps
                                              copy chunk i's bytes, load(i), to the device (pool
                                              threads fetch them), or straight from sources[i];
@@ -22,7 +26,10 @@ work goes through the backend's snapshot operations (`backend.snap`):
 
 Checkpoint: the cut is a point in the call stream (the worker's last executed call). The
 engine records the context's objects, fingerprints every chunk at the cut, and saves the
-chunks in a background thread. A call that would write a chunk not yet saved saves it
+chunks in the background: in steps that the worker's loop takes between calls, on its own
+thread (`advance`). A second Python thread would take the interpreter from the loop that serves
+the application at every step, and held the application to 13-30% of its kernels per second on
+the H200. A call that would write a chunk not yet saved saves it
 first (soft copy-on-write, `before_write`). A saved chunk whose fingerprint differs from
 the cut's was written behind our back (a kernel storing through a pointer it loaded): the
 engine then pauses the context and takes the image again at a new cut, copying only the
@@ -46,7 +53,8 @@ from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError
                                  read_chunk, read_chunk_into, read_image)
 
 log = logging.getLogger("phos.snapshot")
-BATCH_BYTES = 128 << 20          # the background thread copies this much per device round trip
+BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
+URGENT_BATCH_BYTES = 16 << 20    # ... and a call's copy-on-write this much
 DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostStore
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
@@ -119,6 +127,12 @@ class Chunks:
         return self.region(r)
 
 
+def drain(steps):
+    """Take every step of a generator that yields while the device works, waiting meanwhile."""
+    for _ in steps:
+        time.sleep(0.00002)          # lets the I/O threads and the driver have the interpreter
+
+
 def indices(idx):
     """Chunk indices (a range or a list) as an array, to index the chunk tables in one step."""
     if isinstance(idx, range):
@@ -177,13 +191,13 @@ def describe(session, chunk_size):
 
 
 class ChunkJob:
-    """What a checkpoint and a restore share: chunks that a background thread and the calls
-    of the worker's loop both work through, each chunk claimed by one of them."""
+    """What a checkpoint and a restore share: chunks that the background work (a checkpoint's
+    steps, a restore's loader thread) and the calls of the worker's loop both work through,
+    each chunk claimed by one of them."""
 
     def __init__(self):
         self.cv = threading.Condition()
-        self.failure = None          # an exception from the background thread
-        self.thread = None
+        self.failure = None          # an exception from the background work
         self.bytes_total = self.bytes_done = 0
         self.phase_ms = {}           # steps and their times, for the reports of a handoff and a restore
 
@@ -229,14 +243,10 @@ class ChunkJob:
                 self.cv.wait(0.1)
 
     def fail(self, e):
-        """The background thread ends in an exception: keep it for the worker's thread."""
+        """The background work ends in an exception: keep it for the worker's loop to report."""
         with self.cv:
             self.failure = self.failure or e
             self.cv.notify_all()
-
-    @property
-    def running(self):
-        return self.thread is not None and self.thread.is_alive()
 
 
 class Checkpoint(ChunkJob):
@@ -269,6 +279,7 @@ class Checkpoint(ChunkJob):
         self.mismatched = 0          # saved chunks that differed from the cut
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
+        self.work = None             # the background copy (run), while it runs
         self.started = time.perf_counter()
 
     # -- the cut -----------------------------------------------------------------------
@@ -293,71 +304,121 @@ class Checkpoint(ChunkJob):
             t = self.step("describe", t0)
             self.fps = self.fp_wait()
             t = self.step("fingerprint", t)
-            self.save(self.claim(range(len(self.chunks))))     # one pass: the backend batches its copies
+            self.save(self.claim(range(len(self.chunks))))
             self.step("copy", t)
         else:
-            self.thread = threading.Thread(target=self.run, name="phos-checkpoint", daemon=True)
-            self.thread.start()
+            self.work = self.run()
         self.pause_s += time.perf_counter() - t0
 
     # -- copying -----------------------------------------------------------------------
-    def save(self, idx, urgent=False):
-        """Save claimed chunks: skip those the store holds, copy and validate the rest."""
-        fps, need = self.fps, []
-        keys = [fps[c].hex() for c in idx]
+    def saving(self, batches, claim=False, urgent=False):
+        """Save batches of chunks, claimed already or, with claim, as they are reached: skip
+        those the store holds, copy and validate the rest. A generator: it yields while the
+        device copies, and the caller takes its next step when it likes (drain, advance)."""
+        reserved = []                 # each batch's slots, until published or given back
+
+        def feed():                   # read() pulls the next batch when a buffer frees up
+            for idx in batches:
+                mine = self.claim(idx) if claim else list(idx)
+                need = self.not_held(mine)
+                if not need:
+                    self.mark_done(mine)
+                    continue
+                spans = self.chunks.spans(need)
+                slots = self.store.reserve(len(need)) if self.direct else None
+                reserved.append(slots)
+                into = [self.store.payload(slot, n) for slot, (_, n) in zip(slots, spans)] if slots else None
+                yield spans, into, (mine, need, slots)
+        copies = self.session.backend.snap.read(feed(), urgent)
+        try:
+            t = time.perf_counter()
+            for got in copies:
+                if got is None:
+                    yield
+                    continue
+                t = self.step("copy_device", t) if not self.concurrent else t     # a paused round reports its steps
+                yield from self.keep(*got)
+                t = self.step("copy_store", t) if not self.concurrent else t
+        finally:
+            copies.close()            # waits for copies under way: their slots must not be reused first
+            for slots in reserved:    # the copy failed: nobody will publish them
+                if slots and any(slot is not None for slot in slots):
+                    self.store.release([slot for slot in slots if slot is not None])
+
+    def not_held(self, idx):
+        """The chunks of idx the store does not hold already; the others get their keys."""
+        keys, need = [self.fps[c].hex() for c in idx], []
         for c, k, held in zip(idx, keys, self.writer.reuse_chunks(keys)):
             if held:
                 self.keys[c] = k
             else:
                 need.append(c)
-        spans = self.chunks.spans(need)
-        slots = self.store.reserve(len(need)) if self.direct and need else None
-        try:
-            into = [self.store.payload(slot, n) for slot, (_, n) in zip(slots, spans)] if slots else None
-            done, t = 0, time.perf_counter()
-            for batch in self.session.backend.snap.read(spans, urgent, into) if need else ():
-                t = self.step("copy_device", t) if not self.concurrent else t     # a paused round reports its steps
-                writes, direct = [], []
-                for j, (c, (data, fp)) in enumerate(zip(need[done:done + len(batch)], batch), done):
-                    if fp == fps[c] or self.precopy:      # pre-copy: what was copied is what counts
-                        if slots:
-                            direct.append((c, j, data, fp))
-                        else:
-                            writes.append((c, self.io.submit(self.writer.add_chunk, data, fp)))
-                    else:              # written behind our back since the cut
-                        with self.cv:
-                            self.mismatched += 1
-                            self.mismatch = True
-                if direct:
-                    keys = self.writer.add_slots([slots[j] for _, j, _, _ in direct], [d for _, _, d, _ in direct],
-                                                 [fp for _, _, _, fp in direct])
-                    for (c, j, _, _), k in zip(direct, keys):
-                        self.keys[c], slots[j] = k, None
-                for c, write in writes:       # the batch's buffer is reused once we ask for the next
-                    self.keys[c] = write.result()
-                done += len(batch)
-                t = self.step("copy_store", t) if not self.concurrent else t
-        finally:
-            if slots:              # mismatched, or the copy failed: nobody will publish them
-                self.store.release([slot for slot in slots if slot is not None])
-        self.mark_done(idx)
+        return need
+
+    def keep(self, batch, copied):
+        """Store a copied batch: publish its slots, or write its chunks (I/O threads; yields
+        until they are written). A chunk that differs from the cut was written behind our back."""
+        mine, need, slots = batch
+        direct, writes = [], []
+        for j, (c, (data, fp)) in enumerate(zip(need, copied)):
+            if fp == self.fps[c] or self.precopy:      # pre-copy: what was copied is what counts
+                if slots:
+                    direct.append(j)
+                else:
+                    writes.append((c, self.io.submit(self.writer.add_chunk, data, fp)))
+            else:
+                self.mismatched += 1
+                self.mismatch = True
+        if direct:
+            keys = self.writer.add_slots([slots[j] for j in direct], [copied[j][0] for j in direct],
+                                         [copied[j][1] for j in direct])
+            for j, k in zip(direct, keys):
+                self.keys[need[j]], slots[j] = k, None
+        if slots and any(slot is not None for slot in slots):      # mismatched: not published
+            self.store.release([slot for slot in slots if slot is not None])
+            slots[:] = [None] * len(slots)
+        while not all(write.done() for _, write in writes):     # the buffer is reused after us
+            yield
+        for c, write in writes:
+            self.keys[c] = write.result()
+        self.mark_done(mine)
+
+    def batches(self, idx, urgent=False):
+        return self.chunks.batches(idx, max(URGENT_BATCH_BYTES if urgent else BATCH_BYTES, self.chunk_size))
+
+    def save(self, idx, urgent=False):
+        """Save claimed chunks now (a paused checkpoint, a call's copy-on-write)."""
+        drain(self.saving(self.batches(idx, urgent), urgent=urgent))
 
     def run(self):
-        """The background thread: save every chunk nobody saved first."""
+        """The background copy: every chunk nobody saved first, a step at a time (advance)."""
+        while (fps := self.fp_wait(block=False)) is None:
+            yield
+        self.fps = fps
+        yield from self.saving(self.batches(range(len(self.chunks))), claim=True)
+
+    def advance(self):
+        """Take the background copy's next step: the worker's loop calls it between calls."""
+        if self.work is None:
+            return
         try:
-            fps = self.fp_wait()
-            with self.cv:
-                self.fps = fps
-                self.cv.notify_all()
-            for batch in self.chunks.batches(range(len(self.chunks))):
-                if self.failure is not None:
-                    break
-                mine = self.claim(batch)
-                if mine:
-                    self.save(mine)
-        except BaseException as e:          # reported by finish(), on the worker's thread
+            next(self.work)
+        except StopIteration:
+            self.work = None
+        except Exception as e:          # reported by finish()
             log.exception("checkpoint %s failed", self.name)
+            self.work = None
             self.fail(e)
+
+    @property
+    def running(self):
+        return self.work is not None
+
+    def wait_done(self, idx):
+        """Wait until the background copy has saved the chunks of idx it claimed: it runs on
+        this thread, so take its steps meanwhile."""
+        while self.failure is None and self.running and not self.done(idx):
+            self.advance()
 
     def before_write(self, ptr, nbytes, whole=False):
         """Save the chunks a call is about to write, if the background has not yet."""
@@ -366,19 +427,18 @@ class Checkpoint(ChunkJob):
         idx = self.chunks.touched(ptr, nbytes, whole)
         if not len(idx):
             return
-        with self.cv:
-            while self.fps is None and self.failure is None:
-                self.cv.wait(0.1)
+        while self.fps is None and self.running:      # the cut's fingerprints first
+            self.advance()
         mine = self.claim(idx) if self.failure is None else []
         if mine:
             self.save(mine, urgent=True)
-        self.wait_done(idx)   # the background thread may be saving some of them right now
+        self.wait_done(idx)   # the background may be copying some of them right now
 
     # -- the end -----------------------------------------------------------------------
     def finish(self, seq_now):
         """Commit the image once copying ended (on the worker's thread). Returns stats."""
-        if self.thread is not None:
-            self.thread.join()
+        while self.running:
+            self.advance()
         if self.failure is not None:
             self.writer.abort()
             raise self.failure if isinstance(self.failure, CudaError) else \
@@ -422,8 +482,9 @@ class Checkpoint(ChunkJob):
 
     def abort(self, why="checkpoint aborted"):
         self.fail(CudaError(CUresult.CUDA_ERROR_UNKNOWN, why))
-        if self.thread is not None:
-            self.thread.join()
+        if self.work is not None:
+            self.work.close()         # gives back the slots it reserved
+            self.work = None
         self.io.shutdown()
         self.writer.abort()
 
@@ -456,6 +517,7 @@ class Restore(ChunkJob):
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
         super().__init__()
+        self.thread = None           # the background loader
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
         self.stopping = False        # advance() holds the background loader
         self.loader_held = False     # the loader waits for start_loader()
@@ -624,7 +686,7 @@ class Restore(ChunkJob):
 
     @property
     def running(self):
-        return self.loader_held or super().running
+        return self.loader_held or self.thread is not None and self.thread.is_alive()
 
     def run(self):
         try:

@@ -9,6 +9,7 @@
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
 # perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
 # arena (perf/probe_host_arena.py: can images live in pinned shared memory?),
+# interference (perf/probe_copy_interference.py: does copying slow the application's kernels?),
 # handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py; handoff-bench: the last alone),
 # bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes).
@@ -55,6 +56,9 @@ if want snap || want snap-bench; then
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
+fi
+if want interference; then
+    step probe-copy-interference python3 perf/probe_copy_interference.py --gib "${PHOS_INTERFERENCE_GIB:-8}"
 fi
 if want arena; then
     step probe-host-arena python3 perf/probe_host_arena.py --gib "${PHOS_ARENA_GIB:-16}" --only "${PHOS_ARENA_ONLY:-}"

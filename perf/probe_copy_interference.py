@@ -1,0 +1,159 @@
+"""Why does the application run slower during a concurrent checkpoint? (issue 5)
+
+On the H200 the benchmark's application managed 13-30% of its kernels per second while a
+checkpoint copied its memory at 25-28 GB/s. This probe asks whether the device and driver
+alone do that, in one process and one context as a worker holds them: an application thread
+launches a small kernel (64 blocks writing 8 MiB, the benchmark's) and synchronizes its stream,
+in a loop, while a copy thread runs each of:
+
+    none        nothing: the application alone
+    d2h         16 MiB device-to-host copies into pinned memory, an event per 128 MiB
+    d2d         16 MiB device-to-device copies, an event per 128 MiB
+    engine      phos's own CudaSnapshotOps.read: per batch, D2D into our buffer, D2H, pfp1 hash
+    engine-hi   the same, with the application on a stream of the highest priority
+    python      a thread spinning in pure Python (the GIL alone)
+
+    python perf/probe_copy_interference.py [--gib 8]     # on the H200 (perf/device/run.sh interference)
+"""
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_snapshot import FILL_PTX, MiB  # noqa: E402
+from probe_driver_stalls import ok  # noqa: E402
+
+CHUNK, BATCH = 16 * MiB, 128 * MiB
+
+
+def app_loop(ctx, fn, buf, stream, stop, ends):
+    ok(cu.cuCtxSetCurrent(ctx))
+    words = np.array([buf, MiB, 0], np.uint64)       # 8 MiB of u64
+    ptrs = np.array([words.ctypes.data + 8 * i for i in range(3)], np.uint64)
+    while not stop.is_set():
+        ok(cu.cuLaunchKernel(fn, 64, 1, 1, 256, 1, 1, 0, stream, ptrs.ctypes.data, 0))
+        ok(cu.cuStreamSynchronize(stream))
+        ends.append(time.perf_counter())
+        words[2] += 1
+
+
+def wait(event):
+    while int(cu.cuEventQuery(event)[0]) != 0:
+        time.sleep(0.00005)
+
+
+def plain_copies(kind, src, nbytes, dst, stream, stop):
+    """16 MiB copies of the whole source, over and over; an event per batch. Returns bytes moved."""
+    moved, event = 0, ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+    while not stop.is_set():
+        for off in range(0, nbytes, BATCH):
+            for o in range(off, min(off + BATCH, nbytes), CHUNK):
+                if kind == "d2h":
+                    ok(cu.cuMemcpyDtoHAsync(dst + (o - off), src + o, CHUNK, stream))
+                else:
+                    ok(cu.cuMemcpyDtoDAsync(dst + (o - off), src + o, CHUNK, stream))
+            ok(cu.cuEventRecord(event, stream))
+            wait(event)
+            moved += min(BATCH, nbytes - off)
+            if stop.is_set():
+                break
+    return moved
+
+
+def engine_copies(ops, src, nbytes, stop):
+    moved = 0
+    spans = [(src + o, CHUNK) for o in range(0, nbytes, CHUNK)]
+    per = BATCH // CHUNK
+    while not stop.is_set():
+        for got in ops.read((spans[i:i + per], None, i) for i in range(0, len(spans), per)):
+            if got is None:
+                time.sleep(0.00005)
+                continue
+            moved += sum(len(data) for data, _ in got[1])
+            if stop.is_set():
+                break
+    return moved
+
+
+def spin(stop):
+    n = 0
+    while not stop.is_set():
+        n += 1
+    return 0
+
+
+def measure(name, copier, app, seconds):
+    stop, ends, moved = threading.Event(), [], []
+    t = threading.Thread(target=lambda: moved.append(copier(stop))) if copier else None
+    if t:
+        t.start()
+        time.sleep(0.1)                 # copies under way
+    start = time.perf_counter()
+    a = threading.Thread(target=app_loop, args=(*app, stop, ends))
+    a.start()
+    time.sleep(seconds)
+    stop.set()
+    a.join()
+    if t:
+        t.join()
+    elapsed = time.perf_counter() - start
+    gaps = np.diff([start] + ends) * 1e3
+    row = {"copier": name, "kernels_per_s": round(len(ends) / elapsed), "p50_ms": round(float(np.median(gaps)), 3),
+           "p99_ms": round(float(np.percentile(gaps, 99)), 3), "max_ms": round(float(gaps.max()), 2),
+           "copy_GBps": round(moved[0] / (elapsed + 0.1) / 1e9, 1) if moved and moved[0] else None}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=1.5)
+    args = ap.parse_args()
+    nbytes = args.gib << 30
+    ok(cu.cuInit(0))
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(0))))
+    ok(cu.cuCtxSetCurrent(ctx))
+    fn = ok(cu.cuModuleGetFunction(ok(cu.cuModuleLoadData(FILL_PTX.encode() + b"\0")), b"fill_u64"))
+    src = int(ok(cu.cuMemAlloc(nbytes)))
+    ok(cu.cuMemsetD8(src, 7, nbytes))
+    scratch = int(ok(cu.cuMemAlloc(8 * MiB)))
+    host = int(ok(cu.cuMemHostAlloc(BATCH, 0)))
+    dev_dst = int(ok(cu.cuMemAlloc(BATCH)))
+    flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+    copy_stream = ok(cu.cuStreamCreateWithPriority(flags, 0))
+    _, greatest = ok(cu.cuCtxGetStreamPriorityRange())
+    high = ok(cu.cuStreamCreateWithPriority(flags, greatest))
+    ok(cu.cuCtxSynchronize())
+
+    from phos.gpu_server.cuda import CudaSnapshotOps
+    ops = CudaSnapshotOps(types.SimpleNamespace(ctx=ctx, streams=[]))
+
+    def in_ctx(f):                     # contexts are current per thread
+        def run(stop):
+            ok(cu.cuCtxSetCurrent(ctx))
+            return f(stop)
+        return run
+    legacy = (ctx, fn, scratch, 0)
+    rows = [measure("none", None, legacy, args.seconds),
+            measure("d2h", in_ctx(lambda s: plain_copies("d2h", src, nbytes, host, copy_stream, s)), legacy, args.seconds),
+            measure("d2d", in_ctx(lambda s: plain_copies("d2d", src, nbytes, dev_dst, copy_stream, s)), legacy, args.seconds),
+            measure("engine", in_ctx(lambda s: engine_copies(ops, src, nbytes, s)), legacy, args.seconds),
+            measure("engine-hi", in_ctx(lambda s: engine_copies(ops, src, nbytes, s)), (ctx, fn, scratch, high), args.seconds),
+            measure("python", spin, legacy, args.seconds)]
+    base = rows[0]["kernels_per_s"]
+    print("\n| copier | kernels/s | of alone | p50 (ms) | p99 (ms) | max (ms) | copy GB/s |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['copier']} | {r['kernels_per_s']} | {100 * r['kernels_per_s'] / base:.0f}% | {r['p50_ms']} | "
+              f"{r['p99_ms']} | {r['max_ms']} | {r['copy_GBps'] or '-'} |")
+
+
+if __name__ == "__main__":
+    main()
