@@ -4,10 +4,14 @@ Each handler takes (session, args, payloads) and returns a dict of Result fields
 (u64s, f64, text, data, payload, params) or None. Handlers check every handle and
 pointer against the calling session's own objects before touching the backend.
 """
+import time
+
 import numpy as np
 
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.schema.wire import LAUNCH_CONFIG, WireError, read_launch_batch
+
+STEP_AFTER = 0.0005    # seconds into a wait for the device before a running checkpoint takes its steps
 
 STREAM_ALIASES = (0, 1, 2)   # default stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
@@ -181,13 +185,18 @@ def stream_destroy(s, a, p):
 
 
 def wait_device(s, wait, done):
-    """Wait for the device. A running checkpoint copies in steps on this thread: take them
-    meanwhile, or an application waiting for a long kernel would hold the copy up."""
+    """Wait for the device. A running checkpoint copies in steps on this thread: once the wait
+    is long (a long kernel), take them meanwhile, or the copy would stand still for it. Not in a
+    short wait: a step can take a few hundred microseconds, and the application waits for the
+    reply (the copy has two batches under way, milliseconds of work, so it loses nothing)."""
     cp = s.checkpoint
     if cp is None or not cp.running:
         return wait()
+    t = time.perf_counter()
     while not done():
-        cp.advance()
+        if time.perf_counter() - t > STEP_AFTER:
+            cp.advance()
+    cp.step("application_waits", t)
 
 
 def stream_synchronize(s, a, p):

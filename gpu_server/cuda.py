@@ -360,6 +360,18 @@ def _event_done(event):
     return True
 
 
+def _runs(chunks):
+    """[(address, offset in the batch, bytes)] of the runs of chunks that follow each other in memory."""
+    out, off = [], 0
+    for addr, size in chunks:
+        if out and out[-1][0] + out[-1][2] == addr:
+            out[-1][2] += size
+        else:
+            out.append([addr, off, size])
+        off += size
+    return out
+
+
 def _pinned(nbytes):
     """A page-locked host buffer as a uint8 array (kept for the worker's life)."""
     ptr = int(ok(cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
@@ -395,6 +407,7 @@ class CudaSnapshotOps:
         self.pinned = []         # (start, end) of host memory pinned for direct copies (pin)
         self.device = {}         # stream key -> ([two device buffers], size), made on first use
         self.tables = {}         # purpose -> chunk table and sums, on the device and pinned on the host
+        self.splits = {}         # chunk table bytes -> its hash_parts
 
     def _table(self, key, n):
         """(device table, device sums, host table, host sums) for n chunks; pinned, so async copies stay async."""
@@ -414,14 +427,20 @@ class CudaSnapshotOps:
         rows = np.asarray(chunks, np.uint64).reshape(-1, 2)     # a cut's thousands come as an array already
         parts, firsts = rows, None
         if 0 < len(rows) < SPLIT_BELOW and int(rows[:, 1].max()) > HASH_PART:
-            parts, firsts = hash_parts(rows, HASH_PART)
+            split = rows.tobytes()        # a checkpoint's batches repeat a few layouts: split once
+            if split not in self.splits:
+                if len(self.splits) > 64:
+                    self.splits.clear()
+                self.splits[split] = hash_parts(rows, HASH_PART)
+            parts, firsts = self.splits[split]
         n = len(parts)
         table, sums, spec, out, _ = self._table(key, n)
         if n:
             spec[:2 * n] = parts.reshape(-1)
             ok(cu.cuMemcpyHtoDAsync(table, spec.ctypes.data, 16 * n, stream), "cuMemcpyHtoDAsync")
             params = np.array([table, sums, n], np.uint64)
-            args = np.array([params.ctypes.data, params.ctypes.data + 8, params.ctypes.data + 16], np.uint64)
+            at = params.ctypes.data
+            args = np.array([at, at + 8, at + 16], np.uint64)
             config = _LaunchConfig((n, 1, 1), (256, 1, 1), 0, int(stream), None, 0)
             err = _cuLaunchKernelEx(ctypes.addressof(config), int(self.kernel), args.ctypes.data, None)
             if err:
@@ -549,6 +568,7 @@ class CudaSnapshotOps:
                 while len(under_way) < 2 and (batch := next(batches, None)) is not None:
                     under_way.append(self._copy_out(key, stream, n % 2, *batch))
                     n += 1
+                    yield None    # a step apart from storing the last batch: a call may come between
                 if not under_way:
                     return
                 views, tag, wait = under_way[0]
@@ -565,9 +585,10 @@ class CudaSnapshotOps:
         stage, capacity = self._device_buffers(key, sum(size for _, size in chunks))
         stage = stage[turn]
         host = self._buffers(key, capacity)[turn] if into is None else None
+        for addr, offset, nbytes in _runs(chunks):     # neighbouring chunks (one allocation's): one copy
+            ok(cu.cuMemcpyDtoDAsync(stage + offset, addr, nbytes, stream), "cuMemcpyDtoDAsync")
         off, views, spans = 0, [], []
         for i, (addr, size) in enumerate(chunks):
-            ok(cu.cuMemcpyDtoDAsync(stage + off, addr, size, stream), "cuMemcpyDtoDAsync")
             if into is not None:
                 ok(cu.cuMemcpyDtoHAsync(into[i].ctypes.data, stage + off, size, stream), "cuMemcpyDtoHAsync")
             views.append(into[i] if into is not None else host[off:off + size])

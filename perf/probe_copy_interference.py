@@ -12,6 +12,8 @@ in a loop, while a copy thread runs each of:
     engine      phos's own CudaSnapshotOps.read: per batch, D2D into our buffer, D2H, pfp1 hash
     engine-hi   the same, with the application on a stream of the highest priority
     python      a thread spinning in pure Python (the GIL alone)
+    engine-steps  the engine's copies as steps on the application's own thread, taken while
+                its kernel runs (polling cuStreamQuery), as a worker takes them
 
     python perf/probe_copy_interference.py [--gib 8]     # on the H200 (perf/device/run.sh interference)
 """
@@ -33,15 +35,39 @@ from probe_driver_stalls import ok  # noqa: E402
 CHUNK, BATCH = 16 * MiB, 128 * MiB
 
 
-def app_loop(ctx, fn, buf, stream, stop, ends):
+def app_loop(ctx, fn, buf, stream, stop, ends, step=None):
+    """step: the copies' next step, taken on this thread while the kernel runs (as the worker
+    does): the sync polls cuStreamQuery instead of blocking in cuStreamSynchronize."""
     ok(cu.cuCtxSetCurrent(ctx))
     words = np.array([buf, MiB, 0], np.uint64)       # 8 MiB of u64
     ptrs = np.array([words.ctypes.data + 8 * i for i in range(3)], np.uint64)
     while not stop.is_set():
         ok(cu.cuLaunchKernel(fn, 64, 1, 1, 256, 1, 1, 0, stream, ptrs.ctypes.data, 0))
-        ok(cu.cuStreamSynchronize(stream))
+        if step is None:
+            ok(cu.cuStreamSynchronize(stream))
+        else:
+            while int(cu.cuStreamQuery(stream)[0]) != 0:
+                step()
+            step()
         ends.append(time.perf_counter())
         words[2] += 1
+
+
+def stepper(ops, src, nbytes, moved):
+    """The engine's copies as steps: next() of its read generator, over and over."""
+    spans = [(src + o, CHUNK) for o in range(0, nbytes, CHUNK)]
+    per = BATCH // CHUNK
+
+    def forever():
+        while True:
+            yield from ops.read((spans[i:i + per], None, i) for i in range(0, len(spans), per))
+    steps = forever()
+
+    def step():
+        got = next(steps)
+        if got is not None:
+            moved[0] += sum(len(data) for data, _ in got[1])
+    return step
 
 
 def wait(event):
@@ -89,14 +115,14 @@ def spin(stop):
     return 0
 
 
-def measure(name, copier, app, seconds):
-    stop, ends, moved = threading.Event(), [], []
+def measure(name, copier, app, seconds, step=None, moved=None):
+    stop, ends, moved = threading.Event(), [], moved or []
     t = threading.Thread(target=lambda: moved.append(copier(stop))) if copier else None
     if t:
         t.start()
         time.sleep(0.1)                 # copies under way
     start = time.perf_counter()
-    a = threading.Thread(target=app_loop, args=(*app, stop, ends))
+    a = threading.Thread(target=app_loop, args=(*app, stop, ends, step))
     a.start()
     time.sleep(seconds)
     stop.set()
@@ -148,6 +174,8 @@ def main():
             measure("engine", in_ctx(lambda s: engine_copies(ops, src, nbytes, s)), legacy, args.seconds),
             measure("engine-hi", in_ctx(lambda s: engine_copies(ops, src, nbytes, s)), (ctx, fn, scratch, high), args.seconds),
             measure("python", spin, legacy, args.seconds)]
+    moved = [0]
+    rows.append(measure("engine-steps", None, legacy, args.seconds, step=stepper(ops, src, nbytes, moved), moved=moved))
     base = rows[0]["kernels_per_s"]
     print("\n| copier | kernels/s | of alone | p50 (ms) | p99 (ms) | max (ms) | copy GB/s |\n|---|---|---|---|---|---|---|")
     for r in rows:

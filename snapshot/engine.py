@@ -401,8 +401,11 @@ class Checkpoint(ChunkJob):
         """Take the background copy's next step: the worker's loop calls it between calls."""
         if self.work is None:
             return
+        t = time.perf_counter()
         try:
             next(self.work)
+            if time.perf_counter() - t > 50e-6:      # a step that did work, not just a look at the device
+                self.step("steps_over_50us", t)
         except StopIteration:
             self.work = None
         except Exception as e:          # reported by finish()

@@ -249,6 +249,9 @@ def test_finish_many_equals_the_one_at_a_time_finish():
     assert fpmod.finish_many([[h0, h1] for h0, h1, _ in cases], [n for *_, n in cases]) == \
         [fpmod._finish(h0, h1, n) for h0, h1, n in cases]
     assert fpmod.finish_many(np.zeros((0, 2), np.uint64), []) == []
+    few = cases[:8]                # a batch of copies: finished one by one, in Python
+    assert fpmod.finish_many(np.array([[h0, h1] for h0, h1, _ in few], np.uint64), np.array([n for *_, n in few], np.uint64)) == \
+        [fpmod._finish(h0, h1, n) for h0, h1, n in few]
 
 
 def test_corrupt_chunk_bit_flip(store):
