@@ -29,6 +29,28 @@ def _stream(s, sid):
     return None if sid in STREAM_ALIASES else s.handle("stream", sid)
 
 
+def wait_device(s, wait, done):
+    """Wait for the device. A running checkpoint copies in steps on this thread: once the wait
+    is long (a long kernel), take them meanwhile, or the copy would stand still for it. Not in a
+    short wait: a step can take a few hundred microseconds, and the application waits for the
+    reply (the copy has two batches under way, milliseconds of work, so it loses nothing)."""
+    cp = s.checkpoint
+    if cp is None or not cp.running:
+        return wait()
+    t = time.perf_counter()
+    while not done():
+        if time.perf_counter() - t > STEP_AFTER:
+            cp.advance()
+    cp.step("application_waits", t)
+
+
+def _before_blocking_copy(s, stream):
+    """A copy on the default stream waits for the kernels before it: wait for them here first,
+    where a running checkpoint keeps copying meanwhile."""
+    if stream is None:
+        wait_device(s, lambda: None, s.backend.idle)
+
+
 def mem_alloc(s, a, p):
     return {"u64s": [s.backend.alloc(a.size)]}
 
@@ -65,6 +87,7 @@ def memcpy_htod(s, a, p):
     stream = _stream(s, a.stream)
     if s.snapshotting:
         s.touch(a.dst, a.size)
+    _before_blocking_copy(s, stream)
     s.backend.htod(a.dst, data, stream)
     if a.viaShm and stream is not None:
         s.backend.stream_sync(stream)     # the client reuses the staging slot once we reply
@@ -75,7 +98,9 @@ def memcpy_dtoh(s, a, p):
     if s.snapshotting:
         s.touch(a.src, a.size, write=False)
     out = s.staging(a.shmOffset, a.size) if a.viaShm else np.empty(a.size, np.uint8)
-    s.backend.dtoh(a.src, out, _stream(s, a.stream))
+    stream = _stream(s, a.stream)
+    _before_blocking_copy(s, stream)
+    s.backend.dtoh(a.src, out, stream)
     return None if a.viaShm else {"payload": out}
 
 
@@ -182,21 +207,6 @@ def stream_create(s, a, p):
 def stream_destroy(s, a, p):
     s.backend.stream_destroy(s.handle("stream", a.id))
     s.drop(a.id)
-
-
-def wait_device(s, wait, done):
-    """Wait for the device. A running checkpoint copies in steps on this thread: once the wait
-    is long (a long kernel), take them meanwhile, or the copy would stand still for it. Not in a
-    short wait: a step can take a few hundred microseconds, and the application waits for the
-    reply (the copy has two batches under way, milliseconds of work, so it loses nothing)."""
-    cp = s.checkpoint
-    if cp is None or not cp.running:
-        return wait()
-    t = time.perf_counter()
-    while not done():
-        if time.perf_counter() - t > STEP_AFTER:
-            cp.advance()
-    cp.step("application_waits", t)
 
 
 def stream_synchronize(s, a, p):

@@ -246,6 +246,33 @@ def test_a_precopy_round_holds_no_write_up_and_stores_what_it_copied(tmp_path):
         read_chunk(DirStore(tmp_path), k, expected_len=1 << 20, check=True)
 
 
+def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
+    """The background copy runs in steps that the worker's loop takes between calls (no thread of
+    its own, which would take the interpreter from the loop): nothing is copied until a step is
+    taken. A write mid-copy saves its chunk first, and the image is the state at the cut."""
+    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.worker import Session
+    from phos.snapshot.engine import Checkpoint
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    ptr = s.backend.alloc(8 << 20)
+    before = filler(8 << 20)
+    s.backend.htod(ptr, before.tobytes(), None)
+    cp = Checkpoint(s, DirStore(tmp_path), "a", chunk_size=1 << 20)
+    cp.cut(0, paused=False)
+    threading.Event().wait(0.1)
+    assert cp.running and not cp.chunks.state.any(), "copying began without being stepped"
+    cp.advance()
+    cp.advance()
+    assert cp.chunks.state.any() and cp.bytes_done < 8 << 20      # under way, not done
+    cp.before_write(ptr + (7 << 20), 8)          # a call about to write the last chunk: saved first
+    s.backend.htod(ptr + (7 << 20), bytes(8), None)
+    while cp.running:
+        cp.advance()
+    result = cp.finish(1)
+    assert result["mode"] == "concurrent" and not result["paused"] and result["recopied_chunks"] == 0
+    assert region(DirStore(tmp_path), "a", ptr).tobytes() == before.tobytes()
+
+
 def test_a_second_checkpoint_while_one_runs_is_refused_at_once(servers, client, tmp_path):
     one = servers("one")
     app = App(client(one))
