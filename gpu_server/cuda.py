@@ -450,9 +450,10 @@ class CudaSnapshotOps:
         ok(cu.cuEventRecord(event, stream), "cuEventRecord")
 
         def wait(block=True):
-            if not block and not _event_done(event):
-                return None
-            _wait_event(event)
+            if not _event_done(event):
+                if not block:
+                    return None
+                _wait_event(event)
             cu.cuEventDestroy(event)
             lane_sums = out[:2 * n].reshape(-1, 2)
             if firsts is not None:       # the parts' sums add up (mod 2**64) to their chunk's

@@ -8,7 +8,6 @@ import os
 import time
 import uuid
 
-
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.gpu_server.emu_memory import EmuMemory

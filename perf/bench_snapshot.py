@@ -175,6 +175,11 @@ def run_work(app, seconds=None, during=None, launches=1):
     return len(ends) / elapsed, float(gaps.max()) * 1e3, result, np.array(ends)
 
 
+def syncs_per_s(ends, after, until):
+    """The rate of the syncs that ended in (after, until]."""
+    return float(((ends > after) & (ends <= until)).sum()) / max(until - after, 1e-9)
+
+
 def start_server(backend, work_dir, name, extra=()):
     """A server whose pre-started worker is up: restores adopt it instead of starting one.
     extra: more `phos server` arguments."""
@@ -262,7 +267,7 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
         # its window; the rest of the wall time is the admin call's own, from another process
         end = marks["answered"]
         begin = end - res["seconds"]
-        during = float(((ends > begin) & (ends <= end)).sum()) / res["seconds"]
+        during = syncs_per_s(ends, begin, end)
         if launches == GPU_BOUND:
             row["gpu_bound"] = {"kernels_per_s": baseline * launches, "kernels_per_s_during": during * launches,
                                 "gap_ms": gap, "checkpoint_s": res["seconds"]}
@@ -275,8 +280,8 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     row["kernels_per_s_wall"] = rate
     row["wall_ms"] = {"asked_to_start": round((begin - marks["asked"]) * 1e3, 1),
                       "answer_to_child_exit": round((marks["child_exited"] - end) * 1e3, 1),
-                      "kernels_per_s_before": round(float(((ends > marks["asked"]) & (ends <= begin)).sum()) / max(begin - marks["asked"], 1e-9)),
-                      "kernels_per_s_after": round(float((ends > end).sum()) / max(marks["child_exited"] - end, 1e-9))}
+                      "kernels_per_s_before": round(syncs_per_s(ends, marks["asked"], begin)),
+                      "kernels_per_s_after": round(syncs_per_s(ends, end, marks["child_exited"]))}
     row["checkpoint_host_meta"] = {k: res[k] for k in ("pause_ms", "paused", "recopied_chunks", "copied_bytes")}
     row["cut_ms"] = res["pause_ms"]
     res = checkpoint(one, ctx, disk_dir)

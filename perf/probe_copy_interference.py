@@ -66,9 +66,11 @@ def stepper(ops, src, nbytes, moved):
     steps = forever()
 
     def step():
+        """Returns whether a batch came back (else the device is still copying)."""
         got = next(steps)
         if got is not None:
             moved[0] += sum(len(data) for data, _ in got[1])
+        return got is not None
     return step
 
 
@@ -96,18 +98,13 @@ def plain_copies(kind, src, nbytes, dst, stream, stop):
 
 
 def engine_copies(ops, src, nbytes, stop):
-    moved = 0
-    spans = [(src + o, CHUNK) for o in range(0, nbytes, CHUNK)]
-    per = BATCH // CHUNK
+    """The engine's copies in a thread of their own: its steps, a short sleep while the device copies."""
+    moved = [0]
+    step = stepper(ops, src, nbytes, moved)
     while not stop.is_set():
-        for got in ops.read((spans[i:i + per], None, i) for i in range(0, len(spans), per)):
-            if got is None:
-                time.sleep(0.00005)
-                continue
-            moved += sum(len(data) for data, _ in got[1])
-            if stop.is_set():
-                break
-    return moved
+        if not step():
+            time.sleep(0.00005)
+    return moved[0]
 
 
 def spin(stop):

@@ -76,6 +76,16 @@ def filler(nbytes, seed=0):
     return (np.arange(nbytes // 8, dtype=np.uint64) * 0x9E3779B97F4A7C15 + seed).view(np.uint8)
 
 
+def emu_session_holding(data):
+    """A worker's session on an emulated device, in process, with one allocation holding data."""
+    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.worker import Session
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    ptr = s.backend.alloc(len(data))
+    s.backend.htod(ptr, data.tobytes(), None)
+    return s, ptr
+
+
 def checkpoint(server, ctx, store, **kw):
     msgs = list(stub(server.address).Checkpoint(pb.CheckpointRequest(ctx=ctx, store=str(store), **kw)))
     assert msgs[-1].finished
@@ -224,13 +234,9 @@ def test_a_precopy_round_holds_no_write_up_and_stores_what_it_copied(tmp_path):
     """A handoff's pre-copy round has no cut: a write during it is not saved first (no
     copy-on-write, no fence), and every chunk is stored under the fingerprint of its own
     bytes, whatever the application wrote meanwhile, so a warm target can load each one."""
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import Session
     from phos.snapshot.engine import Checkpoint
     from phos.snapshot.image import read_chunk
-    s = Session(EmuBackend(), 7, b"t" * 16)
-    ptr = s.backend.alloc(8 << 20)
-    s.backend.htod(ptr, filler(8 << 20).tobytes(), None)
+    s, ptr = emu_session_holding(filler(8 << 20))
     cp = Checkpoint(s, DirStore(tmp_path), "round0", precopy=True, chunk_size=1 << 20)
     urgent, save = [], cp.save
     cp.save = lambda idx, urgent_=False: urgent.append(urgent_) or save(idx, urgent_)
@@ -250,13 +256,9 @@ def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
     """The background copy runs in steps that the worker's loop takes between calls (no thread of
     its own, which would take the interpreter from the loop): nothing is copied until a step is
     taken. A write mid-copy saves its chunk first, and the image is the state at the cut."""
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import Session
     from phos.snapshot.engine import Checkpoint
-    s = Session(EmuBackend(), 7, b"t" * 16)
-    ptr = s.backend.alloc(8 << 20)
     before = filler(8 << 20)
-    s.backend.htod(ptr, before.tobytes(), None)
+    s, ptr = emu_session_holding(before)
     cp = Checkpoint(s, DirStore(tmp_path), "a", chunk_size=1 << 20)
     cp.cut(0, paused=False)
     threading.Event().wait(0.1)
@@ -314,9 +316,7 @@ def test_a_deferred_loader_loads_only_what_calls_touch_until_it_is_started(tmp_p
     from phos.gpu_server.emu import EmuBackend
     from phos.gpu_server.worker import Session
     from phos.snapshot.engine import Checkpoint, Restore
-    s = Session(EmuBackend(), 7, b"t" * 16)
-    ptr = s.backend.alloc(8 << 20)
-    s.backend.htod(ptr, filler(8 << 20).tobytes(), None)
+    s, ptr = emu_session_holding(filler(8 << 20))
     cp = Checkpoint(s, DirStore(tmp_path), "a", paused=True, chunk_size=1 << 20)
     cp.cut(1, paused=True)
     cp.finish(1)
