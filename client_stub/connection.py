@@ -38,6 +38,7 @@ LOG_BYTES = int(os.environ.get("PHOS_LOG_BYTES", str(256 << 20)))      # ...and 
 SPIN = float(os.environ.get("PHOS_SPIN_US", "100" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
 STAGING_SLOT = 32 << 20          # bulk copies go through a shared staging area in slots this big...
 STAGING_MIN = 256 << 10          # ...when at least this big and the worker shares our host
+POLLIN = int(zmq.POLLIN)         # a plain int: `&` with the enum costs microseconds in the spin
 DOORBELL = wire.Request.new_message(version=wire.PROTOCOL_VERSION, doorbell=True).to_bytes()
 
 Result = collections.namedtuple("Result", "seq status message u64s f64 text data payload params")
@@ -249,6 +250,9 @@ class Connection:
             frames = self.next_reply()
             if frames is None and time.perf_counter() < spin_end:
                 continue
+            if frames is None and self.box_waiting and self.box.asleep[0] != self.box_seq:
+                self.box.asleep[0] = self.box_seq      # the worker answers over the socket, which wakes us
+                continue                               # (one more look: it may have answered just now)
             if frames is None and self.sock in dict(self.poller.poll(1 if self.box_waiting else 200)):
                 frames = self.next_reply()      # (the monitor wakes us too: a dead worker is noticed at once)
             if frames is not None:
@@ -265,7 +269,7 @@ class Connection:
             if deadline is not None and now > deadline:
                 raise CudaError(CUresult.CUDA_ERROR_NO_DEVICE, f"no phos server answered at {self.endpoint} within {timeout:g} s")
             if gone_since is not None and self.find_again is not None:
-                if self.box_waiting and self.box.seq(1) == self.box_seq or self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if self.box_waiting and self.box.seq(1) == self.box_seq or self.sock.getsockopt(zmq.EVENTS) & POLLIN:
                     continue                 # the worker answered, then left (ctxDestroy): read the answer first
                 self.reattach(seq)           # the worker went away: find the context again and replay
                 gone_since, spin_end = None, time.perf_counter() + SPIN
@@ -278,7 +282,7 @@ class Connection:
         if self.box_waiting and self.box.seq(1) == self.box_seq:
             self.box_waiting = False
             return [self.box.take(1)]
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self.sock.getsockopt(zmq.EVENTS) & POLLIN:
             return self.sock.recv_multipart(copy=False)
         return None
 

@@ -34,12 +34,30 @@ def ok(result, what):
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
 
 
+def _driver_call(name, *argtypes):
+    f = getattr(_libcuda, name)
+    f.argtypes, f.restype = argtypes, ctypes.c_int
+    return f
+
+
 # Launches are the hot path: calling the driver through ctypes costs a third of cuda-python's
 # wrapper, and cuLaunchKernelEx with a prepared CUlaunchConfig less again than cuLaunchKernel:
 # four arguments to convert instead of eleven (an application repeats a handful of launch shapes).
-_cuLaunchKernelEx = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-_cuLaunchKernelEx.argtypes = [ctypes.c_void_p] * 4
-_cuLaunchKernelEx.restype = ctypes.c_int
+# A checkpoint's copies are the other: a dozen calls a batch, taken between the application's.
+_libcuda = ctypes.CDLL("libcuda.so.1")
+_P, _U64, _N = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+_cuLaunchKernelEx = _driver_call("cuLaunchKernelEx", _P, _P, _P, _P)
+_cuMemcpyDtoDAsync = _driver_call("cuMemcpyDtoDAsync_v2", _U64, _U64, _N, _P)
+_cuMemcpyDtoHAsync = _driver_call("cuMemcpyDtoHAsync_v2", _P, _U64, _N, _P)
+_cuMemcpyHtoDAsync = _driver_call("cuMemcpyHtoDAsync_v2", _U64, _P, _N, _P)
+_cuEventRecord = _driver_call("cuEventRecord", _P, _P)
+_cuEventQuery = _driver_call("cuEventQuery", _P)
+
+
+def _check(err, what):
+    """Raise CudaError for a failed ctypes driver call."""
+    if err:
+        ok((err,), what)
 
 
 class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig (cuda.h)
@@ -353,10 +371,10 @@ def _wait_event(event):
 
 
 def _event_done(event):
-    err = cu.cuEventQuery(event)[0]
-    if int(err) == CUresult.CUDA_ERROR_NOT_READY:
+    err = _cuEventQuery(int(event))
+    if err == CUresult.CUDA_ERROR_NOT_READY:
         return False
-    ok((err,), "cuEventQuery")
+    _check(err, "cuEventQuery")
     return True
 
 
@@ -403,11 +421,15 @@ class CudaSnapshotOps:
         _, greatest = ok(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
         self.streams = {"bulk": ok(cu.cuStreamCreateWithPriority(flags, 0), "cuStreamCreate"),
                         "urgent": ok(cu.cuStreamCreateWithPriority(flags, greatest), "cuStreamCreate")}
+        self.handles = {k: int(s) for k, s in self.streams.items()}     # for the ctypes calls
         self.host = {k: [] for k in self.streams}      # pinned buffers, made on first use
         self.pinned = []         # (start, end) of host memory pinned for direct copies (pin)
         self.device = {}         # stream key -> ([two device buffers], size), made on first use
         self.tables = {}         # purpose -> chunk table and sums, on the device and pinned on the host
         self.splits = {}         # chunk table bytes -> its hash_parts
+        self.uploaded = {}       # purpose -> (device table, parts) it holds: a batch's layout repeats
+        self.launches = {}       # (device table, n, stream) -> pfp1's prepared arguments
+        self.events = []         # events done with, for reuse: creating one costs a driver call
 
     def _table(self, key, n):
         """(device table, device sums, host table, host sums) for n chunks; pinned, so async copies stay async."""
@@ -436,29 +458,39 @@ class CudaSnapshotOps:
         n = len(parts)
         table, sums, spec, out, _ = self._table(key, n)
         if n:
-            spec[:2 * n] = parts.reshape(-1)
-            ok(cu.cuMemcpyHtoDAsync(table, spec.ctypes.data, 16 * n, stream), "cuMemcpyHtoDAsync")
-            params = np.array([table, sums, n], np.uint64)
-            at = params.ctypes.data
-            args = np.array([at, at + 8, at + 16], np.uint64)
-            config = _LaunchConfig((n, 1, 1), (256, 1, 1), 0, int(stream), None, 0)
-            err = _cuLaunchKernelEx(ctypes.addressof(config), int(self.kernel), args.ctypes.data, None)
-            if err:
-                ok((err,), "launch of pfp1_lane_sums")
-            ok(cu.cuMemcpyDtoHAsync(out.ctypes.data, sums, 16 * n, stream), "cuMemcpyDtoHAsync")
-        event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        ok(cu.cuEventRecord(event, stream), "cuEventRecord")
+            held = self.uploaded.get(key)
+            if firsts is None or held is None or held[0] != table or held[1] is not parts:
+                spec[:2 * n] = parts.reshape(-1)
+                _check(_cuMemcpyHtoDAsync(table, spec.ctypes.data, 16 * n, stream), "cuMemcpyHtoDAsync")
+                self.uploaded[key] = (table, parts) if firsts is not None else None
+            launch = self.launches.get((table, n, stream))
+            if launch is None:       # pfp1(table, sums, n): its arguments and shape, kept alive with it
+                if len(self.launches) > 64:
+                    self.launches.clear()
+                params = np.array([table, sums, n], np.uint64)
+                args = np.array([params.ctypes.data + 8 * i for i in range(3)], np.uint64)
+                config = _LaunchConfig((n, 1, 1), (256, 1, 1), 0, stream, None, 0)
+                launch = self.launches[(table, n, stream)] = (params, args, config, ctypes.addressof(config), args.ctypes.data)
+            _check(_cuLaunchKernelEx(launch[3], int(self.kernel), launch[4], None), "launch of pfp1_lane_sums")
+            _check(_cuMemcpyDtoHAsync(out.ctypes.data, sums, 16 * n, stream), "cuMemcpyDtoHAsync")
+        event = self.events.pop() if self.events else int(ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"))
+        _check(_cuEventRecord(event, stream), "cuEventRecord")
+
+        done = []
 
         def wait(block=True):
+            if done:                     # asked again: the event may be another batch's by now
+                return done[0]
             if not _event_done(event):
                 if not block:
                     return None
                 _wait_event(event)
-            cu.cuEventDestroy(event)
+            self.events.append(event)
             lane_sums = out[:2 * n].reshape(-1, 2)
             if firsts is not None:       # the parts' sums add up (mod 2**64) to their chunk's
                 lane_sums = np.add.reduceat(lane_sums, firsts, axis=0)
-            return finish_many(lane_sums, rows[:, 1])
+            done.append(finish_many(lane_sums, rows[:, 1]))
+            return done[0]
         return wait
 
     def _app_streams(self):
@@ -472,7 +504,7 @@ class CudaSnapshotOps:
             for ours in self.streams.values():
                 ok(cu.cuStreamWaitEvent(ours, event, 0), "cuStreamWaitEvent")
             cu.cuEventDestroy(event)
-        wait = self._hash(chunks, "cut", self.streams["bulk"])
+        wait = self._hash(chunks, "cut", self.handles["bulk"])
         if fence:                            # and the application's later work after the hash
             event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
             ok(cu.cuEventRecord(event, self.streams["bulk"]), "cuEventRecord")
@@ -563,7 +595,7 @@ class CudaSnapshotOps:
         one per chunk), the chunks land there."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
-        stream, batches, under_way, n = self.streams[key], iter(batches), collections.deque(), 0
+        stream, batches, under_way, n = self.handles[key], iter(batches), collections.deque(), 0
         try:
             while True:
                 while len(under_way) < 2 and (batch := next(batches, None)) is not None:
@@ -587,16 +619,16 @@ class CudaSnapshotOps:
         stage = stage[turn]
         host = self._buffers(key, capacity)[turn] if into is None else None
         for addr, offset, nbytes in _runs(chunks):     # neighbouring chunks (one allocation's): one copy
-            ok(cu.cuMemcpyDtoDAsync(stage + offset, addr, nbytes, stream), "cuMemcpyDtoDAsync")
+            _check(_cuMemcpyDtoDAsync(stage + offset, addr, nbytes, stream), "cuMemcpyDtoDAsync")
         off, views, spans = 0, [], []
         for i, (addr, size) in enumerate(chunks):
             if into is not None:
-                ok(cu.cuMemcpyDtoHAsync(into[i].ctypes.data, stage + off, size, stream), "cuMemcpyDtoHAsync")
+                _check(_cuMemcpyDtoHAsync(into[i].ctypes.data, stage + off, size, stream), "cuMemcpyDtoHAsync")
             views.append(into[i] if into is not None else host[off:off + size])
             spans.append((stage + off, size))
             off += size
         if into is None:
-            ok(cu.cuMemcpyDtoHAsync(host.ctypes.data, stage, off, stream), "cuMemcpyDtoHAsync")
+            _check(_cuMemcpyDtoHAsync(host.ctypes.data, stage, off, stream), "cuMemcpyDtoHAsync")
         return views, tag, self._hash(spans, f"{key}{turn}", stream)
 
     def write(self, chunks, load, pool, urgent=False, sources=None):
@@ -606,17 +638,18 @@ class CudaSnapshotOps:
         urgent: a call waits for these (own stream and buffer, beside the background loading)."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
+        stream = self.handles[key]
         if sources is not None:
             for (addr, size), src in zip(chunks, sources):
-                ok(cu.cuMemcpyHtoDAsync(addr, src.ctypes.data, size, self.streams[key]), "cuMemcpyHtoDAsync")
-            return self._hash(chunks, f"{key}0", self.streams[key])()
-        stream, host = self.streams[key], self._buffers(key, max(size for _, size in chunks))[0]
+                _check(_cuMemcpyHtoDAsync(addr, src.ctypes.data, size, stream), "cuMemcpyHtoDAsync")
+            return self._hash(chunks, f"{key}0", stream)()
+        host = self._buffers(key, max(size for _, size in chunks))[0]
         fps = []
         for start, end in self._batches(chunks, len(host)):
             offsets = np.cumsum([0] + [size for _, size in chunks[start:end]])
 
             list(pool.map(lambda i: load(start + i, host[offsets[i]:offsets[i + 1]]), range(end - start)))
             for (addr, size), off in zip(chunks[start:end], offsets):
-                ok(cu.cuMemcpyHtoDAsync(addr, host.ctypes.data + int(off), size, stream), "cuMemcpyHtoDAsync")
+                _check(_cuMemcpyHtoDAsync(addr, host.ctypes.data + int(off), size, stream), "cuMemcpyHtoDAsync")
             fps += self._hash(chunks[start:end], f"{key}0", stream)()
         return fps

@@ -45,7 +45,9 @@ LOADER_QUIET, LOADER_DEADLINE = 0.002, 0.1
 PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
+PROFILE_DIR = os.environ.get("PHOS_PROFILE_DIR")   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
 FIRST_HANDLE = 0x1000
+POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs microseconds, twice a loop
 CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync")
 BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
 
@@ -213,6 +215,7 @@ class Worker:
         self.warm = None                   # the Restore of a context nobody attached to yet (advance_restore)
         self.last_call = 0.0               # when the last message was served
         self.loader_by = 0.0               # a restore on demand starts loading in the background by then
+        self.profiler = None               # PROFILE_DIR's, while a checkpoint runs
 
     def handle(self, frames):
         """Serve one message: [routing id, Request, payload...]."""
@@ -329,8 +332,11 @@ class Worker:
         return attach.ctx == self.session.ctx_id and check_token(attach.token, self.session.token_digest)
 
     def send(self, peer, frames):
-        if peer is BOX:      # answer in the reply box when it fits, else over the socket
-            if not self.box_by_socket and len(frames) == 1 and self.session.box.put(1, self.box_seen, frames[0]):
+        if peer is BOX:      # answer in the reply box when it fits and its client watches it, else over the socket
+            box = self.session.box
+            if not self.box_by_socket and len(frames) == 1 and box.asleep[0] != self.box_seen and box.put(1, self.box_seen, frames[0]):
+                if box.asleep[0] == self.box_seen:      # it fell asleep as we answered: wake it
+                    self.sock.send_multipart([self.box_peer, *build_reply(self.ack, [])], copy=False)
                 return
             peer = self.box_peer
         self.sock.send_multipart([peer, *frames], copy=False)
@@ -404,6 +410,10 @@ class Worker:
             cp.abort()
             raise
         s.checkpoint, s.snapshotting = cp, True
+        if PROFILE_DIR:
+            import cProfile
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
 
     # -- recovery images (gpu_server/recovery.py) -----------------------------------------
     def start_recovery(self, restored=None):
@@ -514,6 +524,10 @@ class Worker:
                 result, fields, status, message = None, {}, e.status, f"checkpoint: {e.message}"
                 self.frozen = False    # a handoff's last round failed: the context goes on here
             s.checkpoint = None
+            if self.profiler is not None:
+                self.profiler.disable()
+                self.profiler.dump_stats(os.path.join(PROFILE_DIR, f"checkpoint-{os.getpid()}-{time.monotonic_ns()}.prof"))
+                self.profiler = None
             if self.recovering:
                 s.recovery.committed(result["cut_seq"]) if result else s.recovery.failed(message)
                 queued, self.queued_checkpoint = self.queued_checkpoint, None
@@ -574,7 +588,7 @@ class Worker:
             box = self.session.box
             if box is not None and hot != awake:
                 box.awake[0] = awake = hot      # clients ring the doorbell only while we sleep
-            if hot and self.ctl is not None and self.ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if hot and self.ctl is not None and self.ctl.getsockopt(zmq.EVENTS) & POLLIN:
                 self.handle_control(self.ctl.recv_multipart(copy=False))    # a busy client must not starve it
                 continue               # it may have frozen the context
             if self.box_ready():
@@ -583,7 +597,7 @@ class Worker:
                 continue
             if hot:
                 # a client mid-burst: catch its next message without the cost of sleeping in poll
-                if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if self.sock.getsockopt(zmq.EVENTS) & POLLIN:
                     self.handle(self.sock.recv_multipart(copy=False))
                     self.last_call = time.perf_counter()
                 continue

@@ -284,18 +284,19 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
                       "kernels_per_s_after": round(syncs_per_s(ends, end, marks["child_exited"]))}
     row["checkpoint_host_meta"] = {k: res[k] for k in ("pause_ms", "paused", "recopied_chunks", "copied_bytes")}
     row["cut_ms"] = res["pause_ms"]
-    res = checkpoint(one, ctx, disk_dir)
-    row["checkpoint_disk_s"] = res["seconds"]
+    if disk_dir:
+        row["checkpoint_disk_s"] = checkpoint(one, ctx, disk_dir)["seconds"]
     two = server("two")                         # a full restore into a second server process
     t = time.perf_counter()
     stub(two.address).Restore(pb.RestoreRequest(store=shm_dir, full=True))
     row["restore_host_full_s"] = time.perf_counter() - t
     two.stop()
-    three = server("three")
-    t = time.perf_counter()
-    stub(three.address).Restore(pb.RestoreRequest(store=disk_dir, full=True))
-    row["restore_disk_full_s"] = time.perf_counter() - t
-    three.stop()
+    if disk_dir:
+        three = server("three")
+        t = time.perf_counter()
+        stub(three.address).Restore(pb.RestoreRequest(store=disk_dir, full=True))
+        row["restore_disk_full_s"] = time.perf_counter() - t
+        three.stop()
     # on demand: the application's own server dies; its context comes back elsewhere
     app.sync()
     checkpoint(one, ctx, shm_dir, incremental=True)         # the cut the application is at now
@@ -327,6 +328,7 @@ def main():
     ap.add_argument("--chunk-mb", type=int, default=16, help="chunk size of the phos images")
     ap.add_argument("--disk", default="/var/tmp/phos-bench", help="image store on local disk")
     ap.add_argument("--no-driver", action="store_true")
+    ap.add_argument("--no-disk", action="store_true", help="host memory only: no checkpoint to and restore from disk")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
@@ -344,7 +346,7 @@ def main():
             row = {"size": f"{size} {args.unit}", "bytes": nbytes}
             if args.backend == "cuda" and not args.no_driver:
                 row["driver"] = driver_rows(nbytes)
-            row["phos"] = phos_rows(args.backend, nbytes, work, shm, disk, args.chunk_mb * MiB)
+            row["phos"] = phos_rows(args.backend, nbytes, work, shm, None if args.no_disk else disk, args.chunk_mb * MiB)
             rows.append(row)
             print(json.dumps(row), flush=True)
         finally:
@@ -357,6 +359,10 @@ def main():
 
 
 def print_table(rows):
+    def disk(p, key, nbytes=None):          # "-" in a run with --no-disk
+        s = p.get(key)
+        return "-" if s is None else f"{s:.3f} ({gbs(nbytes, s)})" if nbytes else f"{s:.3f}"
+
     def gbs(nbytes, s):
         return f"{nbytes / s / 1e9:.2f}" if s else "-"
     print("\n| size | system | checkpoint to host (s, GB/s) | to disk (s, GB/s) | restore from host, full (s, GB/s) | from disk (s) "
@@ -369,8 +375,8 @@ def print_table(rows):
                   f"{d['restore_s']:.3f} ({gbs(n, d['restore_s'])}) | - | {d['pause_ms']:.0f} (locked throughout) | 0% (locked) | - |")
         ratio = f" ({d['checkpoint_s'] / p['checkpoint_host_s']:.1f}× faster)" if d else ""
         print(f"| {r['size']} | phos (concurrent) | {p['checkpoint_host_s']:.3f} ({gbs(n, p['checkpoint_host_s'])}){ratio} | "
-              f"{p['checkpoint_disk_s']:.3f} ({gbs(n, p['checkpoint_disk_s'])}) | "
-              f"{p['restore_host_full_s']:.3f} ({gbs(n, p['restore_host_full_s'])}) | {p['restore_disk_full_s']:.3f} | "
+              f"{disk(p, 'checkpoint_disk_s', n)} | "
+              f"{p['restore_host_full_s']:.3f} ({gbs(n, p['restore_host_full_s'])}) | {disk(p, 'restore_disk_full_s')} | "
               f"{p['pause_ms']:.1f} (cut {p['cut_ms']:.1f}; loop without checkpoint {p['gap_ms_idle']:.1f}) | "
               f"{100 * p['kernels_per_s_during'] / p['kernels_per_s']:.0f}% ({p['kernels_per_s_during']:.0f} vs {p['kernels_per_s']:.0f}/s) | "
               f"{p['first_kernel_after_restore_s'] * 1e3:.1f} |")

@@ -160,7 +160,7 @@ def call_costs(ops, src, host, dev_dst, stream, rounds=50):
             "cuEventCreate+Record+Destroy": lambda i: (cu.cuEventRecord(e := ok(cu.cuEventCreate(2)), stream), cu.cuEventDestroy(e)),
             "cuEventQuery (done)": lambda i: cu.cuEventQuery(event),
             "cuStreamQuery(0)": lambda i: cu.cuStreamQuery(0),
-            "pfp1 hash of a batch (ops._hash)": lambda i: ops._hash(spans, "bulk0", stream)(),
+            "pfp1 hash of a batch, enqueued (ops._hash)": lambda i: ops._hash(spans, "bulk0", int(stream)),
         }
         out = {}
         for name, call in calls.items():

@@ -29,6 +29,8 @@
 # offers it in attach, and unlinks it once the worker answered. Layout, little-endian:
 #   [0, 16)                 cookie: random bytes the worker compares with Attach.shmCookie
 #   [16, 24)                UInt64 workerAwake: 1 while the worker watches the mailbox, else 0
+#   [24, 32)                UInt64 clientAsleep: the seq of the mailbox request whose client stopped
+#                           spinning for the reply and sleeps in poll on the socket
 #   [4096, 4096+64K)        request box: UInt64 seq, UInt64 len, then len bytes of a Request frame
 #   [4096+64K, 4096+128K)   reply box:   UInt64 seq, UInt64 len, then len bytes of a Reply frame
 #   [4096+128K, end)        bulk slots; memcpyHtoD/DtoH with viaShm name byte offsets into the file
@@ -38,8 +40,10 @@
 # is 0 it sends a Request with doorbell=true and no calls over the socket. The worker
 # first runs every call sent earlier over the socket (up to the box's first seq), then
 # answers in the reply box (bytes, len, then seq = the request box's seq), or over the
-# socket if the Reply has payload frames or exceeds the box, or if a doorbell woke the
-# worker for it (its client is likely asleep in poll too). The client watches both.
+# socket if the Reply has payload frames or exceeds the box, if a doorbell woke the
+# worker for it (its client is likely asleep in poll too), or if clientAsleep names it:
+# a Reply in the box wakes nobody. The client watches both. A client going to sleep writes
+# clientAsleep, then looks at the reply box once more; a worker, the other way round.
 # The box holds one request: a client uses it only for a call it waits for at once, and
 # sends nothing over the socket until that call is answered (else the worker could run
 # a later socket message before the earlier mailbox request).

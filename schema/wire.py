@@ -24,6 +24,7 @@ _U32 = struct.Struct("<I")
 # The shared staging area's layout (see the header of phos.capnp).
 COOKIE_BYTES = 16
 AWAKE_OFFSET = 16
+ASLEEP_OFFSET = 24
 BOX_OFFSET = 4096
 BOX_SIZE = 64 << 10
 SLOTS_OFFSET = BOX_OFFSET + 2 * BOX_SIZE
@@ -133,6 +134,7 @@ class Mailbox:
     def __init__(self, area):
         self.area = area
         self.awake = area[AWAKE_OFFSET:AWAKE_OFFSET + 8].view(np.uint64)
+        self.asleep = area[ASLEEP_OFFSET:ASLEEP_OFFSET + 8].view(np.uint64)
         self.boxes = [area[o:o + 16].view(np.uint64) for o in (BOX_OFFSET, BOX_OFFSET + BOX_SIZE)]
 
     def put(self, box, seq, frame):

@@ -42,6 +42,7 @@ thread, and a call touching a chunk not yet loaded loads it first (`before_acces
 import bisect
 import concurrent.futures
 import logging
+import struct
 import threading
 import time
 
@@ -56,6 +57,8 @@ log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
 URGENT_BATCH_BYTES = 16 << 20    # ... and a call's copy-on-write this much
 DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostStore
+ASK_AT_ONCE = 1024               # chunks a checkpoint's step asks the store about
+LOOK_EVERY = 100e-6              # seconds between a checkpoint's looks at a busy device (advance)
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
 FEW = 32                         # chunk lists up to this long are walked in Python, longer ones by NumPy
@@ -143,9 +146,12 @@ def indices(idx):
 def kernel_pointers(session, params):
     """Values among a launch's parameters that point into this context's memory: the
     pointer arguments, and pointer-looking words inside by-value structs."""
-    words = np.frombuffer(bytes(params)[:len(params) // 8 * 8], np.uint64)
     space = session.space
     lo, hi = space.base, space.base + space.size
+    n = len(params) // 8
+    if n <= 64:                  # a few arguments, every launch of a checkpoint: Python is quicker
+        return [w for w in struct.unpack_from(f"<{n}Q", params) if lo <= w < hi]
+    words = np.frombuffer(params, np.uint64, n)
     return [int(w) for w in words[(words >= lo) & (words < hi)]]
 
 
@@ -280,6 +286,8 @@ class Checkpoint(ChunkJob):
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
         self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
         self.work = None             # the background copy (run), while it runs
+        self.spare = []              # store slots reserved for the copy, not yet filled (take_slots)
+        self.look_at = 0.0           # advance's next step, not before (perf_counter)
         self.started = time.perf_counter()
 
     # -- the cut -----------------------------------------------------------------------
@@ -296,6 +304,7 @@ class Checkpoint(ChunkJob):
             e["image"] = self.writer.add_chunk(meta["image"], meta["image_fp"])
         self.chunks = Chunks(regions)
         self.keys = [None] * len(self.chunks)
+        self.asked = [False] * len(self.chunks)    # whether the store was asked if it holds the chunk
         self.bytes_total, self.bytes_done = sum(self.chunks.size), 0
         self.mismatch = False
         self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)
@@ -319,15 +328,17 @@ class Checkpoint(ChunkJob):
 
         def feed():                   # read() pulls the next batch when a buffer frees up
             for idx in batches:
+                t = time.perf_counter()
                 mine = self.claim(idx) if claim else list(idx)
                 need = self.not_held(mine)
                 if not need:
                     self.mark_done(mine)
                     continue
                 spans = self.chunks.spans(need)
-                slots = self.store.reserve(len(need)) if self.direct else None
+                slots = self.take_slots(len(need)) if self.direct else None
                 reserved.append(slots)
                 into = [self.store.payload(slot, n) for slot, (_, n) in zip(slots, spans)] if slots else None
+                self.step("feed", t)         # the thread's own time in each part of a batch's steps
                 yield spans, into, (mine, need, slots)
         copies = self.session.backend.snap.read(feed(), urgent)
         try:
@@ -347,17 +358,35 @@ class Checkpoint(ChunkJob):
 
     def not_held(self, idx):
         """The chunks of idx the store does not hold already; the others get their keys."""
-        keys, need = [self.fps[c].hex() for c in idx], []
-        for c, k, held in zip(idx, keys, self.writer.reuse_chunks(keys)):
-            if held:
-                self.keys[c] = k
-            else:
-                need.append(c)
-        return need
+        self.ask_store(idx)
+        return [c for c in idx if self.keys[c] is None]
+
+    def ask_store(self, idx):
+        """Ask the store once whether it holds each chunk of idx (at the cut's fingerprint)."""
+        ask = [c for c in idx if not self.asked[c]]
+        if ask:
+            keys = [self.fps[c].hex() for c in ask]
+            for c, k, held in zip(ask, keys, self.writer.reuse_chunks(keys)):
+                self.asked[c] = True
+                if held:
+                    self.keys[c] = k
+
+    def take_slots(self, n):
+        """n reserved slots of the store: those run() reserved for the whole copy, or new ones."""
+        if len(self.spare) < n:
+            self.spare += self.store.reserve(n - len(self.spare))
+        slots, self.spare = self.spare[:n], self.spare[n:]
+        return slots
+
+    def release_spare(self):
+        spare, self.spare = self.spare, []
+        if spare:
+            self.store.release(spare)
 
     def keep(self, batch, copied):
         """Store a copied batch: publish its slots, or write its chunks (I/O threads; yields
         until they are written). A chunk that differs from the cut was written behind our back."""
+        t = time.perf_counter()
         mine, need, slots = batch
         direct, writes = [], []
         for j, (c, (data, fp)) in enumerate(zip(need, copied)):
@@ -377,6 +406,7 @@ class Checkpoint(ChunkJob):
         if slots and any(slot is not None for slot in slots):      # mismatched: not published
             self.store.release([slot for slot in slots if slot is not None])
             slots[:] = [None] * len(slots)
+        self.step("keep", t)
         while not all(write.done() for _, write in writes):     # the buffer is reused after us
             yield
         for c, write in writes:
@@ -395,17 +425,27 @@ class Checkpoint(ChunkJob):
         while (fps := self.fp_wait(block=False)) is None:
             yield
         self.fps = fps
-        yield from self.saving(self.batches(range(len(self.chunks))), claim=True)
+        n = len(self.chunks)
+        for start in range(0, n, ASK_AT_ONCE):     # the store's questions in a few steps, not one a batch
+            self.ask_store(range(start, min(start + ASK_AT_ONCE, n)))
+            yield
+        if self.direct:                            # and its slots under one lock
+            self.spare += self.store.reserve(max(0, self.keys.count(None) - len(self.spare)))
+        yield from self.saving(self.batches(range(n)), claim=True)
 
     def advance(self):
-        """Take the background copy's next step: the worker's loop calls it between calls."""
-        if self.work is None:
-            return
+        """Take the background copy's next step: the worker's loop calls it between calls.
+        After a mere look at the device, the next waits LOOK_EVERY: the device has two batches
+        to copy, milliseconds of work, and each look delays the call that arrives meanwhile."""
         t = time.perf_counter()
+        if self.work is None or t < self.look_at:
+            return
         try:
             next(self.work)
             if time.perf_counter() - t > 50e-6:      # a step that did work, not just a look at the device
                 self.step("steps_over_50us", t)
+            else:
+                self.look_at = t + LOOK_EVERY
         except StopIteration:
             self.work = None
         except Exception as e:          # reported by finish()
@@ -428,7 +468,7 @@ class Checkpoint(ChunkJob):
         if not self.running or self.precopy:
             return
         idx = self.chunks.touched(ptr, nbytes, whole)
-        if not len(idx):
+        if not len(idx) or self.done(idx):         # the commonest case once a call touched them
             return
         while self.fps is None and self.running:      # the cut's fingerprints first
             self.advance()
@@ -442,6 +482,7 @@ class Checkpoint(ChunkJob):
         """Commit the image once copying ended (on the worker's thread). Returns stats."""
         while self.running:
             self.advance()
+        self.release_spare()
         if self.failure is not None:
             self.writer.abort()
             raise self.failure if isinstance(self.failure, CudaError) else \
@@ -486,8 +527,9 @@ class Checkpoint(ChunkJob):
     def abort(self, why="checkpoint aborted"):
         self.fail(CudaError(CUresult.CUDA_ERROR_UNKNOWN, why))
         if self.work is not None:
-            self.work.close()         # gives back the slots it reserved
+            self.work.close()         # gives back the slots of its batches under way
             self.work = None
+        self.release_spare()
         self.io.shutdown()
         self.writer.abort()
 
@@ -706,7 +748,7 @@ class Restore(ChunkJob):
         if self.first_touch is None:
             self.first_touch = self.bytes_done
         idx = self.chunks.touched(ptr, nbytes, whole)
-        if not len(idx):
+        if not len(idx) or self.done(idx):         # the commonest case once a call touched them
             return
         mine = self.claim(idx)
         if mine:

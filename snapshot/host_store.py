@@ -181,19 +181,28 @@ class HostStore(DirStore):
         return int(self._header_seq[0])
 
     @contextlib.contextmanager
-    def _locked(self):
-        """Exclusive: threads here by the mutex, processes by flock. Yields the next seq to use."""
+    def _locked(self, keeps_map=False):
+        """Exclusive: threads here by the mutex, processes by flock. Yields the next seq to use.
+        keeps_map: the caller's changes leave our key -> slot map right (it changes no record
+        the map holds, or updates the map itself), so a map current before them is current
+        after them: the next _refresh has nothing to read (a checkpoint publishes each batch)."""
         with self._mu:
             fcntl.flock(self._index_fd, fcntl.LOCK_EX)
             seq = [self._seq()]
+            start, done = seq[0], False
 
-            def take():
-                seq[0] += 1
+            def take(n=1):         # n seqs: the last is returned
+                seq[0] += n
                 return seq[0]
             try:
                 yield take
+                done = True
             finally:      # even after a failure: the records it changed must be seen as changed
                 self._header_seq[0] = seq[0]
+                if done and keeps_map:
+                    with self._map_mu:
+                        if self._seen == start:
+                            self._seen = seq[0]
                 fcntl.flock(self._index_fd, fcntl.LOCK_UN)
 
     def _refresh(self):
@@ -237,7 +246,7 @@ class HostStore(DirStore):
     def reserve(self, n):
         """n free slots for this process to fill; ImageError when the store has too few."""
         pid = np.frombuffer(np.array([os.getpid()], "<u8").tobytes(), np.uint8)
-        with self._locked() as take:
+        with self._locked(keeps_map=True) as take:
             rec = self._records
             free = np.flatnonzero(rec["state"] == FREE)
             if len(free) < n:
@@ -252,8 +261,8 @@ class HostStore(DirStore):
             rec["key"][slots, :8] = pid
             rec["length"][slots] = 0
             rec["state"][slots] = RESERVED
-            for slot in slots.tolist():
-                rec["seq"][slot] = take()
+            last = take(n)
+            rec["seq"][slots] = np.arange(last - n + 1, last + 1, dtype=np.uint64)
         return slots.tolist()
 
     def reclaim(self):
@@ -282,33 +291,36 @@ class HostStore(DirStore):
         """Make filled slots the chunks `keys` (headers: their encoded chunk headers), all under
         one lock. Returns [bool]: False where the store held that chunk already; that slot is
         freed and the other copy counts."""
+        check_keys(keys)
         for slot, header in zip(slots, headers):
             start = slot * self.slot_bytes
-            self.memory[start:start + len(header)] = np.frombuffer(header, np.uint8)
-        out = []
-        with self._locked() as take:
+            self.arena[start:start + len(header)] = header
+        out, fresh, mine = [], [], set()
+        with self._locked(keeps_map=True) as take:
             self._refresh()           # under the lock: nobody publishes the same chunk meanwhile
             rec = self._records
-            for slot, key, header, n in zip(slots, keys, headers, payload_lens):
-                check_key(key)
+            for i, (slot, key) in enumerate(zip(slots, keys)):
                 held = self._where.get(key)
-                if held is not None and self._holds(held, key):
-                    rec["state"][slot] = FREE
-                    out.append(False)
-                else:
-                    rec["key"][slot] = np.frombuffer(bytes.fromhex(key), np.uint8)
-                    rec["length"][slot] = len(header) + n
-                    rec["state"][slot] = PUBLISHED
-                    self._where[key], self._key_of[slot] = slot, key    # a chunk twice in one call counts once
-                    out.append(True)
-                rec["seq"][slot] = take()
+                out.append(held is None or held not in mine and not self._holds(held, key))    # a chunk twice here counts once
+                if out[-1]:
+                    fresh.append(i)
+                    mine.add(slot)
+                    self._where[key], self._key_of[slot] = slot, key
+            # the records in a few array steps; their seq last, as a reader looks at it first
+            new = np.array([slots[i] for i in fresh], np.int64)
+            rec["key"][new] = np.frombuffer(bytes.fromhex("".join(keys[i] for i in fresh)), np.uint8).reshape(-1, 16)
+            rec["length"][new] = [len(headers[i]) + payload_lens[i] for i in fresh]
+            rec["state"][new] = PUBLISHED
+            rec["state"][[slot for slot, new in zip(slots, out) if not new]] = FREE
+            last = take(len(slots))
+            rec["seq"][np.asarray(slots, np.int64)] = np.arange(last - len(slots) + 1, last + 1, dtype=np.uint64)
         return out
 
     def release(self, slots):
         """Give back reserved slots that were not published (a failed or mismatched copy)."""
         if not slots:
             return
-        with self._locked() as take:
+        with self._locked(keeps_map=True) as take:
             rec = self._records
             for slot in slots:
                 if rec["state"][slot] == RESERVED:
@@ -361,7 +373,16 @@ class HostStore(DirStore):
         check_keys(keys)
         self._refresh()
         lack = {k for k in keys if k not in self._where}
-        return DirStore.missing(self, lack) if lack else lack
+        return DirStore.missing(self, lack) if lack and self._may_hold_files() else lack
+
+    def _may_hold_files(self):
+        """Whether DIR/chunks may hold a chunk file, each in a subdirectory: a directory's link
+        count is 2 plus its subdirectories' where the file system keeps it (tmpfs, ext4; btrfs
+        says 1, and is asked file by file). A checkpoint asks about every chunk it copies."""
+        try:
+            return os.stat(self._chunks).st_nlink != 2
+        except FileNotFoundError:
+            return False
 
     def get_chunk(self, key, max_bytes=None):
         got = self.source(key)

@@ -10,6 +10,7 @@ import pytest
 
 from phos.snapshot import DirStore, HostStore, ImageWriter, gc, open_store, read_chunk
 from phos.snapshot.host_store import INDEX_FILE, RECORD, parse_size
+from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import ImageError
 
 SLOT = 8192
@@ -49,10 +50,18 @@ def test_a_chunk_written_twice_is_stored_once(store):
     slot, = store.reserve(1)
     store.payload(slot, SLOT)[:] = np.frombuffer(chunk(1), np.uint8)
     with ImageWriter(store, "again", level=None) as w:
-        from phos.snapshot.fingerprint import fingerprint
         assert w.add_slots([slot], [store.payload(slot, SLOT)], [fingerprint(chunk(1))]) == first
         assert w.stats()["new_chunks"] == 0 and w.stats()["reused_chunks"] == 1
     assert store.stats()["chunks"] == 1 and store.stats()["free_slots"] == 15
+    slots = store.reserve(3)                   # twice in one call, beside a new one
+    for slot, s in zip(slots, (2, 3, 2)):
+        store.payload(slot, SLOT)[:] = np.frombuffer(chunk(s), np.uint8)
+    with ImageWriter(store, "twice", level=None) as w:
+        fps = [fingerprint(chunk(s)) for s in (2, 3, 2)]
+        keys = w.add_slots(slots, [store.payload(slot, SLOT) for slot in slots], fps)
+        assert keys[0] == keys[2] and w.stats()["new_chunks"] == 2 and w.stats()["reused_chunks"] == 1
+    assert store.stats()["chunks"] == 3 and store.stats()["free_slots"] == 13
+    assert read_chunk(store, keys[0]) == chunk(2) and read_chunk(store, keys[1]) == chunk(3)
 
 
 CHILD = """
@@ -77,6 +86,22 @@ def test_processes_share_chunks_and_a_dead_writers_reservations_come_back(store)
     assert store.stats()["free_slots"] == 2          # 10 ours, 3 the second child's (its chunk was there)
     gc(store)                                        # garbage collection gives them back too
     assert store.stats()["free_slots"] == 2 + 3 + 1 and not store.list_chunks()    # and the chunk: in no image
+
+
+def test_a_writers_own_changes_keep_its_map_current_and_others_are_still_seen(store):
+    """A checkpoint publishes a batch at a time: its own changes must not make the next
+    publish read the index again, while another opening's changes still reach it."""
+    add(store, 1)
+    store.refresh()
+    store.release(store.reserve(2))
+    mine = add(store, 2)                       # reserve and publish, as a checkpoint does
+    assert store._seen == store._seq()         # nothing left for _refresh to read
+    other = HostStore(store.path)              # another process's mapping
+    theirs = add(other, 3)
+    deleted = add(other, 4)
+    other.delete_chunk(deleted[0])
+    assert store._seen < store._seq()
+    assert store.missing(mine + theirs + deleted) == set(deleted) and read_chunk(store, theirs[0]) == chunk(3)
 
 
 def test_deleted_chunks_free_their_slots(store):
@@ -150,11 +175,15 @@ def test_a_store_bigger_than_its_file_system_is_refused_at_once(tmp_path):
     assert not os.path.exists(tmp_path / "huge" / "arena") and not os.path.exists(tmp_path / "huge" / INDEX_FILE)
 
 
-def test_a_chunk_bigger_than_a_slot_is_kept_in_a_file(store):
+def test_a_chunk_bigger_than_a_slot_is_kept_in_a_file(store, monkeypatch):
     """A module's image may be bigger than a slot: it goes to a file, as a DirStore keeps it,
-    and reads, lists, counts and deletes like any chunk."""
+    and reads, lists, counts and deletes like any chunk. A store without such files answers
+    which chunks it lacks from its index alone."""
     big = np.random.default_rng(5).integers(0, 256, 3 * SLOT + 1, dtype=np.uint8).tobytes()
     small, = add(store, 1)
+    with monkeypatch.context() as m:
+        m.setattr(DirStore, "missing", lambda *a: pytest.fail("looked for chunk files in a store without any"))
+        assert store.missing([small, "0" * 32]) == {"0" * 32}
     with ImageWriter(store, "module", level=None) as w:
         key = w.add_chunk(big)
     assert os.path.isfile(os.path.join(store.path, "chunks", key[:2], key))

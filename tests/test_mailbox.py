@@ -4,7 +4,11 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+import pytest
 from conftest import ServerProc
+
+from phos.schema import wire
 
 
 def test_sync_calls_through_the_mailbox(backend, tmp_path, monkeypatch):
@@ -42,3 +46,44 @@ def test_sync_calls_through_the_mailbox(backend, tmp_path, monkeypatch):
         assert int(out.stdout.split()[-1]) > 300, out.stdout
     finally:
         srv.stop()
+
+
+class Sent(list):
+    """A worker's socket: what it sent."""
+
+    def send_multipart(self, frames, copy=True):
+        self.append([bytes(f) for f in frames])
+
+
+class LateSleeper(wire.Mailbox):
+    """A client that says it sleeps just as the worker puts its answer in the box."""
+
+    def put(self, box, seq, frame):
+        done = super().put(box, seq, frame)
+        self.asleep[0] = seq
+        return done
+
+
+@pytest.mark.parametrize("client", ["watching", "asleep", "falls asleep meanwhile"])
+def test_a_sleeping_client_is_answered_over_the_socket(client):
+    """A Reply in the box wakes nobody: once the client says in clientAsleep that it sleeps
+    on the socket for this request, the worker answers there, or wakes it there if the
+    answer already went into the box."""
+    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.worker import BOX, Session, Worker
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    s.box = (LateSleeper if client == "falls asleep meanwhile" else wire.Mailbox)(np.zeros(wire.SLOTS_OFFSET, np.uint8))
+    w = Worker(s, Sent())
+    w.box_peer, w.box_seen, w.ack = b"client", 5, 5
+    s.box.asleep[0] = 5 if client == "asleep" else 4         # 4: asleep for an earlier request
+    w.send(BOX, [b"the reply"])
+    if client == "asleep":
+        assert w.sock == [[b"client", b"the reply"]] and s.box.seq(1) == 0
+        return
+    assert s.box.seq(1) == 5 and s.box.take(1) == b"the reply"
+    if client == "watching":
+        assert w.sock == []
+    else:
+        [(peer, wake)] = w.sock                               # an empty Reply: it only wakes the client
+        with wire.decode(wire.Reply, wake) as reply:
+            assert peer == b"client" and reply.ackSeq == 5 and len(reply.results) == 0

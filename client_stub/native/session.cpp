@@ -361,8 +361,9 @@ bool Connection::apply_reply(const void* frame, size_t size, Message* message, u
 }
 
 // Receives Replies, from the reply box and the socket, until one holds `seq`'s Result.
-// Spins for PHOS_SPIN_US first, then sleeps in short, growing waits on the socket
-// (a Reply in the box wakes nobody). False, with `mine` saying why, on timeout or loss.
+// Spins for PHOS_SPIN_US first, then says so in clientAsleep (the worker then answers over
+// the socket) and sleeps in short, growing waits on it. False, with `mine` saying why, on
+// timeout or loss.
 bool Connection::wait_for(uint64_t seq, const HostDestination* out, double timeout, wire::Result& mine) {
     if (!dead_.empty()) {
         mine = failure(kContextIsDestroyed, dead_);
@@ -371,6 +372,7 @@ bool Connection::wait_for(uint64_t seq, const HostDestination* out, double timeo
     const auto start = Clock::now();
     const double spin = settings().spin;
     double nap = 20e-6;
+    bool told_asleep = false;
     Message message;
     for (unsigned round = 0;; round++) {
         const char* frame;
@@ -393,6 +395,14 @@ bool Connection::wait_for(uint64_t seq, const HostDestination* out, double timeo
                 continue;
             }
             w = socket_.receive_once(message, 0);
+        } else if (box_waiting_ && !told_asleep) {
+            // A Reply in the box wakes nobody: from now on the worker answers over the socket.
+            // Then one more look at the box (it may have answered just now); the fence keeps
+            // that look after the store, as the worker stores its answer before it looks here.
+            __atomic_store_n(word_at(shm_, staging::kAsleepOffset), box_seq_, __ATOMIC_RELEASE);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            told_asleep = true;
+            continue;
         } else if (box_waiting_) {
             socket_.wait_readable(nap);
             nap = std::min(nap * 2, 250e-6);   // a sleep costs ~60 us more than asked: wake ~3000 times a second

@@ -22,6 +22,7 @@ namespace phos {
 namespace staging {
 constexpr size_t kCookieBytes = 16;
 constexpr size_t kAwakeOffset = 16;                    // UInt64 workerAwake
+constexpr size_t kAsleepOffset = 24;                   // UInt64 clientAsleep
 constexpr size_t kBoxOffset = 4096;                    // request box; the reply box follows
 constexpr size_t kBoxSize = 64 << 10;                  // UInt64 seq, UInt64 len, then a frame
 constexpr size_t kSlotsOffset = kBoxOffset + 2 * kBoxSize;
