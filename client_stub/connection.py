@@ -382,6 +382,8 @@ class Connection:
             if call[0] in self.outstanding or self.batch_calls >= BATCH_CALLS or self.batch_bytes >= BATCH_LAUNCH_BYTES:
                 self.flush(want_reply=call[0] in self.outstanding)
         self.flush(want_reply=True)
+        log.info("replayed %d calls after the image's cut; %.1f ms since the worker went", len(replay),
+                 (time.perf_counter() - started) * 1e3)
 
     def off_staging(self, call, area, htod_only=False):
         """A copy that named a staging area (one being replayed, or logged with recovery on):

@@ -599,9 +599,10 @@ class CudaSnapshotOps:
         try:
             while True:
                 while len(under_way) < 2 and (batch := next(batches, None)) is not None:
-                    under_way.append(self._copy_out(key, stream, n % 2, *batch))
+                    yield None    # a batch's bookkeeping, its copies and storing the last: steps apart,
+                    under_way.append(self._copy_out(key, stream, n % 2, *batch))     # a call may come between
                     n += 1
-                    yield None    # a step apart from storing the last batch: a call may come between
+                    yield None
                 if not under_way:
                     return
                 views, tag, wait = under_way[0]

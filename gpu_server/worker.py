@@ -509,8 +509,8 @@ class Worker:
         """Finish or report on a running checkpoint; retire a restore whose loading ended."""
         s = self.session
         cp = s.checkpoint
-        if cp is not None:
-            cp.advance()               # its copies run in steps on this thread, between calls
+        if cp is not None:             # its copies run in steps on this thread, between calls
+            cp.advance(busy=self.box_ready() or bool(self.sock.getsockopt(zmq.EVENTS) & POLLIN))
         if cp is not None and not cp.running:
             try:
                 result = cp.finish(self.ack)

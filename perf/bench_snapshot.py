@@ -20,6 +20,7 @@ worker: the device copies chunks straight into it and back.
 import argparse
 import logging.handlers
 import ctypes
+import gc
 import json
 import os
 import shutil
@@ -305,6 +306,9 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     four = server("four")
     os.environ["PHOS_SERVER"] = four.address
     reattaches = timed_reattach()
+    collections = []          # this process's garbage collections in that window: (start, end, generation)
+    gc.callbacks.append(lambda phase, info: collections.append([time.perf_counter(), None, info["generation"]])
+                        if phase == "start" else collections[-1].__setitem__(1, time.perf_counter()))
     t = time.perf_counter()
     reply = stub(four.address).Restore(pb.RestoreRequest(store=shm_dir))
     row["restore_on_demand_usable_s"] = time.perf_counter() - t
@@ -314,6 +318,8 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     app.sync()
     row["first_kernel_after_restore_s"] = time.perf_counter() - t
     row["reattach_ms"] = [[round((a - t) * 1e3, 1), round((b - t) * 1e3, 1), said] for a, b, said in reattaches]
+    gc.callbacks.pop()
+    row["gc_in_restore_ms"] = [[round((a - t) * 1e3, 1), round((b - a) * 1e3, 2), g] for a, b, g in collections]
     cu._reset_for_tests()
     four.stop()
     one.stop()

@@ -59,6 +59,7 @@ URGENT_BATCH_BYTES = 16 << 20    # ... and a call's copy-on-write this much
 DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostStore
 ASK_AT_ONCE = 1024               # chunks a checkpoint's step asks the store about
 LOOK_EVERY = 100e-6              # seconds between a checkpoint's looks at a busy device (advance)
+STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls keep coming
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
 FEW = 32                         # chunk lists up to this long are walked in Python, longer ones by NumPy
@@ -288,6 +289,7 @@ class Checkpoint(ChunkJob):
         self.work = None             # the background copy (run), while it runs
         self.spare = []              # store slots reserved for the copy, not yet filled (take_slots)
         self.look_at = 0.0           # advance's next step, not before (perf_counter)
+        self.stepped_at = 0.0        # when it took the last
         self.started = time.perf_counter()
 
     # -- the cut -----------------------------------------------------------------------
@@ -348,6 +350,8 @@ class Checkpoint(ChunkJob):
                     yield
                     continue
                 t = self.step("copy_device", t) if not self.concurrent else t     # a paused round reports its steps
+                if self.concurrent:
+                    yield             # a call may come between its fingerprints and storing it
                 yield from self.keep(*got)
                 t = self.step("copy_store", t) if not self.concurrent else t
         finally:
@@ -433,13 +437,15 @@ class Checkpoint(ChunkJob):
             self.spare += self.store.reserve(max(0, self.keys.count(None) - len(self.spare)))
         yield from self.saving(self.batches(range(n)), claim=True)
 
-    def advance(self):
+    def advance(self, busy=False):
         """Take the background copy's next step: the worker's loop calls it between calls.
         After a mere look at the device, the next waits LOOK_EVERY: the device has two batches
-        to copy, milliseconds of work, and each look delays the call that arrives meanwhile."""
+        to copy, milliseconds of work, and each look delays the call that arrives meanwhile.
+        busy: a call is waiting; it goes first unless the copy has waited STEP_AT_LEAST."""
         t = time.perf_counter()
-        if self.work is None or t < self.look_at:
+        if self.work is None or t < self.look_at or busy and t - self.stepped_at < STEP_AT_LEAST:
             return
+        self.stepped_at = t
         try:
             next(self.work)
             if time.perf_counter() - t > 50e-6:      # a step that did work, not just a look at the device
