@@ -3,12 +3,13 @@ memory per second, between two server processes on one GPU (issue 6).
 
     python perf/bench_handoff.py --backend cuda --sizes 1,8              # on the H200 (perf/device/run.sh handoff)
     python perf/bench_handoff.py --backend emu --sizes 16 --unit MiB      # anywhere
-    python perf/bench_handoff.py --backend emu --sizes 256 --unit MiB --chunk-kib 64   # 8 GiB's 4,096 chunks
+    python perf/bench_handoff.py --backend emu --sizes 256 --unit MiB --chunk-kib 64 --via shm   # 8 GiB's 4,096 chunks
 
 Downtime is the longest gap between two of the application's completed synchronizing calls
 during the handoff; the loop without a handoff gives the baseline gap. That gap includes the
-loop's own wait between its steps (10 ms); "longest step" is how long one step (its launches
-and the synchronize after them) took from its first call to its end: the stall itself.
+loop's own wait between its steps (--step-ms, 1 ms; until session 11 it was 10 ms, which put
+10 ms of the loop's own sleep into every gap); "longest step" is how long one step (its
+launches and the synchronize after them) took from its first call to its end: the stall itself.
 """
 import argparse
 import json
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_snapshot import GiB, MiB, App, start_server, timed_reattach  # noqa: E402
 
 
-def writer(app, stop, ends, starts, share=0.1, step=0.01):
+def writer(app, stop, ends, starts, step, share=0.1):
     """Every `step` seconds rewrite share*step of the context's memory (the next slice of its
     buffers) and synchronize; record when each step began and when its sync completed."""
     app.ok(app.cu.cuCtxSetCurrent(app.ctx))
@@ -46,7 +47,7 @@ def writer(app, stop, ends, starts, share=0.1, step=0.01):
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
 
 
-def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store=""):
+def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store="", step=0.001):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
@@ -62,7 +63,7 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         reattaches = timed_reattach()
         app = App(cu, nbytes)
         stop, ends, starts = threading.Event(), [], []
-        loop = threading.Thread(target=writer, args=(app, stop, ends, starts))
+        loop = threading.Thread(target=writer, args=(app, stop, ends, starts, step))
         loop.start()
         time.sleep(1.0)
         baseline = float(np.diff(ends).max()) * 1e3
@@ -115,6 +116,7 @@ def main():
     ap.add_argument("--via", default="host store", choices=["host store", "shm"],
                     help="where the rounds go: a HostStore both servers pin (twice the context's size, on /dev/shm), "
                     "or chunk files in /dev/shm")
+    ap.add_argument("--step-ms", type=float, default=1.0, help="the application's pace: a write and a sync this often")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
@@ -131,7 +133,7 @@ def main():
         try:
             row = {"size": f"{size} {args.unit}", "via": args.via,
                    **measure(args.backend, nbytes, tempfile.mkdtemp(prefix="phos-handoff-bench-"),
-                             args.chunk_kib << 10, args.target_recovery_dir, host)}
+                             args.chunk_kib << 10, args.target_recovery_dir, host, args.step_ms / 1e3)}
         finally:
             if host:
                 shutil.rmtree(host, ignore_errors=True)

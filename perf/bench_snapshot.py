@@ -320,6 +320,7 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     row["reattach_ms"] = [[round((a - t) * 1e3, 1), round((b - t) * 1e3, 1), said] for a, b, said in reattaches]
     gc.callbacks.pop()
     row["gc_in_restore_ms"] = [[round((a - t) * 1e3, 1), round((b - a) * 1e3, 2), g] for a, b, g in collections]
+    row["threads_in_restore"] = [th.name for th in threading.enumerate()]     # who else may hold our interpreter
     cu._reset_for_tests()
     four.stop()
     one.stop()
