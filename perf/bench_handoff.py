@@ -76,7 +76,10 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         loop.join()
         during = [e for e in ends if t0 <= e <= t1 + 1.0]
         before = max(e for e in ends if e < t0)
-        gap = float(np.diff([before] + during).max()) * 1e3
+        marks = [before] + during
+        gaps = np.diff(marks)
+        gap = float(gaps.max()) * 1e3
+        gap_at = (marks[int(gaps.argmax())] - t0) * 1e3          # where it began, after the Handoff call
         step = max(e - s for s, e in zip(starts, ends) if t0 <= e <= t1 + 1.0) * 1e3
         # the gap around the freeze: the server's clock started with the RPC, within a millisecond of t0
         p = reply.phase_ms
@@ -85,7 +88,8 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         # the application's timeline around the freeze, in ms after it: where the gap went
         last = max(e for e in ends if e < frozen)
         after = [e for e in ends if e > frozen][:2]
-        timeline = {"last_sync_before": (last - frozen) * 1e3, "source_let_go": reply.downtime_ms,
+        timeline = {"longest_gap_began": gap_at, "frozen": (frozen - t0) * 1e3, "answered": (t1 - t0) * 1e3,
+                    "last_sync_before": (last - frozen) * 1e3, "source_let_go": reply.downtime_ms,
                     "reattach": [[(a - frozen) * 1e3, (b - frozen) * 1e3, said] for a, b, said in reattaches],
                     "syncs_after": [(e - frozen) * 1e3 for e in after]}
         for srv in (one, two):        # the workers' attach lines (PHOS_LOG=INFO), beside the stub's
