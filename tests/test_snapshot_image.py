@@ -642,3 +642,14 @@ def test_latest_image_is_the_newest_that_reads_and_qualifies(store):
     raw, _ = store.get_manifest("newest")
     set_manifest(store, "newest", raw.replace(b'"cut_seq":1234', b'"cut_seq":1235'))       # tampered: its digest fails
     assert latest_image(store) == "old"
+
+
+def test_the_created_time_is_read_without_parsing_the_manifest():
+    """latest_image reads each manifest's `created` from its text: a string holding the same
+    text does not fool it, and a second key named so sends it to the JSON parser."""
+    from phos.snapshot.image import _created
+    raw = canonical_json({"allocations": [{"chunks": ["ab" * 16] * 3}], "created": 1764491234.25,
+                          "name": 'x"created":9,', "z": {"w": 1}})
+    assert _created(raw) == 1764491234.25
+    assert _created(canonical_json({"created": 5, "metadata": {"created": 7}})) == 5.0
+    assert _created(canonical_json({"created": 1e-05})) == 1e-05
