@@ -746,7 +746,10 @@ def main(argv=None):
         sock.close(linger=500)
         if ctl is not None:
             ctl.close(linger=500)
+        t = time.perf_counter()
         backend.close()
+        # when, and how long: freeing a big context may stall the device's other contexts
+        log.info("context %d: its device memory freed in %.1f ms", session.ctx_id, (time.perf_counter() - t) * 1e3)
         for ep in (endpoint, ctl_endpoint):
             if ep.startswith("ipc://"):
                 try:

@@ -68,7 +68,7 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         time.sleep(1.0)
         baseline = float(np.diff(ends).max()) * 1e3
         baseline_step = max(e - s for s, e in zip(starts, ends)) * 1e3
-        t0 = time.perf_counter()
+        t0, t0_wall = time.perf_counter(), time.time()     # the wall clock: to place the servers' log lines
         reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=int(app.ctx), to=two.address, chunk_size=chunk_size))
         t1 = time.perf_counter()
         time.sleep(1.0)
@@ -88,12 +88,12 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         # the application's timeline around the freeze, in ms after it: where the gap went
         last = max(e for e in ends if e < frozen)
         after = [e for e in ends if e > frozen][:2]
-        timeline = {"longest_gap_began": gap_at, "frozen": (frozen - t0) * 1e3, "answered": (t1 - t0) * 1e3,
+        timeline = {"t0_wall": t0_wall, "longest_gap_began": gap_at, "frozen": (frozen - t0) * 1e3, "answered": (t1 - t0) * 1e3,
                     "last_sync_before": (last - frozen) * 1e3, "source_let_go": reply.downtime_ms,
                     "reattach": [[(a - frozen) * 1e3, (b - frozen) * 1e3, said] for a, b, said in reattaches],
                     "syncs_after": [(e - frozen) * 1e3 for e in after]}
         for srv in (one, two):        # the workers' attach lines (PHOS_LOG=INFO), beside the stub's
-            print("".join(line for line in srv.output().splitlines(True) if "attached" in line), end="")
+            print("".join(line for line in srv.output().splitlines(True) if "attached" in line or "freed" in line), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
                 "baseline_gap_ms": baseline, "longest_step_ms": step, "baseline_step_ms": baseline_step, "round_bytes": list(reply.round_bytes),
                 "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms],
