@@ -38,12 +38,16 @@ def test_sync_calls_through_the_mailbox(backend, tmp_path, monkeypatch):
             assert cu.cuMemsetD8(int(p) + (1 << 20) - 1, 0, 2) == (0,)
             assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE   # deferred, through the box
             assert cu.cuCtxSynchronize() == (0,)
+            print("asleep for the last", int(conn.box.asleep[0]) == conn.box_seq)
             print("box requests", conn.box_seq)
         """)
-        env = dict(os.environ, PHOS_SERVER=srv.address, PHOS_SPIN_US="300")
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert int(out.stdout.split()[-1]) > 300, out.stdout
+        # a client that spins 1 us sleeps for almost every reply: the worker answers those over the socket
+        for spin, asleep in (("300", None), ("1", "True")):
+            env = dict(os.environ, PHOS_SERVER=srv.address, PHOS_SPIN_US=spin)
+            out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            assert int(out.stdout.split()[-1]) > 300, out.stdout
+            assert asleep is None or f"asleep for the last {asleep}" in out.stdout, out.stdout
     finally:
         srv.stop()
 

@@ -263,8 +263,10 @@ def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
     cp.cut(0, paused=False)
     threading.Event().wait(0.1)
     assert cp.running and not cp.chunks.state.any(), "copying began without being stepped"
-    cp.advance()
-    cp.advance()
+    for _ in range(10000):                       # (a step that only looked at the device waits a little)
+        if cp.chunks.state.any():
+            break
+        cp.advance()
     assert cp.chunks.state.any() and cp.bytes_done < 8 << 20      # under way, not done
     cp.before_write(ptr + (7 << 20), 8)          # a call about to write the last chunk: saved first
     s.backend.htod(ptr + (7 << 20), bytes(8), None)
@@ -273,6 +275,28 @@ def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
     result = cp.finish(1)
     assert result["mode"] == "concurrent" and not result["paused"] and result["recopied_chunks"] == 0
     assert region(DirStore(tmp_path), "a", ptr).tobytes() == before.tobytes()
+
+
+def test_a_waiting_call_goes_before_the_checkpoints_next_step(tmp_path, monkeypatch):
+    """The worker's loop says when a call waits (busy): the copy's next step waits for it, but
+    no longer than STEP_AT_LEAST since its last, or a steady stream of calls would stall it."""
+    from phos.snapshot import engine
+    s, _ = emu_session_holding(filler(8 << 20))
+    cp = engine.Checkpoint(s, DirStore(tmp_path), "a", chunk_size=1 << 20)
+    cp.cut(0, paused=False)
+    cp.advance()
+    stepped = cp.stepped_at
+    monkeypatch.setattr(engine, "LOOK_EVERY", 0.0)
+    cp.look_at = 0.0                             # only the waiting call may hold the next step
+    monkeypatch.setattr(engine, "STEP_AT_LEAST", 3600.0)
+    cp.advance(busy=True)
+    assert cp.stepped_at == stepped, "a step was taken while a call waited"
+    monkeypatch.setattr(engine, "STEP_AT_LEAST", 0.0)
+    cp.advance(busy=True)
+    assert cp.stepped_at > stepped, "the copy waited longer than STEP_AT_LEAST"
+    while cp.running:
+        cp.advance(busy=True)
+    assert cp.finish(1)["bytes"] == 8 << 20
 
 
 def test_a_second_checkpoint_while_one_runs_is_refused_at_once(servers, client, tmp_path):
