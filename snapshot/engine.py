@@ -119,16 +119,10 @@ class Chunks:
         if run:
             yield run
 
-    def touched(self, ptr, nbytes, whole):
-        """Chunks a call touches: [ptr, ptr+nbytes), or with whole the region holding ptr."""
-        return self.allocation(ptr) if whole else self.covering(ptr, nbytes)
-
-    def allocation(self, ptr):
-        """Chunk indices of the whole region holding ptr (a kernel may write anywhere in it)."""
+    def region_at(self, ptr):
+        """The index of the region holding ptr, or None."""
         r = bisect.bisect_right(self.bases, ptr) - 1
-        if r < 0 or ptr >= self.regions[r][0] + self.regions[r][1]:
-            return range(0)
-        return self.region(r)
+        return None if r < 0 or ptr >= self.regions[r][0] + self.regions[r][1] else r
 
 
 def drain(steps):
@@ -209,6 +203,7 @@ class ChunkJob:
         self.failure = None          # an exception from the background work
         self.bytes_total = self.bytes_done = 0
         self.phase_ms = {}           # steps and their times, for the reports of a handoff and a restore
+        self.settled = set()         # regions whose chunks are all done (not_done)
 
     def step(self, name, since):
         """Add the time since `since` to step `name`; returns now."""
@@ -244,6 +239,23 @@ class ChunkJob:
     def done(self, idx):
         state = self.chunks.state
         return (state[indices(idx)] == DONE).all() if len(idx) > FEW else all(state[c] == DONE for c in idx)
+
+    def not_done(self, ptr, nbytes, whole):
+        """The chunks a call touches ([ptr, ptr+nbytes), or with whole the region holding ptr: a
+        kernel may write anywhere in it), or None when all are done: the commonest case once a
+        call touched them. A region found done is remembered (`settled`), as every launch
+        during a checkpoint asks about its kernel's allocations."""
+        if not whole:
+            idx = self.chunks.covering(ptr, nbytes)
+            return None if not len(idx) or self.done(idx) else idx
+        r = self.chunks.region_at(ptr)
+        if r is None or r in self.settled:
+            return None
+        idx = self.chunks.region(r)
+        if self.done(idx):
+            self.settled.add(r)
+            return None
+        return idx
 
     def wait_done(self, idx):
         """Wait until the other side has finished the chunks of idx it claimed."""
@@ -306,7 +318,7 @@ class Checkpoint(ChunkJob):
             if "image_fp" not in meta:        # the same bytes every checkpoint: hashed once
                 meta["image_fp"] = fingerprint(meta["image"])
             e["image"] = self.writer.add_chunk(meta["image"], meta["image_fp"])
-        self.chunks = Chunks(regions)
+        self.chunks, self.settled = Chunks(regions), set()
         self.keys = [None] * len(self.chunks)
         self.asked = [False] * len(self.chunks)    # whether the store was asked if it holds the chunk
         self.bytes_total, self.bytes_done = sum(self.chunks.size), 0
@@ -481,8 +493,8 @@ class Checkpoint(ChunkJob):
         """Save the chunks a call is about to write, if the background has not yet."""
         if not self.running or self.precopy:
             return
-        idx = self.chunks.touched(ptr, nbytes, whole)
-        if not len(idx) or self.done(idx):         # the commonest case once a call touched them
+        idx = self.not_done(ptr, nbytes, whole)
+        if idx is None:
             return
         while self.fps is None and self.running:      # the cut's fingerprints first
             self.advance()
@@ -639,7 +651,7 @@ class Restore(ChunkJob):
         self.adopt_session(m)
         regions = [(placed.get((e.get("module"), e.get("name")), e["address"]), e) for e in region_entries(m)]
         self.bases = [ptr for ptr, _ in regions]      # advance() pairs a later image's entries with them
-        self.chunks = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions])
+        self.chunks, self.settled = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions]), set()
         by_base = {ptr: e["chunks"] for ptr, e in regions}
         self.keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
         self.bytes_total, self.bytes_done = sum(self.chunks.size), 0
@@ -677,6 +689,7 @@ class Restore(ChunkJob):
             self.keys = keys
             loaded = changed[self.chunks.state[changed] == DONE]
             self.chunks.state[loaded] = PENDING
+            self.settled.clear()
             self.bytes_done -= int(self.chunks.sizes[loaded].sum())
         self.manifest, self.name = m, name
         self.adopt_session(m)
@@ -761,8 +774,8 @@ class Restore(ChunkJob):
                 CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"restore of {self.name!r} failed: {self.failure}")
         if self.first_touch is None:
             self.first_touch = self.bytes_done
-        idx = self.chunks.touched(ptr, nbytes, whole)
-        if not len(idx) or self.done(idx):         # the commonest case once a call touched them
+        idx = self.not_done(ptr, nbytes, whole)
+        if idx is None:
             return
         mine = self.claim(idx)
         if mine:

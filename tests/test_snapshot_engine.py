@@ -277,6 +277,23 @@ def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
     assert region(DirStore(tmp_path), "a", ptr).tobytes() == before.tobytes()
 
 
+def test_what_a_call_touches_that_is_not_yet_saved(tmp_path):
+    """not_done: the chunks a call's range, or its kernel's whole allocation, covers until
+    they are saved; then nothing, and a whole allocation found saved is not looked at again."""
+    from phos.snapshot.engine import Checkpoint
+    s, ptr = emu_session_holding(filler(8 << 20))
+    cp = Checkpoint(s, DirStore(tmp_path), "a", chunk_size=1 << 20)
+    cp.cut(0, paused=False)
+    assert list(cp.not_done(ptr, 0, whole=True)) == list(range(8))
+    assert list(cp.not_done(ptr + (3 << 20) - 1, 2, whole=False)) == [2, 3]
+    assert cp.not_done(ptr + (8 << 20), 8, whole=False) is None and cp.not_done(ptr - 1, 0, whole=True) is None
+    while cp.running:
+        cp.advance()
+    assert cp.not_done(ptr + 5, 0, whole=True) is None and cp.settled == {0}
+    assert cp.not_done(ptr, 8 << 20, whole=False) is None
+    cp.finish(1)
+
+
 def test_a_waiting_call_goes_before_the_checkpoints_next_step(tmp_path, monkeypatch):
     """The worker's loop says when a call waits (busy): the copy's next step waits for it, but
     no longer than STEP_AT_LEAST since its last, or a steady stream of calls would stall it."""
