@@ -29,11 +29,12 @@ engine records the context's objects, fingerprints every chunk at the cut, and s
 chunks in the background: in steps that the worker's loop takes between calls, on its own
 thread (`advance`). A second Python thread would take the interpreter from the loop that serves
 the application at every step, and held the application to 13-30% of its kernels per second on
-the H200. A call that would write a chunk not yet saved saves it
-first (soft copy-on-write, `before_write`). A saved chunk whose fingerprint differs from
-the cut's was written behind our back (a kernel storing through a pointer it loaded): the
-engine then pauses the context and takes the image again at a new cut, copying only the
-chunks the store does not hold yet. Chunks are content-addressed, so an unchanged chunk
+the H200. A call that waits goes before the next step (for up to STEP_AT_LEAST), and a step
+that found the device still copying is not taken again for LOOK_EVERY. A call that would write
+a chunk not yet saved saves it first (soft copy-on-write, `before_write`). A saved chunk whose
+fingerprint differs from the cut's was written behind our back (a kernel storing through a
+pointer it loaded): the engine then pauses the context and takes the image again at a new
+cut, copying only the chunks the store does not hold yet. Chunks are content-addressed, so an unchanged chunk
 is never copied twice: that is what makes checkpoints incremental.
 
 Restore: objects come back with their ids and addresses; contents load in a background
