@@ -60,6 +60,14 @@ def _check(err, what):
         ok((err,), what)
 
 
+def _ready(err, what):
+    """A query's answer: False while the device is still at it, True once done; an error raises."""
+    if int(err) == CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    _check(int(err), what)
+    return True
+
+
 class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig (cuda.h)
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
@@ -302,11 +310,7 @@ class CudaBackend:
         ok(cu.cuStreamSynchronize(stream or 0), "cuStreamSynchronize")
 
     def stream_query(self, stream):
-        err = cu.cuStreamQuery(stream or 0)[0]
-        if int(err) == CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        ok((err,), "cuStreamQuery")
-        return True
+        return _ready(cu.cuStreamQuery(stream or 0)[0], "cuStreamQuery")
 
     def stream_wait_event(self, stream, event):
         ok(cu.cuStreamWaitEvent(stream or 0, event, 0), "cuStreamWaitEvent")
@@ -321,11 +325,7 @@ class CudaBackend:
         ok(cu.cuEventSynchronize(event), "cuEventSynchronize")
 
     def event_query(self, event):
-        err = cu.cuEventQuery(event)[0]
-        if int(err) == CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        ok((err,), "cuEventQuery")
-        return True
+        return _ready(cu.cuEventQuery(event)[0], "cuEventQuery")
 
     def event_elapsed(self, start, end):
         elapsed = getattr(cu, "cuEventElapsedTime_v2", None) or cu.cuEventElapsedTime
@@ -371,11 +371,7 @@ def _wait_event(event):
 
 
 def _event_done(event):
-    err = _cuEventQuery(int(event))
-    if err == CUresult.CUDA_ERROR_NOT_READY:
-        return False
-    _check(err, "cuEventQuery")
-    return True
+    return _ready(_cuEventQuery(int(event)), "cuEventQuery")
 
 
 def _runs(chunks):

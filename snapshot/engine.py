@@ -34,8 +34,8 @@ that found the device still copying is not taken again for LOOK_EVERY. A call th
 a chunk not yet saved saves it first (soft copy-on-write, `before_write`). A saved chunk whose
 fingerprint differs from the cut's was written behind our back (a kernel storing through a
 pointer it loaded): the engine then pauses the context and takes the image again at a new
-cut, copying only the chunks the store does not hold yet. Chunks are content-addressed, so an unchanged chunk
-is never copied twice: that is what makes checkpoints incremental.
+cut, copying only the chunks the store does not hold yet. Chunks are content-addressed, so an
+unchanged chunk is never copied twice: that is what makes checkpoints incremental.
 
 Restore: objects come back with their ids and addresses; contents load in a background
 thread, and a call touching a chunk not yet loaded loads it first (`before_access`).
@@ -375,8 +375,7 @@ class Checkpoint(ChunkJob):
         finally:
             copies.close()            # waits for copies under way: their slots must not be reused first
             for slots in reserved:    # the copy failed: nobody will publish them
-                if slots and any(slot is not None for slot in slots):
-                    self.store.release([slot for slot in slots if slot is not None])
+                self.release_unpublished(slots)
 
     def not_held(self, idx):
         """The chunks of idx the store does not hold already; the others get their keys."""
@@ -408,6 +407,12 @@ class Checkpoint(ChunkJob):
         if spare:
             self.store.release(spare)
 
+    def release_unpublished(self, slots):
+        """Give back a batch's slots that hold no published chunk (None marks a published one)."""
+        if slots and any(slot is not None for slot in slots):
+            self.store.release([slot for slot in slots if slot is not None])
+            slots[:] = [None] * len(slots)
+
     def keep(self, batch, copied):
         """Store a copied batch: publish its slots, or write its chunks (I/O threads; yields
         until they are written). A chunk that differs from the cut was written behind our back."""
@@ -428,9 +433,7 @@ class Checkpoint(ChunkJob):
                                          [copied[j][1] for j in direct])
             for j, k in zip(direct, keys):
                 self.keys[need[j]], slots[j] = k, None
-        if slots and any(slot is not None for slot in slots):      # mismatched: not published
-            self.store.release([slot for slot in slots if slot is not None])
-            slots[:] = [None] * len(slots)
+        self.release_unpublished(slots)      # mismatched: not published
         self.step("keep", t)
         while not all(write.done() for _, write in writes):     # the buffer is reused after us
             yield

@@ -295,22 +295,22 @@ class HostStore(DirStore):
         for slot, header in zip(slots, headers):
             start = slot * self.slot_bytes
             self.arena[start:start + len(header)] = header
-        out, fresh, mine = [], [], set()
+        out, mine = [], set()
         with self._locked(keeps_map=True) as take:
             self._refresh()           # under the lock: nobody publishes the same chunk meanwhile
             rec = self._records
-            for i, (slot, key) in enumerate(zip(slots, keys)):
+            for slot, key in zip(slots, keys):
                 held = self._where.get(key)
                 out.append(held is None or held not in mine and not self._holds(held, key))    # a chunk twice here counts once
                 if out[-1]:
-                    fresh.append(i)
                     mine.add(slot)
                     self._where[key], self._key_of[slot] = slot, key
             # the records in a few array steps; their seq last, as a reader looks at it first
-            new = np.array([slots[i] for i in fresh], np.int64)
-            rec["key"][new] = np.frombuffer(bytes.fromhex("".join(keys[i] for i in fresh)), np.uint8).reshape(-1, 16)
-            rec["length"][new] = [len(headers[i]) + payload_lens[i] for i in fresh]
-            rec["state"][new] = PUBLISHED
+            fresh = [i for i, new in enumerate(out) if new]
+            published = np.array([slots[i] for i in fresh], np.int64)
+            rec["key"][published] = np.frombuffer(bytes.fromhex("".join(keys[i] for i in fresh)), np.uint8).reshape(-1, 16)
+            rec["length"][published] = [len(headers[i]) + payload_lens[i] for i in fresh]
+            rec["state"][published] = PUBLISHED
             rec["state"][[slot for slot, new in zip(slots, out) if not new]] = FREE
             last = take(len(slots))
             rec["seq"][np.asarray(slots, np.int64)] = np.arange(last - len(slots) + 1, last + 1, dtype=np.uint64)
