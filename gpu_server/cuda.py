@@ -21,6 +21,8 @@ from phos.snapshot.engine import BATCH_BYTES, URGENT_BATCH_BYTES
 log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
 PIN_PIECE = 2 << 20      # staging areas are pinned in pieces this big (see register_host)
+STORE_PIN_PIECE = 16 << 20   # a HostStore is pinned in pieces of whole slots about this big (see CudaSnapshotOps.pin) ...
+PIN_PAUSE = 0.001        # ... and pinned and unpinned a piece at a time, this long apart
 DEVICEMAP = 0x02         # CU_MEMHOSTREGISTER_DEVICEMAP
 HASH_PART = 1 << 20      # a chunk bigger than this is hashed in parts of this size ...
 SPLIT_BELOW = 1024       # ... when fewer chunks than this are hashed at once (a cut's thousands fill the GPU as they are)
@@ -352,8 +354,13 @@ class CudaBackend:
         cu.cuCtxSynchronize()
         for thread in self.pinning:
             thread.join()
-        for addr in self.registered:
+        # Piece by piece, a moment apart: unpinning holds a driver lock that every process on
+        # the GPU shares, and a process pinning meanwhile stalls its own launches behind it. A
+        # handoff's target pins its client's staging area just as the retiring source lets go:
+        # each 1 GiB piece the source unpinned held that application 14-21 ms on the H200.
+        for addr in self.registered + (self._snap.pieces if self._snap is not None else []):
             cu.cuMemHostUnregister(addr)
+            time.sleep(PIN_PAUSE)
         for ptr, (length, handle) in self.handles.items():
             cu.cuMemUnmap(ptr, length)
             cu.cuMemRelease(handle)
@@ -420,6 +427,7 @@ class CudaSnapshotOps:
         self.handles = {k: int(s) for k, s in self.streams.items()}     # for the ctypes calls
         self.host = {k: [] for k in self.streams}      # pinned buffers, made on first use
         self.pinned = []         # (start, end) of host memory pinned for direct copies (pin)
+        self.pieces = []         # the start of each of its pinned pieces
         self.device = {}         # stream key -> ([two device buffers], size), made on first use
         self.tables = {}         # purpose -> chunk table and sums, on the device and pinned on the host
         self.splits = {}         # chunk table bytes -> its hash_parts
@@ -521,11 +529,10 @@ class CudaSnapshotOps:
     def pin(self, memory, piece):
         """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in
         pieces of whole slots: one copy runs pinned only within one registration. A pre-started
-        worker does it before any application uses it: pinning holds a driver lock, and costs
-        ~280 ms per GiB of a fresh store's pages (perf/RESULTS.md). Pieces, not one registration:
-        with 17 GiB pinned whole, the application stalled 162 ms in a handoff on the H200 (30 ms
-        in pieces), most likely behind the retiring worker unpinning it all in one call.
-        Returns False (logged) if it could not."""
+        worker does it before any application uses it: pinning costs ~280 ms per GiB of a fresh
+        store's pages (perf/RESULTS.md). Small pieces, a moment apart: pinning and unpinning
+        hold a driver lock that all processes on the GPU share (see CudaBackend.close), ~18 ms
+        per 64 MiB of fresh pages. Returns False (logged) if it could not."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         start, done = memory.ctypes.data, []
         for off in range(0, memory.nbytes, piece):
@@ -537,7 +544,9 @@ class CudaSnapshotOps:
                     cu.cuMemHostUnregister(at)
                 return False
             done.append(start + off)
+            time.sleep(PIN_PAUSE)
         self.pinned.append((start, start + memory.nbytes))
+        self.pieces += done
         return True
 
     def maps(self, host):

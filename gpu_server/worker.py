@@ -657,15 +657,16 @@ def _exit_on_sigterm(*_):
 
 
 def pin_host_store(backend, path):
-    """Pin a HostStore's memory (whole, or a GiB of whole slots at a time); without it,
+    """Pin a HostStore's memory (in pieces of whole slots, cuda.py STORE_PIN_PIECE); without it,
     checkpoints and restores through that store copy through buffers (slower, still correct)."""
+    from phos.gpu_server.cuda import STORE_PIN_PIECE
     try:
         store = open_store(path)
     except (OSError, ImageError) as e:
         log.warning("host store %s cannot be used: %s", path, e)
         return
     t = time.perf_counter()
-    if backend.snap.pin(store.memory, store.slot_bytes * max(1, (1 << 30) // store.slot_bytes)):
+    if backend.snap.pin(store.memory, store.slot_bytes * max(1, STORE_PIN_PIECE // store.slot_bytes)):
         log.info("pinned host store %s (%d MiB) in %.2f s", path, store.memory.nbytes >> 20, time.perf_counter() - t)
     store.refresh()       # a restore into this worker then reads only the index's later changes
 

@@ -88,7 +88,8 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         # the application's timeline around the freeze, in ms after it: where the gap went
         last = max(e for e in ends if e < frozen)
         after = [e for e in ends if e > frozen][:2]
-        timeline = {"t0_wall": t0_wall, "longest_gap_began": gap_at, "frozen": (frozen - t0) * 1e3, "answered": (t1 - t0) * 1e3,
+        timeline = {"t0_wall": t0_wall, "longest_gap_began": gap_at,
+                    "gaps_over_5": [[round((marks[i] - t0) * 1e3, 1), round(g * 1e3, 1)] for i, g in enumerate(gaps) if g > 0.005], "frozen": (frozen - t0) * 1e3, "answered": (t1 - t0) * 1e3,
                     "last_sync_before": (last - frozen) * 1e3, "source_let_go": reply.downtime_ms,
                     "reattach": [[(a - frozen) * 1e3, (b - frozen) * 1e3, said] for a, b, said in reattaches],
                     "syncs_after": [(e - frozen) * 1e3 for e in after]}

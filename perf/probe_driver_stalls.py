@@ -8,9 +8,13 @@
    one its maker populated.
 3. another process (a retiring worker, gpu_server/cuda.py's CudaBackend) freeing its
    memory and its context: how long does the application's launch+sync stall?
+4. the same, one operation at a time, 30 ms apart, for memory that was written and a pinned
+   host store (as a retiring handoff source has): which of them stalls the application?
 
-    python perf/probe_driver_stalls.py          # on the H200 (perf/device/run.sh probe)
+    python perf/probe_driver_stalls.py                  # on the H200 (perf/device/run.sh probe)
+    python perf/probe_driver_stalls.py --only teardown  # the last part alone
 """
+import argparse
 import json
 import mmap
 import os
@@ -151,7 +155,106 @@ def teardown_stall(fn, buf, gib):
             float(np.diff(ends[ends < marks["start"]]).max()) * 1e3)
 
 
+TEARDOWN_OPS = """
+import json, mmap, os, sys, time
+import numpy as np
+from cuda.bindings import driver as cu
+from phos.gpu_server.cuda import CudaBackend, DEVICEMAP, GiB
+MiB = 1 << 20
+b = CudaBackend()
+big = [b.alloc(GiB) for _ in range(4)]
+pieces = []                        # 1 GiB made of 64 MiB handles, each mapped alone
+for _ in range(16):
+    pieces.append(b.alloc(64 * MiB))
+for p in big + pieces:             # written, as a context's memory is
+    b.memset(p, 0x5A, 1, GiB if p in big else 64 * MiB, None)
+b.synchronize()
+path = f"/dev/shm/phos-probe-store-{os.getpid()}"
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+os.ftruncate(fd, 4 * GiB)
+area = mmap.mmap(fd, 4 * GiB, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+os.close(fd)
+os.unlink(path)
+host = np.frombuffer(area, np.uint8).ctypes.data
+pinned = [(host + i * GiB, GiB) for i in range(3)] + [(host + 3 * GiB + i * 64 * MiB, 64 * MiB) for i in range(16)]
+for at, n in pinned:
+    assert int(cu.cuMemHostRegister(at, n, DEVICEMAP)[0]) == 0
+print("ready", flush=True)
+sys.stdin.readline()
+ops = []
+def op(name, fn, *args):
+    t = time.perf_counter()
+    fn(*args)
+    ops.append((name, t, time.perf_counter()))
+    time.sleep(0.03)
+for p in big:
+    op("unmap+release 1 GiB", b.free, p)
+for p in pieces[:8]:
+    op("unmap+release 64 MiB", b.free, p)
+for at, n in pinned:
+    op(f"unpin {n >> 20} MiB", cu.cuMemHostUnregister, at)
+op("close (8 x 64 MiB left)", b.close)
+print(json.dumps(ops), flush=True)
+"""
+
+
+def keep_pinning(ctx, stop):
+    """What a worker does for a client that re-attached: pin its fresh 64 MiB staging file in
+    2 MiB pieces, 1 ms apart (gpu_server/cuda.py, register_host); again and again until stop."""
+    ok(cu.cuCtxSetCurrent(ctx))
+    while not stop.is_set():
+        area, _ = staging_area("shm file, fresh")
+        host = np.frombuffer(area, np.uint8).ctypes.data
+        for off in range(0, 64 * MiB, 2 * MiB):
+            ok(cu.cuMemHostRegister(host + off, 2 * MiB, 0))
+            time.sleep(0.001)
+        for off in range(0, 64 * MiB, 2 * MiB):
+            ok(cu.cuMemHostUnregister(host + off))
+        area.close()
+
+
+def teardown_ops(fn, buf, pinning=False):
+    """Per operation of a retiring worker (TEARDOWN_OPS): its time, and the application's
+    longest launch+sync gap that overlaps it; then every gap over 2 ms on the timeline.
+    pinning: meanwhile a thread here pins staging memory, as a handoff's target does."""
+    stop = threading.Event()
+    pinner = threading.Thread(target=keep_pinning, args=(ok(cu.cuCtxGetCurrent()), stop))
+    if pinning:
+        pinner.start()
+    child = subprocess.Popen([sys.executable, "-c", TEARDOWN_OPS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    ends = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.2:
+        launch_sync(fn, buf)
+        ends.append(time.perf_counter())
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    go = time.perf_counter()
+    while child.poll() is None:
+        launch_sync(fn, buf)
+        ends.append(time.perf_counter())
+    ops = json.loads(child.stdout.readline())
+    stop.set()
+    if pinning:
+        pinner.join()
+    ends = np.array(ends)
+    gaps = np.diff(ends)
+    print(f"\n| operation (another process){', while this one pins' if pinning else ''} | its time (ms) "
+          "| longest gap overlapping it here (ms) |\n|---|---|---|")
+    for name, a, b in ops:
+        hit = gaps[(ends[1:] > a) & (ends[:-1] < b + 0.002)]
+        print(f"| {name} | {(b - a) * 1e3:.2f} | {hit.max() * 1e3 if len(hit) else 0:.2f} |")
+    print("before it began, the longest gap: %.2f ms" % (gaps[ends[1:] < go].max() * 1e3))
+    print("gaps over 2 ms (began, length; ms after go):",
+          [(round((ends[i] - go) * 1e3, 1), round(g * 1e3, 1)) for i, g in enumerate(gaps) if g > 0.002 and ends[i] > go])
+    print("operations (began, took; ms after go):", [(n, round((a - go) * 1e3, 1), round((b - a) * 1e3, 1)) for n, a, b in ops])
+
+
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["teardown"], help="run only the per-operation teardown probe")
+    only = ap.parse_args().only
     ok(cu.cuInit(0))
     print("CUDA_MODULE_LOADING =", os.environ.get("CUDA_MODULE_LOADING", "(unset: LAZY is the default)"))
     ctx = ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(0))))
@@ -163,6 +266,10 @@ def main():
     module = ok(cu.cuModuleLoadData(FILL_PTX.encode() + b"\0"))
     fn = ok(cu.cuModuleGetFunction(module, b"fill_u64"))
     launch_sync(fn, buf)
+    if only == "teardown":
+        teardown_ops(fn, buf)
+        teardown_ops(fn, buf, pinning=True)
+        return
     print("\n| staging memory | made (ms) | cuMemHostRegister 64 MiB in a thread (ms) | longest launch+sync gap meanwhile (ms) "
           "| longest pure-Python loop gap meanwhile (ms) |\n|---|---|---|---|---|")
     for kind in ("anonymous, touched", "shm file, fresh", "shm file, populated") * 2:
@@ -174,6 +281,8 @@ def main():
     for gib in (1, 8, 1, 8):
         g_free, g_close, g_exit, t_free, t_close, t_exit, before = teardown_stall(fn, buf, gib)
         print(f"| {gib} GiB | {before:.2f} | {t_free:.1f}, {g_free:.2f} | {t_close:.1f}, {g_close:.2f} | {t_exit:.1f}, {g_exit:.2f} |")
+    teardown_ops(fn, buf)
+    teardown_ops(fn, buf, pinning=True)
 
 
 if __name__ == "__main__":
