@@ -214,11 +214,12 @@ def timed_reattach():
         level = client.level
         client.addHandler(said)
         client.setLevel(logging.INFO)
-        t = time.perf_counter()
+        t, wall = time.perf_counter(), time.time()
         try:
             return plain(self, seq)
-        finally:
-            marks.append((t, time.perf_counter(), "; ".join(r.getMessage() for r in said.buffer)))
+        finally:       # each line with when it was logged, in ms after the re-attach began
+            marks.append((t, time.perf_counter(), "; ".join(f"{r.getMessage()} (at {(r.created - wall) * 1e3:.1f})"
+                                                             for r in said.buffer)))
             client.removeHandler(said)
             client.setLevel(level)
     reattach.plain = plain

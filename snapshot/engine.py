@@ -378,7 +378,11 @@ class Checkpoint(ChunkJob):
                 self.release_unpublished(slots)
 
     def not_held(self, idx):
-        """The chunks of idx the store does not hold already; the others get their keys."""
+        """The chunks of idx the store does not hold already; the others get their keys. Before
+        the cut's fingerprints are in (a call's copy-on-write right after the cut), all of them:
+        the store takes a chunk it holds already as a copy of it."""
+        if self.fps is None:
+            return list(idx)
         self.ask_store(idx)
         return [c for c in idx if self.keys[c] is None]
 
@@ -419,8 +423,9 @@ class Checkpoint(ChunkJob):
         t = time.perf_counter()
         mine, need, slots = batch
         direct, writes = [], []
+        cut = self.fps if self.fps is not None or self.precopy else self.cut_fingerprints()
         for j, (c, (data, fp)) in enumerate(zip(need, copied)):
-            if fp == self.fps[c] or self.precopy:      # pre-copy: what was copied is what counts
+            if self.precopy or fp == cut[c]:      # pre-copy: what was copied is what counts
                 if slots:
                     direct.append(j)
                 else:
@@ -453,6 +458,7 @@ class Checkpoint(ChunkJob):
         while (fps := self.fp_wait(block=False)) is None:
             yield
         self.fps = fps
+        yield                     # a call's copy-on-write may be waiting for them
         n = len(self.chunks)
         for start in range(0, n, ASK_AT_ONCE):     # the store's questions in a few steps, not one a batch
             self.ask_store(range(start, min(start + ASK_AT_ONCE, n)))
@@ -493,6 +499,14 @@ class Checkpoint(ChunkJob):
         while self.failure is None and self.running and not self.done(idx):
             self.advance()
 
+    def cut_fingerprints(self):
+        """The cut's fingerprints: the background's steps are taken until they are in."""
+        while self.fps is None and self.running:
+            self.advance()
+        if self.fps is None:
+            raise self.failure or CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"checkpoint {self.name!r} ended before its cut's fingerprints")
+        return self.fps
+
     def before_write(self, ptr, nbytes, whole=False):
         """Save the chunks a call is about to write, if the background has not yet."""
         if not self.running or self.precopy:
@@ -500,8 +514,7 @@ class Checkpoint(ChunkJob):
         idx = self.not_done(ptr, nbytes, whole)
         if idx is None:
             return
-        while self.fps is None and self.running:      # the cut's fingerprints first
-            self.advance()
+        # copied now, beside the cut's fingerprint pass; checked against it once it is done (keep)
         mine = self.claim(idx) if self.failure is None else []
         if mine:
             self.save(mine, urgent=True)

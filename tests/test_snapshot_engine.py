@@ -154,6 +154,10 @@ def test_pfp1_kernel_matches_the_reference():
     entries, firsts = hash_parts(rows, 4096)
     assert len(entries) == 1 + 1 + 1 + 1 + 3 + 18
     assert (np.add.reduceat(lane_sums(entries), firsts, axis=0) == whole).all()
+    # a part that starts 8 bytes past a 16-byte boundary (the kernel loads two words at once)
+    p, d = ptrs[-1], datas[-1]
+    split = np.array([(p, 8), (p + 8, (len(d) - 8) | 1 << 32)], np.uint64)
+    assert (lane_sums(split).sum(axis=0) == whole[-1]).all()
     assert finish_many(whole, rows[:, 1]) == [fingerprint(d.tobytes()) for d in datas]
     fresh = compile_ptx(os.path.abspath(os.path.join(root, "pfp1.cu")), "compute_75")
     assert fresh.split("\n", 7)[-1] == ptx.decode().split("\n", 7)[-1], "snapshot/kernels/pfp1.ptx is stale: rebuild it from pfp1.cu"
@@ -275,6 +279,51 @@ def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
     result = cp.finish(1)
     assert result["mode"] == "concurrent" and not result["paused"] and result["recopied_chunks"] == 0
     assert region(DirStore(tmp_path), "a", ptr).tobytes() == before.tobytes()
+
+
+def slow_cut_fingerprints(session, looks):
+    """Make the cut's fingerprints take `looks` looks to come in, as a GPU's pass over a large
+    context does, so that a call's copy-on-write starts before them."""
+    snap = session.backend.snap
+    taken = snap.fingerprints
+
+    def fingerprints(chunks, fence):
+        wait, left = taken(chunks, fence), [looks]
+
+        def slow(block=True):
+            left[0] -= 1
+            return wait() if block or left[0] < 0 else None
+        return slow
+    snap.fingerprints = fingerprints
+
+
+@pytest.mark.parametrize("behind_our_back", [False, True])
+def test_a_copy_on_write_before_the_cuts_fingerprints_are_in(tmp_path, behind_our_back):
+    """A call right after the cut saves its chunks at once, beside the cut's fingerprint pass,
+    and checks them against it when it is done: a chunk the store holds already is taken as
+    it is, and one written after the cut behind our back is still caught (the image is then
+    taken again at a new cut, paused)."""
+    from phos.snapshot.engine import Checkpoint
+    before = filler(8 << 20)
+    s, ptr = emu_session_holding(before)
+    store = DirStore(tmp_path)
+    first = Checkpoint(s, store, "a", chunk_size=1 << 20)
+    first.cut(0, paused=True)
+    first.finish(0)
+    slow_cut_fingerprints(s, looks=50)
+    cp = Checkpoint(s, store, "b", parent="a", chunk_size=1 << 20)
+    cp.cut(1, paused=False)
+    if behind_our_back:                          # a kernel storing through a pointer it loaded
+        s.backend.htod(ptr + (6 << 20), bytes(8), None)
+    cp.before_write(ptr + (6 << 20), 1 << 20)    # a call about to write chunk 6: saved first
+    assert cp.fps is not None and cp.done(range(6, 7))
+    s.backend.htod(ptr + (6 << 20), b"\xff" * 8, None)
+    while cp.running:
+        cp.advance()
+    result = cp.finish(2)
+    assert result["paused"] == (result["recopied_chunks"] > 0) and (behind_our_back or not result["paused"])
+    expected = s.backend.snap.view(ptr, 8 << 20) if result["paused"] else before    # paused: a new cut, now
+    assert region(store, "b", ptr).tobytes() == expected.tobytes()
 
 
 def test_what_a_call_touches_that_is_not_yet_saved(tmp_path):
