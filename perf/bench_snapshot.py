@@ -18,6 +18,7 @@ is a HostStore on /dev/shm (snapshot/host_store.py), pinned by every server's pr
 worker: the device copies chunks straight into it and back.
 """
 import argparse
+import cProfile
 import logging.handlers
 import ctypes
 import gc
@@ -211,17 +212,24 @@ def timed_reattach():
     def reattach(self, seq):
         said = logging.handlers.BufferingHandler(100)
         client = logging.getLogger("phos.client")
-        level = client.level
+        level, propagate = client.level, client.propagate
         client.addHandler(said)
         client.setLevel(logging.INFO)
+        client.propagate = False     # kept here, not written out meanwhile: a write to a slow disk is not the stub's time
+        profile = cProfile.Profile() if os.environ.get("PHOS_PROFILE_DIR") else None
         t, wall = time.perf_counter(), time.time()
         try:
-            return plain(self, seq)
+            if profile is None:
+                return plain(self, seq)
+            return profile.runcall(plain, self, seq)     # where its time goes (perf/show_profiles.py)
         finally:       # each line with when it was logged, in ms after the re-attach began
             marks.append((t, time.perf_counter(), "; ".join(f"{r.getMessage()} (at {(r.created - wall) * 1e3:.1f})"
                                                              for r in said.buffer)))
+            if profile is not None:
+                profile.dump_stats(os.path.join(os.environ["PHOS_PROFILE_DIR"], f"reattach-{os.getpid()}-{time.time_ns()}.prof"))
             client.removeHandler(said)
             client.setLevel(level)
+            client.propagate = propagate
     reattach.plain = plain
     Connection.reattach = reattach
     return marks

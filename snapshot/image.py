@@ -683,11 +683,12 @@ class ImageWriter:
         """reuse_chunk for many keys at once (a cut's thousands): [bool]."""
         self._check_open()
         present = self.present
-        lacking = self.store.missing([k for k in keys if k not in present])    # thousands at once
-        found = [k not in lacking for k in keys]
+        new = [k for k in keys if k not in present]
+        lacking = self.store.missing(new)          # thousands at once
+        found = [k not in lacking for k in keys] if lacking else [True] * len(keys)
         with self._mu:
-            self.reused_chunks += sum(found)
-            present.update(k for k, f in zip(keys, found) if f)
+            self.reused_chunks += len(keys) - sum(k in lacking for k in keys) if lacking else len(keys)
+            present.update(k for k in new if k not in lacking)
         return found
 
     def add_region(self, data, chunk_size=DEFAULT_CHUNK_SIZE):

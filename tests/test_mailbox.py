@@ -91,3 +91,24 @@ def test_a_sleeping_client_is_answered_over_the_socket(client):
         [(peer, wake)] = w.sock                               # an empty Reply: it only wakes the client
         with wire.decode(wire.Reply, wake) as reply:
             assert peer == b"client" and reply.ackSeq == 5 and len(reply.results) == 0
+
+
+def test_a_replaced_staging_area_is_released_later_on_a_thread_of_its_own():
+    """After a re-attach the old staging area goes a moment later, on another thread: its last
+    unmapping frees its pages (milliseconds), which the re-attaching call must not wait for."""
+    import mmap
+    import threading
+    import time
+    import weakref
+    from phos.client_stub.connection import release_later
+    area = mmap.mmap(-1, 1 << 20)
+    alive = weakref.ref(area)
+    released_by = []
+    weakref.finalize(area, lambda: released_by.append(threading.current_thread().name))
+    release_later([area], after=0.2)
+    del area
+    assert alive() is not None, "released at once, on the caller's thread"
+    deadline = time.monotonic() + 5
+    while alive() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert alive() is None and released_by == ["phos-staging-release"]
