@@ -122,6 +122,7 @@ class Connection:
         self.box_seq = 0         # seq of our last mailbox request
         self.box_waiting = False # its reply has not been read yet
         self.find_again = None   # set for a context's worker: () -> (endpoint, attach args) of where it lives now
+        self.moved_to = None     # (endpoint, standby) its retiring worker named after a handoff (Reply.moved)
         self.making_room = False # inside make_room
         self.outstanding = set() # seqs sent with wantReply whose Results have not come
         self.acked = 0           # the highest seq the worker acknowledged: we hold every call after it
@@ -272,11 +273,14 @@ class Connection:
                     self.box_waiting = False     # answered over the socket if it did not fit the box
                     self.outstanding.discard(seq)
                     return result
-                continue
+                if self.moved_to is None:
+                    continue
             now = time.monotonic()
             while self.monitor.poll(0):
                 event = zmq.utils.monitor.recv_monitor_message(self.monitor)["event"]
                 gone_since = None if event == zmq.EVENT_CONNECTED else now
+            if self.moved_to is not None:     # handed off: no need to wait until the worker has gone
+                gone_since = gone_since or now
             if deadline is not None and now > deadline:
                 raise CudaError(CUresult.CUDA_ERROR_NO_DEVICE, f"no phos server answered at {self.endpoint} within {timeout:g} s")
             if gone_since is not None and self.find_again is not None:
@@ -310,6 +314,8 @@ class Connection:
             self.acknowledge(reply.ackSeq)
             if reply._has("output"):          # device printf: show it where the application runs
                 print(reply.output, end="", flush=True)
+            if reply._has("moved"):           # handed off: re-attach there (wait)
+                self.moved_to = (reply.moved.endpoint, reply.moved.standby)
             for r in reply.results:
                 mine = self.route(read_result(r, frames), seq) or mine
         return mine
@@ -354,6 +360,7 @@ class Connection:
         started = time.perf_counter()
         deadline, why, old_staging, passed_over = time.monotonic() + REATTACH_TIMEOUT, "", None, False
         while True:
+            told = self.moved_to is not None and not passed_over
             try:
                 endpoint, args = self.find_again(passed_over)
             except CudaError as e:
@@ -369,8 +376,9 @@ class Connection:
                 except CudaError as e:
                     res = Result(0, e.status, e.message, [], 0.0, "", b"", None, [])
                 if res.status == 0:
-                    log.info("context re-attached at %s in %.1f ms (found in %.1f, attached in %.1f)", endpoint,
-                             (time.perf_counter() - started) * 1e3, (found - started) * 1e3, (time.perf_counter() - found) * 1e3)
+                    log.info("context re-attached at %s in %.1f ms (%s in %.1f, attached in %.1f)", endpoint,
+                             (time.perf_counter() - started) * 1e3, "told by its old worker" if told else "found",
+                             (found - started) * 1e3, (time.perf_counter() - found) * 1e3)
                     break
                 why, passed_over = res.message, True      # where it pointed, nobody answered for the context
             if time.monotonic() > deadline:

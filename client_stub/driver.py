@@ -234,11 +234,16 @@ def _finder(conn, ctx_id, token):
     """How a context's connection finds its worker again after a restore (Connection.reattach):
     it asks its server (PHOS_SERVER, read then), then the standby (PHOS_STANDBY, else the one
     its worker named, as the native stub does); whichever knows the context is asked first
-    next time. passed_over: attaching where the last answer pointed failed (the server that
+    next time. After a handoff, the old worker said where it went (Connection.moved_to): that
+    is tried first, without asking. passed_over: attaching where the last answer pointed failed (the server that
     answered had handed the context off to one that died since), so that server is asked last."""
     order = []
 
     def find(passed_over=False):
+        moved, conn.moved_to = conn.moved_to, None
+        if moved is not None and not passed_over:      # its old worker said where, as it retired
+            conn.standby = moved[1] or conn.standby
+            return moved[0], {"ctx": ctx_id, "token": token}
         servers = [os.environ.get("PHOS_SERVER", DEFAULT_SERVER), os.environ.get("PHOS_STANDBY") or conn.standby]
         for server in order + servers:
             if server and server not in order:

@@ -194,7 +194,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
             self.front.moved[request.ctx] = (reply.endpoint, info.standby)
             t = time.perf_counter()
             try:
-                await self.front.control(w, "retire")
+                await self.front.control(w, "retireTo", {"endpoint": reply.endpoint, "standby": info.standby})
             except CudaError:
                 if alive(w.proc):
                     raise

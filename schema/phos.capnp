@@ -103,6 +103,14 @@ struct Reply {
   output @2 :Text;             # device-side printf output since the previous Reply
   durableSeq @3 :UInt64;       # recovery images on: every call with seq <= this is in the latest
                                # committed image (0: no news since the last Reply said it)
+  moved @4 :Moved;             # handed off: the context lives at moved.endpoint now (sent by the
+                               # old worker as it retires, with no results): attach there and
+                               # resend the calls after its cut, without asking a front end
+}
+
+struct Moved {
+  endpoint @0 :Text;           # the worker that holds the context now
+  standby @1 :Text;            # the standby of the server it went to (as reattach's Result data)
 }
 
 struct Result {
@@ -178,9 +186,11 @@ struct Call {
                              # data, when it was handed off: the standby of the server it went to
     ctxStats @41 :Void;        # u64s: [bytes allocated, allocations, last executed seq]
     thaw @42 :Void;            # control: a frozen worker (checkpoint with freeze) serves its client again
-    retire @43 :Void;          # control: a frozen worker's context lives elsewhere now: exit
+    unusedRetire @43 :Void;    # replaced by retireTo
     logFull @44 :Void;         # the client's recovery log is full: take an image now. u64s: [durable
                                # seq], or [0] without recovery images (ackSeq is what counts then)
+    retireTo @45 :Moved;       # control: a frozen worker's context lives there now: tell the client
+                               # (Reply.moved) and exit
   }
 }
 

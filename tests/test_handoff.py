@@ -5,6 +5,7 @@ server, whose front end redirects its re-attach to the context's new worker.
 """
 import glob
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -48,11 +49,13 @@ def contexts(server):
 
 
 @pytest.mark.parametrize("spin, via", [("0", "shm"), ("1000", "shm"), ("0", "host store")])
-def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatch, tmp_path, spin, via):
+def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatch, tmp_path, caplog, spin, via):
     """spin: the workers' PHOS_SPIN_US. Spinning (the default on machines with more than four
     cores) serves calls and control messages by another path than sleeping in poll.
-    via: where the rounds go; a HostStore both servers share takes them without files."""
+    via: where the rounds go; a HostStore both servers share takes them without files.
+    The retiring worker tells the client where the context went (Reply.moved)."""
     monkeypatch.setenv("PHOS_SPIN_US", spin)
+    caplog.set_level(logging.INFO, logger="phos.client")
     host = HostStore.create(tmp_path / "host", 64 << 20) if via == "host store" else None
     args = ("--host-store", host.path) if host else ()
     one, two, app, (x, y, r), expected = start(servers, client, np.sin(np.arange(N, dtype=np.float32)), args)
@@ -83,6 +86,7 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     assert reply.chunk_size == 2 << 20                   # the default
     assert app.id in contexts(two) and app.id not in contexts(one)
     assert "restoring it afresh" not in two.output()     # the warm copy followed the rounds
+    assert "re-attached" in caplog.text and "told by its old worker" in caplog.text     # no front end asked
     if host:       # the rounds went through it, and are gone once the target loaded them
         assert wait_until(lambda: not host.list_images() and not host.stats()["chunks"], 30)
         assert host._seq() >= 2 * len(reply.round_bytes), "the rounds' chunks did not pass through its slots"

@@ -182,8 +182,8 @@ def test_a_context_nobody_restores_fails_after_the_reattach_timeout(iterate, ser
 
 
 def test_handoff_to_another_server_continues(iterate, servers):
-    """A live handoff at the pause: the program's server stays up and points its re-attach at
-    the context's new worker on another server; the program prints what an uninterrupted run does."""
+    """A live handoff at the pause: the retiring worker tells the program where its context
+    went (a worker on another server); the program prints what an uninterrupted run does."""
     one, two = servers("one"), servers("two")
     expected = reference(iterate, one, PAUSE)
     prog = Program(iterate, one, PAUSE)
@@ -195,6 +195,7 @@ def test_handoff_to_another_server_continues(iterate, servers):
     code, out, err = prog.finish()
     assert code == 0 and out == expected, f"{out}\n{err}"
     assert f"context {ctx} re-attached" in err, err
+    assert "told by its old worker" in err, err       # it asked no front end
 
 
 def test_target_killed_mid_handoff_the_program_finishes_here(iterate, servers):

@@ -325,6 +325,10 @@ bool Connection::apply_reply(const void* frame, size_t size, Message* message, u
         return false;
     }
     advance(reply.ack_seq, reply.durable_seq);
+    if (!reply.moved_endpoint.empty()) {   // handed off: re-attach there (wait_for), asking no front end
+        moved_to_ = reply.moved_endpoint;
+        if (!reply.moved_standby.empty()) standby_ = reply.moved_standby;
+    }
     if (!reply.output.empty()) {   // device-side printf, shown at synchronization as CUDA does
         fwrite(reply.output.data(), 1, reply.output.size(), stdout);
         fflush(stdout);
@@ -416,9 +420,9 @@ bool Connection::wait_for(uint64_t seq, const HostDestination* out, double timeo
                 if (box_waiting_ && (mine.seq == seq || mine.seq == 0)) box_waiting_ = false;   // answered by socket
                 return true;
             }
-            continue;   // a reply to something else (a call that timed out earlier): keep waiting
+            if (moved_to_.empty()) continue;   // a reply to something else (a call that timed out earlier): keep waiting
         }
-        if (ctx_ != 0 && !reattaching_ && (w == Socket::Wait::gone || socket_.lost())) {
+        if (ctx_ != 0 && !reattaching_ && (w == Socket::Wait::gone || socket_.lost() || !moved_to_.empty())) {
             // The worker answered, then left (ctxDestroy): read that answer first.
             if ((box_waiting_ && box_answered(&frame, &size)) || socket_.readable()) continue;
             // The worker went away: a server may restore the context from a checkpoint.
@@ -673,11 +677,14 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     next_slot_ = 0;
     std::string why = "no answer";
     uint64_t cut = 0;
-    bool attached = false;
+    bool attached = false, told = false;
     while (true) {
         const double left = limit - seconds_since(start);
         const double timeout = std::max(0.1, std::min(settings().connect_timeout, left));
-        const std::string endpoint = find_context(timeout, why);
+        std::string endpoint;
+        told = !moved_to_.empty();   // the old worker said where, as it retired
+        if (told) endpoint.swap(moved_to_);
+        else endpoint = find_context(timeout, why);
         if (!endpoint.empty()) {
             attached = attach_again(endpoint, timeout, cut, why);
             if (attached) break;
@@ -723,8 +730,8 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     durable_ = cut;
     resend_after(cut, old_area);
     reattaching_ = false;   // only now: resending must not stop to bound the log
-    log_error("context %llu re-attached at %s (image cut at call %llu): resent %zu call(s)", (unsigned long long)ctx_,
-              endpoint().c_str(), (unsigned long long)cut, unacked_calls_);
+    log_error("context %llu re-attached at %s%s (image cut at call %llu): resent %zu call(s)", (unsigned long long)ctx_,
+              endpoint().c_str(), told ? ", told by its old worker" : "", (unsigned long long)cut, unacked_calls_);
     return true;
 }
 

@@ -151,6 +151,7 @@ private:
     std::string standby_;                               // the standby server ("" none)
     std::string found_at_;                              // the front end that last found the context
     std::string passed_over_;                           // ...where it pointed, nobody answered: asked last
+    std::string moved_to_;                              // where a retiring worker said the context went
     bool bounding_ = false;                             // bound_log is waiting for an image
     std::vector<char*> old_areas_;
     std::string dead_;                                  // why the context is lost, once it is

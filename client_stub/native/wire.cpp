@@ -448,6 +448,12 @@ bool decode_reply(const void* frame, size_t size, Reply& reply, std::string& err
         reply.ack_seq = r.getAckSeq();
         reply.durable_seq = r.getDurableSeq();
         reply.output = text_of(r.getOutput());
+        reply.moved_endpoint.clear();
+        reply.moved_standby.clear();
+        if (r.hasMoved()) {
+            reply.moved_endpoint = text_of(r.getMoved().getEndpoint());
+            reply.moved_standby = text_of(r.getMoved().getStandby());
+        }
         reply.results.clear();
         for (auto in : r.getResults()) {
             Result out;

@@ -134,6 +134,8 @@ struct Reply {
     std::vector<Result> results;
     std::string output;           // device-side printf output
     uint64_t durable_seq = 0;     // recovery: calls up to it are in the latest image (0: no news)
+    std::string moved_endpoint;   // handed off: the worker that holds the context now ("" none)
+    std::string moved_standby;    // ...and the standby of its server
 };
 
 extern const uint32_t kProtocolVersion;
