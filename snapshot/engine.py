@@ -649,12 +649,13 @@ class Restore(ChunkJob):
         backend, t = s.backend, time.perf_counter()
         if m.backend != backend.name:
             self.refuse(f"taken on the {m.backend} backend, this server runs {backend.name}")
-        if m.to_dict().get("address_space", {}).get("base", s.space.base) != s.space.base:
+        # (the manifest's fields read as they are: to_dict() parses a copy, ~1.5 ms at 32 GiB)
+        if getattr(m, "address_space", {}).get("base", s.space.base) != s.space.base:
             self.refuse(f"address space base {m.address_space['base']:#x} differs from this server's {s.space.base:#x}")
         info = backend.device_info()
         if list(info.compute_capability) != m.device["cc"]:
             self.refuse(f"taken on a compute capability {m.device['cc']} device, this one is {list(info.compute_capability)}")
-        sess = m.to_dict().get("session")
+        sess = getattr(m, "session", None)
         if not isinstance(sess, dict) or not {"ctx", "token", "next_id"} <= set(sess):
             self.refuse("it names no session (ctx, token, next_id)")
         t = self.step("device", t)
@@ -718,17 +719,17 @@ class Restore(ChunkJob):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
         if same_objects(self.manifest) != same_objects(m):
             return None
-        missing = min(self.store.missing({k for e in region_entries(m) for k in e["chunks"]} - set(self.keys)), default=None)
+        by_base = {ptr: e["chunks"] for ptr, e in zip(self.bases, region_entries(m))}
+        keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
+        changed = differing(self.keys, keys)        # only these load again: the store must hold them
+        missing = min(self.store.missing({keys[c] for c in changed}), default=None)
         if missing:
             self.refuse(f"chunk {missing} is missing from the store")
         self.stopping = True          # the loader stops between batches; what it holds, it finishes
         if self.thread is not None:
             self.thread.join()
         self.stopping, self.thread = False, None
-        by_base = {ptr: e["chunks"] for ptr, e in zip(self.bases, region_entries(m))}
-        keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
         with self.cv:
-            changed = differing(self.keys, keys)
             self.keys = keys
             loaded = changed[self.chunks.state[changed] == DONE]
             self.chunks.state[loaded] = PENDING

@@ -653,3 +653,16 @@ def test_the_created_time_is_read_without_parsing_the_manifest():
     assert _created(raw) == 1764491234.25
     assert _created(canonical_json({"created": 5, "metadata": {"created": 7}})) == 5.0
     assert _created(canonical_json({"created": 1e-05})) == 1e-05
+
+
+def test_a_manifests_mode_and_session_are_read_without_parsing_it():
+    """latest_image glances at each manifest's metadata mode and session in its text: a string
+    holding the same text is escaped in canonical JSON, and a shape other than a writer's sends
+    it to the JSON parser."""
+    from phos.snapshot.image import _glance
+    session = {"ctx": 7, "next_id": 3, "token": "ab" * 32}
+    raw = canonical_json({"metadata": {"mode": "concurrent", "paused": False}, "name": 'a"mode":"precopy"', "session": session})
+    assert _glance(raw) == ("concurrent", {"ctx": 7, "token": "ab" * 32})
+    raw = canonical_json({"metadata": {"mode": "precopy"}, "other": {"mode": "paused"}, "session": session})
+    assert _glance(raw) == ("precopy", session)
+    assert _glance(canonical_json({"metadata": {}, "session": {"ctx": 7, "token": "cd"}})) == (None, {"ctx": 7, "token": "cd"})
