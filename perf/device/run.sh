@@ -8,6 +8,7 @@
 # "On a GPU" section for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
 # perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
+# kernels (perf/probe_fingerprint_kernels.py: the cut's hash pass written several ways; needs nvcc),
 # arena (perf/probe_host_arena.py: can images live in pinned shared memory?),
 # interference (perf/probe_copy_interference.py: does copying slow the application's kernels?),
 # handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py; handoff-bench: the last alone),
@@ -56,6 +57,9 @@ if want snap || want snap-bench; then
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
+fi
+if want kernels; then
+    step probe-fingerprint-kernels python3 perf/probe_fingerprint_kernels.py --sizes "${PHOS_KERNELS_GIB:-8,32}"
 fi
 if want interference; then
     step probe-copy-interference python3 perf/probe_copy_interference.py --gib "${PHOS_INTERFERENCE_GIB:-8}"
