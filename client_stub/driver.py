@@ -235,8 +235,9 @@ def _finder(conn, ctx_id, token):
     it asks its server (PHOS_SERVER, read then), then the standby (PHOS_STANDBY, else the one
     its worker named, as the native stub does); whichever knows the context is asked first
     next time. After a handoff, the old worker said where it went (Connection.moved_to): that
-    is tried first, without asking. passed_over: attaching where the last answer pointed failed (the server that
-    answered had handed the context off to one that died since), so that server is asked last."""
+    is tried first, without asking. passed_over: attaching where the last answer pointed failed
+    (the server that answered had handed the context off to one that died since), so that
+    server is asked last."""
     order = []
 
     def find(passed_over=False):

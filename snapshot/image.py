@@ -85,8 +85,8 @@ DIGEST_KEYED = b"blake2b-256-keyed"
 _QUOTED_KEY_RE = re.compile(rb'"([0-9a-f]{32})"')
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2}){0,64}")
 _CONTAINERS = itertools.repeat((dict, list))
-# A manifest's "created" key, as canonical JSON writes it: a quote inside a string is escaped
-# (\"), so only a key named "created" matches.
+# A manifest's "created" key, metadata mode and session, as canonical JSON writes them (for
+# latest_image's glance): a quote inside a string is escaped (\"), so only keys match.
 _CREATED_RE = re.compile(rb'"created":(-?[0-9][0-9.eE+-]*)[,}]')
 _MODE_RE = re.compile(rb'"mode":"([a-z]*)"')
 _SESSION_RE = re.compile(rb'"session":\{"ctx":([0-9]+),"next_id":[0-9]+,"token":"([0-9a-f]*)"\}')

@@ -329,6 +329,18 @@ def test_a_copy_on_write_before_the_cuts_fingerprints_are_in(tmp_path, behind_ou
     assert region(store, "b", ptr).tobytes() == expected.tobytes()
 
 
+def test_differing_chunk_keys_are_found_in_one_step_or_one_by_one():
+    """A warm copy's advance finds the chunks whose keys changed: NumPy compares lists of
+    32-hex-digit keys; a list holding anything else is compared one by one, the same way."""
+    from phos.snapshot.engine import differing
+    a = [f"{i:032x}" for i in range(100)]
+    b = list(a)
+    b[3], b[97] = "f" * 32, "e" * 32
+    assert differing(a, b).tolist() == [3, 97] and differing(a, a).tolist() == []
+    assert differing(a[:3] + [None], a[:3] + ["0" * 32]).tolist() == [3]
+    assert differing(["ab", "cd"], ["ab", "ce"]).tolist() == [1]
+
+
 def test_what_a_call_touches_that_is_not_yet_saved(tmp_path):
     """not_done: the chunks a call's range, or its kernel's whole allocation, covers until
     they are saved; then nothing, and a whole allocation found saved is not looked at again."""
