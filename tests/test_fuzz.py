@@ -327,8 +327,15 @@ class Fuzzer:
         with open(path, "wb") as f:
             f.write((cookie if right_cookie else os.urandom(16))[:file_size] + bytes(max(file_size - 16, 0)))
         try:
-            [*_, (_, status, message, u64s, _)] = self.s.call(("attach", {"ctx": self.s.ctx, "token": self.s.token, "shmPath": path,
-                                                                          "shmCookie": cookie, "shmSize": size}))
+            self.seq += 1
+            seq = self.seq
+            self.s.sock.send(encode([("attach", {"ctx": self.s.ctx, "token": self.s.token, "shmPath": path,
+                                                 "shmCookie": cookie, "shmSize": size})], [seq]))
+            # a request the fuzzer wrote into the old mailbox may be answered over the socket first
+            seen, answered = self.replies(self.s.sock, lambda rs: any(r[0] == seq for r in rs), lambda: running(self.s_pid))
+            assert answered, f"the worker died: {self.server.output()[-3000:]}"
+            self.check(seen, "staging")
+            _, status, message, u64s, _ = next(r for r in seen if r[0] == seq)
             assert status == 0, message
             if u64s[1]:                     # the worker uses this area now: so do we
                 with open(path, "r+b") as f:
