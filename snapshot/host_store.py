@@ -369,10 +369,9 @@ class HostStore(DirStore):
         return key in self._where or DirStore.has_chunk(self, key)
 
     def missing(self, keys):
-        keys = list(keys)
-        check_keys(keys)
         self._refresh()
         lack = {k for k in keys if k not in self._where}
+        check_keys(list(lack))    # a key the index holds is one; only the others need the check
         return DirStore.missing(self, lack) if lack and self._may_hold_files() else lack
 
     def _may_hold_files(self):
