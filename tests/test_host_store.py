@@ -111,6 +111,8 @@ def test_deleted_chunks_free_their_slots(store):
     with pytest.raises(ImageError, match="missing"):
         read_chunk(store, keys[1])
     assert HostStore(store.path).missing(keys) == {keys[1]}       # another opening sees the same
+    with pytest.raises(ImageError, match="invalid chunk key"):      # checked where the index lacks it
+        store.missing(keys + ["../../etc/passwd"])
 
 
 def test_a_damaged_index_or_arena_is_refused_clearly(tmp_path, store):
