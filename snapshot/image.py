@@ -538,16 +538,19 @@ class Manifest:
                             for c, k in enumerate(e["chunks"]))
         return refs
 
-    def chunk_keys(self):
+    def _keys(self):
+        """Every chunk key the image references, modules' first, repeats and all."""
         d = self._data
-        return {e["image"] for e in d["modules"]} | {k for kind in ("globals", "allocations") for e in d[kind] for k in e["chunks"]}
+        return itertools.chain((e["image"] for e in d["modules"]),
+                               *(e["chunks"] for kind in ("globals", "allocations") for e in d[kind]))
+
+    def chunk_keys(self):
+        return set(self._keys())
 
     def missing_chunk(self, store, present=frozenset()):
         """(key, where) of a chunk neither in `present` nor in the store, or None."""
-        d = self._data        # (a writer's `present` holds nearly all: no set of them all is built)
-        ask = {e["image"] for e in d["modules"] if e["image"] not in present}
-        ask.update(k for kind in ("globals", "allocations") for e in d[kind] for k in e["chunks"] if k not in present)
-        k = min(store.missing(ask), default=None)
+        # a writer's `present` holds nearly all: no set of them all is built
+        k = min(store.missing({k for k in self._keys() if k not in present}), default=None)
         return None if k is None else (k, next(where for key, where in self.chunk_refs() if key == k))
 
     @property
@@ -692,7 +695,7 @@ class ImageWriter:
         lacking = self.store.missing(new)          # thousands at once
         found = [k not in lacking for k in keys] if lacking else [True] * len(keys)
         with self._mu:
-            self.reused_chunks += len(keys) - sum(k in lacking for k in keys) if lacking else len(keys)
+            self.reused_chunks += sum(found)
             present.update(k for k in new if k not in lacking)
         return found
 
