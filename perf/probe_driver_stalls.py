@@ -126,26 +126,32 @@ print(json.dumps(marks), flush=True)
 """
 
 
-def teardown_stall(fn, buf, gib):
-    """Longest launch+sync gap while another process frees gib GiB, closes its context and exits."""
-    child = subprocess.Popen([sys.executable, "-c", RETIRING, str(gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def beside_child(fn, buf, script, args=(), before=0.1, after=0.0):
+    """Launch and sync here while a child process runs script: for `before` seconds, then from
+    telling it "go" (once it said "ready") until it exits, then `after` seconds more. Returns
+    (each launch+sync's end, when it was told to go, when it exited, its last line as JSON)."""
+    child = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "ready"
     ends = []
+
+    def loop(done):
+        while not done():
+            launch_sync(fn, buf)
+            ends.append(time.perf_counter())
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 0.1:
-        launch_sync(fn, buf)
-        ends.append(time.perf_counter())
+    loop(lambda: time.perf_counter() - t0 >= before)
     child.stdin.write("go\n")
     child.stdin.flush()
-    while child.poll() is None:
-        launch_sync(fn, buf)
-        ends.append(time.perf_counter())
+    go = time.perf_counter()
+    loop(lambda: child.poll() is not None)
     exited = time.perf_counter()
-    while time.perf_counter() - exited < 0.1:
-        launch_sync(fn, buf)
-        ends.append(time.perf_counter())
-    marks = json.loads(child.stdout.readline())
-    ends = np.array(ends)
+    loop(lambda: time.perf_counter() - exited >= after)
+    return np.array(ends), go, exited, json.loads(child.stdout.readline())
+
+
+def teardown_stall(fn, buf, gib):
+    """Longest launch+sync gap while another process frees gib GiB, closes its context and exits."""
+    ends, _, exited, marks = beside_child(fn, buf, RETIRING, [str(gib)], after=0.1)
 
     def worst(a, b):
         inside = ends[(ends > a) & (ends <= b + 0.05)]
@@ -221,24 +227,10 @@ def teardown_ops(fn, buf, pinning=False):
     pinner = threading.Thread(target=keep_pinning, args=(ok(cu.cuCtxGetCurrent()), stop))
     if pinning:
         pinner.start()
-    child = subprocess.Popen([sys.executable, "-c", TEARDOWN_OPS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "ready"
-    ends = []
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 0.2:
-        launch_sync(fn, buf)
-        ends.append(time.perf_counter())
-    child.stdin.write("go\n")
-    child.stdin.flush()
-    go = time.perf_counter()
-    while child.poll() is None:
-        launch_sync(fn, buf)
-        ends.append(time.perf_counter())
-    ops = json.loads(child.stdout.readline())
+    ends, go, _, ops = beside_child(fn, buf, TEARDOWN_OPS, before=0.2)
     stop.set()
     if pinning:
         pinner.join()
-    ends = np.array(ends)
     gaps = np.diff(ends)
     print(f"\n| operation (another process){', while this one pins' if pinning else ''} | its time (ms) "
           "| longest gap overlapping it here (ms) |\n|---|---|---|")
