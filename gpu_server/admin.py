@@ -6,6 +6,7 @@ authentication; tenants never see it.
 import asyncio
 import datetime
 import json
+import logging
 import os
 import time
 import urllib.parse
@@ -35,6 +36,8 @@ MAX_ROUNDS = 12                  # pre-copy rounds of a handoff, at most
 SMALL_ROUND = 4 << 20            # a pre-copy round this small ends them: the frozen one will be small too
 HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
 HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
+
+log = logging.getLogger("phos.admin")
 
 
 def admin_socket(server):
@@ -113,20 +116,18 @@ class Admin(admin_pb2_grpc.AdminServicer):
     async def Restore(self, request, context):
         t0 = time.perf_counter()
         try:
-            name = request.name or await asyncio.to_thread(lambda: latest_image(open_store(request.store)))
-            if not name:
-                raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {request.store}")
-            found = time.perf_counter()
             store = os.path.abspath(request.store)
+            if request.advance and not request.name:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "advancing a warm copy needs the image's name")
             if request.advance:
-                w, res = await self.front.advance(store, name, request.ctx, final=not request.warm, full=request.full)
-            else:
-                w, res = await self.front.restore(store, name, request.full, warm=request.warm)
+                w, res = await self.front.advance(store, request.name, request.ctx, final=not request.warm, full=request.full,
+                                                  delta=request.delta)
+            else:       # without a name, the worker restores the store's latest image
+                w, res = await self.front.restore(store, request.name, request.full, warm=request.warm)
             result = json.loads(res.text)
-            return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res.u64s[1], name=name, seconds=time.perf_counter() - t0,
+            return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res.u64s[1], name=result["name"], seconds=time.perf_counter() - t0,
                                    bytes=result["bytes"], endpoint=w.endpoint,
-                                   phase_ms={**result["phase_ms"], "find_image": (found - t0) * 1e3,
-                                             "worker_call": (time.perf_counter() - found) * 1e3})
+                                   phase_ms={**result["phase_ms"], "worker_call": (time.perf_counter() - t0) * 1e3})
         except CudaError as e:
             await self.fail(context, e)
         except (OSError, ImageError) as e:     # the store cannot be opened (a damaged host store's index, say)
@@ -173,22 +174,52 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 # by 14 ms but copied twice the bytes, and the downtime grew (perf/RESULTS.md)
                 chunk = request.chunk_size or DEFAULT_CHUNK_SIZE
                 warm = True
-                rounds, round_ms, name = await self.pre_copy(w, store, request.max_rounds, chunk, adopt)
+                rounds, round_ms, parent = await self.pre_copy(w, store, request.max_rounds, chunk, adopt)
                 frozen = time.perf_counter()
                 phases = {"pre_copy": (frozen - t0) * 1e3}
-                copied, name, steps, ms = await self.handoff_round(w, store, len(rounds), name, chunk, final=True)
+                name = store.round_name(len(rounds))
+                # The target adopts the last round: loaded in full before the client comes (the
+                # delta is small, and a loader thread left running would slow the target's first
+                # calls: GIL). Unless the round is the target's recovery image (which must be
+                # committed first), the source sends it as a delta before committing, and the
+                # target adopts that while the source commits.
+                early, commit_failed, adopt_began = [], None, [frozen]
+
+                def on_delta(text):
+                    adopt_began[0] = time.perf_counter()
+                    phases["last_round_delta"] = (adopt_began[0] - frozen) * 1e3
+                    early.append(asyncio.ensure_future(adopt(name, advance=True, full=True, delta=text)))
+                try:
+                    copied, _, steps, ms = await self.handoff_round(w, store, len(rounds), parent, chunk, final=True,
+                                                                    on_delta=None if store.recovery else on_delta)
+                except CudaError as e:
+                    if not early:
+                        raise               # before its delta: the source thawed itself
+                    copied, steps, ms, commit_failed = 0, {}, 0.0, e
                 rounds.append(copied)
                 round_ms.append(ms)
                 t = time.perf_counter()
                 phases.update({f"last_round_{k}": v for k, v in steps.items()}, last_round=(t - frozen) * 1e3)
-                try:
-                    # loaded in full before the client comes: the delta is small, and a
-                    # loader thread left running would slow the target's first calls (GIL)
-                    reply = await adopt(name, advance=True, full=True)
-                except CudaError:
-                    await self.front.control(w, "thaw")
-                    raise
-                phases["target_adopt"] = (time.perf_counter() - t) * 1e3
+                reply = None
+                if early:
+                    try:
+                        reply = await early[0]
+                    except CudaError as e:
+                        log.info("context %d: the target could not take the last round's delta (%s): it adopts the "
+                                 "committed image", request.ctx, e.message)
+                if reply is None:
+                    try:
+                        if commit_failed is not None:
+                            raise commit_failed
+                        adopt_began[0] = time.perf_counter()
+                        reply = await adopt(name, advance=True, full=True)
+                    except CudaError:
+                        await self.front.control(w, "thaw")
+                        raise
+                elif commit_failed is not None:      # the target holds it all: the image was for a fallback
+                    log.warning("context %d: the handoff's last round was not committed (%s); the target took its "
+                                "delta", request.ctx, commit_failed.message)
+                phases["target_adopt"] = (time.perf_counter() - adopt_began[0]) * 1e3
                 phases.update({f"target_{k}": v for k, v in reply.phase_ms.items()})
                 warm = False              # it is the live context there now
             self.front.moved[request.ctx] = (reply.endpoint, info.standby)
@@ -257,14 +288,16 @@ class Admin(admin_pb2_grpc.AdminServicer):
         except grpc.aio.AioRpcError:
             pass
 
-    async def handoff_round(self, w, store, i, parent, chunk, final):
-        """One round into the handoff's store: a pre-copy round, or the frozen last one."""
-        async def ignore(res):
-            pass
+    async def handoff_round(self, w, store, i, parent, chunk, final, on_delta=None):
+        """One round into the handoff's store: a pre-copy round, or the frozen last one.
+        on_delta: given the last round's delta (text) when the source sends it, before committing."""
+        async def progress(res):
+            if on_delta is not None and res.text:
+                on_delta(res.text)
         name = store.round_name(i)
         args = {"store": store.path, "name": name, "parent": parent, "paused": final, "freeze": final, "precopy": not final,
-                "chunkSize": chunk, "noSync": True}
-        res = await self.front.control(w, "checkpoint", args, ignore)
+                "chunkSize": chunk, "noSync": True, "early": on_delta is not None}
+        res = await self.front.control(w, "checkpoint", args, progress)
         result = json.loads(res.text)
         return result["copied_bytes"], name, result["phase_ms"], result["seconds"] * 1e3
 

@@ -32,8 +32,16 @@ def ok(result, what):
     """Unpack a cuda-python result tuple, raising CudaError on failure."""
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        raise CudaError(int(err), f"{what} failed: {cu.cuGetErrorString(err)[1].decode(errors='replace')}")
+        raise CudaError(int(err), f"{what} failed: {_error_string(err)}")
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+
+
+def _error_string(err):
+    """The driver's words for an error: a ctypes call gives a bare int, cuda-python wants its enum."""
+    try:
+        return cu.cuGetErrorString(cu.CUresult(int(err)))[1].decode(errors="replace")
+    except (ValueError, TypeError, AttributeError):
+        return f"error {int(err)}"
 
 
 def _driver_call(name, *argtypes):
@@ -53,6 +61,13 @@ _cuMemcpyDtoDAsync = _driver_call("cuMemcpyDtoDAsync_v2", _U64, _U64, _N, _P)
 _cuMemcpyDtoHAsync = _driver_call("cuMemcpyDtoHAsync_v2", _P, _U64, _N, _P)
 _cuMemcpyHtoDAsync = _driver_call("cuMemcpyHtoDAsync_v2", _U64, _P, _N, _P)
 _cuEventRecord = _driver_call("cuEventRecord", _P, _P)
+# A restore maps every allocation before the context is usable: through ctypes, with the
+# properties cuda-python built passed by address (getPtr).
+_cuMemCreate = _driver_call("cuMemCreate", ctypes.POINTER(_U64), _N, _P, ctypes.c_ulonglong)
+_cuMemMap = _driver_call("cuMemMap", _U64, _N, _N, _U64, ctypes.c_ulonglong)
+_cuMemSetAccess = _driver_call("cuMemSetAccess", _U64, _N, _P, _N)
+_cuMemUnmap = _driver_call("cuMemUnmap", _U64, _N)
+_cuMemRelease = _driver_call("cuMemRelease", _U64)
 _cuEventQuery = _driver_call("cuEventQuery", _P)
 
 
@@ -117,6 +132,7 @@ class CudaBackend:
         access.location.id = device
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access = access
+        self.prop_ptr, self.access_ptr = prop.getPtr(), access.getPtr()     # for the ctypes calls
         granularity = ok(cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                          "cuMemGetAllocationGranularity")
         self.reserved = self._reserve(ok(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
@@ -162,22 +178,28 @@ class CudaBackend:
     def alloc(self, nbytes, at=None):
         ptr = self.space.alloc(nbytes, at)
         length = -(-nbytes // self.space.align) * self.space.align
+        handle, mapped = _U64(), False
         try:
-            handle = ok(cu.cuMemCreate(length, self.prop, 0), "cuMemCreate")
-        except CudaError:
+            _check(_cuMemCreate(ctypes.byref(handle), length, self.prop_ptr, 0), "cuMemCreate")
+            _check(_cuMemMap(ptr, length, 0, handle.value, 0), "cuMemMap")
+            mapped = True
+            _check(_cuMemSetAccess(ptr, length, self.access_ptr, 1), "cuMemSetAccess")
+        except CudaError:          # nothing half made stays behind
+            if mapped:
+                _cuMemUnmap(ptr, length)
+            if handle.value:
+                _cuMemRelease(handle.value)
             self.space.release(ptr)
             raise
-        ok(cu.cuMemMap(ptr, length, 0, handle, 0), "cuMemMap")
-        ok(cu.cuMemSetAccess(ptr, length, [self.access], 1), "cuMemSetAccess")
-        self.handles[ptr] = (length, handle)
+        self.handles[ptr] = (length, handle.value)
         return ptr
 
     def free(self, ptr):
         self.space.release(ptr)
         self.synchronize()         # cuMemFree waits for work using the memory too
         length, handle = self.handles.pop(ptr)
-        ok(cu.cuMemUnmap(ptr, length), "cuMemUnmap")
-        ok(cu.cuMemRelease(handle), "cuMemRelease")
+        _check(_cuMemUnmap(ptr, length), "cuMemUnmap")
+        _check(_cuMemRelease(handle), "cuMemRelease")
 
     def mem_info(self):
         return ok(cu.cuMemGetInfo(), "cuMemGetInfo")
@@ -362,8 +384,8 @@ class CudaBackend:
             cu.cuMemHostUnregister(addr)
             time.sleep(PIN_PAUSE)
         for ptr, (length, handle) in self.handles.items():
-            cu.cuMemUnmap(ptr, length)
-            cu.cuMemRelease(handle)
+            _cuMemUnmap(ptr, length)
+            _cuMemRelease(handle)
         cu.cuMemAddressFree(BASE, self.reserved)
         cu.cuDevicePrimaryCtxRelease(self.device)
 

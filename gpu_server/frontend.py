@@ -474,20 +474,26 @@ class FrontEnd:
         if worker is not None and worker.proc.returncode is None:
             worker.proc.kill()
 
-    async def advance(self, store, name, ctx, final=True, full=False):
+    async def advance(self, store, name, ctx, final=True, full=False, delta=""):
         """A handoff's later image: the warm copy of context ctx moves on to it, loading only
         what changed; if it cannot, the image is restored afresh. final: clients may attach then.
-        full: answer once everything is loaded."""
+        full: answer once everything is loaded. delta: the image as a delta of the warm copy's
+        (its manifest may not be committed yet: no fresh restore then, the caller falls back)."""
         warm = self.workers.get(ctx)
         if warm is not None and warm.state == "warming" and alive(warm.proc):
             try:
-                res = await self.control(warm, "restore", {"store": store, "name": name, "advance": True, "full": full})
+                res = await self.control(warm, "restore", {"store": store, "name": name, "advance": True, "full": full,
+                                                           "delta": delta})
                 if final:
                     warm.state = "running"
                     self.counts["restores"] += 1
                 return warm, res
             except CudaError as e:
+                if delta:
+                    raise
                 log.warning("context %d: the warm copy cannot take image %s (%s): restoring it afresh", ctx, name, e.message)
+        elif delta:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"no warm copy of context {ctx} here to take the delta of image {name}")
         return await self.restore(store, name, full=full, warm=not final)
 
     async def serve(self):

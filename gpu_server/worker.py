@@ -48,7 +48,7 @@ SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 
 PROFILE_DIR = os.environ.get("PHOS_PROFILE_DIR")   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
 FIRST_HANDLE = 0x1000
 POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs microseconds, twice a loop
-CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync")
+CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync", "early")
 BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
 
 
@@ -203,6 +203,7 @@ class Worker:
         self.grace = ATTACH_TIMEOUT   # how long to wait for a client before freeing the context
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
+        self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
         self.client_fds = set()    # their connections: the context lives while one is open
         self.pending = []          # results waiting for the next reply
@@ -393,6 +394,7 @@ class Worker:
         # Frozen from the cut on: a call run while the image is still being written would be
         # acknowledged to the client, yet missing from the image the target restores.
         self.frozen = a.freeze and a.paused
+        self.early = self.frozen and a.early     # its delta goes out before the commit (Checkpoint.early)
         self.job, self.progress_at = (peer, seq), time.monotonic()
         self.tick()
 
@@ -429,7 +431,7 @@ class Worker:
         s.recovery = Recovery(self.recovery_options[0], s.ctx_id, *self.recovery_options[1:])
         if restored and restored.store.path == os.path.abspath(s.recovery.path):
             s.recovery.restored_from(restored.name, self.ack)       # its parent, as it is in our store
-            self.last_image = (restored.store.path, restored.name, restored.manifest.chunk_keys())   # chunks it holds
+            self.last_image = (restored.store.path, restored.name, restored.chunk_keys())   # chunks it holds
 
     @property
     def recovering(self):
@@ -475,7 +477,11 @@ class Worker:
         r, s = self.warm, self.session
         if r is None or self.attached or os.path.abspath(a.store) != r.store.path:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker holds no restore to advance")
-        cut = r.advance(a.name, a.full)
+        try:
+            delta = json.loads(a.delta) if a.delta else None
+        except ValueError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"delta of image {a.name!r} is not JSON: {e}") from None
+        cut = r.advance(a.name, a.full, delta)
         if cut is None:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"image {a.name!r} holds other objects: restore it afresh")
         self.ack = cut
@@ -486,7 +492,7 @@ class Worker:
     def restored(self, r):
         """The restore call's Result: the context, its cut and what is loaded so far."""
         return {"u64s": [self.session.ctx_id, self.ack],
-                "text": json.dumps({"bytes": r.bytes_total, "loaded": r.bytes_done, "phase_ms": r.phase_ms})}
+                "text": json.dumps({"name": r.name, "bytes": r.bytes_total, "loaded": r.bytes_done, "phase_ms": r.phase_ms})}
 
     def thaw(self, peer, seq, a):
         self.frozen = False
@@ -521,8 +527,13 @@ class Worker:
         if cp is not None:             # its copies run in steps on this thread, between calls
             cp.advance(busy=self.box_ready() or bool(self.sock.getsockopt(zmq.EVENTS) & POLLIN))
         if cp is not None and not cp.running:
+            sent = []      # the delta, once it went out: the target may be adopting it
+
+            def send_delta(delta):
+                self.answer_control(*self.job, CUresult.CUDA_ERROR_NOT_READY, "", {"text": json.dumps(delta)})
+                sent.append(True)
             try:
-                result = cp.finish(self.ack)
+                result = cp.finish(self.ack, send_delta if self.early and self.job else None)
                 self.last_image = (cp.store.path, cp.name, cp.chunk_keys())
                 fields = {"text": json.dumps(result)}
                 status, message = CUresult.CUDA_SUCCESS, ""
@@ -531,7 +542,9 @@ class Worker:
                     log.exception("context %d: checkpoint failed", s.ctx_id)
                     e = CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"{type(e).__name__}: {e}")
                 result, fields, status, message = None, {}, e.status, f"checkpoint: {e.message}"
-                self.frozen = False    # a handoff's last round failed: the context goes on here
+                # A handoff's last round failed: the context goes on here, unless its delta went
+                # out first; the target may hold the context then, and the front end decides.
+                self.frozen = bool(sent)
             s.checkpoint = None
             if self.profiler is not None:
                 self.profiler.disable()

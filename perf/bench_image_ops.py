@@ -13,10 +13,13 @@ on /dev/shm, so the times are the manifest's and the store's, not the bytes'.
     latest of 2       latest_image in a store of two images (the recovery front end)
     frozen round      a handoff's paused last round on emu, 1% of the chunks changed, the
                       emulator's fingerprints taken beforehand (describe, copy, commit)
+    ... to its delta  the same, until its delta is ready (a handoff's target gets it then)
     advance           the target's warm restore moving on to that round's image (manifest
                       and load of what changed)
+    advance by delta  the same, given the round's delta (JSON) instead of its manifest
 """
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -79,20 +82,23 @@ def rounds(root, n, chunk=4096):
     s.backend.htod(ptr, secrets.token_bytes(max(1, n // 100) * chunk), None)
     now = s.backend.snap.fingerprints(base.chunks.table, False)()
     s.backend.snap.fingerprints = lambda chunks, fence: lambda: now    # the emulator hashes on the CPU: not timed
-    times = {"frozen round": [], "advance": []}
+    times = {"frozen round": [], "... to its delta": [], "advance": [], "advance by delta": []}
     for i in range(5):
         cp = Checkpoint(s, store, f"round{i}", parent="base", paused=True, chunk_size=chunk, known=base.chunk_keys())
+        deltas = []
         t = time.perf_counter()
         cp.cut(2, paused=True)
-        cp.finish(2)
+        cp.finish(2, lambda d: deltas.append((json.dumps(d), time.perf_counter())))
         times["frozen round"].append(time.perf_counter() - t)
-        target = Session(EmuBackend(), 0, b"t" * 16)
-        r = Restore(target, store, "base")
-        r.recreate()
-        r.start(full=True)
-        t = time.perf_counter()
-        r.advance(f"round{i}", full=True)
-        times["advance"].append(time.perf_counter() - t)
+        times["... to its delta"].append(deltas[0][1] - t)
+        for how in ("advance", "advance by delta"):
+            target = Session(EmuBackend(), 0, b"t" * 16)
+            r = Restore(target, store, "base")
+            r.recreate()
+            r.start(full=True)
+            t = time.perf_counter()
+            r.advance(f"round{i}", full=True, delta=json.loads(deltas[0][0]) if how == "advance by delta" else None)
+            times[how].append(time.perf_counter() - t)
     return {k: min(v) * 1e3 for k, v in times.items()}
 
 

@@ -250,6 +250,9 @@ struct Checkpoint {
                                # application runs, with no cut (see snapshot/engine.py)
   noSync @8 :Bool;             # no fsync of its files: a handoff's rounds outlive processes
                                # (in the page cache), not a power cut, and need no more
+  early @9 :Bool;              # with freeze: before committing, a CUDA_ERROR_NOT_READY Result
+                               # whose text is the image as a delta of its parent (JSON, see
+                               # snapshot/engine.py Checkpoint.delta), for the handoff's target
 }
 # Restore an image into a worker that holds no context yet (a pre-started one). The Result's
 # u64s are [ctx id, cut seq]; with `full`, it comes once every chunk is loaded.
@@ -260,7 +263,9 @@ struct Checkpoint {
 # Without `full`, contents load in the background once the client has attached and its first
 # calls were served (or 0.1 s on); with `warm` (a handoff's early image, which no client
 # attaches to before `advance`), at once.
-struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; warm @4 :Bool; }
+# With `advance` and `delta` (a Checkpoint's early delta), the worker moves on by the delta
+# instead of reading the image's manifest, which may not be committed yet.
+struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; warm @4 :Bool; delta @5 :Text; }
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
 struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }

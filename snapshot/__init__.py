@@ -5,9 +5,9 @@ verified reader, deletion), `store` (DirStore, MemoryStore) and `host_store` (Ho
 shared host memory; open_store picks the kind a path holds).
 """
 from .image import (ImageError, ImageWriter, Manifest, delete_image, gc, latest_image, read_chunk, read_image,
-                    read_region, validate_manifest)
+                    read_latest_image, read_region, validate_manifest)
 from .host_store import HostStore, open_store
 from .store import DirStore, MemoryStore
 
 __all__ = ["ImageError", "ImageWriter", "Manifest", "delete_image", "gc", "latest_image", "read_chunk", "read_image",
-           "read_region", "validate_manifest", "DirStore", "HostStore", "MemoryStore", "open_store"]
+           "read_latest_image", "read_region", "validate_manifest", "DirStore", "HostStore", "MemoryStore", "open_store"]

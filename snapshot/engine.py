@@ -43,17 +43,21 @@ thread, and a call touching a chunk not yet loaded loads it first (`before_acces
 import bisect
 import concurrent.futures
 import functools
+import hashlib
+import json
 import logging
 import struct
 import threading
 import time
+import types
 
 import numpy as np
 
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, chunk_payload,
-                                 read_chunk, read_chunk_into, read_image)
+                                 read_chunk, read_chunk_into, read_image, read_latest_image)
+from phos.snapshot.store import joined_keys
 
 log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
@@ -158,6 +162,11 @@ def differing(a, b):
     x, y = "".join(a).encode(), "".join(b).encode()
     if len(x) != 32 * len(a) or len(y) != 32 * len(b):
         return indices([i for i, (p, q) in enumerate(zip(a, b)) if p != q])
+    return differing_joined(x, y)
+
+
+def differing_joined(x, y):
+    """differing() of two equally long strings of keys joined (bytes)."""
     return np.flatnonzero((np.frombuffer(x, np.uint8).reshape(-1, 32) != np.frombuffer(y, np.uint8).reshape(-1, 32)).any(axis=1))
 
 
@@ -547,8 +556,10 @@ class Checkpoint(ChunkJob):
         self.wait_done(idx)   # the background may be copying some of them right now
 
     # -- the end -----------------------------------------------------------------------
-    def finish(self, seq_now):
-        """Commit the image once copying ended (on the worker's thread). Returns stats."""
+    def finish(self, seq_now, before_commit=None):
+        """Commit the image once copying ended (on the worker's thread). Returns stats.
+        before_commit: called with the image as a delta of its parent (delta()) before the
+        commit, which a handoff's target need not wait for."""
         while self.running:
             self.advance()
         self.release_spare()
@@ -577,6 +588,8 @@ class Checkpoint(ChunkJob):
                               "paused": fell_back or not self.concurrent, "pause_ms": round(self.pause_s * 1e3, 3),
                               "recopied_chunks": self.mismatched, "seconds": round(elapsed, 6)}
         self.io.shutdown()
+        if before_commit is not None:
+            before_commit(self.delta(fields))
         t0 = time.perf_counter()
         try:
             man = self.writer.commit(fields)
@@ -592,6 +605,10 @@ class Checkpoint(ChunkJob):
     def chunk_keys(self):
         """Every chunk key of the committed image: its contents and its modules."""
         return frozenset(self.keys) | {e["image"] for e in self.fields["modules"]}
+
+    def delta(self, fields):
+        """image_delta of the image these fields will commit."""
+        return image_delta(types.SimpleNamespace(**{**fields, "name": self.name, "parent": self.writer.parent}))
 
     def abort(self, why="checkpoint aborted"):
         self.fail(CudaError(CUresult.CUDA_ERROR_UNKNOWN, why))
@@ -620,16 +637,39 @@ def same_objects(m):
             pick(region_entries(m), "address", "size", "chunk_size", "module", "name"))
 
 
+def image_delta(m):
+    """An image (a Manifest, or its fields) as a handoff's warm target needs it to move on from
+    the parent image it holds (Restore.advance), without reading a manifest: what the objects
+    are (a digest), the session's next id, the error state, the cut, and every region's chunk
+    keys (by address, joined). JSON-ready."""
+    return {"format": DELTA_FORMAT, "name": m.name, "parent": m.parent, "cut_seq": m.cut_seq, "objects": objects_digest(m),
+            "next_id": m.session["next_id"], "error": m.error,
+            "regions": [[e["address"], "".join(e["chunks"])] for e in list(m.allocations) + list(m.globals) if e["size"]]}
+
+
+def objects_digest(m):
+    """A digest of same_objects(m): a delta names the objects of its image by it."""
+    return hashlib.blake2b(repr(same_objects(m)).encode(), digest_size=16).hexdigest()
+
+
+DELTA_FORMAT = "phos-delta-1"
+
+
 class Restore(ChunkJob):
     """Bring an image back into a fresh session: objects now, contents now or on demand."""
 
     def __init__(self, session, store, name, key=None):
-        self.session, self.store, self.name = session, store, name
+        """name: the image, or None for the store's latest (found here: the manifest is then
+        read and checked once)."""
+        self.session, self.store = session, store
         t0 = time.perf_counter()
         try:
-            self.manifest = read_image(store, name, key=key)
+            self.manifest = read_image(store, name, key=key) if name else read_latest_image(store, key=key)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
+        if self.manifest is None:
+            raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {getattr(store, 'path', store)}")
+        self.name = self.manifest.name
         super().__init__()
         self.thread = None           # the background loader
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
@@ -692,7 +732,7 @@ class Restore(ChunkJob):
         for e in m.allocations:
             backend.alloc(e["size"], at=e["address"])
         t = self.step("allocations", t)
-        self.adopt_session(m)
+        self.adopt_session(m.session, m.error)
         regions = [(placed.get((e.get("module"), e.get("name")), e["address"]), e) for e in region_entries(m)]
         self.bases = [ptr for ptr, _ in regions]      # advance() pairs a later image's entries with them
         self.chunks, self.settled = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions]), set()
@@ -701,27 +741,47 @@ class Restore(ChunkJob):
         self.bytes_total, self.bytes_done = int(self.chunks.sizes.sum()), 0
         return m.cut_seq
 
-    def adopt_session(self, m):
-        s, sess = self.session, m.session
+    def adopt_session(self, sess, error):
+        s = self.session
         s.ctx_id, s.token_digest, s.next_id = sess["ctx"], sess["token"], sess["next_id"]
-        s.sticky = (m.error["status"], m.error["message"]) if m.error["status"] else None
+        s.sticky = (error["status"], error["message"]) if error["status"] else None
 
-    def advance(self, name, full=False):
+    def advance(self, name, full=False, delta=None):
         """Move this restore (its context not yet in use) on to a later image of the same
         context, as a handoff's last round: only the chunks whose contents changed load again.
-        Returns the later image's cut, or None when the images differ in more than contents
-        (objects created or destroyed): then it must be restored afresh."""
+        delta: that image as Checkpoint.delta gave it (its manifest is not read, and may not be
+        committed yet). Returns the later image's cut, or None when the images differ in more
+        than contents (objects created or destroyed): then it must be restored afresh."""
         t = time.perf_counter()
         self.phase_ms = {}
-        try:     # the chunks of the image it advances from were checked when it was read
-            m = read_image(self.store, name, check_chunks=False)
-        except ImageError as e:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
-        if same_objects(self.manifest) != same_objects(m):
-            return None
-        by_base = {ptr: e["chunks"] for ptr, e in zip(self.bases, region_entries(m))}
-        keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
-        changed = differing(self.keys, keys)        # only these load again: the store must hold them
+        m = None
+        if delta is not None:
+            if self.check_delta(name, delta) != objects_digest(self.manifest):
+                return None
+            by_address, parts = dict(delta["regions"]), []
+            for (base, size, chunk_size), e in zip(self.chunks.regions, self.region_of_base()):
+                parts.append(by_address.get(e["address"], ""))
+                if len(parts[-1]) != 32 * chunk_count(size, chunk_size):
+                    self.refuse(f"the delta of image {name!r} holds {len(parts[-1]) // 32} chunk keys for the region at "
+                                f"{e['address']:#x}, which has {chunk_count(size, chunk_size)}")
+            joined = "".join(parts)
+            changed = differing_joined("".join(self.keys).encode(), joined.encode())
+            keys = list(self.keys)
+            for c in changed.tolist():
+                keys[c] = joined[32 * c:32 * c + 32]
+            session, error, cut_seq = dict(self.manifest.session, next_id=delta["next_id"]), delta["error"], delta["cut_seq"]
+        else:
+            try:     # the chunks of the image it advances from were checked when it was read
+                m = read_image(self.store, name, check_chunks=False)
+            except ImageError as e:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
+            if same_objects(self.manifest) != same_objects(m):
+                return None
+            by_base = {ptr: e["chunks"] for ptr, e in zip(self.bases, region_entries(m))}
+            keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
+            session, error, cut_seq = m.session, m.error, m.cut_seq
+            changed = differing(self.keys, keys)
+        # only the changed chunks load again: the store must hold them
         missing = min(self.store.missing({keys[c] for c in changed}), default=None)
         if missing:
             self.refuse(f"chunk {missing} is missing from the store")
@@ -735,13 +795,47 @@ class Restore(ChunkJob):
             self.chunks.state[loaded] = PENDING
             self.settled.clear()
             self.bytes_done -= int(self.chunks.sizes[loaded].sum())
-        self.manifest, self.name = m, name
-        self.adopt_session(m)
+        if m is not None:          # by a delta, the objects are those of the manifest we hold
+            self.manifest = m
+        self.name = name
+        self.adopt_session(session, error)
         t = self.step("manifest", t)
         if self.failure is None:
             self.start(full)
             self.step("load", t)
-        return m.cut_seq
+        return cut_seq
+
+    def check_delta(self, name, d):
+        """Refuse a malformed delta, or one of another image than ours; returns its objects' digest."""
+        def bad(why):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"delta of image {name!r}: {why}")
+        if not isinstance(d, dict) or d.get("format") != DELTA_FORMAT or d.get("name") != name:
+            bad(f"not a {DELTA_FORMAT} delta of that image")
+        if d.get("parent") != self.name:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"delta of image {name!r}: it moves on from image "
+                            f"{d.get('parent')!r}, this restore holds {self.name!r}")
+        for field in ("cut_seq", "next_id"):
+            if not isinstance(d.get(field), int) or isinstance(d[field], bool) or not 0 <= d[field] < 1 << 64:
+                bad(f"{field} is not a count")
+        error = d.get("error")
+        if not isinstance(error, dict) or not isinstance(error.get("status"), int) or not isinstance(error.get("message"), str):
+            bad("error is not {status, message}")
+        regions = d.get("regions")
+        if not isinstance(regions, list) or not all(
+                isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and joined_keys(r[1]) for r in regions):
+            bad("regions are not [address, joined chunk keys] pairs")
+        if not isinstance(d.get("objects"), str):
+            bad("it names no objects")
+        return d["objects"]
+
+    def region_of_base(self):
+        """The manifest entry of each region, in the order of self.chunks.regions."""
+        of = {ptr: e for ptr, e in zip(self.bases, region_entries(self.manifest))}
+        return [of[base] for base, _, _ in self.chunks.regions]
+
+    def chunk_keys(self):
+        """Every chunk key of the image this restore is at: its contents and its modules."""
+        return frozenset(self.keys) | {e["image"] for e in self.manifest.modules}
 
     def read(self, c, out):
         """Chunk c's stored contents into out (a host buffer of its length)."""

@@ -587,7 +587,20 @@ def read_image(store, name, key=None, check_chunks=True):
     """The verified Manifest of image `name`: format, version, digest, fields and chunks present."""
     check_name(name)
     raw, digest = store.get_manifest(name, max_bytes=MAX_MANIFEST_BYTES)
-    _check_digest(name, raw, digest, key)
+    return _verified(store, name, raw, digest, key, check_chunks)
+
+
+def read_latest_image(store, key=None):
+    """The verified Manifest of latest_image(store), or None: each manifest is read once, and
+    the chosen one's digest checked once (an on-demand restore's path, where reading it again
+    took 3.2 ms at 32 GiB on the H200). Refuses the chosen one as read_image would."""
+    found = _latest(store, key=key)
+    return None if found is None else _verified(store, *found, key, True, digest_checked=True)
+
+
+def _verified(store, name, raw, digest, key, check_chunks, digest_checked=False):
+    if not digest_checked:
+        _check_digest(name, raw, digest, key)
     data = _parse_manifest(name, raw)
     validate_manifest(data, name, depth_checked=True)
     man = Manifest(data, bytes(raw))
@@ -813,6 +826,12 @@ def latest_image(store, ctx=None, token=None):
     """The name of the newest readable, consistent image in a store (of context ctx, and whose
     session token is `token`, if given), or None. A handoff's pre-copy round is consistent in
     its objects only: never anybody's latest."""
+    found = _latest(store, ctx, token)
+    return None if found is None else found[0]
+
+
+def _latest(store, ctx=None, token=None, key=None):
+    """latest_image's (name, manifest bytes, digest bytes); its digest checked with key."""
     # Newest first by a glance at the text, then its digest checked until one qualifies. The
     # full check is left to whoever restores it (Restore reads it anyway): parsing and checking
     # a 32 GiB context's manifest took the front end 3.2-4.3 ms of an on-demand restore on the H200.
@@ -825,7 +844,7 @@ def latest_image(store, ctx=None, token=None):
             continue
     for _, name, raw, digest in sorted(dated, key=lambda d: d[:2], reverse=True):
         try:
-            _check_digest(name, raw, digest, None)
+            _check_digest(name, raw, digest, key)
             mode, session = _glance(raw)
         except Exception:
             continue
@@ -835,7 +854,7 @@ def latest_image(store, ctx=None, token=None):
             continue
         if token is not None and not check_token(token, session.get("token", "")):
             continue
-        return name
+        return name, raw, digest
     return None
 
 

@@ -83,6 +83,8 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     assert reply.ctx == app.id and len(reply.round_bytes) >= 3 and reply.downtime_ms > 0
     assert len(reply.round_ms) == len(reply.round_bytes)             # where the time went, per round
     assert {"pre_copy", "last_round", "target_adopt", "retire"} <= set(reply.phase_ms)
+    assert "last_round_delta" in reply.phase_ms, "the target should adopt the last round's delta, sent before the commit"
+    assert "could not take the last round's delta" not in one.output()
     assert reply.chunk_size == 2 << 20                   # the default
     assert app.id in contexts(two) and app.id not in contexts(one)
     assert "restoring it afresh" not in two.output()     # the warm copy followed the rounds
@@ -90,6 +92,29 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     if host:       # the rounds went through it, and are gone once the target loaded them
         assert wait_until(lambda: not host.list_images() and not host.stats()["chunks"], 30)
         assert host._seq() >= 2 * len(reply.round_bytes), "the rounds' chunks did not pass through its slots"
+
+
+def test_objects_made_during_the_handoff_fall_back_on_the_committed_image(servers, client):
+    """The program allocates and fills a buffer every iteration while the context moves: each
+    round holds other objects than the last, so the target's warm copy cannot take the last
+    round's delta and adopts the committed image afresh. Every buffer and the result survive."""
+    one, two, app, (x, y, r), expected = start(servers, client, np.sin(np.arange(N, dtype=np.float32)) + 2)
+    done, made = {}, []
+    mover = threading.Thread(target=lambda: done.update(
+        reply=stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))))
+    for i in range(TOTAL):
+        if i == 10:
+            mover.start()
+        if 10 <= i and (mover.is_alive() or not made):
+            made.append((app.put(np.full(1024, i, np.float32)), i))    # a new object each iteration
+            time.sleep(0.002)
+        app.jacobi(x, y, r, N, 1)
+        x, y = y, x
+    mover.join()
+    assert app.get(x, N).tobytes() == expected.tobytes()
+    assert all((app.get(p, 1024) == i).all() for p, i in made)
+    assert app.id in contexts(two) and app.id not in contexts(one)
+    assert "could not take the last round's delta" in one.output() and "restoring it afresh" in two.output()
 
 
 def test_a_dead_target_leaves_the_context_running_here(servers, client):
@@ -202,10 +227,12 @@ def test_handoff_of_an_unknown_context_is_refused(servers):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no context 424242" in e.value.details()
 
 
-def warm_then_advance(servers, client, tmp_path, between):
+def warm_then_advance(servers, client, tmp_path, between, by_delta=False, before=None):
     """The target's warm copy: restore image A (warm), then advance it to image B, taken after
     between(app, x) ran. Returns (target, B's name, x, app); the copy is checkpointed again
-    into tmp_path/after so that its contents can be compared with B's."""
+    into tmp_path/after so that its contents can be compared with B's.
+    by_delta: B goes to the target as a delta of A (engine.image_delta), as a handoff's
+    last round does; before(admin, store, a, b, delta) runs first."""
     one, two = servers("one"), servers("two")
     app = App(client(one))
     x = app.put(np.arange(N, dtype=np.float32))
@@ -219,20 +246,63 @@ def warm_then_advance(servers, client, tmp_path, between):
     admin.Restore(pb.RestoreRequest(store=str(store), name=a, warm=True))
     warm = contexts(two)
     assert list(warm) == [app.id] and warm[app.id] in ("warming", "restoring")     # no client may attach yet
-    reply = admin.Restore(pb.RestoreRequest(store=str(store), name=b, advance=True, ctx=app.id))
+    delta = ""
+    if by_delta:
+        from phos.snapshot.engine import image_delta
+        delta = json.dumps(image_delta(read_image(DirStore(store), b)))
+        if before:
+            before(admin, str(store), a, b, delta)
+    reply = admin.Restore(pb.RestoreRequest(store=str(store), name=b, advance=True, ctx=app.id, delta=delta))
     assert reply.ctx == app.id and contexts(two)[app.id] in ("running", "restoring")
     assert wait_until(lambda: contexts(two)[app.id] == "running", 20)      # loaded: a checkpoint may start
     checkpoint(two, app.id, tmp_path / "after", name="after")
     return two, DirStore(store), b, x
 
 
-def test_a_warm_copy_advances_to_the_later_image(servers, client, tmp_path):
+@pytest.mark.parametrize("by_delta", [False, True])
+def test_a_warm_copy_advances_to_the_later_image(servers, client, tmp_path, by_delta):
     """Only contents changed between the images: the warm copy loads what changed and then
-    holds exactly the later image."""
+    holds exactly the later image; given by its manifest, or as a delta of the earlier one."""
     two, store, b, x = warm_then_advance(servers, client, tmp_path,
-                                         lambda app, x: app.ok(app.cu.cuMemsetD32(x, 0x01020304, N // 2)))
+                                         lambda app, x: app.ok(app.cu.cuMemsetD32(x, 0x01020304, N // 2)), by_delta)
     assert region(DirStore(tmp_path / "after"), "after", int(x)).tobytes() == region(store, b, int(x)).tobytes()
     assert "restoring it afresh" not in two.output()
+
+
+def test_a_bad_delta_is_refused_and_the_warm_copy_stays(servers, client, tmp_path):
+    """A delta that is not JSON, names another parent, lists the wrong number of chunks, holds a
+    malformed key or other objects is refused with a reason, and no fresh restore is tried (its
+    manifest may not be committed yet); the warm copy still advances by the good one."""
+    def bad_ones(admin, store, a, b, delta):
+        good = json.loads(delta)
+        keys = good["regions"][0][1]
+        cases = {"not JSON": ("{", "not JSON"),
+                 "parent": (dict(good, parent="other"), "moves on from image 'other'"),
+                 "count": (dict(good, regions=[[good["regions"][0][0], keys[:-32]]] + good["regions"][1:]),
+                           "chunk keys for the region"),
+                 "key": (dict(good, regions=[[good["regions"][0][0], "zz" * 16 + keys[32:]]] + good["regions"][1:]),
+                         "regions are not"),
+                 "cut": (dict(good, cut_seq=-1), "cut_seq is not a count"),
+                 "objects": (dict(good, objects="0" * 32), "holds other objects")}
+        for what, (d, says) in cases.items():
+            with pytest.raises(grpc.RpcError) as e:
+                admin.Restore(pb.RestoreRequest(store=store, name=b, advance=True, ctx=good["regions"] and app_id(admin),
+                                                delta=d if isinstance(d, str) else json.dumps(d)))
+            assert says in e.value.details(), (what, e.value.details())
+            assert list(contexts_of(admin).values()) == ["warming"], what
+
+    two, store, b, x = warm_then_advance(servers, client, tmp_path,
+                                         lambda app, x: app.ok(app.cu.cuMemsetD32(x, 5, N)), True, bad_ones)
+    assert region(DirStore(tmp_path / "after"), "after", int(x)).tobytes() == region(store, b, int(x)).tobytes()
+    assert "restoring it afresh" not in two.output()
+
+
+def contexts_of(admin):
+    return {c.id: c.state for c in admin.ListContexts(pb.ListContextsRequest()).contexts}
+
+
+def app_id(admin):
+    return next(iter(contexts_of(admin)))
 
 
 def test_a_warm_copy_of_other_objects_is_restored_afresh(servers, client, tmp_path):
@@ -256,6 +326,7 @@ def test_the_targets_recovery_images_follow_on_from_the_handoffs_last_round(serv
     x = app.put(np.arange(1 << 20, dtype=np.float32))
     app.sync()
     reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+    assert "last_round_delta" not in reply.phase_ms, "a recovery image is committed before the target adopts it"
     store = DirStore(directory / f"ctx{app.id}")
     last = latest_image(store, app.id)
     assert (reply.recovery_store, reply.recovery_image) == (store.path, last)

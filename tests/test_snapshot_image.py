@@ -644,6 +644,23 @@ def test_latest_image_is_the_newest_that_reads_and_qualifies(store):
     assert latest_image(store) == "old"
 
 
+def test_read_latest_image_is_latest_image_read_once(store):
+    """read_latest_image (an on-demand restore without a name) gives what read_image of
+    latest_image gives, and refuses that image as read_image does: it never falls back
+    silently to an older one whose chunks are all there."""
+    from phos.snapshot.image import read_latest_image
+    import time as _time
+    assert read_latest_image(store) is None
+    write_image(store, "old", make_contents(1))
+    _time.sleep(0.01)
+    newer, _ = write_image(store, "newer", make_contents(2))
+    assert read_latest_image(store).raw == read_image(store, "newer").raw
+    gone = next(k for k in newer.allocations[0]["chunks"] if k not in read_image(store, "old").chunk_keys())
+    store.delete_chunk(gone)
+    with pytest.raises(ImageError, match=f"image 'newer': chunk {gone} .* is missing"):
+        read_latest_image(store)
+
+
 def test_the_created_time_is_read_without_parsing_the_manifest():
     """latest_image reads each manifest's `created` from its text: a string holding the same
     text does not fool it, and a second key named so sends it to the JSON parser."""
