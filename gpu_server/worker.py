@@ -48,6 +48,7 @@ SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 
 PROFILE_DIR = os.environ.get("PHOS_PROFILE_DIR")   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
 FIRST_HANDLE = 0x1000
 POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs microseconds, twice a loop
+EVENTS = int(zmq.EVENTS)   # ... and getsockopt makes an enum of the enum it is given
 CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync", "early")
 BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
 
@@ -525,7 +526,7 @@ class Worker:
         s = self.session
         cp = s.checkpoint
         if cp is not None:             # its copies run in steps on this thread, between calls
-            cp.advance(busy=self.box_ready() or bool(self.sock.getsockopt(zmq.EVENTS) & POLLIN))
+            cp.advance(busy=self.box_ready() or bool(self.sock.getsockopt(EVENTS) & POLLIN))
         if cp is not None and not cp.running:
             sent = []      # the delta, once it went out: the target may be adopting it
 
@@ -610,7 +611,7 @@ class Worker:
             box = self.session.box
             if box is not None and hot != awake:
                 box.awake[0] = awake = hot      # clients ring the doorbell only while we sleep
-            if hot and self.ctl is not None and self.ctl.getsockopt(zmq.EVENTS) & POLLIN:
+            if hot and self.ctl is not None and self.ctl.getsockopt(EVENTS) & POLLIN:
                 self.handle_control(self.ctl.recv_multipart(copy=False))    # a busy client must not starve it
                 continue               # it may have frozen the context
             if self.box_ready():
@@ -619,7 +620,7 @@ class Worker:
                 continue
             if hot:
                 # a client mid-burst: catch its next message without the cost of sleeping in poll
-                if self.sock.getsockopt(zmq.EVENTS) & POLLIN:
+                if self.sock.getsockopt(EVENTS) & POLLIN:
                     self.handle(self.sock.recv_multipart(copy=False))
                     self.last_call = time.perf_counter()
                 continue
