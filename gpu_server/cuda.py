@@ -26,6 +26,7 @@ PIN_PAUSE = 0.001        # ... and pinned and unpinned a piece at a time, this l
 DEVICEMAP = 0x02         # CU_MEMHOSTREGISTER_DEVICEMAP
 HASH_PART = 1 << 20      # a chunk bigger than this is hashed in parts of this size ...
 SPLIT_BELOW = 1024       # ... when fewer chunks than this are hashed at once (a cut's thousands fill the GPU as they are)
+CUT_TABLE = 1 << 16      # chunks a cut hashes without growing its table (128 GiB in 2 MiB chunks): 1 MiB, pinned
 
 
 def ok(result, what):
@@ -546,7 +547,7 @@ class CudaSnapshotOps:
             self._buffers(key, self.BUFFER[key])
             for n in (0, 1):
                 self._table(f"{key}{n}", 1024)
-        self._table("cut", 1024)
+        self._table("cut", CUT_TABLE)       # a larger cut would pin a table of its own, the application held
 
     def pin(self, memory, piece):
         """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in

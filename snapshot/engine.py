@@ -41,7 +41,9 @@ Restore: objects come back with their ids and addresses; contents load in a back
 thread, and a call touching a chunk not yet loaded loads it first (`before_access`).
 """
 import bisect
-import concurrent.futures
+# The executor's module is imported lazily by concurrent.futures: on a worker's first
+# checkpoint that took 1 ms, with the application held by the cut.
+from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
 import json
@@ -329,7 +331,7 @@ class Checkpoint(ChunkJob):
         self.direct = self.level is None and hasattr(store, "reserve") and session.backend.snap.maps(store.memory)
         self.mismatched = 0          # saved chunks that differed from the cut
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
-        self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
+        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
         self.work = None             # the background copy (run), while it runs
         self.spare = []              # store slots reserved for the copy, not yet filled (take_slots)
         self.look_at = 0.0           # advance's next step, not before (perf_counter)
@@ -675,7 +677,7 @@ class Restore(ChunkJob):
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
         self.stopping = False        # advance() holds the background loader
         self.loader_held = False     # the loader waits for start_loader()
-        self.io = concurrent.futures.ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
+        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
         # a HostStore this process pinned: chunks go to the device straight from its slots
         self.direct = hasattr(store, "source") and session.backend.snap.maps(store.memory)
         self.started = self.step("manifest", t0)
