@@ -579,11 +579,9 @@ class Checkpoint(ChunkJob):
                 self.writer.abort()
                 raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"checkpoint {self.name!r}: memory changed while the context was paused")
         fields = dict(self.fields)
-        i = 0
-        for e in fields["allocations"] + fields["globals"]:
-            n = chunk_count(e["size"], e["chunk_size"])
-            e["chunks"] = self.keys[i:i + n]
-            i += n
+        for e in fields["allocations"] + fields["globals"]:     # the chunks go by address, as Chunks sorts them
+            first = self.chunks.first[bisect.bisect_left(self.chunks.bases, e["address"])] if e["size"] else 0
+            e["chunks"] = self.keys[first:first + chunk_count(e["size"], e["chunk_size"])]
         elapsed = time.perf_counter() - self.started
         fields["cut_seq"] = self.cut_seq
         fields["metadata"] = {"mode": "precopy" if self.precopy else "concurrent" if self.concurrent else "paused",

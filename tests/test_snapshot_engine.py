@@ -210,6 +210,42 @@ def test_killed_server_restored_elsewhere_continues_bit_for_bit(servers, client,
     assert wait_until(lambda: standby() == 1, 30), "the pool was not refilled after the restore"
 
 
+def test_module_globals_below_the_allocations_keep_their_own_contents(servers, client, tmp_path, monkeypatch):
+    """A program loads its module (globals with initialisers, one a pointer to another) before
+    it allocates, so the globals lie below its allocations: each region's chunks in the image
+    are its own (a checkpoint gave the allocation the globals' chunks, and them its), and a
+    restore elsewhere brings back every global and allocation, with the kernel's updates."""
+    one = servers("one")
+    cu = client(one)
+    app = App(cu)
+    mod = app.ok(cu.cuModuleLoadData(compile_ptx("globals.cu").encode()))
+    use = app.ok(cu.cuModuleGetFunction(mod, b"use_globals"))
+    counter, _ = app.ok(cu.cuModuleGetGlobal(mod, b"counter"))
+    table, _ = app.ok(cu.cuModuleGetGlobal(mod, b"table"))
+    n = 3 << 18                                       # 3 MiB of floats: more than one 2 MiB chunk
+    out = app.put(np.full(n, -1, np.float32))     # above the globals on emu; the driver puts its own where it likes
+
+    def run():
+        app.ok(cu.cuLaunchKernel(use, -(-n // 256), 1, 1, 256, 1, 1, 0, 0, ((out, n), (P, I)), 0))
+        app.sync()
+    run()
+    expected = app.get(out, n)
+    assert app.get(counter, 1, np.int32)[0] == 8 and app.get(table, 3, np.int32).tolist() == [10, 20, 30]
+    store = tmp_path / "images"
+    name = checkpoint(one, app.id, store)["name"]
+    assert region(open_store(store), name, int(out)).tobytes() == expected.tobytes()
+    globals_ = {g["name"]: g for g in read_image(open_store(store), name).globals}
+    assert bytes(read_region(open_store(store), globals_["counter"])) == np.int32(8).tobytes()
+    kill(one)
+    two = servers("two")
+    monkeypatch.setenv("PHOS_SERVER", two.address)
+    assert restore(two, store).ctx == app.id
+    assert app.get(out, n).tobytes() == expected.tobytes()
+    assert app.get(counter, 1, np.int32)[0] == 8 and app.get(table, 3, np.int32).tolist() == [10, 20, 30]
+    run()                                             # tptr still points at table; counter goes on
+    assert app.get(out, n).tobytes() == expected.tobytes() and app.get(counter, 1, np.int32)[0] == 9
+
+
 @pytest.mark.parametrize("kind", ["dir", "host"])
 def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_path, kind):
     """The program keeps writing (memset, copies, kernels) while the checkpoint copies: the image
