@@ -215,7 +215,7 @@ class Worker:
         self.recovery_options = recovery   # (directory, every seconds, every calls) or None
         self.standby_server = standby      # the server that restores us if ours dies, told to clients
         self.told_durable = 0              # the last Reply.durableSeq sent
-        self.last_image = (None, None, ())  # (store, name, chunk keys) of the last image committed
+        self.last_image = (None, None, (), None)  # (store, name, chunk keys, (regions, keys)) of the last image committed
         self.queued_checkpoint = None      # (peer, seq, args) of a control checkpoint waiting for it
         self.warm = None                   # the Restore of a context nobody attached to yet (advance_restore)
         self.last_call = 0.0               # when the last message was served
@@ -406,10 +406,11 @@ class Worker:
             store = open_store(store_path, fsync=sync)
         except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {store_path!r}: {e}") from None
-        last_store, last_name, last_keys = self.last_image     # its chunks need no asking the store
-        known = last_keys if parent and (last_store, last_name) == (store.path, parent) else ()
+        last_store, last_name, last_keys, last_layout = self.last_image     # its chunks need no asking the store
+        ours = bool(parent) and (last_store, last_name) == (store.path, parent)
         cp = engine.Checkpoint(s, store, name, parent=parent or None, paused=paused, compress=compress,
-                               chunk_size=chunk_size or engine.DEFAULT_CHUNK_SIZE, precopy=precopy, known=known)
+                               chunk_size=chunk_size or engine.DEFAULT_CHUNK_SIZE, precopy=precopy,
+                               known=last_keys if ours else (), prior=last_layout if ours else None)
         try:
             cp.cut(self.ack, paused=paused)
         except BaseException:
@@ -432,7 +433,8 @@ class Worker:
         s.recovery = Recovery(self.recovery_options[0], s.ctx_id, *self.recovery_options[1:])
         if restored and restored.store.path == os.path.abspath(s.recovery.path):
             s.recovery.restored_from(restored.name, self.ack)       # its parent, as it is in our store
-            self.last_image = (restored.store.path, restored.name, restored.chunk_keys())   # chunks it holds
+            self.last_image = (restored.store.path, restored.name, restored.chunk_keys(),     # chunks it holds
+                               (restored.chunks.regions, restored.keys))
 
     @property
     def recovering(self):
@@ -535,7 +537,7 @@ class Worker:
                 sent.append(True)
             try:
                 result = cp.finish(self.ack, send_delta if self.early and self.job else None)
-                self.last_image = (cp.store.path, cp.name, cp.chunk_keys())
+                self.last_image = (cp.store.path, cp.name, cp.chunk_keys(), (cp.chunks.regions, cp.keys))
                 fields = {"text": json.dumps(result)}
                 status, message = CUresult.CUDA_SUCCESS, ""
             except Exception as e:     # the image is lost, not the context

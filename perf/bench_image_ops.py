@@ -84,7 +84,8 @@ def rounds(root, n, chunk=4096):
     s.backend.snap.fingerprints = lambda chunks, fence: lambda: now    # the emulator hashes on the CPU: not timed
     times = {"frozen round": [], "... to its delta": [], "advance": [], "advance by delta": []}
     for i in range(5):
-        cp = Checkpoint(s, store, f"round{i}", parent="base", paused=True, chunk_size=chunk, known=base.chunk_keys())
+        cp = Checkpoint(s, store, f"round{i}", parent="base", paused=True, chunk_size=chunk, known=base.chunk_keys(),
+                        prior=(base.chunks.regions, base.keys))       # as the worker that committed base gives them
         deltas = []
         t = time.perf_counter()
         cp.cut(2, paused=True)

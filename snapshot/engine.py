@@ -306,18 +306,22 @@ class Checkpoint(ChunkJob):
     """One checkpoint of one session into one store; see the module docstring."""
 
     def __init__(self, session, store, name, parent=None, paused=False, compress=False,
-                 chunk_size=DEFAULT_CHUNK_SIZE, key=None, precopy=False, known=()):
+                 chunk_size=DEFAULT_CHUNK_SIZE, key=None, precopy=False, known=(), prior=None):
         """precopy: a handoff's pre-copy round. There is no cut: each chunk is stored as it was
         when copied, nothing waits for the copy (no fence, no copy-on-write), and the image is
         consistent only in its objects. Only a warm handoff target restores it; the frozen
         last round then fixes every chunk that differs from the cut.
-        known: the parent's chunk keys, when the caller holds them (ImageWriter)."""
+        known: the parent's chunk keys, when the caller holds them (ImageWriter).
+        prior: the parent's (regions, chunk keys in Chunks order), when the caller holds them: a
+        paused checkpoint of the same regions then asks the store only about the chunks whose
+        fingerprints changed (a handoff's last round, where 99% are the parent's)."""
         if chunk_size <= 0 or chunk_size % 8 or chunk_size > MAX_CHUNK_BYTES:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk size {chunk_size} must be a multiple of 8 up to {MAX_CHUNK_BYTES}")
         if chunk_size > getattr(store, "capacity", chunk_size):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk size {chunk_size} is over the {store.capacity}-byte "
                             f"slots of the host store {store.path}")
         self.session, self.store, self.name = session, store, name
+        self.prior = prior
         self.concurrent = not paused
         self.precopy = precopy and not paused
         self.level = 1 if compress else None
@@ -364,8 +368,12 @@ class Checkpoint(ChunkJob):
             t = self.step("fingerprint", t)
             mine = self.claim(range(len(self.chunks)))
             self.ask_store(mine)              # one question for them all: a handoff's last round holds most
-            self.mark_done([c for c in mine if self.keys[c] is not None])
-            self.save([c for c in mine if self.keys[c] is None])
+            lacking = [c for c in mine if self.keys[c] is None]
+            held = np.zeros(len(self.chunks), bool)
+            held[mine] = True
+            held[lacking] = False
+            self.mark_done(np.flatnonzero(held))
+            self.save(lacking)
             self.step("copy", t)
         else:
             self.work = self.run()
@@ -421,6 +429,18 @@ class Checkpoint(ChunkJob):
     def ask_store(self, idx):
         """Ask the store once whether it holds each chunk of idx (at the cut's fingerprint)."""
         fps = self.fps
+        if len(idx) == len(fps) and not any(self.asked) and self.prior is not None and self.prior[0] == self.chunks.regions:
+            # A paused round of the parent's regions: a chunk whose fingerprint is the parent's
+            # there is the parent's chunk, which the store holds. NumPy finds the others.
+            keys = list(self.prior[1])
+            was = np.frombuffer(bytes.fromhex("".join(keys)), np.uint64).reshape(-1, 2)
+            changed = np.flatnonzero((np.frombuffer(b"".join(fps), np.uint64).reshape(-1, 2) != was).any(axis=1)).tolist()
+            new = [fps[c].hex() for c in changed]
+            for c, k, held in zip(changed, new, self.writer.reuse_chunks(new)):
+                keys[c] = k if held else self.keys[c]
+            self.writer.reuse_known(len(keys) - len(changed))
+            self.keys, self.asked = keys, [True] * len(fps)
+            return
         if len(idx) == len(fps) and not any(self.asked):      # a paused round's first: all at once
             hexes = b"".join(fps).hex()
             keys = [hexes[i:i + 32] for i in range(0, len(hexes), 32)]

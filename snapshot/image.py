@@ -712,6 +712,11 @@ class ImageWriter:
             present.update(k for k in new if k not in lacking)
         return found
 
+    def reuse_known(self, n):
+        """Count n chunks the caller knows the store holds (its parent's, unchanged) as reused."""
+        with self._mu:
+            self.reused_chunks += n
+
     def add_region(self, data, chunk_size=DEFAULT_CHUNK_SIZE):
         """Split a buffer into chunks and add each; returns their keys."""
         mv = memoryview(data).cast("B")

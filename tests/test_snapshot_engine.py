@@ -292,6 +292,39 @@ def test_a_precopy_round_holds_no_write_up_and_stores_what_it_copied(tmp_path):
         read_chunk(DirStore(tmp_path), k, expected_len=1 << 20, check=True)
 
 
+def test_a_paused_checkpoint_given_its_parents_layout_asks_only_about_what_changed(tmp_path):
+    """With the parent's regions and keys (prior), a paused checkpoint takes the parent's key
+    wherever a chunk's fingerprint is unchanged and asks the store about the rest: the image and
+    its counts are those of one taken without them. A layout that differs is not used."""
+    from phos.snapshot.engine import Checkpoint
+    s, ptr = emu_session_holding(filler(8 << 20))
+    ways = ("plain", "by_prior", "other_layout")
+    bases = {}
+    for way in ways:                          # each in a store of its own: the same base, the same changes
+        bases[way] = Checkpoint(s, DirStore(tmp_path / way), "base", paused=True, chunk_size=1 << 20)
+        bases[way].cut(0, paused=True)
+        bases[way].finish(0)
+    s.backend.htod(ptr + (3 << 20), filler(1 << 20, seed=5).tobytes(), None)          # one chunk changes
+    s.backend.htod(ptr + (5 << 20), filler(8 << 20)[:1 << 20].tobytes(), None)       # one becomes chunk 0's
+    results = {}
+    for way in ways:
+        base = bases[way]
+        prior = {"plain": None, "by_prior": (base.chunks.regions, base.keys),
+                 "other_layout": ([(ptr, 4 << 20, 1 << 20)], base.keys[:4])}[way]
+        cp = Checkpoint(s, DirStore(tmp_path / way), "next", parent="base", paused=True, chunk_size=1 << 20,
+                        known=base.chunk_keys(), prior=prior)
+        asked, reuse = [], cp.writer.reuse_chunks
+        cp.writer.reuse_chunks = lambda keys: asked.append(len(keys)) or reuse(keys)
+        cp.cut(1, paused=True)
+        results[way] = (cp.finish(1), read_image(DirStore(tmp_path / way), "next").allocations[0]["chunks"], asked)
+    plain, by_prior, other = results["plain"], results["by_prior"], results["other_layout"]
+    assert by_prior[1] == plain[1] == other[1] and by_prior[1] != bases["plain"].keys
+    for k in ("new_chunks", "reused_chunks", "copied_bytes"):
+        assert by_prior[0][k] == plain[0][k] == other[0][k], k
+    assert plain[0]["new_chunks"] == 1 and plain[0]["reused_chunks"] == 7
+    assert by_prior[2] == [2] and plain[2] == other[2] == [8], "only the two changed chunks are looked up"
+
+
 def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
     """The background copy runs in steps that the worker's loop takes between calls (no thread of
     its own, which would take the interpreter from the loop): nothing is copied until a step is
