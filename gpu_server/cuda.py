@@ -404,15 +404,26 @@ def _event_done(event):
     return _ready(_cuEventQuery(int(event)), "cuEventQuery")
 
 
-def _runs(chunks):
-    """[(address, offset in the batch, bytes)] of the runs of chunks that follow each other in memory."""
-    out, off = [], 0
-    for addr, size in chunks:
-        if out and out[-1][0] + out[-1][2] == addr:
+def _stage_offsets(chunks):
+    """Where each chunk of a batch goes in a staging buffer, and the bytes used: each at a
+    16-byte boundary, so that the hash kernel reads it two words at a time (after a module's
+    4-byte global it would read the next chunks a byte at a time)."""
+    offsets, off = [], 0
+    for _, size in chunks:
+        offsets.append(off)
+        off = -(-(off + size) // 16) * 16
+    return offsets, (offsets[-1] + chunks[-1][1] if chunks else 0)
+
+
+def _runs(chunks, offsets):
+    """[(address, offset in the batch, bytes)] of the runs of chunks that follow each other in
+    memory and in the batch."""
+    out = []
+    for (addr, size), off in zip(chunks, offsets):
+        if out and out[-1][0] + out[-1][2] == addr and out[-1][1] + out[-1][2] == off:
             out[-1][2] += size
         else:
             out.append([addr, off, size])
-        off += size
     return out
 
 
@@ -577,8 +588,9 @@ class CudaSnapshotOps:
         return any(a <= lo and lo + host.nbytes <= b for a, b in self.pinned)
 
     def _buffer_size(self, key, at_least):
-        """A stream's copy buffers: BUFFER[key], or at_least rounded up to a MiB if bigger."""
-        return max(self.BUFFER[key], -(-at_least // (1 << 20)) << 20)
+        """A stream's copy buffers: BUFFER[key] and a MiB (room for a batch's chunks at 16-byte
+        boundaries, _stage_offsets), or at_least rounded up to a MiB if bigger."""
+        return max(self.BUFFER[key] + (1 << 20), -(-at_least // (1 << 20)) << 20)
 
     def _buffers(self, key, at_least):
         """The two pinned host buffers of a stream, grown to hold a chunk of at_least bytes.
@@ -644,20 +656,20 @@ class CudaSnapshotOps:
 
     def _copy_out(self, key, stream, turn, chunks, into, tag):
         """Enqueue one batch's copies into buffer `turn`: (views, tag, wait for fingerprints)."""
-        stage, capacity = self._device_buffers(key, sum(size for _, size in chunks))
+        offsets, used = _stage_offsets(chunks)
+        stage, capacity = self._device_buffers(key, used)
         stage = stage[turn]
         host = self._buffers(key, capacity)[turn] if into is None else None
-        for addr, offset, nbytes in _runs(chunks):     # neighbouring chunks (one allocation's): one copy
+        for addr, offset, nbytes in _runs(chunks, offsets):     # neighbouring chunks (one allocation's): one copy
             _check(_cuMemcpyDtoDAsync(stage + offset, addr, nbytes, stream), "cuMemcpyDtoDAsync")
-        off, views, spans = 0, [], []
-        for i, (addr, size) in enumerate(chunks):
+        views, spans = [], []
+        for i, ((addr, size), off) in enumerate(zip(chunks, offsets)):
             if into is not None:
                 _check(_cuMemcpyDtoHAsync(into[i].ctypes.data, stage + off, size, stream), "cuMemcpyDtoHAsync")
             views.append(into[i] if into is not None else host[off:off + size])
             spans.append((stage + off, size))
-            off += size
         if into is None:
-            _check(_cuMemcpyDtoHAsync(host.ctypes.data, stage, off, stream), "cuMemcpyDtoHAsync")
+            _check(_cuMemcpyDtoHAsync(host.ctypes.data, stage, used, stream), "cuMemcpyDtoHAsync")
         return views, tag, self._hash(spans, f"{key}{turn}", stream)
 
     def write(self, chunks, load, pool, urgent=False, sources=None):

@@ -158,6 +158,10 @@ def test_pfp1_kernel_matches_the_reference():
     p, d = ptrs[-1], datas[-1]
     split = np.array([(p, 8), (p + 8, (len(d) - 8) | 1 << 32)], np.uint64)
     assert (lane_sums(split).sum(axis=0) == whole[-1]).all()
+    # chunks below 8-byte alignment (a module's int global): read a byte at a time, same sums
+    odd = np.array([(p + 4, len(d) - 4), (ptrs[2] + 1, 7), (ptrs[3] + 2, 3)], np.uint64)
+    expect = [d[4:], datas[2][1:8], datas[3][2:5]]
+    assert finish_many(lane_sums(odd), odd[:, 1]) == [fingerprint(e.tobytes()) for e in expect]
     assert finish_many(whole, rows[:, 1]) == [fingerprint(d.tobytes()) for d in datas]
     fresh = compile_ptx(os.path.abspath(os.path.join(root, "pfp1.cu")), "compute_75")
     assert fresh.split("\n", 7)[-1] == ptx.decode().split("\n", 7)[-1], "snapshot/kernels/pfp1.ptx is stale: rebuild it from pfp1.cu"

@@ -29,17 +29,28 @@ __device__ __forceinline__ u64 warp_sum(u64 v) {
 #define MIX0(w, k) term(w, k, 0xBF58476D1CE4E5B9ull, 0x94D049BB133111EBull)
 #define MIX1(w, k) term(w, k, 0xFF51AFD7ED558CCDull, 0xC4CEB9FE1A85EC53ull)
 
-// chunks: n pairs (device address, 8-byte aligned; byte length | index of its first word << 32:
-// 0 for a whole chunk, the part's offset / 8 for a part); sums: n pairs (lane 0 sum, lane 1 sum).
+// chunks: n pairs (device address; byte length | index of its first word << 32: 0 for a whole
+// chunk, the part's offset / 8 for a part); sums: n pairs (lane 0 sum, lane 1 sum).
 // Blocks of 256 threads. Each thread loads two words at once (16 bytes: 4.3 TB/s on the H200,
 // where one word at a time reached 3.5); a word before the first 16-byte boundary and an odd
-// last word are taken alone.
+// last word are taken alone. An address below 8-byte alignment (a module's int global, which
+// the driver aligns to 4) is read a byte at a time: a wider load there faults the context.
 extern "C" __global__ void pfp1_lane_sums(const u64* chunks, u64* sums, unsigned n) {
     __shared__ u64 s0[8], s1[8];
     unsigned c = blockIdx.x, t = threadIdx.x;
     if (c >= n) return;
     const u64* p = (const u64*)chunks[2 * c];
     u64 len = chunks[2 * c + 1] & 0xFFFFFFFFull, first = chunks[2 * c + 1] >> 32, words = len / 8, h0 = 0, h1 = 0;
+    if ((unsigned long long)p & 7) {
+        const unsigned char* b = (const unsigned char*)p;
+        for (u64 i = t; i < (len + 7) / 8; i += 256) {
+            u64 w = 0;
+            for (unsigned j = 0; j < 8 && 8 * i + j < len; j++) w |= (u64)b[8 * i + j] << (8 * j);
+            h0 += MIX0(w, S0 + (first + i) * P0);
+            h1 += MIX1(w, S1 + (first + i) * P1);
+        }
+        words = len = 0;                        // the paths below have nothing left to do
+    }
     unsigned lead = ((unsigned long long)p & 8) && words ? 1 : 0;
     if (t == 0 && lead) {
         h0 += MIX0(p[0], S0 + first * P0);
