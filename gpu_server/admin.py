@@ -40,6 +40,11 @@ HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 log = logging.getLogger("phos.admin")
 
 
+def has_images(path):
+    """Whether the store at path holds an image (a path that holds no store is not made one)."""
+    return os.path.isdir(os.path.join(path, "images")) and bool(open_store(path).list_images())
+
+
 def admin_socket(server):
     """The admin socket of the server listening on `server` (ipc://PATH or tcp://HOST:PORT)."""
     url = urllib.parse.urlparse(server)
@@ -117,6 +122,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
         t0 = time.perf_counter()
         try:
             store = os.path.abspath(request.store)
+            if not request.name and not await asyncio.to_thread(has_images, store):
+                # said here: a worker that failed a restore is not given back (a fresh one pins the host store again)
+                raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no image in {request.store}")
             if request.advance and not request.name:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "advancing a warm copy needs the image's name")
             if request.advance:

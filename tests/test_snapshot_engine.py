@@ -585,9 +585,12 @@ def test_corrupt_and_truncated_images_are_refused(servers, client, tmp_path):
     with pytest.raises(grpc.RpcError) as e:
         restore(two, bad, name="bad")
     assert "bad" in e.value.details() and e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert wait_until(lambda: stub(two.address).Stats(pb.StatsRequest()).standby_workers == 1, 30)    # refilled
+    standby = two.workers()
     with pytest.raises(grpc.RpcError) as e:
         restore(two, tmp_path / "nothing-here")
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no image in" in e.value.details()
+    assert two.workers() == standby and not (tmp_path / "nothing-here").exists(), "no worker spent, no store made"
     read_image(DirStore(store), good)          # the other image is intact
     assert not stub(two.address).ListContexts(pb.ListContextsRequest()).contexts   # no half-restored context
     assert app.get(app.put(np.ones(8, np.float32)), 8).sum() == 8                   # and the program runs on
