@@ -122,6 +122,8 @@ def main():
                     help="where the rounds go: a HostStore both servers pin (twice the context's size, on /dev/shm), "
                     "or chunk files in /dev/shm")
     ap.add_argument("--step-ms", type=float, default=1.0, help="the application's pace: a write and a sync this often")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each size (a fresh pair of servers each): the device's figures vary from run to run")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
@@ -129,7 +131,7 @@ def main():
     import tempfile
     from phos.snapshot import HostStore
     rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
+    for size in [int(s) for s in args.sizes.split(",") for _ in range(max(1, args.repeat))]:
         nbytes = size * (GiB if args.unit == "GiB" else MiB)
         host = ""
         if args.via == "host store":
@@ -160,6 +162,11 @@ def main():
     for r in rows:
         p = r["phase_ms"]
         print(f"| {r['size']} | {r['freeze_gap_ms']:.1f} | " + " | ".join(f"{p.get(k, float('nan')):.1f}" for k in steps) + " |")
+    if args.repeat > 1:
+        print("\n| size | runs | downtime: least, median, most (ms) | runs within 20 ms |\n|---|---|---|---|")
+        for size in dict.fromkeys(r["size"] for r in rows):
+            d = sorted(r["downtime_ms"] for r in rows if r["size"] == size)
+            print(f"| {size} | {len(d)} | {d[0]:.1f}, {float(np.median(d)):.1f}, {d[-1]:.1f} | {sum(x <= 20 for x in d)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

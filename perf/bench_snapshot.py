@@ -350,13 +350,15 @@ def main():
     ap.add_argument("--disk", default="/var/tmp/phos-bench", help="image store on local disk")
     ap.add_argument("--no-driver", action="store_true")
     ap.add_argument("--no-disk", action="store_true", help="host memory only: no checkpoint to and restore from disk")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="phos runs of each size (the driver's once): the device's figures vary from run to run")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
     os.environ.setdefault("PHOS_LOG", "INFO")        # the servers' workers say how pinning went
     unit = GiB if args.unit == "GiB" else MiB
     rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
+    for size, run in [(int(s), run) for s in args.sizes.split(",") for run in range(max(1, args.repeat))]:
         nbytes = size * unit
         work = tempfile.mkdtemp(prefix="phos-bench-")
         shm = tempfile.mkdtemp(prefix="phos-bench-img-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -365,7 +367,7 @@ def main():
         os.makedirs(disk, exist_ok=True)
         try:
             row = {"size": f"{size} {args.unit}", "bytes": nbytes}
-            if args.backend == "cuda" and not args.no_driver:
+            if args.backend == "cuda" and not args.no_driver and run == 0:
                 row["driver"] = driver_rows(nbytes)
             row["phos"] = phos_rows(args.backend, nbytes, work, shm, None if args.no_disk else disk, args.chunk_mb * MiB)
             rows.append(row)
@@ -374,9 +376,28 @@ def main():
             for d in (work, shm, disk):
                 shutil.rmtree(d, ignore_errors=True)
     print_table(rows)
+    if args.repeat > 1:
+        print_spread(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def print_spread(rows):
+    """Least, median and most of the figures issue 5 sets targets for, over the runs of each size."""
+    figures = {"pause (ms)": lambda p: p["pause_ms"],
+               "throughput, one kernel a sync (%)": lambda p: 100 * p["kernels_per_s_during"] / p["kernels_per_s"],
+               "first kernel after on-demand restore (ms)": lambda p: 1e3 * p["first_kernel_after_restore_s"],
+               "checkpoint to host (s)": lambda p: p["checkpoint_host_s"]}
+    print("\n| size | runs | " + " | ".join(f"{k}: least, median, most" for k in figures) + " |")
+    print("|---|---|" + "---|" * len(figures))
+    for size in dict.fromkeys(r["size"] for r in rows):
+        runs = [r["phos"] for r in rows if r["size"] == size]
+        cells = []
+        for f in figures.values():
+            v = sorted(f(p) for p in runs)
+            cells.append(f"{v[0]:.3g}, {float(np.median(v)):.3g}, {v[-1]:.3g}")
+        print(f"| {size} | {len(runs)} | " + " | ".join(cells) + " |")
 
 
 def print_table(rows):

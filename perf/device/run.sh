@@ -51,9 +51,9 @@ if want snap; then
         ${PHOS_SNAP_TESTS:-tests/test_snapshot_engine.py tests/test_handoff.py tests/test_recovery.py}
 fi
 if want snap || want snap-bench; then
-    # PHOS_BENCH_SIZES= (empty) runs the tests alone
+    # PHOS_BENCH_SIZES= (empty) runs the tests alone; PHOS_BENCH_REPEAT: phos runs a size
     [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
-        --sizes "${PHOS_BENCH_SIZES-1,8,32}" --json "$OUT/bench_snapshot.json"
+        --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-1}" --json "$OUT/bench_snapshot.json"
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
@@ -72,9 +72,9 @@ if want handoff; then
     step bench-fingerprint python3 perf/bench_fingerprint.py --sizes 1,8
 fi
 if want handoff || want handoff-bench; then
-    # PHOS_HANDOFF_CHUNK_KIB: the rounds' chunk size (default the server's, 2 MiB)
+    # PHOS_HANDOFF_CHUNK_KIB: the rounds' chunk size (default the server's, 2 MiB); PHOS_HANDOFF_REPEAT: runs a size
     step bench-handoff python3 perf/bench_handoff.py --backend cuda --sizes ${PHOS_HANDOFF_SIZES:-1,8} \
-        --chunk-kib "${PHOS_HANDOFF_CHUNK_KIB:-0}" --json "$OUT/bench_handoff.json"
+        --chunk-kib "${PHOS_HANDOFF_CHUNK_KIB:-0}" --repeat "${PHOS_HANDOFF_REPEAT:-1}" --json "$OUT/bench_handoff.json"
 fi
 if want locust; then
     # perf/locustfile.py: 64 users for 5 minutes against one cuda server; needs locust and its
