@@ -46,7 +46,6 @@ import bisect
 from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
-import json
 import logging
 import struct
 import threading
