@@ -58,7 +58,7 @@ from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, chunk_payload,
                                  read_chunk, read_chunk_into, read_image, read_latest_image)
-from phos.snapshot.store import joined_keys
+from phos.snapshot.store import all_keys
 
 log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
@@ -163,11 +163,6 @@ def differing(a, b):
     x, y = "".join(a).encode(), "".join(b).encode()
     if len(x) != 32 * len(a) or len(y) != 32 * len(b):
         return indices([i for i, (p, q) in enumerate(zip(a, b)) if p != q])
-    return differing_joined(x, y)
-
-
-def differing_joined(x, y):
-    """differing() of two equally long strings of keys joined (bytes)."""
     return np.flatnonzero((np.frombuffer(x, np.uint8).reshape(-1, 32) != np.frombuffer(y, np.uint8).reshape(-1, 32)).any(axis=1))
 
 
@@ -626,8 +621,16 @@ class Checkpoint(ChunkJob):
         return frozenset(self.keys) | {e["image"] for e in self.fields["modules"]}
 
     def delta(self, fields):
-        """image_delta of the image these fields will commit."""
-        return image_delta(types.SimpleNamespace(**{**fields, "name": self.name, "parent": self.writer.parent}))
+        """image_delta of the image these fields will commit: with the parent's layout and keys
+        (prior), only the chunks that differ from them (a handoff's last round: 1% of 4,096)."""
+        changes = None
+        if self.prior is not None and self.prior[0] == self.chunks.regions:
+            ch = self.chunks
+            changes = []
+            for c in differing(self.prior[1], self.keys).tolist():
+                r = bisect.bisect_right(ch.first, c) - 1
+                changes.append([ch.regions[r][0], c - ch.first[r], self.keys[c]])
+        return image_delta(types.SimpleNamespace(**{**fields, "name": self.name, "parent": self.writer.parent}), changes)
 
     def abort(self, why="checkpoint aborted"):
         self.fail(CudaError(CUresult.CUDA_ERROR_UNKNOWN, why))
@@ -656,14 +659,16 @@ def same_objects(m):
             pick(region_entries(m), "address", "size", "chunk_size", "module", "name"))
 
 
-def image_delta(m):
+def image_delta(m, changes=None):
     """An image (a Manifest, or its fields) as a handoff's warm target needs it to move on from
     the parent image it holds (Restore.advance), without reading a manifest: what the objects
-    are (a digest), the session's next id, the error state, the cut, and every region's chunk
-    keys (by address, joined). JSON-ready."""
+    are (a digest), the session's next id, the error state, the cut, and the chunks whose keys
+    differ from the parent's, as [region address, chunk index in it, key]. changes: those, when
+    the caller knows them; else every chunk is listed. JSON-ready."""
+    if changes is None:
+        changes = [[e["address"], j, k] for e in list(m.allocations) + list(m.globals) for j, k in enumerate(e["chunks"])]
     return {"format": DELTA_FORMAT, "name": m.name, "parent": m.parent, "cut_seq": m.cut_seq, "objects": objects_digest(m),
-            "next_id": m.session["next_id"], "error": m.error,
-            "regions": [[e["address"], "".join(e["chunks"])] for e in list(m.allocations) + list(m.globals) if e["size"]]}
+            "next_id": m.session["next_id"], "error": m.error, "changes": changes}
 
 
 def objects_digest(m):
@@ -671,7 +676,7 @@ def objects_digest(m):
     return hashlib.blake2b(repr(same_objects(m)).encode(), digest_size=16).hexdigest()
 
 
-DELTA_FORMAT = "phos-delta-1"
+DELTA_FORMAT = "phos-delta-2"
 
 
 class Restore(ChunkJob):
@@ -777,17 +782,18 @@ class Restore(ChunkJob):
         if delta is not None:
             if self.check_delta(name, delta) != objects_digest(self.manifest):
                 return None
-            by_address, parts = dict(delta["regions"]), []
-            for (base, size, chunk_size), e in zip(self.chunks.regions, self.region_of_base()):
-                parts.append(by_address.get(e["address"], ""))
-                if len(parts[-1]) != 32 * chunk_count(size, chunk_size):
-                    self.refuse(f"the delta of image {name!r} holds {len(parts[-1]) // 32} chunk keys for the region at "
-                                f"{e['address']:#x}, which has {chunk_count(size, chunk_size)}")
-            joined = "".join(parts)
-            changed = differing_joined("".join(self.keys).encode(), joined.encode())
-            keys = list(self.keys)
-            for c in changed.tolist():
-                keys[c] = joined[32 * c:32 * c + 32]
+            # each region by the address the images give it: its chunks' place here, and count
+            place = {e["address"]: (self.chunks.first[r], chunk_count(size, cs))
+                     for r, ((_, size, cs), e) in enumerate(zip(self.chunks.regions, self.region_of_base()))}
+            keys, touched = list(self.keys), set()
+            for address, j, key in delta["changes"]:
+                first, n = place.get(address, (0, 0))
+                if not 0 <= j < n:
+                    self.refuse(f"the delta of image {name!r} names chunk {j} of a region at {address:#x}, "
+                                f"which {f'has {n} chunks' if n else 'is not one of its regions'}")
+                keys[first + j] = key
+                touched.add(first + j)
+            changed = indices(sorted(c for c in touched if keys[c] != self.keys[c]))
             session, error, cut_seq = dict(self.manifest.session, next_id=delta["next_id"]), delta["error"], delta["cut_seq"]
         else:
             try:     # the chunks of the image it advances from were checked when it was read
@@ -839,10 +845,11 @@ class Restore(ChunkJob):
         error = d.get("error")
         if not isinstance(error, dict) or not isinstance(error.get("status"), int) or not isinstance(error.get("message"), str):
             bad("error is not {status, message}")
-        regions = d.get("regions")
-        if not isinstance(regions, list) or not all(
-                isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and joined_keys(r[1]) for r in regions):
-            bad("regions are not [address, joined chunk keys] pairs")
+        changes = d.get("changes")
+        if not isinstance(changes, list) or not all(
+                isinstance(c, list) and len(c) == 3 and type(c[0]) is int and type(c[1]) is int for c in changes) \
+                or not all_keys([c[2] for c in changes]):
+            bad("changes are not [region address, chunk index, chunk key] triples")
         if not isinstance(d.get("objects"), str):
             bad("it names no objects")
         return d["objects"]

@@ -49,15 +49,6 @@ def all_keys(keys):
             and joined.count(b",") == commas and joined[32::33] == b"," * commas)
 
 
-def joined_keys(text):
-    """True when text is chunk keys joined with nothing between them (32 hex digits each)."""
-    try:
-        raw = text.encode("ascii")
-    except (AttributeError, UnicodeEncodeError):
-        return False
-    return len(raw) % 32 == 0 and not raw.translate(None, b"0123456789abcdef")
-
-
 def check_key(key):
     if not isinstance(key, str) or not KEY_RE.fullmatch(key):
         raise ImageError(f"invalid chunk key {key!r}: expected 32 lowercase hex digits")

@@ -270,23 +270,23 @@ def test_a_warm_copy_advances_to_the_later_image(servers, client, tmp_path, by_d
 
 
 def test_a_bad_delta_is_refused_and_the_warm_copy_stays(servers, client, tmp_path):
-    """A delta that is not JSON, names another parent, lists the wrong number of chunks, holds a
-    malformed key or other objects is refused with a reason, and no fresh restore is tried (its
-    manifest may not be committed yet); the warm copy still advances by the good one."""
+    """A delta that is not JSON, names another parent, a chunk or region the image does not
+    have, a malformed key or other objects is refused with a reason, and no fresh restore is
+    tried (its manifest may not be committed yet); the warm copy still advances by the good one."""
     def bad_ones(admin, store, a, b, delta):
         good = json.loads(delta)
-        keys = good["regions"][0][1]
+        (address, j, key), rest = good["changes"][0], good["changes"][1:]
         cases = {"not JSON": ("{", "not JSON"),
                  "parent": (dict(good, parent="other"), "moves on from image 'other'"),
-                 "count": (dict(good, regions=[[good["regions"][0][0], keys[:-32]]] + good["regions"][1:]),
-                           "chunk keys for the region"),
-                 "key": (dict(good, regions=[[good["regions"][0][0], "zz" * 16 + keys[32:]]] + good["regions"][1:]),
-                         "regions are not"),
+                 "index": (dict(good, changes=[[address, 1 << 40, key]] + rest), "names chunk 1099511627776 of a region"),
+                 "region": (dict(good, changes=[[address + 8, j, key]] + rest), "is not one of its regions"),
+                 "key": (dict(good, changes=[[address, j, "zz" * 16]] + rest), "changes are not"),
+                 "shape": (dict(good, changes=[[address, j]] + rest), "changes are not"),
                  "cut": (dict(good, cut_seq=-1), "cut_seq is not a count"),
                  "objects": (dict(good, objects="0" * 32), "holds other objects")}
         for what, (d, says) in cases.items():
             with pytest.raises(grpc.RpcError) as e:
-                admin.Restore(pb.RestoreRequest(store=store, name=b, advance=True, ctx=good["regions"] and app_id(admin),
+                admin.Restore(pb.RestoreRequest(store=store, name=b, advance=True, ctx=app_id(admin),
                                                 delta=d if isinstance(d, str) else json.dumps(d)))
             assert says in e.value.details(), (what, e.value.details())
             assert list(contexts_of(admin).values()) == ["warming"], what

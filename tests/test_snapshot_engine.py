@@ -320,13 +320,18 @@ def test_a_paused_checkpoint_given_its_parents_layout_asks_only_about_what_chang
         asked, reuse = [], cp.writer.reuse_chunks
         cp.writer.reuse_chunks = lambda keys: asked.append(len(keys)) or reuse(keys)
         cp.cut(1, paused=True)
-        results[way] = (cp.finish(1), read_image(DirStore(tmp_path / way), "next").allocations[0]["chunks"], asked)
+        deltas = []
+        results[way] = (cp.finish(1, deltas.append), read_image(DirStore(tmp_path / way), "next").allocations[0]["chunks"],
+                        asked, deltas[0]["changes"])
     plain, by_prior, other = results["plain"], results["by_prior"], results["other_layout"]
     assert by_prior[1] == plain[1] == other[1] and by_prior[1] != bases["plain"].keys
     for k in ("new_chunks", "reused_chunks", "copied_bytes"):
         assert by_prior[0][k] == plain[0][k] == other[0][k], k
     assert plain[0]["new_chunks"] == 1 and plain[0]["reused_chunks"] == 7
     assert by_prior[2][0] == 2 and plain[2][0] == other[2][0] == 8, "the cut looks up the two changed chunks only"
+    # the handoff's delta: the two changed chunks, or, without the parent's keys, every chunk
+    assert by_prior[3] == [[ptr, 3, by_prior[1][3]], [ptr, 5, by_prior[1][5]]]
+    assert plain[3] == [[ptr, j, k] for j, k in enumerate(plain[1])]
 
 
 def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
