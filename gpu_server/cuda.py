@@ -20,7 +20,8 @@ from phos.snapshot.engine import BATCH_BYTES, URGENT_BATCH_BYTES
 
 log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
-PIN_PIECE = 2 << 20      # staging areas are pinned in pieces this big (see register_host)
+PIN_PIECE = 2 << 20      # staging areas are pinned in pieces this big (see register_host) ...
+PIN_AFTER = 0.02         # ... beginning this long after the client attached
 STORE_PIN_PIECE = 16 << 20   # a HostStore is pinned in pieces of whole slots about this big (see CudaSnapshotOps.pin) ...
 PIN_PAUSE = 0.001        # ... and pinned and unpinned a piece at a time, this long apart
 DEVICEMAP = 0x02         # CU_MEMHOSTREGISTER_DEVICEMAP
@@ -229,9 +230,12 @@ class CudaBackend:
         36-43 ms for a client's fresh 64 MiB (perf/probe_driver_stalls.py), which a client
         re-attaching after a handoff would wait for. So a thread pins it in 2 MiB pieces a
         moment apart (a stall of ~1 ms each), and copies through it split where pieces meet
-        (a copy runs pinned only within one registration). Until then copies run unpinned."""
+        (a copy runs pinned only within one registration). Until then copies run unpinned.
+        It starts PIN_AFTER the attach: a client re-attaching (a handoff, a restore) replays its
+        calls and syncs at once, and a piece pinned meanwhile would hold that sync up."""
         def pin():
             ok(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            time.sleep(PIN_AFTER)
             for off in range(0, buf.nbytes, PIN_PIECE):
                 if self.closing or int(cu.cuMemHostRegister(buf.ctypes.data + off, min(PIN_PIECE, buf.nbytes - off), 0)[0]) != 0:
                     return
