@@ -28,6 +28,8 @@ import zmq.utils.monitor
 
 from phos.gpu_server.backend import load_backend
 from phos.gpu_server.calls import WORKER_CALLS
+# at import, not at the first attach: a handoff's client waited 1.1-1.7 ms for it there (emu)
+from phos.gpu_server.recovery import Recovery
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.snapshot import engine
@@ -203,6 +205,7 @@ class Worker:
         self.progress_at = 0.0
         self.grace = ATTACH_TIMEOUT   # how long to wait for a client before freeing the context
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
+        self.accepted_at = time.perf_counter()     # when the socket last accepted a connection (the monitor says)
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
         self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
@@ -217,7 +220,7 @@ class Worker:
         self.told_durable = 0              # the last Reply.durableSeq sent
         self.last_image = (None, None, (), None)  # (store, name, chunk keys, (regions, keys)) of the last image committed
         self.queued_checkpoint = None      # (peer, seq, args) of a control checkpoint waiting for it
-        self.warm = None                   # the Restore of a context nobody attached to yet (advance_restore)
+        self.warm = None                   # the Restore the context came from (advance_restore: until a client attaches)
         self.last_call = 0.0               # when the last message was served
         self.loader_by = 0.0               # a restore on demand starts loading in the background by then
         self.profiler = None               # PROFILE_DIR's, while a checkpoint runs
@@ -254,18 +257,17 @@ class Worker:
                 self.client_fds.add(peer_frame.get(zmq.SRCFD))    # the connection it came by (monitor events name it)
         n, want_reply = len(calls), req.wantReply
         execute = self.session.execute
+        attached = None        # (when the attach began, ms mapping its staging area took)
         for i, call in enumerate(calls):
             name = call.which()
             last = want_reply and i == n - 1
             if name == "attach":
                 a, t0 = call.attach, time.perf_counter()
                 shm = bool(a.shmPath) and self.session.map_staging(a.shmPath, bytes(a.shmCookie), a.shmSize)
-                log.info("context %d: a client attached (its staging area mapped in %.1f ms)", self.session.ctx_id,
-                         (time.perf_counter() - t0) * 1e3)
+                attached = (t0, (time.perf_counter() - t0) * 1e3)
                 if shm:
                     self.box_peer, self.box_seen = peer, self.session.box.seq(0)
-                self.start_recovery(restored=self.warm)
-                self.warm = None
+                self.start_recovery(restored=self.warm)      # kept: dropping it here woke its threads (~1 ms)
                 status, message, fields = CUresult.CUDA_SUCCESS, "", {
                     "u64s": [self.session.ctx_id, int(shm), self.ack, int(self.session.recovery is not None)],
                     "text": self.standby_server if self.session.recovery is not None else ""}
@@ -278,6 +280,10 @@ class Worker:
         if want_reply:
             results, self.pending = self.pending, []
             self.send(peer, build_reply(self.ack, results, self.session.backend.take_output(), self.news()))
+        if attached is not None:      # where a re-attach's time goes (perf/bench_handoff.py shows these lines)
+            log.info("context %d: a client attached, %.1f ms after its connection was accepted (its staging area "
+                     "mapped in %.1f ms, answered in %.1f ms)", self.session.ctx_id, (attached[0] - self.accepted_at) * 1e3,
+                     attached[1], (time.perf_counter() - attached[0]) * 1e3)
 
     def catch_up(self, first):
         """Run the calls sent over the socket before a mailbox request whose first call is `first`.
@@ -426,7 +432,6 @@ class Worker:
     def start_recovery(self, restored=None):
         """The context is live here: take recovery images of it from now on, if the server does.
         restored: the Restore it came from (at the cut self.ack)."""
-        from phos.gpu_server.recovery import Recovery
         s = self.session
         if self.recovery_options is None or s.recovery is not None:
             return
@@ -641,7 +646,7 @@ class Worker:
             if monitor in ready:
                 event = zmq.utils.monitor.recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_ACCEPTED:
-                    self.standby = False
+                    self.standby, self.accepted_at = False, time.perf_counter()
                     if not self.client_fds:      # it has the attach timeout to present the token
                         self.alone_since = time.monotonic()
                 elif event["event"] == zmq.EVENT_DISCONNECTED and event["value"] in self.client_fds:
