@@ -316,6 +316,7 @@ class Checkpoint(ChunkJob):
                             f"slots of the host store {store.path}")
         self.session, self.store, self.name = session, store, name
         self.prior = prior
+        self.prior_keys = None       # the parent's keys, once the cut found the parent's regions (cut)
         self.concurrent = not paused
         self.precopy = precopy and not paused
         self.level = 1 if compress else None
@@ -347,6 +348,8 @@ class Checkpoint(ChunkJob):
         # the pass first: the application's next kernel waits for it (the fence), not for the rest
         self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)
         self.fps = None
+        if self.prior is not None and self.prior[0] == self.chunks.regions:
+            self.prior_keys = self.prior[1]
         for e in self.fields["modules"]:
             meta = s.meta[e["id"]]
             if "image_fp" not in meta:        # the same bytes every checkpoint: hashed once
@@ -423,10 +426,10 @@ class Checkpoint(ChunkJob):
     def ask_store(self, idx):
         """Ask the store once whether it holds each chunk of idx (at the cut's fingerprint)."""
         fps = self.fps
-        if len(idx) == len(fps) and not any(self.asked) and self.prior is not None and self.prior[0] == self.chunks.regions:
+        if len(idx) == len(fps) and not any(self.asked) and self.prior_keys is not None:
             # A paused round of the parent's regions: a chunk whose fingerprint is the parent's
             # there is the parent's chunk, which the store holds. NumPy finds the others.
-            keys = list(self.prior[1])
+            keys = list(self.prior_keys)
             was = np.frombuffer(bytes.fromhex("".join(keys)), np.uint64).reshape(-1, 2)
             changed = np.flatnonzero((np.frombuffer(b"".join(fps), np.uint64).reshape(-1, 2) != was).any(axis=1)).tolist()
             new = [fps[c].hex() for c in changed]
@@ -594,8 +597,8 @@ class Checkpoint(ChunkJob):
                 raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"checkpoint {self.name!r}: memory changed while the context was paused")
         fields = dict(self.fields)
         for e in fields["allocations"] + fields["globals"]:     # the chunks go by address, as Chunks sorts them
-            first = self.chunks.first[bisect.bisect_left(self.chunks.bases, e["address"])] if e["size"] else 0
-            e["chunks"] = self.keys[first:first + chunk_count(e["size"], e["chunk_size"])]
+            span = self.chunks.covering(e["address"], e["size"])
+            e["chunks"] = self.keys[span.start:span.stop]
         elapsed = time.perf_counter() - self.started
         fields["cut_seq"] = self.cut_seq
         fields["metadata"] = {"mode": "precopy" if self.precopy else "concurrent" if self.concurrent else "paused",
@@ -624,10 +627,10 @@ class Checkpoint(ChunkJob):
         """image_delta of the image these fields will commit: with the parent's layout and keys
         (prior), only the chunks that differ from them (a handoff's last round: 1% of 4,096)."""
         changes = None
-        if self.prior is not None and self.prior[0] == self.chunks.regions:
+        if self.prior_keys is not None:
             ch = self.chunks
             changes = []
-            for c in differing(self.prior[1], self.keys).tolist():
+            for c in differing(self.prior_keys, self.keys).tolist():
                 r = bisect.bisect_right(ch.first, c) - 1
                 changes.append([ch.regions[r][0], c - ch.first[r], self.keys[c]])
         return image_delta(types.SimpleNamespace(**{**fields, "name": self.name, "parent": self.writer.parent}), changes)
@@ -782,17 +785,16 @@ class Restore(ChunkJob):
         if delta is not None:
             if self.check_delta(name, delta) != objects_digest(self.manifest):
                 return None
-            # each region by the address the images give it: its chunks' place here, and count
-            place = {e["address"]: (self.chunks.first[r], chunk_count(size, cs))
-                     for r, ((_, size, cs), e) in enumerate(zip(self.chunks.regions, self.region_of_base()))}
+            # each region by the address the images give it: its chunks here
+            place = {e["address"]: self.chunks.covering(ptr, e["size"]) for ptr, e in zip(self.bases, region_entries(self.manifest))}
             keys, touched = list(self.keys), set()
             for address, j, key in delta["changes"]:
-                first, n = place.get(address, (0, 0))
-                if not 0 <= j < n:
+                span = place.get(address, range(0))
+                if not 0 <= j < len(span):
                     self.refuse(f"the delta of image {name!r} names chunk {j} of a region at {address:#x}, "
-                                f"which {f'has {n} chunks' if n else 'is not one of its regions'}")
-                keys[first + j] = key
-                touched.add(first + j)
+                                f"which {f'has {len(span)} chunks' if span else 'is not one of its regions'}")
+                keys[span[j]] = key
+                touched.add(span[j])
             changed = indices(sorted(c for c in touched if keys[c] != self.keys[c]))
             session, error, cut_seq = dict(self.manifest.session, next_id=delta["next_id"]), delta["error"], delta["cut_seq"]
         else:
@@ -853,11 +855,6 @@ class Restore(ChunkJob):
         if not isinstance(d.get("objects"), str):
             bad("it names no objects")
         return d["objects"]
-
-    def region_of_base(self):
-        """The manifest entry of each region, in the order of self.chunks.regions."""
-        of = {ptr: e for ptr, e in zip(self.bases, region_entries(self.manifest))}
-        return [of[base] for base, _, _ in self.chunks.regions]
 
     def chunk_keys(self):
         """Every chunk key of the image this restore is at: its contents and its modules."""
