@@ -191,17 +191,18 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 # calls: GIL). Unless the round is the target's recovery image (which must be
                 # committed first), the source sends it as a delta before committing, and the
                 # target adopts that while the source commits.
-                early, commit_failed, adopt_began = [], None, [frozen]
+                early, commit_failed, adopt_began = None, None, frozen    # early: the target adopting the delta
 
                 def on_delta(text):
-                    adopt_began[0] = time.perf_counter()
-                    phases["last_round_delta"] = (adopt_began[0] - frozen) * 1e3
-                    early.append(asyncio.ensure_future(adopt(name, advance=True, full=True, delta=text)))
+                    nonlocal early, adopt_began
+                    adopt_began = time.perf_counter()
+                    phases["last_round_delta"] = (adopt_began - frozen) * 1e3
+                    early = asyncio.ensure_future(adopt(name, advance=True, full=True, delta=text))
                 try:
                     copied, _, steps, ms = await self.handoff_round(w, store, len(rounds), parent, chunk, final=True,
                                                                     on_delta=None if store.recovery else on_delta)
                 except CudaError as e:
-                    if not early:
+                    if early is None:
                         raise               # before its delta: the source thawed itself
                     copied, steps, ms, commit_failed = 0, {}, 0.0, e
                 rounds.append(copied)
@@ -209,9 +210,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 t = time.perf_counter()
                 phases.update({f"last_round_{k}": v for k, v in steps.items()}, last_round=(t - frozen) * 1e3)
                 reply = None
-                if early:
+                if early is not None:
                     try:
-                        reply = await early[0]
+                        reply = await early
                     except CudaError as e:
                         log.info("context %d: the target could not take the last round's delta (%s): it adopts the "
                                  "committed image", request.ctx, e.message)
@@ -219,7 +220,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                     try:
                         if commit_failed is not None:
                             raise commit_failed
-                        adopt_began[0] = time.perf_counter()
+                        adopt_began = time.perf_counter()
                         reply = await adopt(name, advance=True, full=True)
                     except CudaError:
                         await self.front.control(w, "thaw")
@@ -227,7 +228,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 elif commit_failed is not None:      # the target holds it all: the image was for a fallback
                     log.warning("context %d: the handoff's last round was not committed (%s); the target took its "
                                 "delta", request.ctx, commit_failed.message)
-                phases["target_adopt"] = (time.perf_counter() - adopt_began[0]) * 1e3
+                phases["target_adopt"] = (time.perf_counter() - adopt_began) * 1e3
                 phases.update({f"target_{k}": v for k, v in reply.phase_ms.items()})
                 warm = False              # it is the live context there now
             self.front.moved[request.ctx] = (reply.endpoint, info.standby)

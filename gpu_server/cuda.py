@@ -240,7 +240,7 @@ class CudaBackend:
                 if self.closing or int(cu.cuMemHostRegister(buf.ctypes.data + off, min(PIN_PIECE, buf.nbytes - off), 0)[0]) != 0:
                     return
                 self.registered.append(buf.ctypes.data + off)
-                time.sleep(0.001)
+                time.sleep(PIN_PAUSE)
         self.pinned_areas.append((buf.ctypes.data, buf.ctypes.data + buf.nbytes))
         self.pinning.append(threading.Thread(target=pin, name="phos-pin", daemon=True))
         self.pinning[-1].start()

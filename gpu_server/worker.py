@@ -438,8 +438,12 @@ class Worker:
         s.recovery = Recovery(self.recovery_options[0], s.ctx_id, *self.recovery_options[1:])
         if restored and restored.store.path == os.path.abspath(s.recovery.path):
             s.recovery.restored_from(restored.name, self.ack)       # its parent, as it is in our store
-            self.last_image = (restored.store.path, restored.name, restored.chunk_keys(),     # chunks it holds
-                               (restored.chunks.regions, restored.keys))
+            self.remember(restored)          # the chunks it holds
+
+    def remember(self, job):
+        """The image a Checkpoint committed, or a Restore came from, is the last image here: a
+        checkpoint with it as parent need not ask the store about its chunks (begin_checkpoint)."""
+        self.last_image = (job.store.path, job.name, job.chunk_keys(), (job.chunks.regions, job.keys))
 
     @property
     def recovering(self):
@@ -542,7 +546,7 @@ class Worker:
                 sent.append(True)
             try:
                 result = cp.finish(self.ack, send_delta if self.early and self.job else None)
-                self.last_image = (cp.store.path, cp.name, cp.chunk_keys(), (cp.chunks.regions, cp.keys))
+                self.remember(cp)
                 fields = {"text": json.dumps(result)}
                 status, message = CUresult.CUDA_SUCCESS, ""
             except Exception as e:     # the image is lost, not the context
