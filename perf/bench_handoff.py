@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_snapshot import GiB, MiB, App, start_server, timed_reattach  # noqa: E402
+from bench_snapshot import GiB, MiB, App, spread, start_server, timed_reattach  # noqa: E402
 
 
 def writer(app, stop, ends, starts, step, share=0.1):
@@ -165,8 +165,8 @@ def main():
     if args.repeat > 1:
         print("\n| size | runs | downtime: least, median, most (ms) | runs within 20 ms |\n|---|---|---|---|")
         for size in dict.fromkeys(r["size"] for r in rows):
-            d = sorted(r["downtime_ms"] for r in rows if r["size"] == size)
-            print(f"| {size} | {len(d)} | {d[0]:.1f}, {float(np.median(d)):.1f}, {d[-1]:.1f} | {sum(x <= 20 for x in d)} |")
+            d = [r["downtime_ms"] for r in rows if r["size"] == size]
+            print(f"| {size} | {len(d)} | {spread(d)} | {sum(x <= 20 for x in d)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -383,6 +383,12 @@ def main():
             json.dump(rows, f, indent=1)
 
 
+def spread(values):
+    """"least, median, most" of a benchmark's figure over its runs."""
+    v = sorted(values)
+    return f"{v[0]:.3g}, {float(np.median(v)):.3g}, {v[-1]:.3g}"
+
+
 def print_spread(rows):
     """Least, median and most of the figures issue 5 sets targets for, over the runs of each size."""
     figures = {"pause (ms)": lambda p: p["pause_ms"],
@@ -393,11 +399,7 @@ def print_spread(rows):
     print("|---|---|" + "---|" * len(figures))
     for size in dict.fromkeys(r["size"] for r in rows):
         runs = [r["phos"] for r in rows if r["size"] == size]
-        cells = []
-        for f in figures.values():
-            v = sorted(f(p) for p in runs)
-            cells.append(f"{v[0]:.3g}, {float(np.median(v)):.3g}, {v[-1]:.3g}")
-        print(f"| {size} | {len(runs)} | " + " | ".join(cells) + " |")
+        print(f"| {size} | {len(runs)} | " + " | ".join(spread(f(p) for p in runs) for f in figures.values()) + " |")
 
 
 def print_table(rows):
