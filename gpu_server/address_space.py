@@ -5,6 +5,8 @@ context gets the same addresses back. Every pointer a client passes is checked h
 """
 import bisect
 
+import numpy as np
+
 from phos.schema.cuda_types import CudaError, CUresult
 
 # Far below where Linux places mmap()s (top-down from 0x7fff...): a base inside that area,
@@ -20,6 +22,10 @@ class AddressSpace:
         self.sizes = {}          # base -> size
         self.free = [(base, size)]  # sorted (start, length) holes
         self.external = set()       # bases of ranges the device placed outside (module globals)
+        # A restored module global the device put elsewhere: the application keeps its old
+        # address (app), calls reach the new one (device). Few: one per moved global.
+        self.moved = {}             # app base -> device base
+        self.app_of = {}            # device base -> app base
 
     def alloc(self, nbytes, at=None):
         """Reserve nbytes (rounded up to the alignment); `at` places it at a given address."""
@@ -44,9 +50,47 @@ class AddressSpace:
         self.external.add(ptr)
 
     def forget(self, ptr):
+        """Drop a range the device placed (its module is gone), and the old address it answers to."""
+        app = self.app_of.pop(ptr, None)
+        if app is not None:
+            del self.moved[app]
+            self.forget(app)
         self.external.discard(ptr)
         self.sizes.pop(ptr, None)
         self.bases.remove(ptr)
+
+    def alias(self, app, device, nbytes):
+        """Let the application's old address of a restored module global reach where the device
+        put it now (the driver places a module's globals itself). False when another range holds
+        that address already: the application's old pointer is then stale."""
+        ends = [self.find(app), self.find(app + max(nbytes, 1) - 1)]
+        inside = bisect.bisect_left(self.bases, app) != bisect.bisect_left(self.bases, app + max(nbytes, 1))
+        if any(ends) or inside:
+            return False
+        self.adopt(app, nbytes)
+        self.moved[app], self.app_of[device] = device, app
+        return True
+
+    def to_device(self, ptr):
+        """Where the device has the address ptr the application passed (itself, unless moved)."""
+        if self.moved:
+            hit = self.find(ptr)
+            if hit is not None and hit[0] in self.moved:
+                return self.moved[hit[0]] + ptr - hit[0]
+        return ptr
+
+    def to_app(self, ptr):
+        """The address the application knows for a range's base the device reports."""
+        return self.app_of.get(ptr, ptr)
+
+    def translate_words(self, blob):
+        """A launch's parameters with every word that points into a moved global pointed at
+        where it lies now (pointer arguments, and pointers inside by-value structs)."""
+        words = np.frombuffer(blob, np.uint64, len(blob) // 8).copy()
+        for app, device in self.moved.items():
+            hit = (words >= app) & (words < app + max(self.sizes[app], 1))
+            words[hit] = words[hit] - np.uint64(app) + np.uint64(device)
+        return words.tobytes() + bytes(blob[len(words) * 8:])
 
     def release(self, ptr):
         """Forget the allocation at ptr; returns its size."""

@@ -88,7 +88,7 @@ def memcpy_htod(s, a, p):
     if s.snapshotting:
         s.touch(a.dst, a.size)
     _before_blocking_copy(s, stream)
-    s.backend.htod(a.dst, data, stream)
+    s.backend.htod(s.space.to_device(a.dst), data, stream)
     if a.viaShm and stream is not None:
         s.backend.stream_sync(stream)     # the client reuses the staging slot once we reply
 
@@ -100,7 +100,7 @@ def memcpy_dtoh(s, a, p):
     out = s.staging(a.shmOffset, a.size) if a.viaShm else np.empty(a.size, np.uint8)
     stream = _stream(s, a.stream)
     _before_blocking_copy(s, stream)
-    s.backend.dtoh(a.src, out, stream)
+    s.backend.dtoh(s.space.to_device(a.src), out, stream)
     return None if a.viaShm else {"payload": out}
 
 
@@ -110,7 +110,7 @@ def memcpy_dtod(s, a, p):
     if s.snapshotting:
         s.touch(a.src, a.size, write=False)
         s.touch(a.dst, a.size)
-    s.backend.dtod(a.dst, a.src, a.size, _stream(s, a.stream))
+    s.backend.dtod(s.space.to_device(a.dst), s.space.to_device(a.src), a.size, _stream(s, a.stream))
 
 
 def memset(s, a, p):
@@ -121,7 +121,7 @@ def memset(s, a, p):
     s.space.check(a.dst, a.elemSize * a.count, "destination")
     if s.snapshotting:
         s.touch(a.dst, a.elemSize * a.count)
-    s.backend.memset(a.dst, a.value, a.elemSize, a.count, _stream(s, a.stream))
+    s.backend.memset(s.space.to_device(a.dst), a.value, a.elemSize, a.count, _stream(s, a.stream))
 
 
 def module_load(s, a, p):
@@ -150,7 +150,8 @@ def module_get_function(s, a, p):
 
 
 def module_get_global(s, a, p):
-    return {"u64s": list(s.backend.get_global(s.handle("module", a.module), a.name))}
+    ptr, size = s.backend.get_global(s.handle("module", a.module), a.name)
+    return {"u64s": [s.space.to_app(ptr), size]}
 
 
 def run_launch(s, function_id, config, params):
@@ -170,7 +171,9 @@ def run_launch(s, function_id, config, params):
     if len(params) != fn.size:
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: {len(params)} parameter bytes, kernel takes {fn.size}")
     if s.snapshotting:
-        s.touch_kernel(params)
+        s.touch_kernel(fn, params)
+    if s.space.moved:        # a restored context whose module globals the device placed elsewhere
+        params = s.space.translate_words(params)
     s.backend.launch(fn, (gx, gy, gz), (bx, by, bz), shared, _stream(s, stream), params)
 
 

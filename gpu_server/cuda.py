@@ -15,6 +15,7 @@ from cuda.bindings import driver as cu
 
 from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import DeviceInfo, Function
+from phos.gpu_server.fatbin import module_variables
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.engine import BATCH_BYTES, URGENT_BATCH_BYTES
 
@@ -265,13 +266,19 @@ class CudaBackend:
         ok(fn(dst, value, count, stream or 0), "cuMemsetAsync")
 
     # modules
-    def load_module(self, image, globals_at=None):
-        """globals_at is ignored: the driver places module globals itself (see get_global)."""
+    def load_module(self, image):
+        """The driver places the module's globals itself (see AddressSpace.alias). It cannot list
+        them: we read their names from the image, so a checkpoint holds every one."""
         data = bytes(image)
         if not data.startswith((b"\x50\xed\x55\xba", b"\x7fELF", b"\xb1\x43\x62\x46")) and not data.endswith(b"\0"):
             data += b"\0"        # PTX text must be NUL-terminated for the driver
-        module = ok(cu.cuModuleLoadData(data), "cuModuleLoadData")
-        return [module, []]      # the module and its globals adopted into the address space: (name, ptr, size)
+        module = [ok(cu.cuModuleLoadData(data), "cuModuleLoadData"), []]   # and its globals: (name, ptr, size)
+        for name in module_variables(data):
+            try:
+                self.get_global(module, name)
+            except CudaError:
+                pass             # not a variable the driver knows by that name
+        return module
 
     def unload_module(self, module):
         for _, ptr, _ in module[1]:
@@ -300,7 +307,6 @@ class CudaBackend:
         return ptr, size
 
     def module_globals(self, module):
-        """The globals looked up so far: the driver cannot list a module's globals."""
         return list(module[1])
 
     def launch(self, function, grid, block, shared_bytes, stream, params):

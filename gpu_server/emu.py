@@ -76,22 +76,22 @@ class EmuBackend:
         view.view({1: "u1", 2: "<u2", 4: "<u4"}[elem_size])[:] = value
 
     # modules
-    def load_module(self, image, globals_at=None):
-        """globals_at: {name: address} to place globals where a restored image had them."""
+    def load_module(self, image):
         from phos.gpu_server.ptx import parse_module
-        from phos.gpu_server.ptx.fatbin import extract_ptx
+        from phos.gpu_server.fatbin import extract_ptx
         module = parse_module(extract_ptx(bytes(image)))
         module.allocations = []
         for name, var in module.globals.items():
-            ptr = self.mem.alloc(max(var.size, 1), (globals_at or {}).get(name))
+            ptr = self.mem.alloc_global(max(var.size, 1))
             self.mem.view(ptr, len(var.init))[:] = memoryview(var.init)
             module.bind_global(name, ptr)
             module.allocations.append((name, ptr, var.size))
+        module.relocate(self.mem)      # pointer initialisers now, as the driver does at load
         return module
 
     def unload_module(self, module):
         for _, ptr, _ in module.allocations:
-            self.mem.free(ptr)
+            self.mem.free_global(ptr)
 
     def module_globals(self, module):
         return list(module.allocations)

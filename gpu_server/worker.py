@@ -129,10 +129,13 @@ class Session:
         if write and self.checkpoint is not None:
             self.checkpoint.before_write(ptr, nbytes, whole)
 
-    def touch_kernel(self, params):
-        """A launch may write anywhere in each allocation its parameters point into."""
+    def touch_kernel(self, fn, params):
+        """A launch may write anywhere in each allocation its parameters point into, and in
+        every global of its module (which it names without a pointer)."""
         for ptr in engine.kernel_pointers(self, params):
             self.touch(ptr, 0, whole=True)
+        for _, ptr, size in self.backend.module_globals(self.handle("module", fn.module_id)):
+            self.touch(self.space.to_app(ptr), size)
 
     def drop(self, hid):
         self.objects.pop(hid, None)

@@ -73,9 +73,12 @@ FEW = 32                         # chunk lists up to this long are walked in Pyt
 
 
 class Chunks:
-    """The chunks of a set of regions [(address, size, chunk_size)], found by address."""
+    """The chunks of a set of regions [(address, size, chunk_size)], found by address.
 
-    def __init__(self, regions):
+    moved: {address: device address} of regions the device has elsewhere (AddressSpace.moved):
+    regions go by the application's addresses, table, addr and spans by the device's."""
+
+    def __init__(self, regions, moved=None):
         self.regions = sorted(regions)
         self.bases = [r[0] for r in self.regions]
         self.first = []              # index of each region's first chunk
@@ -83,7 +86,7 @@ class Chunks:
         for base, nbytes, cs in self.regions:
             self.first.append(self.first[-1] + len(addr[-1]) if addr else 0)
             n = chunk_count(nbytes, cs)
-            addr.append(base + np.arange(n, dtype=np.uint64) * np.uint64(cs))
+            addr.append((moved or {}).get(base, base) + np.arange(n, dtype=np.uint64) * np.uint64(cs))
             size.append(np.full(n, cs, np.uint64))
             if n:
                 size[-1][-1] = nbytes - (n - 1) * cs
@@ -194,7 +197,10 @@ def describe(session, chunk_size):
             modules.append({"id": hid, "name": meta.get("name", f"module{hid}"), "kind": image_kind(meta["image"]),
                             "image": None, "size": len(meta["image"])})
             for name, ptr, size in backend.module_globals(obj):
-                globals_.append({"module": hid, "name": name, "address": ptr, "size": size})
+                g = {"module": hid, "name": name, "address": session.space.to_app(ptr), "size": size}
+                if g["address"] != ptr:      # pointers to it, inside globals, hold this (Restore.relocate)
+                    g["device"] = ptr
+                globals_.append(g)
                 global_ptrs.add(ptr)
         elif kind == "function":
             functions.append({"id": hid, "module": obj.module_id, "name": obj.name, "params": [list(p) for p in obj.params]})
@@ -344,7 +350,7 @@ class Checkpoint(ChunkJob):
         s = self.session
         self.cut_seq = cut_seq
         self.fields, regions = describe(s, self.chunk_size)
-        self.chunks, self.settled = Chunks(regions), set()
+        self.chunks, self.settled = Chunks(regions, s.space.moved), set()
         # the pass first: the application's next kernel waits for it (the fence), not for the rest
         self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)
         self.fps = None
@@ -700,6 +706,8 @@ class Restore(ChunkJob):
         super().__init__()
         self.thread = None           # the background loader
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
+        self.relocations = []        # (old start, old end, new start) of the module globals that moved
+        self.global_chunks = set()   # chunks of module globals: the ones relocate() looks in
         self.stopping = False        # advance() holds the background loader
         self.loader_held = False     # the loader waits for start_loader()
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
@@ -726,23 +734,27 @@ class Restore(ChunkJob):
         if not isinstance(sess, dict) or not {"ctx", "token", "next_id"} <= set(sess):
             self.refuse("it names no session (ctx, token, next_id)")
         t = self.step("device", t)
-        placed = {}              # (module id, global name) -> where the device put it
+        placed = {}              # (module id, global name) -> where the device put it, when the old address is taken
         for e in m.modules:
             try:
                 image = read_chunk(self.store, e["image"], expected_len=e["size"])
             except ImageError as err:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(err)) from None
-            places = {g["name"]: g["address"] for g in m.globals if g["module"] == e["id"]}
-            module = backend.load_module(image, globals_at=places)
+            module = backend.load_module(image)
             s.objects[e["id"]] = ("module", module)
             s.meta[e["id"]] = {"image": image, "name": e["name"], "kind": e["kind"], "image_fp": bytes.fromhex(e["image"])}
             for g in (g for g in m.globals if g["module"] == e["id"]):
                 ptr, size = backend.get_global(module, g["name"])
                 if size != g["size"]:
                     self.refuse(f"global {g['name']} holds {size} bytes, the image {g['size']}")
-                if ptr != g["address"]:
-                    log.warning("image %s: global %s moved from %#x to %#x", self.name, g["name"], g["address"], ptr)
-                placed[g["module"], g["name"]] = ptr
+                for old in {g["address"], g.get("device", ptr)} - {ptr}:
+                    self.relocations.append((old, old + size, ptr))
+                # the device places a module's globals itself: the application's address of
+                # one placed elsewhere is made to reach it (AddressSpace.alias)
+                if ptr != g["address"] and not s.space.alias(g["address"], ptr, size):
+                    log.warning("image %s: global %s moved from %#x to %#x, and its old address is taken: "
+                                "the application's pointers to it are stale", self.name, g["name"], g["address"], ptr)
+                    placed[g["module"], g["name"]] = ptr
         for f in m.functions:
             fn = backend.get_function(s.handle("module", f["module"]), f["name"])
             if [list(p) for p in fn.params] != f["params"]:
@@ -762,10 +774,12 @@ class Restore(ChunkJob):
         self.adopt_session(m.session, m.error)
         regions = [(placed.get((e.get("module"), e.get("name")), e["address"]), e) for e in region_entries(m)]
         self.bases = [ptr for ptr, _ in regions]      # advance() pairs a later image's entries with them
-        self.chunks, self.settled = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions]), set()
+        self.chunks, self.settled = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions], s.space.moved), set()
         by_base = {ptr: e["chunks"] for ptr, e in regions}
         self.keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
         self.bytes_total, self.bytes_done = int(self.chunks.sizes.sum()), 0
+        if self.relocations:
+            self.global_chunks = {c for ptr, e in regions if "module" in e for c in self.chunks.covering(ptr, e["size"])}
         return m.cut_seq
 
     def adopt_session(self, sess, error):
@@ -886,7 +900,26 @@ class Restore(ChunkJob):
             if fp.hex() != self.keys[c]:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE,
                                 f"image {self.name!r}: chunk {self.keys[c]} is corrupt: its contents fingerprint to {fp.hex()}")
+        if self.relocations:
+            self.relocate([c for c in idx if c in self.global_chunks])
         self.mark_done(idx)
+
+    def relocate(self, idx):
+        """Point the pointers that module globals hold to a moved global at where it is now.
+        The driver does this for a module's initialisers at load; the image's contents hold the
+        old places. (Pointers to globals kept in allocations are not searched for: they stay stale.)"""
+        backend = self.session.backend
+        for addr, n in self.chunks.spans(idx):
+            buf = np.empty(n, np.uint8)
+            backend.dtoh(addr, buf, None)
+            words, hit_any = buf[:n // 8 * 8].view(np.uint64), False
+            for lo, hi, new in self.relocations:
+                hit = (words >= np.uint64(lo)) & (words < np.uint64(hi))
+                if hit.any():
+                    words[hit] = words[hit] - np.uint64(lo) + np.uint64(new)
+                    hit_any = True
+            if hit_any:
+                backend.htod(addr, buf, None)
 
     def load_all(self):
         with self.cv:      # after an advance, the few that changed: batches of those alone

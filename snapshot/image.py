@@ -25,7 +25,8 @@ Layout in a store (see store.py):
        "address_space": {"base", "size"}                      (optional)
        "modules":     [{"id", "name", "kind", "image": key, "size"}],
        "functions":   [{"id", "module", "name", "params": [[offset, size], ...]}],
-       "globals":     [{"module", "name", "address", "size", "chunk_size", "chunks": [key]}],
+       "globals":     [{"module", "name", "address", "size", "chunk_size", "chunks": [key],
+                        "device" (optional: where the device had it, when not at address)}],
        "streams":     [{"id", "flags", "priority"}],
        "events":      [{"id", "flags"}],
        "allocations": [{"address", "size", "chunk_size", "chunks": [key]}],
@@ -473,6 +474,7 @@ def validate_manifest(m, name=None, depth_checked=False):
             v.fail(p + ".module", f"module {mod} is not in the image")
         v.str(e, "name", p)
         v.region(e, p)
+        v.int(e, "device", p, optional=True)
     for j, e in enumerate(v.list(m, "streams", "")):
         p = f"streams[{j}]"
         unique("stream", v.int(e, "id", p), p + ".id")

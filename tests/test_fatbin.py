@@ -10,19 +10,23 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from phos.gpu_server.ptx import fatbin
-from phos.gpu_server.ptx.fatbin import describe, extract_ptx, fatbin_size, image_kind
+from phos.gpu_server import fatbin
+from phos.gpu_server.fatbin import describe, extract_ptx, fatbin_size, image_kind
 from phos.schema.cuda_types import CudaError, CUresult
 
 NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc to build test images")
 
 KERNELS = r"""
+__device__ int hits;
+__constant__ float bias[2] = {0.5f, 0.25f};
+__device__ float *last = nullptr;
 extern "C" __global__ void add(float *a, const float *b, int n)
-{ int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) a[i] += b[i]; }
+{ int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) a[i] += b[i] + bias[i % 2]; if (i == 0) { atomicAdd(&hits, 1); last = a; } }
 __global__ void scale(float *a, float s, int n)
 { int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) a[i] *= s; }
 """
+VARIABLES = {"hits", "bias", "last"}
 APP = KERNELS + r"""
 #include <cstdio>
 int main() { float *d; cudaMalloc(&d, 64); scale<<<1, 16>>>(d, 2.f, 16);
@@ -187,6 +191,18 @@ def test_wrapper_without_fatbin():
 
 
 # ---------------------------------------------------------------- no usable PTX
+
+@pytest.mark.parametrize("build", ["ptx", "cubin", "sm90", "ptx_only", "sass_only", "compress_all", "mode_speed", "section"])
+def test_module_variables_are_found_in_every_kind_of_image(images, build):
+    """The driver cannot list a module's globals: the cuda backend reads their names here, so a
+    checkpoint holds every one, looked up by the program or not."""
+    assert set(fatbin.module_variables(images[build])) == VARIABLES
+
+
+def test_module_variables_of_an_unreadable_image_are_none(images):
+    assert fatbin.module_variables(b"junk") == []
+    assert fatbin.module_variables(images["sm90"][:200]) == []
+
 
 @pytest.mark.parametrize("build", ["sass_only", "cubin"])
 def test_sass_only_names_kernels_and_the_fix(images, build):

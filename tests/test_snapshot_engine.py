@@ -218,12 +218,17 @@ def test_module_globals_below_the_allocations_keep_their_own_contents(servers, c
     """A program loads its module (globals with initialisers, one a pointer to another) before
     it allocates, so the globals lie below its allocations: each region's chunks in the image
     are its own (a checkpoint gave the allocation the globals' chunks, and them its), and a
-    restore elsewhere brings back every global and allocation, with the kernel's updates."""
+    restore elsewhere brings back every global and allocation, with the kernel's updates.
+
+    The device places a module's globals itself, elsewhere in each process (the driver does; emu
+    does too): the addresses the program holds still reach them, as copies' and kernels'
+    pointers, and the pointer one global holds to another is moved with it, through two restores."""
     one = servers("one")
     cu = client(one)
     app = App(cu)
     mod = app.ok(cu.cuModuleLoadData(compile_ptx("globals.cu").encode()))
     use = app.ok(cu.cuModuleGetFunction(mod, b"use_globals"))
+    add_to = app.ok(cu.cuModuleGetFunction(mod, b"add_to"))
     counter, _ = app.ok(cu.cuModuleGetGlobal(mod, b"counter"))
     table, _ = app.ok(cu.cuModuleGetGlobal(mod, b"table"))
     n = 3 << 18                                       # 3 MiB of floats: more than one 2 MiB chunk
@@ -248,6 +253,19 @@ def test_module_globals_below_the_allocations_keep_their_own_contents(servers, c
     assert app.get(counter, 1, np.int32)[0] == 8 and app.get(table, 3, np.int32).tolist() == [10, 20, 30]
     run()                                             # tptr still points at table; counter goes on
     assert app.get(out, n).tobytes() == expected.tobytes() and app.get(counter, 1, np.int32)[0] == 9
+    app.ok(cu.cuLaunchKernel(add_to, 1, 1, 1, 1, 1, 1, 0, 0, ((counter, 100), (P, I)), 0))
+    app.ok(cu.cuMemsetD32(int(table) + 4, 21, 1))
+    app.sync()
+    assert app.get(counter, 1, np.int32)[0] == 109
+    assert int(app.ok(cu.cuModuleGetGlobal(mod, b"counter"))[0]) == int(counter)
+    name = checkpoint(two, app.id, store)["name"]     # of the restored context: its globals moved once already
+    kill(two)
+    three = servers("three")
+    monkeypatch.setenv("PHOS_SERVER", three.address)
+    assert restore(three, store, name=name).ctx == app.id
+    run()
+    assert app.get(counter, 1, np.int32)[0] == 110 and app.get(table, 3, np.int32).tolist() == [10, 21, 30]
+    assert app.get(out, 6).tolist() == [i * 0.5 * (1, 2, 3, 4)[i % 4] + (10, 21, 30)[i % 3] for i in range(6)]
 
 
 @pytest.mark.parametrize("kind", ["dir", "host"])

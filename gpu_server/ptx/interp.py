@@ -715,7 +715,7 @@ class PtxModule:
             raise err(CUresult.CUDA_ERROR_NOT_FOUND, f"no global '{name}' in this module")
         self.addrs[name] = int(addr)
 
-    def _relocate(self, mem):
+    def relocate(self, mem):
         """Write pointer initialisers (`.u64 p = sym`) once their targets are bound."""
         for name, v in self.tree.vars.items():
             if not v.relocs or name not in self.addrs or (name, self.addrs[name]) in self._patched:
@@ -741,7 +741,7 @@ class PtxModule:
         missing = [g for g in K.used_globals if g not in self.addrs]
         if missing:
             raise err(CUresult.CUDA_ERROR_NOT_INITIALIZED, f"kernel '{name}': global '{missing[0]}' is not bound")
-        self._relocate(mem)
+        self.relocate(mem)
         symbols = {**K.static_symbols, **self.addrs}
         params = bytes(params) + bytes(-len(params) % 8)
         nt = block[0] * block[1] * block[2]

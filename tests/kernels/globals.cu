@@ -10,3 +10,6 @@ extern "C" __global__ void use_globals(float *out, int n) {
     if (i < n) out[i] = coeffs[i % 4] * i * (float)scale + tptr[i % 3];
     if (i == 0) atomicAdd(&counter, 1);
 }
+
+// Adds through a pointer argument: given a global's address, which a restore may have moved.
+extern "C" __global__ void add_to(int *p, int by) { *p += by; }

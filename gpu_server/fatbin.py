@@ -61,12 +61,15 @@ ELF_SHCOUNT = struct.Struct("<HH")
 ELF_SECTION = struct.Struct("<IIQQQQIIQQ")  # name, type, flags, addr, offset, size, link, info, align, entsize
 ELF_SYMBOL = struct.Struct("<IBBHQQ")  # name, info, other, shndx, value, size
 SHT_SYMTAB = 2
-STT_FUNC = 2
+STT_OBJECT, STT_FUNC = 1, 2
 STO_CUDA_ENTRY = 0x10  # st_other bit nvcc sets on __global__ functions
 
 # Leading whitespace and comments, then `.version`; possessive so junk can't backtrack.
 _PTX_START = re.compile(rb"(?:\s|//[^\n]*|/\*.*?\*/)*+\.version\b", re.S)
 _ZEROS = re.compile(rb"\0*")
+# A module-scope __device__ or __constant__ variable: `.visible .global .align 8 .u64 name ...`
+_PTX_VARIABLE = re.compile(r"^[ \t]*(?:\.(?:visible|weak)[ \t]+)?\.(?:global|const)[ \t]+"
+                           r"(?:\.\w+(?:\([^)\n]*\))?(?:[ \t]+\d+)?[ \t]+)*([A-Za-z_$%][\w$]*)", re.M)
 _REBUILD = ("rebuild with PTX embedded, e.g. nvcc -gencode arch=compute_90,code=compute_90 "
             "(or -arch=sm_90, which embeds compute_90 PTX too)")
 
@@ -141,6 +144,28 @@ def extract_ptx(image) -> str:
     # Highest arch wins; at a tie a portable target beats sm_90a-style, then the first.
     best = max(usable, key=lambda e: (e.arch, not e.flags & FLAG_ARCH_VARIANT))
     return _ptx_text(_payload(best), best.name)
+
+
+def module_variables(image) -> list[str]:
+    """Names of the __device__ and __constant__ variables a module image defines (the driver
+    cannot list a module's globals). PTX, or a cubin's symbols when there is no PTX; [] for
+    an image we cannot read (the driver loaded it: its globals are then the ones looked up)."""
+    try:
+        image = bytes(image)
+        kind = image_kind(image)
+        if kind == "ptx":
+            return _PTX_VARIABLE.findall(_ptx_text(image, "PTX image"))
+        if kind == "elf":
+            return _elf_symbols(image, STT_OBJECT)
+        entries = _entries(image, kind)
+        for e in sorted(entries, key=lambda e: e.kind != KIND_PTX):
+            if e.kind == KIND_PTX:
+                return _PTX_VARIABLE.findall(_ptx_text(_payload(e), e.name))
+            if e.kind == KIND_ELF:
+                return _elf_symbols(_payload(e), STT_OBJECT)
+    except CudaError:
+        pass
+    return []
 
 
 def describe(image) -> list[dict]:
@@ -352,6 +377,21 @@ def _elf_arch(elf):
 
 def _elf_kernels(elf):
     """Names of the __global__ functions in a cubin (mangled); [] if its tables are damaged."""
+    names, funcs = [], []
+    for name, _info, other in _elf_symbol_table(elf):
+        if _info & 0xF == STT_FUNC:
+            (names if other & STO_CUDA_ENTRY else funcs).append(name)
+    return names or funcs
+
+
+def _elf_symbols(elf, kind):
+    """Names of a cubin's symbols of one type (STT_OBJECT: its variables), but the
+    toolchain's own (named after sections, such as .nv.reservedSmem.offset0)."""
+    return [name for name, info, _ in _elf_symbol_table(elf) if info & 0xF == kind and not name.startswith(".")]
+
+
+def _elf_symbol_table(elf):
+    """[(name, info, other)] of a cubin's symbols; [] if its tables are damaged."""
     try:
         shoff = ELF_SHOFF.unpack_from(elf, 0x28)[0]
         shentsize, shnum = ELF_SHCOUNT.unpack_from(elf, 0x3A)
@@ -364,12 +404,10 @@ def _elf_kernels(elf):
         _n, _t, _f, _a, offset, size, link, _i, _al, entsize = symtab
         strtab = sections[link]
         strings = elf[strtab[4]:strtab[4] + strtab[5]]
-        names, funcs = [], []
+        out = []
         for s in range(offset, min(offset + size, len(elf)) - ELF_SYMBOL.size + 1, entsize):
             st_name, info, other, _shndx, _v, _sz = ELF_SYMBOL.unpack_from(elf, s)
-            if info & 0xF == STT_FUNC:
-                name = _until_nul(strings[st_name:]).decode("ascii", "replace")
-                (names if other & STO_CUDA_ENTRY else funcs).append(name)
-        return names or funcs
+            out.append((_until_nul(strings[st_name:]).decode("ascii", "replace"), info, other))
+        return out
     except struct.error:
         return []
