@@ -37,6 +37,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from ptx_helpers import compile_ptx  # noqa: E402  (tests/kernels/snapshot.cu: fill_u64)
+from phos.snapshot.engine import TRACE_SECONDS  # noqa: E402
 
 FILL_PTX = compile_ptx("snapshot.cu", "compute_75")
 
@@ -295,6 +296,11 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
                       "kernels_per_s_after": round(syncs_per_s(ends, end, marks["child_exited"]))}
     row["checkpoint_host_meta"] = {k: res[k] for k in ("pause_ms", "paused", "recopied_chunks", "copied_bytes")}
     row["cut_ms"] = res["pause_ms"]
+    # the pause, step by step: the worker's steps from its cut (trace_ms; perf_counter is the
+    # machine's monotonic clock, in both processes) beside this loop's syncs then
+    t_cut = res["trace_from"]
+    row["pause_trace"] = {"steps": res["trace_ms"], "syncs_ms": [round((e - t_cut) * 1e3, 3) for e in ends
+                                                                if -0.005 < e - t_cut < TRACE_SECONDS]}
     if disk_dir:
         row["checkpoint_disk_s"] = checkpoint(one, ctx, disk_dir)["seconds"]
     two = server("two")                         # a full restore into a second server process
@@ -378,6 +384,7 @@ def main():
     print_table(rows)
     if args.repeat > 1:
         print_spread(rows)
+    print_pause_traces(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -387,6 +394,18 @@ def spread(values):
     """"least, median, most" of a benchmark's figure over its runs."""
     v = sorted(values)
     return f"{v[0]:.3g}, {float(np.median(v)):.3g}, {v[-1]:.3g}"
+
+
+def print_pause_traces(rows):
+    """Where each run's pause went: the loop's syncs and the worker's steps of over 0.1 ms, in
+    ms after the cut began (the cut's own step, the fingerprints' arrival, and the rest)."""
+    print("\n| size | syncs after the cut (ms) | the worker's steps: start+ms |\n|---|---|---|")
+    for r in rows:
+        t = r["phos"].get("pause_trace")
+        if t:
+            steps = ", ".join(f"{name} {start:.1f}+{ms:.1f}" for start, name, ms in t["steps"]
+                              if ms > 0.1 or name == "cut_fingerprints_ready")
+            print(f"| {r['size']} | {', '.join(f'{s:.1f}' for s in t['syncs_ms'])} | {steps} |")
 
 
 def print_spread(rows):

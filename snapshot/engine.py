@@ -67,6 +67,7 @@ DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostS
 ASK_AT_ONCE = 256                # chunks a checkpoint's step asks the store about
 LOOK_EVERY = 100e-6              # seconds between a checkpoint's looks at a busy device (advance)
 STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls keep coming
+TRACE_SECONDS = 0.03             # a checkpoint reports its steps of this long from the cut (trace_ms)
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
 FEW = 32                         # chunk lists up to this long are walked in Python, longer ones by NumPy
@@ -236,12 +237,20 @@ class ChunkJob:
         self.bytes_total = self.bytes_done = 0
         self.phase_ms = {}           # steps and their times, for the reports of a handoff and a restore
         self.settled = set()         # regions whose chunks are all done (not_done)
+        self.trace, self.trace_from, self.trace_until = [], 0.0, 0.0    # the steps of a window (trace_steps)
 
     def step(self, name, since):
         """Add the time since `since` to step `name`; returns now."""
         now = time.perf_counter()
         self.phase_ms[name] = self.phase_ms.get(name, 0.0) + (now - since) * 1e3
+        if since < self.trace_until:
+            self.trace.append([round((since - self.trace_from) * 1e3, 3), name, round((now - since) * 1e3, 3)])
         return now
+
+    def trace_steps(self, since, seconds):
+        """Keep each step of the next seconds, as [start, name, ms] (ms after since): where a
+        checkpoint's pause went, the application being held behind the cut's fingerprint pass."""
+        self.trace, self.trace_from, self.trace_until = [], since, since + seconds
 
     # A call touches a chunk or a few (a Python loop is cheapest); a round or a whole region
     # thousands (array steps are): FEW tells them apart.
@@ -347,6 +356,7 @@ class Checkpoint(ChunkJob):
     def cut(self, cut_seq, paused):
         """Take the cut now, between two calls. paused: copy everything before returning."""
         t0 = time.perf_counter()
+        self.trace_steps(t0, TRACE_SECONDS)
         s = self.session
         self.cut_seq = cut_seq
         self.fields, regions = describe(s, self.chunk_size)
@@ -380,6 +390,7 @@ class Checkpoint(ChunkJob):
             self.step("copy", t)
         else:
             self.work = self.run()
+            self.step("cut", t0)
         self.pause_s += time.perf_counter() - t0
 
     # -- copying -----------------------------------------------------------------------
@@ -518,6 +529,7 @@ class Checkpoint(ChunkJob):
         while (fps := self.fp_wait(block=False)) is None:
             yield
         self.fps = fps
+        self.step("cut_fingerprints_ready", time.perf_counter())
         yield                     # a call's copy-on-write may be waiting for them
         n = len(self.chunks)
         for start in range(0, n, ASK_AT_ONCE):     # the store's questions in a few steps, not one a batch
@@ -623,7 +635,8 @@ class Checkpoint(ChunkJob):
         return {"name": self.name, "bytes": self.bytes_total, "copied_bytes": st["raw_bytes"],
                 "stored_bytes": st["stored_bytes"], "new_chunks": st["new_chunks"], "reused_chunks": st["reused_chunks"],
                 "seconds": round(elapsed, 6), **fields["metadata"], "cut_seq": self.cut_seq, "manifest_bytes": len(man.raw),
-                "phase_ms": {k: round(v, 3) for k, v in self.phase_ms.items()}}
+                "phase_ms": {k: round(v, 3) for k, v in self.phase_ms.items()}, "trace_ms": self.trace,
+                "trace_from": self.trace_from}
 
     def chunk_keys(self):
         """Every chunk key of the committed image: its contents and its modules."""
