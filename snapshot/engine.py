@@ -348,6 +348,7 @@ class Checkpoint(ChunkJob):
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
         self.work = None             # the background copy (run), while it runs
         self.spare = []              # store slots reserved for the copy, not yet filled (take_slots)
+        self.kept = []               # batches copied before the cut's fingerprints were in (keep)
         self.look_at = 0.0           # advance's next step, not before (perf_counter)
         self.stepped_at = 0.0        # when it took the last
         self.started = time.perf_counter()
@@ -479,6 +480,9 @@ class Checkpoint(ChunkJob):
 
     def release_spare(self):
         spare, self.spare = self.spare, []
+        for (_, _, slots), _ in self.kept:     # never checked: the copy ended before its fingerprints
+            spare += slots
+        self.kept = []
         if spare:
             self.store.release(spare)
 
@@ -490,9 +494,18 @@ class Checkpoint(ChunkJob):
 
     def keep(self, batch, copied):
         """Store a copied batch: publish its slots, or write its chunks (I/O threads; yields
-        until they are written). A chunk that differs from the cut was written behind our back."""
+        until they are written). A chunk that differs from the cut was written behind our back.
+        Before the cut's fingerprints are in, a batch copied into store slots (a call's
+        copy-on-write, right after the cut) is kept aside, to be checked once they are: the
+        call goes on meanwhile, its kernel queued behind the fingerprint pass (check_kept)."""
         t = time.perf_counter()
         mine, need, slots = batch
+        if self.fps is None and slots and not self.precopy:
+            self.kept.append(((mine, need, list(slots)), copied))
+            slots[:] = [None] * len(slots)          # ours now: saving() must not give them back
+            self.mark_done(mine)
+            self.step("keep", t)
+            return
         direct, writes = [], []
         cut = self.fps if self.fps is not None or self.precopy else self.cut_fingerprints()
         for j, (c, (data, fp)) in enumerate(zip(need, copied)):
@@ -517,6 +530,12 @@ class Checkpoint(ChunkJob):
             self.keys[c] = write.result()
         self.mark_done(mine)
 
+    def check_kept(self):
+        """Check and publish the batches keep() set aside before the cut's fingerprints."""
+        kept, self.kept = self.kept, []
+        for batch, copied in kept:
+            drain(self.keep(batch, copied))
+
     def batches(self, idx, urgent=False):
         return self.chunks.batches(idx, max(URGENT_BATCH_BYTES if urgent else BATCH_BYTES, self.chunk_size))
 
@@ -530,6 +549,7 @@ class Checkpoint(ChunkJob):
             yield
         self.fps = fps
         self.step("cut_fingerprints_ready", time.perf_counter())
+        self.check_kept()
         yield                     # a call's copy-on-write may be waiting for them
         n = len(self.chunks)
         for start in range(0, n, ASK_AT_ONCE):     # the store's questions in a few steps, not one a batch

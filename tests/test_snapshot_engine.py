@@ -314,6 +314,48 @@ def test_a_precopy_round_holds_no_write_up_and_stores_what_it_copied(tmp_path):
         read_chunk(DirStore(tmp_path), k, expected_len=1 << 20, check=True)
 
 
+@pytest.mark.parametrize("written_behind", [False, True])
+def test_a_copy_on_write_before_the_cuts_fingerprints_is_checked_once_they_are_in(tmp_path, written_behind):
+    """On a GPU the cut's fingerprint pass takes milliseconds. A call that writes memory right
+    after the cut has its chunks copied into store slots, and goes on before the pass is done
+    (its kernel waits behind the pass on the device): the copy is checked once the fingerprints
+    are in. A copy that differs from the cut (memory written behind our back in between) is not
+    published: the checkpoint pauses and takes the image again."""
+    from phos.snapshot.engine import Checkpoint
+    s, ptr = emu_session_holding(filler(8 << 20))
+    HostStore.create(tmp_path / "host", 64 << 20, capacity=1 << 20)
+    store = open_store(tmp_path / "host")
+    ops, pass_done = s.backend.snap, threading.Event()
+
+    class SlowPass:                  # the emulator's pass, not done until pass_done is set
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def fingerprints(self, chunks, fence):
+            wait = ops.fingerprints(chunks, fence)
+            return lambda block=True: wait() if pass_done.is_set() else None
+    s.backend.snap = SlowPass()
+    cp = Checkpoint(s, store, "a", chunk_size=1 << 20)
+    cp.cut(0, paused=False)
+    at_cut = filler(8 << 20)
+    if written_behind:
+        s.backend.htod(ptr + (2 << 20), filler(1 << 20, seed=9).tobytes(), None)    # no call said so
+    cp.before_write(ptr + (2 << 20), 1 << 20)        # the call's copy-on-write: kept aside, not checked
+    assert cp.fps is None and len(cp.kept) == 1
+    s.backend.htod(ptr + (2 << 20), filler(1 << 20, seed=7).tobytes(), None)        # the call's write
+    pass_done.set()
+    result = cp.finish(1)
+    if written_behind:
+        assert result["paused"] and result["recopied_chunks"] == 1
+        now = at_cut.copy()
+        now[2 << 20:3 << 20] = filler(1 << 20, seed=7)
+        assert region(store, "a", ptr).tobytes() == now.tobytes()
+    else:
+        assert not result["paused"] and result["recopied_chunks"] == 0
+        assert region(store, "a", ptr).tobytes() == at_cut.tobytes()
+    assert store.stats()["free_slots"] + len(list(store.list_chunks())) == store.slots, "a slot was left reserved"
+
+
 def test_a_paused_checkpoint_given_its_parents_layout_asks_only_about_what_changed(tmp_path):
     """With the parent's regions and keys (prior), a paused checkpoint takes the parent's key
     wherever a chunk's fingerprint is unchanged and asks the store about the rest: the image and
