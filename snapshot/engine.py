@@ -363,7 +363,9 @@ class Checkpoint(ChunkJob):
         self.fields, regions = describe(s, self.chunk_size)
         self.chunks, self.settled = Chunks(regions, s.space.moved), set()
         # the pass first: the application's next kernel waits for it (the fence), not for the rest
+        t = self.step("cut_describe", t0)
         self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)
+        self.step("cut_pass_launch", t)
         self.fps = None
         if self.prior is not None and self.prior[0] == self.chunks.regions:
             self.prior_keys = self.prior[1]
