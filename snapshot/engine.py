@@ -551,8 +551,10 @@ class Checkpoint(ChunkJob):
             yield
         self.fps = fps
         self.step("cut_fingerprints_ready", time.perf_counter())
+        # a call's copy-on-write may be waiting for them; and a call waiting on the device, whose
+        # kernel ran right behind the pass, answers before the copies kept aside are checked
+        yield
         self.check_kept()
-        yield                     # a call's copy-on-write may be waiting for them
         n = len(self.chunks)
         for start in range(0, n, ASK_AT_ONCE):     # the store's questions in a few steps, not one a batch
             self.ask_store(range(start, min(start + ASK_AT_ONCE, n)))
