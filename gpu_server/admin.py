@@ -20,6 +20,7 @@ from phos.gpu_server.handoff_store import HandoffStore
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import ImageError, latest_image, open_store
 from phos.snapshot.image import DEFAULT_CHUNK_SIZE
+from phos.snapshot.store import images_in
 
 GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
     CUresult.CUDA_ERROR_INVALID_VALUE: grpc.StatusCode.INVALID_ARGUMENT,
@@ -40,9 +41,17 @@ HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 log = logging.getLogger("phos.admin")
 
 
+
+
 def has_images(path):
-    """Whether the store at path holds an image (a path that holds no store is not made one)."""
-    return os.path.isdir(os.path.join(path, "images")) and bool(open_store(path).list_images())
+    """Whether the store at path holds an image. Listed without opening the store (a HostStore's
+    first opening reads its whole index, on a restore's path); one without images is opened, so
+    that a damaged one says why (ImageError). A path that holds no store is not made one."""
+    if images_in(path):
+        return True
+    if os.path.isdir(os.path.join(path, "images")):
+        open_store(path)
+    return False
 
 
 def admin_socket(server):

@@ -241,6 +241,16 @@ def _read_bounded(path, max_bytes, what):
             raise ImageError(f"{what} cannot be read ({path}): {e.strerror}") from None
 
 
+def images_in(path):
+    """The names of the images a store directory holds (a DirStore's or a HostStore's), read
+    without opening the store: a HostStore's first opening maps and reads its whole index."""
+    try:
+        files = os.listdir(os.path.join(path, "images"))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(f[:-5] for f in files if f.endswith(".json") and NAME_RE.fullmatch(f[:-5]) and ".." not in f[:-5])
+
+
 class DirStore:
     """A directory: images/<name>.json and images/<name>.digest, chunks/ab/abcdef....
 
@@ -378,8 +388,7 @@ class DirStore:
         return os.path.isfile(self._image_paths(name)[0])
 
     def list_images(self):
-        return sorted(f[:-5] for f in os.listdir(self._images)
-                      if f.endswith(".json") and NAME_RE.fullmatch(f[:-5]) and ".." not in f[:-5])
+        return images_in(self.path)
 
     def delete_image(self, name):
         mpath, dpath = self._image_paths(name)
