@@ -43,6 +43,7 @@ FILL_PTX = compile_ptx("snapshot.cu", "compute_75")
 
 GiB, MiB = 1 << 30, 1 << 20
 GPU_BOUND = 32          # kernels a sync in the throughput-bound loop
+PRINTED_MS = 30         # of a checkpoint's trace, the part the table shows
 P, U64 = ctypes.c_void_p, ctypes.c_uint64
 
 
@@ -398,14 +399,16 @@ def spread(values):
 
 def print_pause_traces(rows):
     """Where each run's pause went: the loop's syncs and the worker's steps of over 0.1 ms, in
-    ms after the cut began (the cut's own step, the fingerprints' arrival, and the rest)."""
+    ms after the cut began (the cut's own step, the fingerprints' arrival, and the rest), for the
+    first PRINTED_MS (the JSON holds the whole trace: PHOS_TRACE_SECONDS=1 traces the copy)."""
     print("\n| size | syncs after the cut (ms) | the worker's steps: start+ms |\n|---|---|---|")
     for r in rows:
         t = r["phos"].get("pause_trace")
         if t:
             steps = ", ".join(f"{name} {start:.1f}+{ms:.1f}" for start, name, ms in t["steps"]
-                              if ms > 0.1 or name == "cut_fingerprints_ready")
-            print(f"| {r['size']} | {', '.join(f'{s:.1f}' for s in t['syncs_ms'])} | {steps} |")
+                              if (ms > 0.1 or name == "cut_fingerprints_ready") and start < PRINTED_MS)
+            syncs = ", ".join(f"{s:.1f}" for s in t["syncs_ms"] if s < PRINTED_MS)
+            print(f"| {r['size']} | {syncs} | {steps} |")
 
 
 def print_spread(rows):

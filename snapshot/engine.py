@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
 import logging
+import os
 import struct
 import threading
 import time
@@ -67,7 +68,9 @@ DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostS
 ASK_AT_ONCE = 256                # chunks a checkpoint's step asks the store about
 LOOK_EVERY = 100e-6              # seconds between a checkpoint's looks at a busy device (advance)
 STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls keep coming
-TRACE_SECONDS = 0.03             # a checkpoint reports its steps of this long from the cut (trace_ms)
+# a checkpoint reports its steps of this long from the cut (trace_ms); a benchmark may ask for
+# its whole copy (PHOS_TRACE_SECONDS=1: thousands of entries)
+TRACE_SECONDS = float(os.environ.get("PHOS_TRACE_SECONDS", "0.03"))
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
 FEW = 32                         # chunk lists up to this long are walked in Python, longer ones by NumPy
@@ -576,7 +579,8 @@ class Checkpoint(ChunkJob):
             next(self.work)
             if time.perf_counter() - t > 50e-6:      # a step that did work, not just a look at the device
                 self.step("steps_over_50us", t)
-            else:
+            else:        # counted, not traced: one each LOOK_EVERY
+                self.phase_ms["looks"] = self.phase_ms.get("looks", 0.0) + (time.perf_counter() - t) * 1e3
                 self.look_at = t + LOOK_EVERY
         except StopIteration:
             self.work = None
