@@ -1,0 +1,48 @@
+"""A context's address space answering to a restored module global's old address: the device
+placed the global elsewhere (the driver does, in each process), the application holds the old one."""
+import numpy as np
+import pytest
+
+from phos.gpu_server.address_space import AddressSpace
+from phos.schema.cuda_types import CudaError
+
+OLD, NEW = 0x7E0000000100, 0x7F0000000100     # a 16-byte global: where it was, where it is now
+
+
+def space_with_moved_global():
+    space = AddressSpace(1 << 30, 256)
+    space.adopt(NEW, 16)                      # the restored module's global, as the device placed it
+    return space
+
+
+def test_an_alias_reaches_the_moved_global_until_its_module_goes():
+    space = space_with_moved_global()
+    assert space.alias(OLD, NEW, 16)
+    space.check(OLD + 8, 8)
+    with pytest.raises(CudaError, match="runs past the end"):
+        space.check(OLD + 8, 16)
+    assert space.to_device(OLD + 8) == NEW + 8 and space.to_device(NEW + 8) == NEW + 8
+    assert space.to_device(space.base) == space.base
+    assert space.to_app(NEW) == OLD
+    space.forget(NEW)                         # its module was unloaded
+    assert space.moved == {} and space.find(OLD) is None and space.find(NEW) is None
+    with pytest.raises(CudaError, match="outside this context's allocations"):
+        space.check(OLD, 1)
+
+
+@pytest.mark.parametrize("taken", [(OLD - 0x100, 0x1000), (OLD - 8, 16), (OLD + 8, 8)])
+def test_an_old_address_another_range_holds_now_is_not_aliased(taken):
+    space = space_with_moved_global()
+    space.adopt(*taken)                       # the new process put something of its own there
+    assert not space.alias(OLD, NEW, 16)
+    assert space.moved == {} and space.to_app(NEW) == NEW
+
+
+def test_a_launchs_words_into_a_moved_global_are_moved_and_nothing_else():
+    space = space_with_moved_global()
+    space.alias(OLD, NEW, 16)
+    words = np.array([OLD, OLD + 8, OLD + 16, 5, space.base], np.uint64)
+    tail = b"\x01\x02\x03\x04"                # an int after the last pointer
+    out = space.translate_words(words.tobytes() + tail)
+    assert np.frombuffer(out[:40], np.uint64).tolist() == [NEW, NEW + 8, OLD + 16, 5, space.base]
+    assert out[40:] == tail
