@@ -135,7 +135,7 @@ def module_unload(s, a, p):
     module = s.handle("module", a.id)
     if s.snapshotting:
         for _, ptr, _ in s.backend.module_globals(module):
-            s.touch(ptr, 0, whole=True)
+            s.touch(s.space.to_app(ptr), 0, whole=True)     # as the image knows it
     s.backend.unload_module(module)
     s.drop(a.id)
     for fid in [f for f, (kind, obj) in s.objects.items() if kind == "function" and obj.module_id == a.id]:
