@@ -4,12 +4,16 @@ Each handler takes (session, args, payloads) and returns a dict of Result fields
 (u64s, f64, text, data, payload, params) or None. Handlers check every handle and
 pointer against the calling session's own objects before touching the backend.
 """
+import logging
 import time
 
 import numpy as np
 
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.schema.wire import LAUNCH_CONFIG, WireError, read_launch_batch
+from phos.snapshot import engine
+
+log = logging.getLogger("phos.worker")
 
 STEP_AFTER = 0.0005    # seconds into a wait for the device before a running checkpoint takes its steps
 
@@ -87,6 +91,9 @@ def memcpy_htod(s, a, p):
     stream = _stream(s, a.stream)
     if s.snapshotting:
         s.touch(a.dst, a.size)
+        hit = s.space.find(a.dst) if s.restoring is not None else None
+        if hit is not None and hit[0] in s.space.external:   # a pointer set in a module global: followed
+            s.restoring.followed.update(engine.kernel_pointers(s, bytes(data)[-(a.dst - hit[0]) % 8:]))
     _before_blocking_copy(s, stream)
     s.backend.htod(s.space.to_device(a.dst), data, stream)
     if a.viaShm and stream is not None:
@@ -128,7 +135,16 @@ def module_load(s, a, p):
     if not 1 <= a.payload <= len(p):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"module image frame {a.payload} is missing")
     module = s.backend.load_module(p[a.payload - 1])
-    return {"u64s": [s.add("module", module, image=bytes(p[a.payload - 1]))]}
+    mid = s.add("module", module, image=bytes(p[a.payload - 1]))
+    places = s.globals_noted.get(mid)
+    for name, ptr, size in s.backend.module_globals(module) if places else ():
+        # loaded again by a replay: where the client was told this global is must reach it
+        if places.get(name, ptr) != ptr and not s.space.alias(places[name], ptr, size):
+            log.warning("module %d: global %s moved from %#x to %#x, and its old address is taken: "
+                        "the client's pointers to it are stale", mid, name, places[name], ptr)
+    if s.recovery is not None:
+        s.recovery.note_globals(mid, {name: s.space.to_app(ptr) for name, ptr, _ in s.backend.module_globals(module)})
+    return {"u64s": [mid]}
 
 
 def module_unload(s, a, p):

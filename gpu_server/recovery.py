@@ -8,6 +8,7 @@ after it. If the worker or the whole server dies, the front end that the client 
 (its own server, or the --standby) restores the latest image whose session token
 matches, and the client replays its log (schema/phos.capnp, "Recovery").
 """
+import json
 import logging
 import os
 import secrets
@@ -21,9 +22,27 @@ from phos.snapshot.host_store import open_store
 log = logging.getLogger("phos.recovery")
 
 
+GLOBALS_FILE = "module_globals.json"     # beside a context's recovery images (Recovery.note_globals)
+
+
 def context_store(directory, ctx_id):
     """The image store of one context: a directory of its own, so pruning never scans others."""
     return os.path.join(directory, f"ctx{ctx_id}")
+
+
+def module_globals_noted(path):
+    """{module id: {global name: address}} that the workers of a context's recovery store noted
+    (Recovery.note_globals); {} where there is none or it cannot be read."""
+    try:
+        with open(os.path.join(path, GLOBALS_FILE)) as f:
+            noted = json.load(f)
+        return {int(mid): {str(name): int(addr) for name, addr in names.items()} for mid, names in noted.items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        log.warning("module globals noted in %s cannot be read (%s): a replay that loads a module may "
+                    "find its globals elsewhere", path, e)
+        return {}
 
 
 class Recovery:
@@ -42,6 +61,21 @@ class Recovery:
         self.running = None                # name of the image being taken
         self.retired = False               # handed off: the images of the new owner stay
         self.pruning = None                # the thread deleting the previous image
+        self.globals = module_globals_noted(self.path)   # {module id: {name: address}}, as noted
+
+    def note_globals(self, module_id, places):
+        """Note where a module's globals are ({name: address}), beside the images. A module
+        loaded after the latest image's cut is loaded again when the client replays its log,
+        and the device puts its globals elsewhere: the restored worker makes the addresses the
+        client was given reach them (calls.module_load). Written before the client hears of it."""
+        self.globals[module_id] = places
+        tmp = os.path.join(self.path, f".{GLOBALS_FILE}.{os.getpid()}")
+        try:
+            with open(tmp, "w") as f:
+                json.dump({str(mid): names for mid, names in self.globals.items()}, f)
+            os.replace(tmp, os.path.join(self.path, GLOBALS_FILE))
+        except OSError as e:
+            log.warning("could not note the globals of module %d: %s", module_id, e)
 
     def restored_from(self, name, cut):
         self.latest, self.durable, self.taken_at = name, cut, time.monotonic()

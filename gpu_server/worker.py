@@ -29,7 +29,7 @@ import zmq.utils.monitor
 from phos.gpu_server.backend import load_backend
 from phos.gpu_server.calls import WORKER_CALLS
 # at import, not at the first attach: a handoff's client waited 1.1-1.7 ms for it there (emu)
-from phos.gpu_server.recovery import Recovery
+from phos.gpu_server.recovery import Recovery, module_globals_noted
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.snapshot import engine
@@ -68,6 +68,7 @@ class Session:
         self.meta = {}             # virtual id -> extra facts kept for snapshots (module images)
         self.next_id = FIRST_HANDLE
         self.recovery = None       # a gpu_server.recovery.Recovery when the server takes recovery images
+        self.globals_noted = {}    # {module id: {name: address}} of a recovery store restored from (module_load)
         self.sticky = None         # (status, message) that fails every later call
         self.deferred = None       # first failure of an asynchronous call since the last reply
         self.closing = False
@@ -136,6 +137,9 @@ class Session:
             self.touch(ptr, 0, whole=True)
         for _, ptr, size in self.backend.module_globals(self.handle("module", fn.module_id)):
             self.touch(self.space.to_app(ptr), size)
+        if self.restoring is not None:       # and the allocations those globals point into
+            for ptr in tuple(self.restoring.followed):
+                self.touch(ptr, 0, whole=True)
 
     def drop(self, hid):
         self.objects.pop(hid, None)
@@ -470,6 +474,7 @@ class Worker:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker already holds a context")
         try:
             r = engine.Restore(s, open_store(a.store), a.name)
+            s.globals_noted = module_globals_noted(r.store.path)
         except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {a.store!r}: {e}") from None
         try:

@@ -748,7 +748,8 @@ class Restore(ChunkJob):
         self.thread = None           # the background loader
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
         self.relocations = []        # (old start, old end, new start) of the module globals that moved
-        self.global_chunks = set()   # chunks of module globals: the ones relocate() looks in
+        self.global_chunks = set()   # chunks of module globals: the ones look_into_globals() reads
+        self.followed = set()        # addresses in allocations that module globals hold (touch_kernel)
         self.stopping = False        # advance() holds the background loader
         self.loader_held = False     # the loader waits for start_loader()
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
@@ -819,8 +820,7 @@ class Restore(ChunkJob):
         by_base = {ptr: e["chunks"] for ptr, e in regions}
         self.keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
         self.bytes_total, self.bytes_done = int(self.chunks.sizes.sum()), 0
-        if self.relocations:
-            self.global_chunks = {c for ptr, e in regions if "module" in e for c in self.chunks.covering(ptr, e["size"])}
+        self.global_chunks = {c for ptr, e in regions if "module" in e for c in self.chunks.covering(ptr, e["size"])}
         return m.cut_seq
 
     def adopt_session(self, sess, error):
@@ -941,26 +941,32 @@ class Restore(ChunkJob):
             if fp.hex() != self.keys[c]:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE,
                                 f"image {self.name!r}: chunk {self.keys[c]} is corrupt: its contents fingerprint to {fp.hex()}")
-        if self.relocations:
-            self.relocate([c for c in idx if c in self.global_chunks])
+        globals_here = [c for c in idx if c in self.global_chunks] if self.global_chunks else ()
+        if globals_here:
+            self.look_into_globals(globals_here)
         self.mark_done(idx)
 
-    def relocate(self, idx):
-        """Point the pointers that module globals hold to a moved global at where it is now.
-        The driver does this for a module's initialisers at load; the image's contents hold the
-        old places. (Pointers to globals kept in allocations are not searched for: they stay stale.)"""
+    def look_into_globals(self, idx):
+        """Read module globals as they load (small, and before a kernel of theirs runs):
+        - point the pointers they hold to a moved global at where it is now. The driver does
+          this for a module's initialisers at load; the image's contents hold the old places;
+        - note the allocations they point into (followed): a kernel may follow such a pointer
+          without being passed it, and must not read the allocation before it is loaded.
+        Pointers kept in allocations are not searched for: a kernel that follows one may read
+        memory not loaded yet, and a pointer there to a moved global stays stale."""
         backend = self.session.backend
         for addr, n in self.chunks.spans(idx):
             buf = np.empty(n, np.uint8)
             backend.dtoh(addr, buf, None)
-            words, hit_any = buf[:n // 8 * 8].view(np.uint64), False
+            words, moved = buf[:n // 8 * 8].view(np.uint64), False
             for lo, hi, new in self.relocations:
                 hit = (words >= np.uint64(lo)) & (words < np.uint64(hi))
                 if hit.any():
                     words[hit] = words[hit] - np.uint64(lo) + np.uint64(new)
-                    hit_any = True
-            if hit_any:
+                    moved = True
+            if moved:
                 backend.htod(addr, buf, None)
+            self.followed.update(kernel_pointers(self.session, words.tobytes()))
 
     def load_all(self):
         with self.cv:      # after an advance, the few that changed: batches of those alone

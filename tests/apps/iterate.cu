@@ -4,19 +4,27 @@
 // uploads a second right-hand side, so that copies (staged ones when the worker shares
 // our host) follow a restore. Prints the result's checksum, with full precision.
 // tests/test_stub_reattach.py checkpoints the context at a pause, kills the server and
-// restores the context elsewhere: the output must not change.
+// restores the context elsewhere: the output must not change. Its module globals (weights, a
+// pointer, a count only the kernel keeps) must come back with it.
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 #include "common.h"
 
-__global__ void sweep(const float* x, float* y, const float* rhs, int n, int it) {
+// Module globals, which a restore brings back where the device puts them: set through the
+// runtime's symbol calls, one counted by the kernel alone and read back at the end.
+__constant__ float weights[2];          // of the neighbours and of the right-hand side
+__device__ const float* rhs_of_sweep;   // the right-hand side's allocation
+__device__ unsigned int sweeps_run;
+
+__global__ void sweep(const float* x, float* y, const float* touched, int n, int it) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float left = x[i > 0 ? i - 1 : i], right = x[i < n - 1 ? i + 1 : i];
-        y[i] = 0.25f * (left + right) + 0.5f * rhs[i] + 0.001f * (float)it;
+        y[i] = weights[0] * (left + right) + weights[1] * rhs_of_sweep[i] + 0.001f * (float)it;
     }
+    if (i == 0) atomicAdd(&sweeps_run, 1u);
 }
 
 int main(int argc, char** argv) {
@@ -37,6 +45,10 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(x, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(y, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(r, rhs.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    const float w[2] = {0.25f, 0.5f};
+    const float* rp = r;
+    CHECK(cudaMemcpyToSymbol(weights, w, sizeof w));
+    CHECK(cudaMemcpyToSymbol(rhs_of_sweep, &rp, sizeof rp));
     const int threads = 256, blocks = (n + threads - 1) / threads;
     size_t next_pause = 0;
     for (int it = 0; it < total; it++) {
@@ -57,6 +69,8 @@ int main(int argc, char** argv) {
         }
     }
     CHECK(cudaMemcpy(host.data(), x, n * sizeof(float), cudaMemcpyDeviceToHost));
+    unsigned int counted = 0;
+    CHECK(cudaMemcpyFromSymbol(&counted, sweeps_run, sizeof counted));
     double sum = 0;
     uint64_t hash = 1469598103934665603ull;   // FNV-1a over the bytes
     for (int i = 0; i < n; i++) {
@@ -68,8 +82,9 @@ int main(int argc, char** argv) {
     CHECK(cudaFree(x));
     CHECK(cudaFree(y));
     CHECK(cudaFree(r));
-    printf("iterate: n=%d sweeps=%d sum=%.17g fnv=%016llx first=%.9g last=%.9g\n", n, total, sum,
+    printf("iterate: n=%d sweeps=%d counted=%u sum=%.17g fnv=%016llx first=%.9g last=%.9g\n", n, total, counted, sum,
            (unsigned long long)hash, host[0], host[n - 1]);
+    if (counted != (unsigned int)total) return 3;    // a restore lost the kernel's own count
     printf("PASS\n");
     return 0;
 }
