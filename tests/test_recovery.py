@@ -126,3 +126,23 @@ def test_recovery_flags_need_a_directory(tmp_path):
 @pytest.fixture(autouse=True)
 def _fast_reattach(monkeypatch):
     monkeypatch.setenv("PHOS_REATTACH_TIMEOUT", "60")
+
+
+def test_where_module_globals_were_is_noted_for_a_replay_and_a_bad_note_is_ignored(tmp_path):
+    """A module loaded after the latest image's cut is loaded again by the client's replay: its
+    worker notes where its globals were, a restored worker keeps the note, and a damaged note
+    costs only the aliases (a warning), not the restore."""
+    from phos.gpu_server.recovery import GLOBALS_FILE, Recovery, module_globals_noted
+    first = Recovery(str(tmp_path), 7)
+    first.note_globals(3, {"counter": 0x600400000100, "table": 0x600400000200})
+    first.note_globals(9, {"weights": 0x600400200000})
+    want = {3: {"counter": 0x600400000100, "table": 0x600400000200}, 9: {"weights": 0x600400200000}}
+    assert module_globals_noted(first.path) == want
+    assert Recovery(str(tmp_path), 7).globals == want       # the worker restored from this store
+    assert module_globals_noted(str(tmp_path / "ctx8")) == {}
+    with open(os.path.join(first.path, GLOBALS_FILE), "w") as f:
+        f.write('{"3": {"counter": "not an address"}}')
+    assert module_globals_noted(first.path) == {}
+    with open(os.path.join(first.path, GLOBALS_FILE), "w") as f:
+        f.write('{"3": {"counter"')                            # torn
+    assert module_globals_noted(first.path) == {}
