@@ -87,10 +87,20 @@ class AddressSpace:
         """A launch's parameters with every word that points into a moved global pointed at
         where it lies now (pointer arguments, and pointers inside by-value structs)."""
         words = np.frombuffer(blob, np.uint64, len(blob) // 8).copy()
-        for app, device in self.moved.items():
-            hit = (words >= app) & (words < app + max(self.sizes[app], 1))
-            words[hit] = words[hit] - np.uint64(app) + np.uint64(device)
+        self.move_words(words, [(app, app + max(self.sizes[app], 1), device) for app, device in self.moved.items()])
         return words.tobytes() + bytes(blob[len(words) * 8:])
+
+    @staticmethod
+    def move_words(words, ranges):
+        """Point each word of `words` (uint64, changed in place) that lies in one of the ranges
+        (start, end, new start) at the same place in the new one; returns whether any did."""
+        moved = False
+        for lo, hi, new in ranges:
+            hit = (words >= np.uint64(lo)) & (words < np.uint64(hi))
+            if hit.any():
+                words[hit] = words[hit] - np.uint64(lo) + np.uint64(new)
+                moved = True
+        return moved
 
     def release(self, ptr):
         """Forget the allocation at ptr; returns its size."""

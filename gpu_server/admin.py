@@ -41,8 +41,6 @@ HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 log = logging.getLogger("phos.admin")
 
 
-
-
 def has_images(path):
     """Whether the store at path holds an image. Listed without opening the store (a HostStore's
     first opening reads its whole index, on a restore's path); one without images is opened, so

@@ -4,7 +4,6 @@ Each handler takes (session, args, payloads) and returns a dict of Result fields
 (u64s, f64, text, data, payload, params) or None. Handlers check every handle and
 pointer against the calling session's own objects before touching the backend.
 """
-import logging
 import time
 
 import numpy as np
@@ -12,8 +11,6 @@ import numpy as np
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.schema.wire import LAUNCH_CONFIG, WireError, read_launch_batch
 from phos.snapshot import engine
-
-log = logging.getLogger("phos.worker")
 
 STEP_AFTER = 0.0005    # seconds into a wait for the device before a running checkpoint takes its steps
 
@@ -138,10 +135,8 @@ def module_load(s, a, p):
     mid = s.add("module", module, image=bytes(p[a.payload - 1]))
     places = s.globals_noted.get(mid)
     for name, ptr, size in s.backend.module_globals(module) if places else ():
-        # loaded again by a replay: where the client was told this global is must reach it
-        if places.get(name, ptr) != ptr and not s.space.alias(places[name], ptr, size):
-            log.warning("module %d: global %s moved from %#x to %#x, and its old address is taken: "
-                        "the client's pointers to it are stale", mid, name, places[name], ptr)
+        if name in places:        # loaded again by a replay: where the client was told it is
+            s.reach_global(places[name], ptr, size, name)
     if s.recovery is not None:
         s.recovery.note_globals(mid, {name: s.space.to_app(ptr) for name, ptr, _ in s.backend.module_globals(module)})
     return {"u64s": [mid]}

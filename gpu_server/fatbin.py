@@ -378,8 +378,8 @@ def _elf_arch(elf):
 def _elf_kernels(elf):
     """Names of the __global__ functions in a cubin (mangled); [] if its tables are damaged."""
     names, funcs = [], []
-    for name, _info, other in _elf_symbol_table(elf):
-        if _info & 0xF == STT_FUNC:
+    for name, info, other in _elf_symbol_table(elf):
+        if info & 0xF == STT_FUNC:
             (names if other & STO_CUDA_ENTRY else funcs).append(name)
     return names or funcs
 

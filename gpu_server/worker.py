@@ -130,6 +130,16 @@ class Session:
         if write and self.checkpoint is not None:
             self.checkpoint.before_write(ptr, nbytes, whole)
 
+    def reach_global(self, old, ptr, size, name):
+        """Make the address the client knows a module global by (old) reach where the device
+        put it now (ptr): the device places a module's globals itself, elsewhere in each
+        process (AddressSpace.alias). False, with a warning, when another range holds old."""
+        if old == ptr or self.space.alias(old, ptr, size):
+            return True
+        log.warning("context %d: global %s moved from %#x to %#x, and its old address is taken: the client's "
+                    "pointers to it are stale", self.ctx_id, name, old, ptr)
+        return False
+
     def touch_kernel(self, fn, params):
         """A launch may write anywhere in each allocation its parameters point into, and in
         every global of its module (which it names without a pointer)."""

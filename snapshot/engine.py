@@ -202,7 +202,7 @@ def describe(session, chunk_size):
                             "image": None, "size": len(meta["image"])})
             for name, ptr, size in backend.module_globals(obj):
                 g = {"module": hid, "name": name, "address": session.space.to_app(ptr), "size": size}
-                if g["address"] != ptr:      # pointers to it, inside globals, hold this (Restore.relocate)
+                if g["address"] != ptr:      # pointers to it, inside globals, hold this (Restore.look_into_globals)
                     g["device"] = ptr
                 globals_.append(g)
                 global_ptrs.add(ptr)
@@ -791,11 +791,7 @@ class Restore(ChunkJob):
                     self.refuse(f"global {g['name']} holds {size} bytes, the image {g['size']}")
                 for old in {g["address"], g.get("device", ptr)} - {ptr}:
                     self.relocations.append((old, old + size, ptr))
-                # the device places a module's globals itself: the application's address of
-                # one placed elsewhere is made to reach it (AddressSpace.alias)
-                if ptr != g["address"] and not s.space.alias(g["address"], ptr, size):
-                    log.warning("image %s: global %s moved from %#x to %#x, and its old address is taken: "
-                                "the application's pointers to it are stale", self.name, g["name"], g["address"], ptr)
+                if not s.reach_global(g["address"], ptr, size, g["name"]):
                     placed[g["module"], g["name"]] = ptr
         for f in m.functions:
             fn = backend.get_function(s.handle("module", f["module"]), f["name"])
@@ -958,13 +954,8 @@ class Restore(ChunkJob):
         for addr, n in self.chunks.spans(idx):
             buf = np.empty(n, np.uint8)
             backend.dtoh(addr, buf, None)
-            words, moved = buf[:n // 8 * 8].view(np.uint64), False
-            for lo, hi, new in self.relocations:
-                hit = (words >= np.uint64(lo)) & (words < np.uint64(hi))
-                if hit.any():
-                    words[hit] = words[hit] - np.uint64(lo) + np.uint64(new)
-                    moved = True
-            if moved:
+            words = buf[:n // 8 * 8].view(np.uint64)
+            if self.session.space.move_words(words, self.relocations):
                 backend.htod(addr, buf, None)
             self.followed.update(kernel_pointers(self.session, words.tobytes()))
 
