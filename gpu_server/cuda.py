@@ -72,6 +72,7 @@ _cuMemSetAccess = _driver_call("cuMemSetAccess", _U64, _N, _P, _N)
 _cuMemUnmap = _driver_call("cuMemUnmap", _U64, _N)
 _cuMemRelease = _driver_call("cuMemRelease", _U64)
 _cuEventQuery = _driver_call("cuEventQuery", _P)
+_cuStreamQuery = _driver_call("cuStreamQuery", _P)     # a synchronize polls it while a checkpoint runs
 
 
 def _check(err, what):
@@ -345,7 +346,7 @@ class CudaBackend:
         ok(cu.cuStreamSynchronize(stream or 0), "cuStreamSynchronize")
 
     def stream_query(self, stream):
-        return _ready(cu.cuStreamQuery(stream or 0)[0], "cuStreamQuery")
+        return _ready(_cuStreamQuery(int(stream) if stream else None), "cuStreamQuery")
 
     def stream_wait_event(self, stream, event):
         ok(cu.cuStreamWaitEvent(stream or 0, event, 0), "cuStreamWaitEvent")

@@ -241,6 +241,8 @@ class Worker:
         self.last_call = 0.0               # when the last message was served
         self.loader_by = 0.0               # a restore on demand starts loading in the background by then
         self.profiler = None               # PROFILE_DIR's, while a checkpoint runs
+        self.serving = [0, 0.0]            # messages served and their seconds, since a checkpoint began or ended
+        self.served_before = self.serving  # ... and before the running one began
 
     def handle(self, frames):
         """Serve one message: [routing id, Request, payload...]."""
@@ -327,6 +329,18 @@ class Worker:
             return 0
         self.told_durable = r.durable
         return r.durable
+
+    def served(self, since):
+        """A message was served since `since`: counted (serving), and a running checkpoint's
+        trace shows it beside its steps (phase `calls`)."""
+        self.last_call = now = time.perf_counter()
+        self.serving[0] += 1
+        self.serving[1] += now - since
+        if self.session.checkpoint is not None:
+            self.session.checkpoint.step("calls", since)
+
+    def call_waiting(self):
+        return self.box_ready() or bool(self.sock.getsockopt(EVENTS) & POLLIN)
 
     def box_ready(self):
         box = self.session.box
@@ -440,6 +454,7 @@ class Worker:
             cp.abort()
             raise
         s.checkpoint, s.snapshotting = cp, True
+        self.served_before, self.serving = self.serving, [0, 0.0]
         if PROFILE_DIR:
             import cProfile
             self.profiler = cProfile.Profile()
@@ -555,7 +570,7 @@ class Worker:
         s = self.session
         cp = s.checkpoint
         if cp is not None:             # its copies run in steps on this thread, between calls
-            cp.advance(busy=self.box_ready() or bool(self.sock.getsockopt(EVENTS) & POLLIN))
+            cp.advance(busy=self.call_waiting)
         if cp is not None and not cp.running:
             sent = []      # the delta, once it went out: the target may be adopting it
 
@@ -565,6 +580,11 @@ class Worker:
             try:
                 result = cp.finish(self.ack, send_delta if self.early and self.job else None)
                 self.remember(cp)
+                # the time a message took to serve, before the checkpoint and during it: what its
+                # steps and copies cost the application's calls (perf/bench_snapshot.py)
+                result["messages_served"] = {"before": [self.served_before[0], round(self.served_before[1] * 1e3, 3)],
+                                             "during": [self.serving[0], round(self.serving[1] * 1e3, 3)]}
+                self.serving = [0, 0.0]
                 fields = {"text": json.dumps(result)}
                 status, message = CUresult.CUDA_SUCCESS, ""
             except Exception as e:     # the image is lost, not the context
@@ -644,14 +664,16 @@ class Worker:
                 self.handle_control(self.ctl.recv_multipart(copy=False))    # a busy client must not starve it
                 continue               # it may have frozen the context
             if self.box_ready():
+                t = time.perf_counter()
                 self.serve_box()
-                self.last_call = time.perf_counter()
+                self.served(t)
                 continue
             if hot:
                 # a client mid-burst: catch its next message without the cost of sleeping in poll
                 if self.sock.getsockopt(EVENTS) & POLLIN:
+                    t = time.perf_counter()
                     self.handle(self.sock.recv_multipart(copy=False))
-                    self.last_call = time.perf_counter()
+                    self.served(t)
                 continue
             # with a mailbox, wake now and then: a doorbell can cross our going to sleep
             timeout = 10 if box is not None else 20 if self.session.snapshotting else 250
@@ -661,8 +683,9 @@ class Worker:
                 timeout = 1                # its loader starts once we are quiet (tick)
             ready = dict(poller.poll(timeout))
             if self.sock in ready:
+                t = time.perf_counter()
                 self.handle(self.sock.recv_multipart(copy=False))
-                self.last_call = time.perf_counter()
+                self.served(t)
             if self.ctl is not None and self.ctl in ready:
                 self.handle_control(self.ctl.recv_multipart(copy=False))
             if monitor in ready:

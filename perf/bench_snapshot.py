@@ -44,6 +44,7 @@ FILL_PTX = compile_ptx("snapshot.cu", "compute_75")
 GiB, MiB = 1 << 30, 1 << 20
 GPU_BOUND = 32          # kernels a sync in the throughput-bound loop
 PRINTED_MS = 30         # of a checkpoint's trace, the part the table shows
+AROUND = 0.7            # s of the working loop alone right before and after a checkpoint: its rate without one
 P, U64 = ctypes.c_void_p, ctypes.c_uint64
 
 
@@ -161,23 +162,97 @@ def checkpoint_from_another_process(address, ctx, store, chunk):
         marks["answered"] = time.perf_counter()
         assert child.wait() == 0 and out, "the checkpoint failed (the child said why)"
         marks["child_exited"] = time.perf_counter()
-        return json.loads(out), marks
+        return out, marks       # parsed once the loop stopped: a long trace holds this process's interpreter for ms
     return run
 
 
-def run_work(app, seconds=None, during=None, launches=1):
-    """Syncs per second of the working loop, and its longest gap, for `seconds` or while `during` runs;
-    and the end time of each of its syncs."""
+def run_work(app, seconds=None, during=None, launches=1, around=0.0):
+    """Syncs per second of the working loop, and its longest gap, for `seconds` or while `during` runs
+    (with `around` seconds of the loop alone before and after it); and the end time of each of its syncs."""
     stop, ends = threading.Event(), []
     t = threading.Thread(target=app.work, args=(stop, ends, launches))
+    gc.disable()        # as timeit does: this process's own collections are not phos's pauses
     start = time.perf_counter()
     t.start()
+    time.sleep(around)
     result = during() if during else time.sleep(seconds)
+    time.sleep(around)
     stop.set()
     t.join()
+    gc.enable()
     elapsed = time.perf_counter() - start
     gaps = np.diff([start] + ends) if ends else np.array([elapsed])
     return len(ends) / elapsed, float(gaps.max()) * 1e3, result, np.array(ends)
+
+
+BYSTANDER = """
+import sys, time, json, numpy as np
+kind, ends = sys.argv[1], []
+a, b = np.ones(1 << 20), np.empty(1 << 20)      # 8 MiB each: past the caches
+table = {i * 7919: i for i in range(1 << 22)} if kind == "lookups" else None      # ~300 MiB of Python objects
+keys = [int(k) * 7919 for k in np.random.default_rng(0).integers(0, 1 << 22, 2000)]
+print("READY", flush=True)
+import select
+while not select.select([sys.stdin], [], [], 0)[0]:
+    if kind == "cpu":
+        sum(range(3000))
+    elif kind == "lookups":          # an interpreter whose objects miss the caches, as a worker's do
+        for k in keys:
+            table[k]
+    else:
+        np.copyto(b, a)
+    ends.append(time.perf_counter())
+print(json.dumps(ends), flush=True)
+"""
+
+
+def bystanders():
+    """Processes beside the benchmark that keep timing their own loops: one in pure Python
+    (the CPU), one copying 8 MiB arrays (host memory bandwidth), one looking up a dict too big for
+    the caches (memory latency). If they slow down while a checkpoint runs, the machine is slower
+    then, for every process, not just phos's application.
+    Returns a function that stops them and gives each one's loop ends."""
+    procs = {kind: subprocess.Popen([sys.executable, "-c", BYSTANDER, kind], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True) for kind in ("cpu", "memory", "lookups")}
+    for p in procs.values():
+        assert p.stdout.readline().strip() == "READY"
+
+    def stop():
+        out = {}
+        for kind, p in procs.items():
+            p.stdin.write("stop\n")
+            p.stdin.flush()
+            out[kind] = np.array(json.loads(p.stdout.readline()))
+            p.wait()
+        return out
+    return stop
+
+
+def numa_facts(shm_dir):
+    """The host's NUMA nodes, the GPU's, and where the pages of the host store lie (the
+    processes' numa_maps of it; N<node>=pages)."""
+    import glob
+    facts = {"nodes": sorted(os.path.basename(n) for n in glob.glob("/sys/devices/system/node/node[0-9]*")),
+             "gpu_node": [open(f).read().strip() for f in glob.glob("/sys/bus/pci/drivers/nvidia/*/numa_node")]}
+    pages = {}
+    for maps in glob.glob("/proc/[0-9]*/numa_maps"):
+        try:
+            lines = [ln for ln in open(maps) if shm_dir in ln]
+        except OSError:
+            continue
+        for ln in lines:
+            for word in ln.split():
+                if word[0] == "N" and "=" in word:
+                    node, n = word[1:].split("=")
+                    pages[node] = max(pages.get(node, 0), int(n))
+    facts["store_pages_by_node"] = pages
+    return facts
+
+
+def longest_gap_ms(ends, after, until):
+    """The longest time between two syncs of the loop that spans part of (after, until]."""
+    i, j = max(np.searchsorted(ends, after) - 1, 0), np.searchsorted(ends, until) + 1
+    return float(np.diff(ends[i:j]).max()) * 1e3 if j - i > 1 else float("nan")
 
 
 def syncs_per_s(ends, after, until):
@@ -272,10 +347,14 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     res = checkpoint(one, ctx, shm_dir, paused=True)
     row["checkpoint_paused_s"], row["checkpoint_paused_phase_ms"] = res["seconds"], res["phase_ms"]
     delete_image(host, res["name"])
+    row["numa"] = numa_facts(shm_dir)
     for launches in (GPU_BOUND, 1):       # the last one is kept: the restores below use it
+        stop_bystanders = bystanders() if launches == 1 else None
         t = time.perf_counter()
         rate, gap, (res, marks), ends = run_work(
-            app, during=checkpoint_from_another_process(one.address, ctx, shm_dir, chunk), launches=launches)
+            app, during=checkpoint_from_another_process(one.address, ctx, shm_dir, chunk), launches=launches,
+            around=AROUND if launches == 1 else 0.0)
+        res = json.loads(res)
         # the checkpoint ran during the `seconds` before its answer came (a millisecond or two on):
         # its window; the rest of the wall time is the admin call's own, from another process
         end = marks["answered"]
@@ -286,10 +365,20 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
                                 "gap_ms": gap, "checkpoint_s": res["seconds"]}
             delete_image(host, res["name"])
     row["checkpoint_host_s"] = res["seconds"]
-    row["pause_ms"] = gap
+    row["pause_ms"] = longest_gap_ms(ends, marks["asked"], marks["child_exited"])    # the admin call's span
+    row["gap_ms_whole_loop"] = gap
+    row["messages_served"] = res["messages_served"]
     row["checkpoint_host_phase_ms"] = res["phase_ms"]
     row["checkpoint_host_wall_s"] = time.perf_counter() - t
     row["kernels_per_s_during"] = during
+
+    def around(times):     # a loop's rate in the AROUND seconds before the ask and after the asker ended
+        n = ((times > marks["asked"] - AROUND + 0.05) & (times <= marks["asked"])).sum() + \
+            ((times > marks["child_exited"]) & (times <= marks["child_exited"] + AROUND - 0.05)).sum()
+        return float(n) / (2 * AROUND - 0.1)
+    row["kernels_per_s_around"] = around(ends)
+    loops = stop_bystanders()
+    row["bystanders_during_vs_around"] = {k: syncs_per_s(v, begin, end) / around(v) for k, v in loops.items()}
     row["kernels_per_s_wall"] = rate
     row["wall_ms"] = {"asked_to_start": round((begin - marks["asked"]) * 1e3, 1),
                       "answer_to_child_exit": round((marks["child_exited"] - end) * 1e3, 1),
@@ -300,8 +389,12 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     # the pause, step by step: the worker's steps from its cut (trace_ms; perf_counter is the
     # machine's monotonic clock, in both processes) beside this loop's syncs then
     t_cut = res["trace_from"]
-    row["pause_trace"] = {"steps": res["trace_ms"], "syncs_ms": [round((e - t_cut) * 1e3, 3) for e in ends
-                                                                if -0.005 < e - t_cut < TRACE_SECONDS]}
+    row["gap_at_cut_ms"] = longest_gap_ms(ends, t_cut, t_cut)     # the pause the cut's fingerprint pass made
+
+    def traced(times):
+        return [round((e - t_cut) * 1e3, 3) for e in times if -0.005 < e - t_cut < TRACE_SECONDS]
+    row["pause_trace"] = {"steps": res["trace_ms"], "syncs_ms": traced(ends),
+                          "bystanders_ms": {k: traced(v) for k, v in loops.items()}}
     if disk_dir:
         row["checkpoint_disk_s"] = checkpoint(one, ctx, disk_dir)["seconds"]
     two = server("two")                         # a full restore into a second server process
@@ -391,6 +484,11 @@ def main():
             json.dump(rows, f, indent=1)
 
 
+def serve_us(p, when):
+    n, ms = p["messages_served"][when]
+    return f"{1e3 * ms / max(n, 1):.1f}"
+
+
 def spread(values):
     """"least, median, most" of a benchmark's figure over its runs."""
     v = sorted(values)
@@ -414,7 +512,9 @@ def print_pause_traces(rows):
 def print_spread(rows):
     """Least, median and most of the figures issue 5 sets targets for, over the runs of each size."""
     figures = {"pause (ms)": lambda p: p["pause_ms"],
+               "of it, across the cut (ms)": lambda p: p["gap_at_cut_ms"],
                "throughput, one kernel a sync (%)": lambda p: 100 * p["kernels_per_s_during"] / p["kernels_per_s"],
+               "the same, against the loop right around it (%)": lambda p: 100 * p["kernels_per_s_during"] / p["kernels_per_s_around"],
                "first kernel after on-demand restore (ms)": lambda p: 1e3 * p["first_kernel_after_restore_s"],
                "checkpoint to host (s)": lambda p: p["checkpoint_host_s"]}
     print("\n| size | runs | " + " | ".join(f"{k}: least, median, most" for k in figures) + " |")
@@ -443,14 +543,20 @@ def print_table(rows):
         print(f"| {r['size']} | phos (concurrent) | {p['checkpoint_host_s']:.3f} ({gbs(n, p['checkpoint_host_s'])}){ratio} | "
               f"{disk(p, 'checkpoint_disk_s', n)} | "
               f"{p['restore_host_full_s']:.3f} ({gbs(n, p['restore_host_full_s'])}) | {disk(p, 'restore_disk_full_s')} | "
-              f"{p['pause_ms']:.1f} (cut {p['cut_ms']:.1f}; loop without checkpoint {p['gap_ms_idle']:.1f}) | "
+              f"{p['pause_ms']:.1f} (across the cut {p['gap_at_cut_ms']:.1f}, the cut itself {p['cut_ms']:.1f}; "
+              f"loop without checkpoint {p['gap_ms_idle']:.1f}) | "
               f"{100 * p['kernels_per_s_during'] / p['kernels_per_s']:.0f}% ({p['kernels_per_s_during']:.0f} vs {p['kernels_per_s']:.0f}/s) | "
               f"{p['first_kernel_after_restore_s'] * 1e3:.1f} |")
-    print("\n| size | kernel throughput during the checkpoint: one kernel a sync | 32 kernels a sync | its longest gap (ms) |")
-    print("|---|---|---|---|")
+    print("\n| size | kernel throughput during the checkpoint: one kernel a sync, against the loop's first second "
+          f"| against its {AROUND} s right before and after | bystanders' loops then: CPU, memory, lookups "
+          "| the worker's µs a message, before and during | 32 kernels a sync | its longest gap (ms) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         p, g = r["phos"], r["phos"]["gpu_bound"]
+        b = p["bystanders_during_vs_around"]
         print(f"| {r['size']} | {100 * p['kernels_per_s_during'] / p['kernels_per_s']:.0f}% | "
+              f"{100 * p['kernels_per_s_during'] / p['kernels_per_s_around']:.0f}% ({p['kernels_per_s_around']:.0f}/s) | "
+              f"{100 * b['cpu']:.0f}%, {100 * b['memory']:.0f}%, {100 * b['lookups']:.0f}% | {serve_us(p, 'before')}, {serve_us(p, 'during')} | "
               f"{100 * g['kernels_per_s_during'] / g['kernels_per_s']:.0f}% ({g['kernels_per_s_during']:.0f} vs {g['kernels_per_s']:.0f}/s) | "
               f"{g['gap_ms']:.1f} |")
     print("\n| size | the admin call, asked → checkpoint begins (ms) | its answer → the asking process ended (ms) | "

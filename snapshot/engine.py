@@ -66,10 +66,11 @@ BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device roun
 URGENT_BATCH_BYTES = 16 << 20    # ... and a call's copy-on-write this much
 DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostStore
 ASK_AT_ONCE = 256                # chunks a checkpoint's step asks the store about
-LOOK_EVERY = 100e-6              # seconds between a checkpoint's looks at a busy device (advance)
+LOOK_EVERY = 500e-6              # seconds between a checkpoint's looks at a busy device (advance)
 STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls keep coming
 # a checkpoint reports its steps of this long from the cut (trace_ms); a benchmark may ask for
-# its whole copy (PHOS_TRACE_SECONDS=1: thousands of entries)
+# its whole copy (PHOS_TRACE_SECONDS=1: ~10,000 entries, whose JSON holds the worker's thread
+# for 10-20 ms at the end: a gap the application sees)
 TRACE_SECONDS = float(os.environ.get("PHOS_TRACE_SECONDS", "0.03"))
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
@@ -566,13 +567,14 @@ class Checkpoint(ChunkJob):
             self.spare += self.store.reserve(max(0, self.keys.count(None) - len(self.spare)))
         yield from self.saving(self.batches(range(n)), claim=True)
 
-    def advance(self, busy=False):
+    def advance(self, busy=None):
         """Take the background copy's next step: the worker's loop calls it between calls.
         After a mere look at the device, the next waits LOOK_EVERY: the device has two batches
         to copy, milliseconds of work, and each look delays the call that arrives meanwhile.
-        busy: a call is waiting; it goes first unless the copy has waited STEP_AT_LEAST."""
+        busy: whether a call is waiting (a function, asked only when a step is due: the loop
+        spins through here); it goes first unless the copy has waited STEP_AT_LEAST."""
         t = time.perf_counter()
-        if self.work is None or t < self.look_at or busy and t - self.stepped_at < STEP_AT_LEAST:
+        if self.work is None or t < self.look_at or busy is not None and t - self.stepped_at < STEP_AT_LEAST and busy():
             return
         self.stepped_at = t
         try:

@@ -74,10 +74,10 @@ const Settings& settings() {
         t.staging = staging == "0" ? 0 : staging == "1" ? 1 : -1;
         const std::string mailbox = env_string("PHOS_MAILBOX", "");
         t.mailbox = mailbox == "0" ? 0 : mailbox == "1" ? 1 : -1;
-        // Spinning beats a wake-up where cores are plentiful; on small machines it would
-        // starve the worker the spinning thread waits for.
+        // Spinning beats a wake-up where cores are plentiful (1 ms, as the worker and the
+        // Python client); on small machines it would starve the worker the spinning thread waits for.
         const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        t.spin = std::max(0L, env_long("PHOS_SPIN_US", cores > 4 ? 100 : 0)) * 1e-6;
+        t.spin = std::max(0L, env_long("PHOS_SPIN_US", cores > 4 ? 1000 : 0)) * 1e-6;
         if (t.batch_calls < 1) t.batch_calls = 1;
         return t;
     }();

@@ -51,9 +51,11 @@ if want snap; then
         ${PHOS_SNAP_TESTS:-tests/test_snapshot_engine.py tests/test_handoff.py tests/test_recovery.py}
 fi
 if want snap || want snap-bench; then
-    # PHOS_BENCH_SIZES= (empty) runs the tests alone; PHOS_BENCH_REPEAT: phos runs a size
+    # PHOS_BENCH_SIZES= (empty) runs the tests alone; PHOS_BENCH_REPEAT: phos runs a size;
+    # PHOS_BENCH_ARGS: more arguments (--no-driver --no-disk: phos's host-memory rows alone)
     [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
-        --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-1}" --json "$OUT/bench_snapshot.json"
+        --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-1}" --json "$OUT/bench_snapshot.json" \
+        ${PHOS_BENCH_ARGS:-}
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
