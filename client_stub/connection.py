@@ -63,6 +63,12 @@ def zmq_context():
     return _zctx
 
 
+def reply_spin():
+    """How long a call spins for its reply: SPIN, but not at all among gevent's greenlets
+    (locust's users), where a spin holds every other user of the process."""
+    return 0.0 if getattr(zmq_context(), "green", False) else SPIN
+
+
 def _green_context():
     """zmq.green, with sends that always copy: pyzmq's zero-copy sends are tracked by its
     garbage-collector thread, which gevent's patched threading breaks (stalls, cut frames)."""
@@ -75,6 +81,7 @@ def _green_context():
 
     class Context(zmq_green.Context):
         _socket_class = Socket
+        green = True          # reply_spin
     return Context()
 
 
@@ -259,7 +266,7 @@ class Connection:
             return self.kept.pop(seq)
         deadline = None if timeout is None else time.monotonic() + timeout
         gone_since = None
-        spin_end = time.perf_counter() + SPIN
+        spin_end = time.perf_counter() + reply_spin()
         while True:
             frames = self.next_reply()
             if frames is None and time.perf_counter() < spin_end:
@@ -289,7 +296,7 @@ class Connection:
                 if self.box_waiting and self.box.seq(1) == self.box_seq or self.sock.getsockopt(zmq.EVENTS) & POLLIN:
                     continue                 # the worker answered, then left (ctxDestroy): read the answer first
                 self.reattach(seq)           # the worker went away: find the context again and replay
-                gone_since, spin_end = None, time.perf_counter() + SPIN
+                gone_since, spin_end = None, time.perf_counter() + reply_spin()
                 continue
             if gone_since is not None and now - gone_since > GONE_TIMEOUT:
                 raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"the phos server at {self.endpoint} went away")

@@ -37,6 +37,7 @@ MAX_ROUNDS = 12                  # pre-copy rounds of a handoff, at most
 SMALL_ROUND = 4 << 20            # a pre-copy round this small ends them: the frozen one will be small too
 HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
 HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
+DESCRIBE_TIMEOUT = 5.0           # seconds a worker may take to describe its context (ListContexts)
 
 log = logging.getLogger("phos.admin")
 
@@ -65,6 +66,7 @@ def admin_socket(server):
 class Admin(admin_pb2_grpc.AdminServicer):
     def __init__(self, front):
         self.front = front
+        self.described = {}        # ctx id -> its last description (ListContexts)
 
     async def fail(self, context, e):
         await context.abort(GRPC_CODE.get(e.status, grpc.StatusCode.INTERNAL), f"{e.message} (CUresult {int(e.status)})")
@@ -83,12 +85,26 @@ class Admin(admin_pb2_grpc.AdminServicer):
                           pid=w.proc.pid, state=state, first_call_loaded=job["first_call_loaded"] or 0)
 
     async def ListContexts(self, request, context):
-        out = []
-        for w in list(self.front.workers.values()):
-            try:
-                out.append(await asyncio.wait_for(self.describe(w), 5))
-            except (CudaError, asyncio.TimeoutError):
+        workers = list(self.front.workers.values())
+        answers = await asyncio.gather(*(asyncio.wait_for(self.describe(w), DESCRIBE_TIMEOUT) for w in workers),
+                                       return_exceptions=True)
+        out, described = [], {}
+        for w, c in zip(workers, answers):
+            if w.proc.returncode is not None:
                 continue           # it went away meanwhile
+            if isinstance(c, asyncio.TimeoutError):
+                # busy in one long call (a batch of kernels takes seconds on emu): listed as last
+                # described, not left out as if it had gone
+                c = pb.Context()
+                c.CopyFrom(self.described.get(w.ctx_id) or pb.Context(id=w.ctx_id, pid=w.proc.pid))
+                c.state = "busy"
+            elif isinstance(c, CudaError):
+                continue           # it went away meanwhile
+            elif isinstance(c, BaseException):
+                raise c
+            described[w.ctx_id] = c
+            out.append(c)
+        self.described = described
         return pb.ListContextsReply(contexts=out)
 
     async def Checkpoint(self, request, context):

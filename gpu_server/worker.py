@@ -660,8 +660,10 @@ class Worker:
             box = self.session.box
             if box is not None and hot != awake:
                 box.awake[0] = awake = hot      # clients ring the doorbell only while we sleep
-            if hot and self.ctl is not None and self.ctl.getsockopt(EVENTS) & POLLIN:
-                self.handle_control(self.ctl.recv_multipart(copy=False))    # a busy client must not starve it
+            if self.ctl is not None and self.ctl.getsockopt(EVENTS) & POLLIN:
+                # a busy client must not starve it: with a request always waiting in the mailbox,
+                # the loop would never reach its poll (on machines of 4 cores or fewer: no spin)
+                self.handle_control(self.ctl.recv_multipart(copy=False))
                 continue               # it may have frozen the context
             if self.box_ready():
                 t = time.perf_counter()

@@ -112,3 +112,15 @@ def test_a_replaced_staging_area_is_released_later_on_a_thread_of_its_own():
     while alive() is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert alive() is None and released_by == ["phos-staging-release"]
+
+
+def test_a_call_does_not_spin_for_its_reply_among_greenlets(monkeypatch):
+    """Under gevent (locust's users are greenlets of one process) a call waiting for its reply
+    yields at once: a spin would hold every other user. Elsewhere it spins PHOS_SPIN_US."""
+    import zmq
+    from phos.client_stub import connection
+    monkeypatch.setattr(connection, "SPIN", 0.001)
+    monkeypatch.setattr(connection, "_zctx", connection._green_context())
+    assert connection.reply_spin() == 0.0
+    monkeypatch.setattr(connection, "_zctx", zmq.Context())
+    assert connection.reply_spin() == 0.001

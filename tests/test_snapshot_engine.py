@@ -7,6 +7,7 @@ on, bit for bit. Runs on emu in CI, and with --backend cuda in perf/device/run.s
 import ctypes
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -706,6 +707,27 @@ def test_cli_and_admin_api(servers, client, tmp_path):
     freed = stub(one.address).DeleteImage(pb.DeleteImageRequest(store=str(store), name=result["name"]))
     assert freed.freed_chunks == 0          # the second image still holds every chunk
     assert len(DirStore(store).list_images()) == 1
+
+
+def test_a_context_whose_worker_does_not_answer_is_listed_as_busy(servers, client):
+    """ListContexts asks each worker to describe its context; one that does not answer in time
+    (here stopped; on emu, a batch of kernels takes seconds) is listed as last seen, "busy",
+    not left out as if it had gone."""
+    one = servers("one")
+    app = App(client(one))
+    app.put(filler(3 * MiB))
+    app.sync()
+    seen = {c.id: c for c in stub(one.address).ListContexts(pb.ListContextsRequest()).contexts}
+    assert seen[app.id].state == "running" and seen[app.id].bytes >= 3 * MiB
+    pid = seen[app.id].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        now = {c.id: c for c in stub(one.address).ListContexts(pb.ListContextsRequest()).contexts}
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert now[app.id].state == "busy" and now[app.id].bytes == seen[app.id].bytes and now[app.id].pid == pid
+    app.sync()                 # it serves on
+    assert {c.id: c.state for c in stub(one.address).ListContexts(pb.ListContextsRequest()).contexts}[app.id] == "running"
 
 
 def test_a_full_host_store_fails_the_checkpoint_clearly_and_the_context_lives_on(servers, client, tmp_path):
