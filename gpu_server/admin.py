@@ -90,7 +90,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                                        return_exceptions=True)
         out, described = [], {}
         for w, c in zip(workers, answers):
-            if w.proc.returncode is not None:
+            if w.proc.returncode is not None or isinstance(c, CudaError):
                 continue           # it went away meanwhile
             if isinstance(c, asyncio.TimeoutError):
                 # busy in one long call (a batch of kernels takes seconds on emu): listed as last
@@ -98,8 +98,6 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 c = pb.Context()
                 c.CopyFrom(self.described.get(w.ctx_id) or pb.Context(id=w.ctx_id, pid=w.proc.pid))
                 c.state = "busy"
-            elif isinstance(c, CudaError):
-                continue           # it went away meanwhile
             elif isinstance(c, BaseException):
                 raise c
             described[w.ctx_id] = c

@@ -133,12 +133,12 @@ def module_load(s, a, p):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"module image frame {a.payload} is missing")
     module = s.backend.load_module(p[a.payload - 1])
     mid = s.add("module", module, image=bytes(p[a.payload - 1]))
-    places = s.globals_noted.get(mid)
-    for name, ptr, size in s.backend.module_globals(module) if places else ():
+    places, globals_ = s.globals_noted.get(mid), s.backend.module_globals(module)
+    for name, ptr, size in globals_ if places else ():
         if name in places:        # loaded again by a replay: where the client was told it is
             s.reach_global(places[name], ptr, size, name)
     if s.recovery is not None:
-        s.recovery.note_globals(mid, {name: s.space.to_app(ptr) for name, ptr, _ in s.backend.module_globals(module)})
+        s.recovery.note_globals(mid, {name: s.space.to_app(ptr) for name, ptr, _ in globals_})
     return {"u64s": [mid]}
 
 

@@ -573,6 +573,11 @@ class Worker:
             cp.advance(busy=self.call_waiting)
         if cp is not None and not cp.running:
             sent = []      # the delta, once it went out: the target may be adopting it
+            # the time a message took to serve, before the checkpoint and during it: what its
+            # steps and copies cost the application's calls (perf/bench_snapshot.py)
+            served = {"before": [self.served_before[0], round(self.served_before[1] * 1e3, 3)],
+                      "during": [self.serving[0], round(self.serving[1] * 1e3, 3)]}
+            self.serving = [0, 0.0]
 
             def send_delta(delta):
                 self.answer_control(*self.job, CUresult.CUDA_ERROR_NOT_READY, "", {"text": json.dumps(delta)})
@@ -580,11 +585,7 @@ class Worker:
             try:
                 result = cp.finish(self.ack, send_delta if self.early and self.job else None)
                 self.remember(cp)
-                # the time a message took to serve, before the checkpoint and during it: what its
-                # steps and copies cost the application's calls (perf/bench_snapshot.py)
-                result["messages_served"] = {"before": [self.served_before[0], round(self.served_before[1] * 1e3, 3)],
-                                             "during": [self.serving[0], round(self.serving[1] * 1e3, 3)]}
-                self.serving = [0, 0.0]
+                result["messages_served"] = served
                 fields = {"text": json.dumps(result)}
                 status, message = CUresult.CUDA_SUCCESS, ""
             except Exception as e:     # the image is lost, not the context

@@ -237,7 +237,8 @@ def numa_facts(shm_dir):
     pages = {}
     for maps in glob.glob("/proc/[0-9]*/numa_maps"):
         try:
-            lines = [ln for ln in open(maps) if shm_dir in ln]
+            with open(maps) as f:
+                lines = [ln for ln in f if shm_dir in ln]
         except OSError:
             continue
         for ln in lines:
@@ -372,10 +373,9 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     row["checkpoint_host_wall_s"] = time.perf_counter() - t
     row["kernels_per_s_during"] = during
 
-    def around(times):     # a loop's rate in the AROUND seconds before the ask and after the asker ended
-        n = ((times > marks["asked"] - AROUND + 0.05) & (times <= marks["asked"])).sum() + \
-            ((times > marks["child_exited"]) & (times <= marks["child_exited"] + AROUND - 0.05)).sum()
-        return float(n) / (2 * AROUND - 0.1)
+    def around(times):     # a loop's rate in the AROUND seconds (less the loop's start) before the ask and after the asker ended
+        asked, exited, alone = marks["asked"], marks["child_exited"], AROUND - 0.05
+        return (syncs_per_s(times, asked - alone, asked) + syncs_per_s(times, exited, exited + alone)) / 2
     row["kernels_per_s_around"] = around(ends)
     loops = stop_bystanders()
     row["bystanders_during_vs_around"] = {k: syncs_per_s(v, begin, end) / around(v) for k, v in loops.items()}
