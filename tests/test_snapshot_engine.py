@@ -293,13 +293,14 @@ def test_concurrent_checkpoint_saves_the_state_at_the_cut(servers, client, tmp_p
     assert region(s, done["name"], int(x)).tobytes() == before_x.tobytes()
     assert region(s, done["name"], int(y)).tobytes() == before_y.tobytes()
     # what serving cost before and during it (perf/bench_snapshot.py): the puts and the sync
-    # before, the writes during; then counted afresh for the next checkpoint (the front end's
-    # control messages are not counted; the sync after the writes may come after the end)
+    # before, the writes during (some of the writes may come after its end, on a slow machine)
     (n_before, ms_before), (n_during, ms_during) = done["messages_served"]["before"], done["messages_served"]["during"]
     assert n_before >= 5 and n_during >= 1 and ms_before > 0 and ms_during > 0
+    # counted afresh whenever a checkpoint ends; the front end's control messages are not counted
+    checkpoint(one, app.id, store)
     for _ in range(5):
         app.sync()
-    assert 5 <= checkpoint(one, app.id, store)["messages_served"]["before"][0] <= 5 + 1     # not the writes' message
+    assert checkpoint(one, app.id, store)["messages_served"]["before"][0] == 5
 
 
 def test_a_precopy_round_holds_no_write_up_and_stores_what_it_copied(tmp_path):
