@@ -75,6 +75,31 @@ _cuEventQuery = _driver_call("cuEventQuery", _P)
 _cuStreamQuery = _driver_call("cuStreamQuery", _P)     # a synchronize polls it while a checkpoint runs
 
 
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]
+
+
+# A checkpoint's batch is 64 chunk copies to as many store slots, and a restore's more: one
+# driver call for them all (CUDA 12.8+), in stream order behind what the stream did before.
+# Off until perf/probe_batch_copies.py has run on the H200 (PHOS_BATCH_COPIES=1 turns it on).
+def _batch_call():
+    try:
+        return _driver_call("cuMemcpyBatchAsync_v2", _P, _P, _P, _N, _P, _P, _N, _P)
+    except AttributeError:             # an older driver: a call a copy
+        return None
+
+
+_cuMemcpyBatchAsync = _batch_call() if os.environ.get("PHOS_BATCH_COPIES") == "1" else None
+_IN_STREAM_ORDER = _MemcpyAttributes(srcAccessOrder=1)      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, for every copy:
+_FIRST_COPY = (_N * 1)(0)                                      # the attributes from the first copy on
+_BATCH_ATTRS = (ctypes.addressof(_IN_STREAM_ORDER), ctypes.addressof(_FIRST_COPY), 1)
+
+
 def _check(err, what):
     """Raise CudaError for a failed ctypes driver call."""
     if err:
@@ -438,6 +463,35 @@ def _runs(chunks, offsets):
     return out
 
 
+def _copies(one, dsts, srcs, sizes, stream, what):
+    """Enqueue copies on stream: one(dst, src, size, stream) each (a cuMemcpy*Async), or one
+    batch call for them all."""
+    global _cuMemcpyBatchAsync
+    dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
+    if len(sizes) > 1 and _cuMemcpyBatchAsync is not None:
+        err = _cuMemcpyBatchAsync(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes), *_BATCH_ATTRS, stream)
+        if err not in (CUresult.CUDA_ERROR_INVALID_VALUE, CUresult.CUDA_ERROR_NOT_SUPPORTED):
+            _check(err, what)
+            return
+        # a driver or device without it: a call a copy from now on (copying twice is harmless),
+        # and one that fails alone names its copy
+        log.warning("cuMemcpyBatchAsync failed (%s): copies go one call each", _error_string(err))
+        _cuMemcpyBatchAsync = None
+    for dst, src, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+        _check(one(dst, src, n, stream), what)
+
+
+_char = ctypes.c_char
+
+
+def _addresses(views):
+    """The addresses of host views (NumPy arrays), three times quicker than ndarray.ctypes."""
+    try:
+        return [ctypes.addressof(_char.from_buffer(v)) for v in views]
+    except (TypeError, ValueError):     # read-only, or empty
+        return [v.ctypes.data for v in views]
+
+
 def _pinned(nbytes):
     """A page-locked host buffer as a uint8 array (kept for the worker's life)."""
     ptr = int(ok(cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
@@ -670,17 +724,17 @@ class CudaSnapshotOps:
         offsets, used = _stage_offsets(chunks)
         stage, capacity = self._device_buffers(key, used)
         stage = stage[turn]
-        host = self._buffers(key, capacity)[turn] if into is None else None
-        for addr, offset, nbytes in _runs(chunks, offsets):     # neighbouring chunks (one allocation's): one copy
-            _check(_cuMemcpyDtoDAsync(stage + offset, addr, nbytes, stream), "cuMemcpyDtoDAsync")
-        views, spans = [], []
-        for i, ((addr, size), off) in enumerate(zip(chunks, offsets)):
-            if into is not None:
-                _check(_cuMemcpyDtoHAsync(into[i].ctypes.data, stage + off, size, stream), "cuMemcpyDtoHAsync")
-            views.append(into[i] if into is not None else host[off:off + size])
-            spans.append((stage + off, size))
+        runs = _runs(chunks, offsets)        # neighbouring chunks (one allocation's): one copy
+        _copies(_cuMemcpyDtoDAsync, [stage + off for _, off, _ in runs], [addr for addr, _, _ in runs], [n for _, _, n in runs],
+                stream, "cuMemcpyDtoDAsync")
+        spans = np.array([(stage + off, size) for (_, size), off in zip(chunks, offsets)], np.uint64).reshape(-1, 2)
         if into is None:
+            host = self._buffers(key, capacity)[turn]
             _check(_cuMemcpyDtoHAsync(host.ctypes.data, stage, used, stream), "cuMemcpyDtoHAsync")
+            views = [host[off:off + size] for (_, size), off in zip(chunks, offsets)]
+        else:
+            _copies(_cuMemcpyDtoHAsync, _addresses(into), spans[:, 0], spans[:, 1], stream, "cuMemcpyDtoHAsync")
+            views = into
         return views, tag, self._hash(spans, f"{key}{turn}", stream)
 
     def write(self, chunks, load, pool, urgent=False, sources=None):
@@ -692,8 +746,7 @@ class CudaSnapshotOps:
         key = "urgent" if urgent else "bulk"
         stream = self.handles[key]
         if sources is not None:
-            for (addr, size), src in zip(chunks, sources):
-                _check(_cuMemcpyHtoDAsync(addr, src.ctypes.data, size, stream), "cuMemcpyHtoDAsync")
+            _copies(_cuMemcpyHtoDAsync, [addr for addr, _ in chunks], _addresses(sources), [size for _, size in chunks], stream, "cuMemcpyHtoDAsync")
             return self._hash(chunks, f"{key}0", stream)()
         host = self._buffers(key, max(size for _, size in chunks))[0]
         fps = []
@@ -701,7 +754,7 @@ class CudaSnapshotOps:
             offsets = np.cumsum([0] + [size for _, size in chunks[start:end]])
 
             list(pool.map(lambda i: load(start + i, host[offsets[i]:offsets[i + 1]]), range(end - start)))
-            for (addr, size), off in zip(chunks[start:end], offsets):
-                _check(_cuMemcpyHtoDAsync(addr, host.ctypes.data + int(off), size, stream), "cuMemcpyHtoDAsync")
+            _copies(_cuMemcpyHtoDAsync, [addr for addr, _ in chunks[start:end]], host.ctypes.data + offsets[:-1], np.diff(offsets), stream,
+                    "cuMemcpyHtoDAsync")
             fps += self._hash(chunks[start:end], f"{key}0", stream)()
         return fps

@@ -288,13 +288,11 @@ class HostStore(DirStore):
         return self.memory[start:start + nbytes]
 
     def publish(self, slots, keys, headers, payload_lens):
-        """Make filled slots the chunks `keys` (headers: their encoded chunk headers), all under
-        one lock. Returns [bool]: False where the store held that chunk already; that slot is
-        freed and the other copy counts."""
+        """Make filled slots the chunks `keys` (headers: their encoded chunk headers, an (n,
+        HEADER_SIZE) uint8 array), all under one lock. Returns [bool]: False where the store held
+        that chunk already; that slot is freed and the other copy counts."""
         check_keys(keys)
-        for slot, header in zip(slots, headers):
-            start = slot * self.slot_bytes
-            self.arena[start:start + len(header)] = header
+        self.memory.reshape(self.slots, self.slot_bytes)[slots, :HEADER_SIZE] = headers
         out, mine = [], set()
         with self._locked(keeps_map=True) as take:
             self._refresh()           # under the lock: nobody publishes the same chunk meanwhile
@@ -309,7 +307,7 @@ class HostStore(DirStore):
             fresh = [i for i, new in enumerate(out) if new]
             published = np.array([slots[i] for i in fresh], np.int64)
             rec["key"][published] = np.frombuffer(bytes.fromhex("".join(keys[i] for i in fresh)), np.uint8).reshape(-1, 16)
-            rec["length"][published] = [len(headers[i]) + payload_lens[i] for i in fresh]
+            rec["length"][published] = HEADER_SIZE + np.asarray(payload_lens, np.int64)[fresh]
             rec["state"][published] = PUBLISHED
             rec["state"][[slot for slot, new in zip(slots, out) if not new]] = FREE
             last = take(len(slots))
@@ -358,7 +356,7 @@ class HostStore(DirStore):
         slot, = self.reserve(1)
         try:
             self.payload(slot, len(data) - HEADER_SIZE)[:] = np.frombuffer(data[HEADER_SIZE:], np.uint8)
-            self.publish([slot], [key], [bytes(data[:HEADER_SIZE])], [len(data) - HEADER_SIZE])
+            self.publish([slot], [key], np.frombuffer(data[:HEADER_SIZE], np.uint8).reshape(1, -1), [len(data) - HEADER_SIZE])
         except BaseException:
             self.release([slot])
             raise
