@@ -133,8 +133,10 @@ def module_load(s, a, p):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"module image frame {a.payload} is missing")
     module = s.backend.load_module(p[a.payload - 1])
     mid = s.add("module", module, image=bytes(p[a.payload - 1]))
-    places, globals_ = s.globals_noted.get(mid), s.backend.module_globals(module)
-    for name, ptr, size in globals_ if places else ():
+    places = s.globals_noted.get(mid) or {}
+    # asked of the backend only when needed: a replay's reload, or a recovery store to note them in
+    globals_ = s.backend.module_globals(module) if places or s.recovery is not None else ()
+    for name, ptr, size in globals_:
         if name in places:        # loaded again by a replay: where the client was told it is
             s.reach_global(places[name], ptr, size, name)
     if s.recovery is not None:

@@ -59,7 +59,7 @@ from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, chunk_payload,
                                  read_chunk, read_chunk_into, read_image, read_latest_image)
-from phos.snapshot.store import all_keys
+from phos.snapshot.store import all_keys, keys_of
 
 log = logging.getLogger("phos.snapshot")
 BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
@@ -463,15 +463,13 @@ class Checkpoint(ChunkJob):
             self.keys, self.asked = keys, [True] * len(fps)
             return
         if len(idx) == len(fps) and not any(self.asked):      # a paused round's first: all at once
-            hexes = b"".join(fps).hex()
-            keys = [hexes[i:i + 32] for i in range(0, len(hexes), 32)]
+            keys = keys_of(b"".join(fps))
             self.keys = [k if held else had for k, held, had in zip(keys, self.writer.reuse_chunks(keys), self.keys)]
             self.asked = [True] * len(fps)
             return
         ask = [c for c in idx if not self.asked[c]]
         if ask:
-            hexes = b"".join(fps[c] for c in ask).hex()        # one conversion for them all
-            keys = [hexes[i:i + 32] for i in range(0, len(hexes), 32)]
+            keys = keys_of(b"".join(fps[c] for c in ask))
             for c, k, held in zip(ask, keys, self.writer.reuse_chunks(keys)):
                 self.asked[c] = True
                 if held:

@@ -29,7 +29,7 @@ import threading
 import numpy as np
 
 from .image import DEFAULT_CHUNK_SIZE, HEADER_SIZE
-from .store import DirStore, ImageError, check_key, check_keys
+from .store import DirStore, ImageError, check_key, check_keys, keys_of
 
 MAGIC, VERSION = b"PHOSHOST", 1
 INDEX_HEADER = struct.Struct("<8sIIQQQQ")       # magic, version, 0, head, capacity, slots, seq
@@ -214,14 +214,13 @@ class HostStore(DirStore):
             rec = self._records
             changed = np.flatnonzero(rec["seq"] > self._seen)
             published = changed[rec["state"][changed] == PUBLISHED]
-            hexes = rec["key"][published].tobytes().hex()
             if self._key_of:          # the first time, nothing to forget
                 for slot in changed.tolist():
                     old = self._key_of.pop(slot, None)
                     if old is not None and self._where.get(old) == slot:
                         del self._where[old]
             slots = published.tolist()
-            keys = [hexes[i:i + 32] for i in range(0, 32 * len(slots), 32)]
+            keys = keys_of(rec["key"][published].tobytes())
             self._where.update(zip(keys, slots))
             self._key_of.update(zip(slots, keys))
             self._seen = now
@@ -288,11 +287,13 @@ class HostStore(DirStore):
         return self.memory[start:start + nbytes]
 
     def publish(self, slots, keys, headers, payload_lens):
-        """Make filled slots the chunks `keys` (headers: their encoded chunk headers, an (n,
-        HEADER_SIZE) uint8 array), all under one lock. Returns [bool]: False where the store held
-        that chunk already; that slot is freed and the other copy counts."""
+        """Make filled slots the chunks `keys` (headers: their encoded chunk headers), all under
+        one lock. Returns [bool]: False where the store held that chunk already; that slot is
+        freed and the other copy counts."""
         check_keys(keys)
-        self.memory.reshape(self.slots, self.slot_bytes)[slots, :HEADER_SIZE] = headers
+        for slot, header in zip(slots, headers):
+            start = slot * self.slot_bytes
+            self.arena[start:start + len(header)] = header
         out, mine = [], set()
         with self._locked(keeps_map=True) as take:
             self._refresh()           # under the lock: nobody publishes the same chunk meanwhile
@@ -307,7 +308,7 @@ class HostStore(DirStore):
             fresh = [i for i, new in enumerate(out) if new]
             published = np.array([slots[i] for i in fresh], np.int64)
             rec["key"][published] = np.frombuffer(bytes.fromhex("".join(keys[i] for i in fresh)), np.uint8).reshape(-1, 16)
-            rec["length"][published] = HEADER_SIZE + np.asarray(payload_lens, np.int64)[fresh]
+            rec["length"][published] = [len(headers[i]) + payload_lens[i] for i in fresh]
             rec["state"][published] = PUBLISHED
             rec["state"][[slot for slot, new in zip(slots, out) if not new]] = FREE
             last = take(len(slots))
@@ -356,7 +357,7 @@ class HostStore(DirStore):
         slot, = self.reserve(1)
         try:
             self.payload(slot, len(data) - HEADER_SIZE)[:] = np.frombuffer(data[HEADER_SIZE:], np.uint8)
-            self.publish([slot], [key], np.frombuffer(data[:HEADER_SIZE], np.uint8).reshape(1, -1), [len(data) - HEADER_SIZE])
+            self.publish([slot], [key], [bytes(data[:HEADER_SIZE])], [len(data) - HEADER_SIZE])
         except BaseException:
             self.release([slot])
             raise

@@ -59,11 +59,10 @@ import struct
 import threading
 import time
 
-import numpy as np
 import zstandard
 
-from .fingerprint import FP_BYTES, fingerprint
-from .store import DirStore, ImageError, MemoryStore, all_keys, check_key, check_name  # noqa: F401 (re-exported)
+from .fingerprint import fingerprint
+from .store import DirStore, ImageError, MemoryStore, all_keys, check_key, check_name, keys_of  # noqa: F401 (re-exported)
 
 FORMAT = "phos-image"
 VERSION = 1
@@ -127,20 +126,6 @@ def chunk_header(comp, raw_len, stored_len, fp):
     """The 40-byte header a stored chunk starts with (HEADER: magic, version, compression, raw
     and stored lengths, fingerprint)."""
     return HEADER.pack(CHUNK_MAGIC, CHUNK_VERSION, comp, raw_len, stored_len, fp)
-
-
-# HEADER as a NumPy record: many raw chunks' headers at once (a checkpoint's batch of slots)
-_HEADER_RECORD = np.dtype([("magic", "S4"), ("version", "<u2"), ("comp", "<u2"), ("raw", "<u8"), ("stored", "<u8"),
-                           ("fp", "S16")])
-
-
-def raw_chunk_headers(lengths, fps):
-    """chunk_header of uncompressed chunks, as an (n, HEADER_SIZE) uint8 array."""
-    out = np.zeros(len(fps), _HEADER_RECORD)
-    out["magic"], out["version"], out["comp"] = CHUNK_MAGIC, CHUNK_VERSION, COMP_RAW
-    out["raw"] = out["stored"] = lengths
-    out["fp"] = fps
-    return out.view(np.uint8).reshape(-1, HEADER_SIZE)
 
 
 def encode_chunk_parts(data, fp=None, level=1):
@@ -698,10 +683,10 @@ class ImageWriter:
         free their slot."""
         self._check_open()
         fps = [bytes(fp) for fp in fps]
-        hexes = b"".join(fps).hex()            # one conversion for them all
-        keys = [hexes[i:i + 2 * FP_BYTES] for i in range(0, len(hexes), 2 * FP_BYTES)]
+        keys = keys_of(b"".join(fps))
         lens = [len(p) for p in payloads]
-        new = self.store.publish(slots, keys, raw_chunk_headers(lens, fps), lens)
+        headers = [chunk_header(COMP_RAW, n, n, fp) for n, fp in zip(lens, fps)]
+        new = self.store.publish(slots, keys, headers, lens)
         with self._mu:
             for k, n, fresh in zip(keys, lens, new):
                 self.present.add(k)

@@ -55,6 +55,12 @@ def check_key(key):
     return key
 
 
+def keys_of(fingerprints):
+    """The chunk keys of fingerprints (16 bytes each) given joined: one hex conversion for thousands."""
+    hexes = bytes(fingerprints).hex()
+    return [hexes[i:i + 32] for i in range(0, len(hexes), 32)]
+
+
 def check_keys(keys):
     """check_key for a list of thousands: all at once, one by one only to name a bad one."""
     if not all_keys(keys):

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import phos.snapshot.fingerprint as fpmod
 from phos.snapshot.fingerprint import fingerprint, fingerprints, reference_fingerprint
-from phos.snapshot.image import (COMP_RAW, HEADER, HEADER_SIZE, ImageError, ImageWriter, canonical_json, chunk_header,
-                                 decode_chunk, delete_image, raw_chunk_headers, encode_chunk, gc, latest_image, manifest_digest, read_chunk, read_chunk_into,
+from phos.snapshot.image import (HEADER, HEADER_SIZE, ImageError, ImageWriter, canonical_json, decode_chunk,
+                                 delete_image, encode_chunk, gc, latest_image, manifest_digest, read_chunk, read_chunk_into,
                                  read_image,
                                  read_region, validate_manifest)
 from phos.snapshot.host_store import HostStore
@@ -252,17 +252,6 @@ def test_finish_many_equals_the_one_at_a_time_finish():
     few = cases[:8]                # a batch of copies: finished one by one, in Python
     assert fpmod.finish_many(np.array([[h0, h1] for h0, h1, _ in few], np.uint64), np.array([n for *_, n in few], np.uint64)) == \
         [fpmod._finish(h0, h1, n) for h0, h1, n in few]
-
-
-def test_raw_chunk_headers_are_chunk_headers_at_once():
-    """A checkpoint's batch of slots gets its headers in one array: byte for byte chunk_header's."""
-    rng = random.Random(3)
-    lengths = [rng.randrange(0, 1 << 40) for _ in range(9)]
-    fps = [rng.randbytes(16) for _ in lengths]
-    got = raw_chunk_headers(lengths, fps)
-    assert got.shape == (9, HEADER_SIZE)
-    assert [row.tobytes() for row in got] == [chunk_header(COMP_RAW, n, n, fp) for n, fp in zip(lengths, fps)]
-    assert raw_chunk_headers([], []).shape == (0, HEADER_SIZE)
 
 
 def test_corrupt_chunk_bit_flip(store):
