@@ -245,7 +245,8 @@ class Worker:
         self.served_before = self.serving  # ... and before the running one began
 
     def handle(self, frames):
-        """Serve one message: [routing id, Request, payload...]."""
+        """Serve one message: [routing id, Request, payload...]. False: it was a doorbell and
+        the mailbox held nothing (the loop had served its request already): no message served."""
         if len(frames) < 2:
             log.warning("dropped a message with no request frame")
             return
@@ -259,7 +260,7 @@ class Worker:
                     return self.send(peer, error_reply(CUresult.CUDA_ERROR_NOT_SUPPORTED,
                                      f"protocol version {req.version}; this server speaks {wire.PROTOCOL_VERSION}"))
                 if req.doorbell:
-                    return self.serve_box(by_socket=True) if peer in self.attached else None
+                    return self.serve_box(by_socket=True) if peer in self.attached else False
                 self.run_calls(peer, req, payloads, frames[0])
         except wire.MALFORMED as e:
             log.warning("malformed frame from a client: %s", wire.describe(e))
@@ -349,9 +350,10 @@ class Worker:
     def serve_box(self, by_socket=False):
         """Run the request waiting in the mailbox, after every call sent before it by socket.
 
-        by_socket: a doorbell woke us, so the client is likely asleep in poll: answer there."""
+        by_socket: a doorbell woke us, so the client is likely asleep in poll: answer there.
+        False when the mailbox holds no new request."""
         if not self.box_ready():
-            return
+            return False
         box = self.session.box
         self.box_seen = box.seq(0)
         self.box_by_socket = by_socket
@@ -675,8 +677,8 @@ class Worker:
                 # a client mid-burst: catch its next message without the cost of sleeping in poll
                 if self.sock.getsockopt(EVENTS) & POLLIN:
                     t = time.perf_counter()
-                    self.handle(self.sock.recv_multipart(copy=False))
-                    self.served(t)
+                    if self.handle(self.sock.recv_multipart(copy=False)) is not False:
+                        self.served(t)
                 continue
             # with a mailbox, wake now and then: a doorbell can cross our going to sleep
             timeout = 10 if box is not None else 20 if self.session.snapshotting else 250
@@ -687,8 +689,8 @@ class Worker:
             ready = dict(poller.poll(timeout))
             if self.sock in ready:
                 t = time.perf_counter()
-                self.handle(self.sock.recv_multipart(copy=False))
-                self.served(t)
+                if self.handle(self.sock.recv_multipart(copy=False)) is not False:
+                    self.served(t)
             if self.ctl is not None and self.ctl in ready:
                 self.handle_control(self.ctl.recv_multipart(copy=False))
             if monitor in ready:
