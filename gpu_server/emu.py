@@ -10,20 +10,13 @@ import uuid
 
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.backend import DeviceInfo, Function
+from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
 from phos.gpu_server.emu_memory import EmuMemory
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 
 GiB = 1 << 30
 EMU_MEMORY = int(os.environ.get("PHOS_EMU_MEMORY", 16 * GiB))
-
-# An sm_90-class device, so PTX built for compute_75..compute_90 loads.
-EMU_ATTRIBUTES = {
-    1: 1024, 2: 1024, 3: 1024, 4: 64, 5: 2**31 - 1, 6: 65535, 7: 65535, 8: 48 * 1024, 9: 64 * 1024,
-    10: 32, 11: 2**31 - 1, 12: 65536, 13: 1_000_000, 14: 512, 15: 1, 16: 2, 17: 0, 18: 0, 19: 1, 20: 0,
-    31: 1, 32: 0, 33: 0, 34: 0, 36: 1_000_000, 37: 64, 38: 4 * 1024 * 1024, 39: 2048, 40: 1, 41: 1,
-    50: 0, 75: 9, 76: 0, 81: 228 * 1024, 82: 65536, 83: 0, 84: 0, 97: 227 * 1024, 102: 0, 106: 32,
-}
 
 
 class EmuBackend:

@@ -216,7 +216,13 @@ void close_context(CUctx_st* ctx) {
         ctx->conn.reset();
     }
     ctx->live = false;
+    // The runtime's state for this context goes with it; a destructor may call back in.
+    auto storage = std::move(ctx->local_storage);
+    ctx->local_storage.clear();
+    for (auto& [key, v] : storage)
+        if (v.destructor) v.destructor(ctx, key, v.value);
     for (auto* m : ctx->modules) {
+        forget_library_module(m);
         for (auto& f : m->functions) s.handles.erase(f.second.get());
         s.handles.erase(m);
         delete m;
@@ -441,7 +447,7 @@ PHOS_EXPORT CUresult cuDeviceGetPCIBusId(char* bus_id, int len, CUdevice dev) {
 
 // -- primary contexts ------------------------------------------------------------------
 
-static CUctx_st* primary_of(CUdevice dev) {
+CUctx_st* phos::driver::primary_context_of(CUdevice dev) {
     State& s = state();
     CUctx_st*& p = s.primary[static_cast<size_t>(dev)];
     if (!p) {
@@ -458,7 +464,7 @@ PHOS_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext* pctx, CUdevice dev) {
     Guard g(state().lock);
     CUresult err = check_device(dev);
     if (err != CUDA_SUCCESS) return err;
-    CUctx_st* p = primary_of(dev);
+    CUctx_st* p = primary_context_of(dev);
     err = make_usable(p);
     if (err != CUDA_SUCCESS) return err;
     p->primary_refs++;
@@ -470,7 +476,7 @@ PHOS_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     Guard g(state().lock);
     CUresult err = check_device(dev);
     if (err != CUDA_SUCCESS) return err;
-    CUctx_st* p = primary_of(dev);
+    CUctx_st* p = primary_context_of(dev);
     if (p->primary_refs <= 0) return CUDA_ERROR_INVALID_CONTEXT;
     if (--p->primary_refs == 0 && p->live) close_context(p);
     return CUDA_SUCCESS;
@@ -480,7 +486,7 @@ PHOS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     Guard g(state().lock);
     CUresult err = check_device(dev);
     if (err != CUDA_SUCCESS) return err;
-    CUctx_st* p = primary_of(dev);
+    CUctx_st* p = primary_context_of(dev);
     if (p->live) close_context(p);
     return CUDA_SUCCESS;
 }
@@ -488,7 +494,7 @@ PHOS_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
 PHOS_EXPORT CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags) {
     Guard g(state().lock);
     CUresult err = check_device(dev);
-    if (err == CUDA_SUCCESS) primary_of(dev)->flags = flags;
+    if (err == CUDA_SUCCESS) primary_context_of(dev)->flags = flags;
     return err;
 }
 
@@ -497,7 +503,7 @@ PHOS_EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int* flag
     Guard g(state().lock);
     CUresult err = check_device(dev);
     if (err != CUDA_SUCCESS) return err;
-    CUctx_st* p = primary_of(dev);
+    CUctx_st* p = primary_context_of(dev);
     *flags = p->flags;
     *active = p->live ? 1 : 0;
     return CUDA_SUCCESS;
@@ -661,5 +667,68 @@ PHOS_EXPORT CUresult cuCtxGetCacheConfig(CUfunc_cache* config) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
     if (err == CUDA_SUCCESS) *config = static_cast<CUfunc_cache>(ctx->cache_config);
+    return err;
+}
+
+// -- limits: the values a context reports; the server's driver keeps its own defaults ------
+
+static size_t* limit_slot(CUctx_st* ctx, CUlimit limit) {
+    auto it = ctx->limits_set.find(limit);
+    if (it != ctx->limits_set.end()) return &it->second;
+    static const std::map<CUlimit, size_t> kDefaults = {
+        {CU_LIMIT_STACK_SIZE, 1024},
+        {CU_LIMIT_PRINTF_FIFO_SIZE, 1 << 20},
+        {CU_LIMIT_MALLOC_HEAP_SIZE, 8 << 20},
+        {CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH, 2},
+        {CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT, 2048},
+        {CU_LIMIT_MAX_L2_FETCH_GRANULARITY, 32},
+        {CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0},
+    };
+    auto d = kDefaults.find(limit);
+    if (d == kDefaults.end()) return nullptr;
+    return &ctx->limits_set.emplace(limit, d->second).first->second;
+}
+
+PHOS_EXPORT CUresult cuCtxGetLimit(size_t* value, CUlimit limit) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    size_t* slot = limit_slot(ctx, limit);
+    if (!slot) return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    *value = *slot;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    size_t* slot = limit_slot(ctx, limit);
+    if (!slot) return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    *slot = value;
+    return CUDA_SUCCESS;
+}
+
+// -- peers: each phos context sees its device alone ---------------------------------------
+
+PHOS_EXPORT CUresult cuDeviceCanAccessPeer(int* can, CUdevice dev, CUdevice peer) {
+    if (!can) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = check_device(dev);
+    if (err == CUDA_SUCCESS) err = check_device(peer);
+    if (err == CUDA_SUCCESS) *can = 0;
+    return err;
+}
+
+PHOS_EXPORT CUresult cuDeviceGetP2PAttribute(int* value, CUdevice_P2PAttribute, CUdevice src, CUdevice dst) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = check_device(src);
+    if (err == CUDA_SUCCESS) err = check_device(dst);
+    if (err == CUDA_SUCCESS && src == dst) err = CUDA_ERROR_INVALID_DEVICE;
+    if (err == CUDA_SUCCESS) *value = 0;
     return err;
 }

@@ -31,6 +31,8 @@ PHOS_EXPORT CUresult cuCtxCreate_v2(CUcontext* pctx, unsigned int flags, CUdevic
 PHOS_EXPORT CUresult cuCtxCreate_v3(CUcontext* pctx, CUexecAffinityParam* affinity, int count, unsigned int flags,
                                     CUdevice dev);
 PHOS_EXPORT CUresult cuFuncGetParamCount(CUfunction f, size_t* count);
+PHOS_EXPORT CUresult cuStreamGetCaptureInfo_v2(CUstream stream, CUstreamCaptureStatus* status, cuuint64_t* id,
+                                               CUgraph* graph, const CUgraphNode** deps, size_t* count);
 
 PHOS_EXPORT CUresult cuCtxCreate(CUcontext* pctx, unsigned int flags, CUdevice dev) { return cuCtxCreate_v2(pctx, flags, dev); }
 PHOS_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { return cuCtxDestroy_v2(ctx); }
@@ -98,6 +100,14 @@ PER_THREAD(cuStreamGetFlags_ptsz, cuStreamGetFlags, (CUstream st, unsigned* fl),
 PER_THREAD(cuStreamGetPriority_ptsz, cuStreamGetPriority, (CUstream st, int* p), (st, p))
 PER_THREAD(cuStreamGetCtx_ptsz, cuStreamGetCtx, (CUstream st, CUcontext* c), (st, c))
 PER_THREAD(cuStreamGetId_ptsz, cuStreamGetId, (CUstream st, unsigned long long* id), (st, id))
+PER_THREAD(cuStreamIsCapturing_ptsz, cuStreamIsCapturing, (CUstream st, CUstreamCaptureStatus* s), (st, s))
+PER_THREAD(cuStreamGetCaptureInfo_v3_ptsz, cuStreamGetCaptureInfo_v3,
+           (CUstream st, CUstreamCaptureStatus* s, cuuint64_t* id, CUgraph* g, const CUgraphNode** d,
+            const CUgraphEdgeData** e, size_t* n),
+           (st, s, id, g, d, e, n))
+PER_THREAD(cuStreamGetCaptureInfo_v2_ptsz, cuStreamGetCaptureInfo_v2,
+           (CUstream st, CUstreamCaptureStatus* s, cuuint64_t* id, CUgraph* g, const CUgraphNode** d, size_t* n),
+           (st, s, id, g, d, n))
 PER_THREAD(cuEventRecord_ptsz, cuEventRecord, (CUevent e, CUstream st), (e, st))
 PER_THREAD(cuEventRecordWithFlags_ptsz, cuEventRecordWithFlags, (CUevent e, CUstream st, unsigned fl), (e, st, fl))
 
@@ -192,6 +202,10 @@ CUresult lookup(const char* symbol, void** pfn, int version, cuuint64_t flags, C
         *pfn = unsupported_stub(symbol);    // known to CUDA, not to phos: fails loudly if called
         if (!*pfn) result = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
     }
+    if (result != CU_GET_PROC_ADDRESS_SUCCESS)
+        log_verbose("cuGetProcAddress: %s (version %d, flags %llu) not found", symbol, version, (unsigned long long)flags);
+    else if (!best)
+        log_verbose("cuGetProcAddress: %s (version %d) is unsupported", symbol, version);
     // NVIDIA's driver (580, on the H200) answers a missing name with CUDA_SUCCESS when the
     // caller asked for the status, which then says why; without a status, NOT_FOUND.
     if (status) {
@@ -209,18 +223,6 @@ PHOS_EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int ver
 
 PHOS_EXPORT CUresult cuGetProcAddress(const char* symbol, void** pfn, int version, cuuint64_t flags) {
     return lookup(symbol, pfn, version, flags, nullptr);
-}
-
-// NVIDIA's runtime asks its driver for private tables; phos replaces that runtime too.
-PHOS_EXPORT CUresult cuGetExportTable(const void** table, const CUuuid*) {
-    static bool said = false;
-    if (!said) {
-        said = true;
-        log_error("unsupported CUDA call cuGetExportTable (only NVIDIA's own libcudart asks for it; "
-                  "run with phos/stub first on LD_LIBRARY_PATH so that phos's libcudart is used)");
-    }
-    if (table) *table = nullptr;
-    return CUDA_ERROR_NOT_SUPPORTED;
 }
 
 extern "C" int phos_unsupported_call(const char* name, std::atomic<bool>* said) {

@@ -370,7 +370,8 @@ static CUresult pointer_attribute(void* data, CUpointer_attribute attribute, CUd
         *static_cast<unsigned*>(data) = dev ? CU_MEMORYTYPE_DEVICE : CU_MEMORYTYPE_HOST;
         return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_DEVICE_POINTER:
-        if (!dev) return CUDA_ERROR_NOT_SUPPORTED;   // host memory is not mapped into a remote device
+        // Pinned host memory answers with its own address, as under unified addressing on a
+        // GPU; the device it is remoted to cannot read it there (see README, pinned memory).
         *static_cast<CUdeviceptr*>(data) = ptr;
         return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_HOST_POINTER:
@@ -384,8 +385,17 @@ static CUresult pointer_attribute(void* data, CUpointer_attribute attribute, CUd
         return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *static_cast<size_t*>(data) = dev ? dev->size : host->size; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_MAPPED: *static_cast<int*>(data) = 1; return CUDA_SUCCESS;
-    case CU_POINTER_ATTRIBUTE_BUFFER_ID: *static_cast<unsigned long long*>(data) = dev ? dbase : hbase; return CUDA_SUCCESS;
-    default: return CUDA_ERROR_NOT_SUPPORTED;
+    case CU_POINTER_ATTRIBUTE_BUFFER_ID:
+    case CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID:
+    case CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR:
+        *static_cast<unsigned long long*>(data) = dev ? dbase : hbase;
+        return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_MAPPING_SIZE: *static_cast<size_t*>(data) = dev ? dev->size : host->size; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_SYNC_MEMOPS: *static_cast<int*>(data) = 0; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_ACCESS_FLAGS: *static_cast<unsigned*>(data) = CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_P2P_TOKENS: return CUDA_ERROR_NOT_SUPPORTED;
+    case CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE: *static_cast<void**>(data) = nullptr; return CUDA_SUCCESS;
+    default: *static_cast<unsigned*>(data) = 0; return CUDA_SUCCESS;   // capabilities phos does not offer
     }
 }
 

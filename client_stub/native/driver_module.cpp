@@ -38,7 +38,7 @@ static size_t elf_size(const uint8_t* p) {
 
 // The bytes of a module image handed to cuModuleLoadData and friends: a fatbin, a fatbin
 // wrapper (what __cudaRegisterFatBinary gets), a cubin, or NUL-terminated PTX text.
-static bool image_bytes(const void* image, const void** data, size_t* size) {
+bool image_bytes(const void* image, const void** data, size_t* size) {
     const auto* p = static_cast<const uint8_t*>(image);
     uint32_t magic;
     std::memcpy(&magic, p, 4);
@@ -133,7 +133,7 @@ static CUresult launch(CUfunction f, const unsigned grid[3], const unsigned bloc
                        CUstream stream, void** kernel_params, void** extra) {
     CUresult err = require_init();
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    if ((err = resolve_function(f, &f)) != CUDA_SUCCESS) return err;
     CUctx_st* ctx = f->ctx;
     uint64_t sid = 0;
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
@@ -150,7 +150,8 @@ constexpr int kAssumedRegistersPerThread = 32;
 
 static CUresult occupancy(int* blocks, CUfunction f, int block_size, size_t dynamic_shared) {
     if (!blocks || block_size <= 0) return CUDA_ERROR_INVALID_VALUE;
-    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    CUresult err = resolve_function(f, &f);
+    if (err != CUDA_SUCCESS) return err;
     int dev = f->ctx->device;
     int warp = 32, threads_sm = 2048, blocks_sm = 32, shared_sm = 228 << 10, regs_sm = 65536;
     device_attribute(dev, CU_DEVICE_ATTRIBUTE_WARP_SIZE, &warp);
@@ -228,6 +229,7 @@ PHOS_EXPORT CUresult cuModuleUnload(CUmodule module) {
     if (err != CUDA_SUCCESS) return err;
     if (!is_handle(module, HandleKind::module)) return CUDA_ERROR_INVALID_HANDLE;
     module->ctx->conn->post(wire::Call::with_id(wire::Kind::moduleUnload, module->id));
+    forget_library_module(module);
     for (auto& f : module->functions) s.handles.erase(f.second.get());
     module->ctx->modules.erase(module);
     s.handles.erase(module);
@@ -317,7 +319,8 @@ PHOS_EXPORT CUresult cuFuncGetModule(CUmodule* module, CUfunction f) {
 PHOS_EXPORT CUresult cuFuncGetAttribute(int* value, CUfunction_attribute attribute, CUfunction f) {
     if (!value) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    if (!is_handle(f, HandleKind::function)) return CUDA_ERROR_INVALID_HANDLE;
+    CUresult err = resolve_function(f, &f);
+    if (err != CUDA_SUCCESS) return err;
     const int dev = f->ctx->device;
     int major = 9, minor = 0;
     switch (attribute) {
@@ -333,8 +336,14 @@ PHOS_EXPORT CUresult cuFuncGetAttribute(int* value, CUfunction_attribute attribu
         device_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, &minor);
         *value = major * 10 + minor;
         break;
-    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *value = 48 << 10; break;   // the default opt-in
-    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *value = -1; break;
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *value = f->max_dynamic_shared; break;
+    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *value = f->shared_carveout; break;
+    case CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH:
+    case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED:
+    case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE: *value = 0; break;
     default:
         log_error("cuFuncGetAttribute: attribute %d is not supported", static_cast<int>(attribute));
         return CUDA_ERROR_NOT_SUPPORTED;
@@ -344,7 +353,31 @@ PHOS_EXPORT CUresult cuFuncGetAttribute(int* value, CUfunction_attribute attribu
 
 PHOS_EXPORT CUresult cuFuncSetCacheConfig(CUfunction f, CUfunc_cache) {
     Guard g(state().lock);
-    return is_handle(f, HandleKind::function) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;   // a hint
+    return resolve_function(f, &f);   // a hint
+}
+
+// The dynamic shared memory opt-in is checked here at launch; the server's driver is given
+// the same opt-in by the worker when a launch needs it.
+PHOS_EXPORT CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute attribute, int value) {
+    Guard g(state().lock);
+    CUresult err = resolve_function(f, &f);
+    if (err != CUDA_SUCCESS) return err;
+    switch (attribute) {
+    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+        if (value < 0 || value > f->ctx->limits.max_shared_optin) return CUDA_ERROR_INVALID_VALUE;
+        f->max_dynamic_shared = value;
+        return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT:
+        if (value < -1 || value > 100) return CUDA_ERROR_INVALID_VALUE;
+        f->shared_carveout = value;
+        return CUDA_SUCCESS;
+    case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED:
+    case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE:
+        return CUDA_SUCCESS;    // scheduling hints
+    default:
+        log_error("cuFuncSetAttribute: attribute %d is not supported", static_cast<int>(attribute));
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
 }
 
 PHOS_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
@@ -377,4 +410,12 @@ PHOS_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* b
                                                                           size_t dynamic_shared, unsigned int) {
     Guard g(state().lock);
     return occupancy(blocks, f, block_size, dynamic_shared);
+}
+
+// phos loads every module whole when it is asked to: NVIDIA's runtime then loads its
+// kernels through cuModuleLoadData rather than the lazy cuLibrary path.
+PHOS_EXPORT CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode* mode) {
+    if (!mode) return CUDA_ERROR_INVALID_VALUE;
+    *mode = CU_MODULE_EAGER_LOADING;
+    return CUDA_SUCCESS;
 }

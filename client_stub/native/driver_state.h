@@ -32,6 +32,14 @@ struct DeviceLimits {
     int max_shared_optin = 48 << 10;
 };
 
+// Context-local storage (cuGetExportTable): the runtime's per-context state, whose
+// destructor runs when the context goes.
+using LocalStorageDestructor = void (*)(CUcontext ctx, void* key, void* value);
+struct LocalValue {
+    void* value = nullptr;
+    LocalStorageDestructor destructor = nullptr;
+};
+
 struct CUctx_st {
     uint64_t uid = 0;             // unique in the process, new each time the context is (re)opened
     uint64_t server_id = 0;       // the front end's ctx id
@@ -46,6 +54,8 @@ struct CUctx_st {
     std::unordered_set<CUmod_st*> modules;
     std::unordered_set<CUstream_st*> streams;
     std::unordered_set<CUevent_st*> events;
+    std::map<void*, LocalValue> local_storage;
+    std::map<CUlimit, size_t> limits_set;     // cuCtxSetLimit / GetLimit, as the context reports them
 };
 
 struct CUfunc_st {
@@ -55,12 +65,29 @@ struct CUfunc_st {
     std::string name;
     std::vector<phos::wire::ParamInfo> params;
     size_t params_size = 0;       // bytes of the packed parameter buffer
+    int max_dynamic_shared = 48 << 10;   // cuFuncSetAttribute's opt-in
+    int shared_carveout = -1;
 };
 
 struct CUmod_st {
     CUctx_st* ctx = nullptr;
+    CUlib_st* library = nullptr;  // the library it was loaded for, if any
     uint64_t id = 0;
     std::map<std::string, std::unique_ptr<CUfunc_st>> functions;   // by name: asked once
+};
+
+// A library (cuLibraryLoadData) belongs to no context: it becomes a module in each
+// context on first use, so the many fatbins a program registers cost nothing until one
+// of their kernels runs.
+struct CUlib_st {
+    std::string image;                                  // copied: the caller may free its buffer
+    std::map<CUctx_st*, CUmod_st*> modules;
+    std::map<std::string, std::unique_ptr<CUkern_st>> kernels;
+};
+
+struct CUkern_st {
+    CUlib_st* library = nullptr;
+    std::string name;
 };
 
 struct CUstream_st {
@@ -78,7 +105,7 @@ struct CUevent_st {
 
 namespace phos::driver {
 
-enum class HandleKind : uint8_t { context, module, function, stream, event };
+enum class HandleKind : uint8_t { context, module, function, stream, event, library, kernel };
 
 struct DeviceRange {           // a device allocation or a module global
     size_t size = 0;
@@ -127,6 +154,14 @@ CUresult make_usable(CUctx_st* ctx);
 CUresult open_context(CUctx_st* ctx);
 void close_context(CUctx_st* ctx);
 
+// The bytes of a module image: a fatbin, a fatbin wrapper, a cubin or PTX text.
+bool image_bytes(const void* image, const void** data, size_t* size);
+// A function handle as launches and attribute calls take it: a CUfunction, or a CUkernel
+// resolved in the current context (the driver accepts either).
+CUresult resolve_function(CUfunction f, CUfunc_st** out);
+// Forgets a module of a library's (its context is going, or it is unloaded).
+void forget_library_module(CUmod_st* m);
+
 // Runs a synchronous call on a context; reports failures the way the stub's policy says.
 CUresult context_call(CUctx_st* ctx, wire::Call call, wire::Result* result = nullptr,
                       const HostDestination* out = nullptr);
@@ -135,6 +170,8 @@ CUresult status_of(const wire::Result& r, wire::Kind kind);
 
 CUresult device_attribute(int device, int attribute, int* value);
 CUresult check_device(CUdevice dev);
+// A device's primary context, made on first use; neither retained nor opened.
+CUctx_st* primary_context_of(CUdevice dev);
 
 // Stream handle -> server stream id on ctx (the NULL, legacy and per-thread streams are 0).
 CUresult stream_id(CUstream stream, CUctx_st* ctx, uint64_t* id);

@@ -226,3 +226,51 @@ PHOS_EXPORT CUresult cuEventDestroy_v2(CUevent event) {
     delete event;
     return CUDA_SUCCESS;
 }
+
+// -- stream capture: phos records no graphs, so no stream is ever capturing ---------------
+// Frameworks ask before every allocation and many launches whether they are inside a
+// capture; these answer at once, without the server.
+
+static CUresult check_stream(CUstream stream) {
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) return CUDA_SUCCESS;
+    return is_handle(stream, HandleKind::stream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+PHOS_EXPORT CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status) {
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = check_stream(stream);
+    if (err == CUDA_SUCCESS) *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    return err;
+}
+
+PHOS_EXPORT CUresult cuStreamGetCaptureInfo_v3(CUstream stream, CUstreamCaptureStatus* status, cuuint64_t* id,
+                                               CUgraph* graph, const CUgraphNode** deps, const CUgraphEdgeData** edges,
+                                               size_t* count) {
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = check_stream(stream);
+    if (err != CUDA_SUCCESS) return err;
+    *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (id) *id = 0;
+    if (graph) *graph = nullptr;
+    if (deps) *deps = nullptr;
+    if (edges) *edges = nullptr;
+    if (count) *count = 0;
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuStreamGetCaptureInfo_v2(CUstream stream, CUstreamCaptureStatus* status, cuuint64_t* id,
+                                               CUgraph* graph, const CUgraphNode** deps, size_t* count) {
+    return cuStreamGetCaptureInfo_v3(stream, status, id, graph, deps, nullptr, count);
+}
+
+// The calling thread's capture mode: kept, so a framework that swaps it gets it back.
+PHOS_EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode) {
+    if (!mode) return CUDA_ERROR_INVALID_VALUE;
+    thread_local CUstreamCaptureMode current = CU_STREAM_CAPTURE_MODE_GLOBAL;
+    std::swap(current, *mode);
+    return CUDA_SUCCESS;
+}

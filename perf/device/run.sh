@@ -14,7 +14,9 @@
 # batch (perf/probe_batch_copies.py: a checkpoint's copies, one driver call a batch or one a copy),
 # handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py; handoff-bench: the last alone),
 # bench (the other perf/* benchmarks),
-# locust (perf/locustfile.py, 5 minutes).
+# locust (perf/locustfile.py, 5 minutes),
+# torch (perf/torch_ladder.py natively, then through phos's libcuda.so.1 under NVIDIA's own runtime;
+# PHOS_TORCH_STEPS picks steps, PHOS_TORCH_TRAIN_STEPS the training steps).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
 mkdir -p "$OUT"
@@ -107,6 +109,23 @@ PY
         python3 -m locust -f "$PWD/perf/locustfile.py" --headless -u 64 -r 4 -t "${PHOS_LOCUST_TIME:-5m}" --stop-timeout 30 \
         --csv "$OUT/locust" --only-summary
     kill "$locust_server"; wait "$locust_server"
+fi
+if want torch; then
+    # what the real driver exports and which of phos's export tables it has
+    nm -D --defined-only "$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')" > "$OUT/libcuda-exports.txt" 2>&1
+    gcc -I"${CUDA_HOME:-/usr/local/cuda}/include" perf/probe_export_tables.c -o /tmp/probe_export_tables -ldl &&
+        step probe-export-tables /tmp/probe_export_tables
+    step stub-apps-nvidia-runtime env PHOS_APPS_RUNTIME=nvidia sh tests/apps/run_native_vs_stub.sh
+    rm -rf /tmp/phos-torch && mkdir -p /tmp/phos-torch
+    python3 -m phos.cli server --backend cuda --listen ipc:///tmp/phos-torch/phos.sock > "$OUT/torch-server.log" 2>&1 &
+    torch_server=$!
+    for _ in $(seq 300); do grep -q "listening on" "$OUT/torch-server.log" && break; sleep 0.2; done
+    ladder="python3 perf/torch_ladder.py --steps ${PHOS_TORCH_STEPS:-tensors,matmul,conv,autocast,cnn,transformer,graph,compile,expandable} --train-steps ${PHOS_TORCH_TRAIN_STEPS:-200}"
+    step torch-native $ladder --json "$OUT/torch-native.json"
+    step torch-phos env LD_LIBRARY_PATH="$PWD/phos/stub" PHOS_SERVER=ipc:///tmp/phos-torch/phos.sock PHOS_VERBOSE=1 \
+        timeout "${PHOS_TORCH_TIMEOUT:-300}" $ladder --json "$OUT/torch-phos.json"
+    step torch-compare python3 perf/torch_ladder.py --compare "$OUT/torch-native.json" "$OUT/torch-phos.json"
+    kill "$torch_server"; wait "$torch_server"
 fi
 if want bench; then
     step transport-floor python3 perf/transport_floor.py
