@@ -75,31 +75,6 @@ _cuEventQuery = _driver_call("cuEventQuery", _P)
 _cuStreamQuery = _driver_call("cuStreamQuery", _P)     # a synchronize polls it while a checkpoint runs
 
 
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
-                ("flags", ctypes.c_uint)]
-
-
-# A checkpoint's batch is 64 chunk copies to as many store slots, and a restore's more: one
-# driver call for them all (CUDA 12.8+), in stream order behind what the stream did before.
-# Off until perf/probe_batch_copies.py has run on the H200 (PHOS_BATCH_COPIES=1 turns it on).
-def _batch_call():
-    try:
-        return _driver_call("cuMemcpyBatchAsync_v2", _P, _P, _P, _N, _P, _P, _N, _P)
-    except AttributeError:             # an older driver: a call a copy
-        return None
-
-
-_cuMemcpyBatchAsync = _batch_call() if os.environ.get("PHOS_BATCH_COPIES") == "1" else None
-_IN_STREAM_ORDER = _MemcpyAttributes(srcAccessOrder=1)      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, for every copy:
-_FIRST_COPY = (_N * 1)(0)                                      # the attributes from the first copy on
-_BATCH_ATTRS = (ctypes.addressof(_IN_STREAM_ORDER), ctypes.addressof(_FIRST_COPY), 1)
-
-
 def _check(err, what):
     """Raise CudaError for a failed ctypes driver call."""
     if err:
@@ -464,19 +439,8 @@ def _runs(chunks, offsets):
 
 
 def _copies(one, dsts, srcs, sizes, stream, what):
-    """Enqueue copies on stream: one(dst, src, size, stream) each (a cuMemcpy*Async), or one
-    batch call for them all."""
-    global _cuMemcpyBatchAsync
+    """Enqueue copies on stream: one(dst, src, size, stream) each (a cuMemcpy*Async)."""
     dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
-    if len(sizes) > 1 and _cuMemcpyBatchAsync is not None:
-        err = _cuMemcpyBatchAsync(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes), *_BATCH_ATTRS, stream)
-        if err not in (CUresult.CUDA_ERROR_INVALID_VALUE, CUresult.CUDA_ERROR_NOT_SUPPORTED):
-            _check(err, what)
-            return
-        # a driver or device without it: a call a copy from now on (copying twice is harmless),
-        # and one that fails alone names its copy
-        log.warning("cuMemcpyBatchAsync failed (%s): copies go one call each", _error_string(err))
-        _cuMemcpyBatchAsync = None
     for dst, src, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
         _check(one(dst, src, n, stream), what)
 
