@@ -17,7 +17,7 @@ from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.snapshot.engine import BATCH_BYTES, URGENT_BATCH_BYTES
+from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES
 
 log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
@@ -99,7 +99,9 @@ def _init():
 
 
 class CudaBackend:
+    """The Backend (gpu_server/backend.py) of a real GPU."""
     name = "cuda"
+    pins_host_memory = True      # unpinned host memory copies slowly, and pinning takes ~280 ms per GiB
 
     @staticmethod
     def devices():
@@ -463,7 +465,7 @@ def _pinned(nbytes):
 
 
 class CudaSnapshotOps:
-    """The snapshot engine's device operations (snapshot/engine.py) on a real GPU.
+    """The snapshot engine's device operations (SnapshotOps, snapshot/ops.py) on a real GPU.
 
     Copies run on two streams of our own that never block the application's: `bulk` for
     the background copy, `urgent` (highest priority) for copy-on-write saves. The cut
@@ -589,14 +591,15 @@ class CudaSnapshotOps:
                 self._table(f"{key}{n}", 1024)
         self._table("cut", CUT_TABLE)       # a larger cut would pin a table of its own, the application held
 
-    def pin(self, memory, piece):
+    def pin(self, memory, slot_bytes):
         """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in
-        pieces of whole slots: one copy runs pinned only within one registration. A pre-started
-        worker does it before any application uses it: pinning costs ~280 ms per GiB of a fresh
-        store's pages (perf/RESULTS.md). Small pieces, a moment apart: pinning and unpinning
+        pieces of whole slots of slot_bytes, about STORE_PIN_PIECE each: one copy runs pinned
+        only within one registration. A pre-started worker does it before any application uses
+        it: pinning costs ~280 ms per GiB of a fresh store's pages (perf/RESULTS.md). Small pieces, a moment apart: pinning and unpinning
         hold a driver lock that all processes on the GPU share (see CudaBackend.close), ~18 ms
         per 64 MiB of fresh pages. Returns False (logged) if it could not."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        piece = slot_bytes * max(1, STORE_PIN_PIECE // slot_bytes)
         start, done = memory.ctypes.data, []
         for off in range(0, memory.nbytes, piece):
             n = min(piece, memory.nbytes - off)
@@ -654,8 +657,8 @@ class CudaSnapshotOps:
         return buffers
 
     def read(self, batches, urgent=False):
-        """Copy batches of chunks to the host (snapshot/engine.py has the contract). Each batch
-        is copied on the device into a buffer of ours first, hashed there and sent to the host
+        """Copy batches of chunks to the host (snapshot/ops.py, SnapshotOps.read, has the contract).
+        Each batch is copied on the device into a buffer of ours first, hashed there and sent to the host
         from there: the fingerprint is that of the bytes handed on even if the application
         writes a chunk meanwhile, and the hash reads device memory, not the host copy (which
         held the copies to ~9.6 GB/s on the H200). Two batches are under way at a time, in
