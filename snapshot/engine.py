@@ -39,9 +39,9 @@ import numpy as np
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, chunk_payload,
-                                 read_chunk, read_chunk_into, read_image, read_latest_image)
+                                 encode_delta, read_chunk, read_chunk_into, read_image, read_latest_image, validate_delta)
 from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTES
-from phos.snapshot.store import all_keys, keys_of
+from phos.snapshot.store import keys_of
 
 log = logging.getLogger("phos.snapshot")
 ASK_AT_ONCE = 256                # chunks a checkpoint's step asks the store about
@@ -699,16 +699,12 @@ def image_delta(m, changes=None):
     the caller knows them; else every chunk is listed. JSON-ready."""
     if changes is None:
         changes = [[e["address"], j, k] for e in list(m.allocations) + list(m.globals) for j, k in enumerate(e["chunks"])]
-    return {"format": DELTA_FORMAT, "name": m.name, "parent": m.parent, "cut_seq": m.cut_seq, "objects": objects_digest(m),
-            "next_id": m.session["next_id"], "error": m.error, "changes": changes}
+    return encode_delta(m.name, m.parent, m.cut_seq, objects_digest(m), m.session["next_id"], m.error, changes)
 
 
 def objects_digest(m):
     """A digest of same_objects(m): a delta names the objects of its image by it."""
     return hashlib.blake2b(repr(same_objects(m)).encode(), digest_size=16).hexdigest()
-
-
-DELTA_FORMAT = "phos-delta-2"
 
 
 class Restore(ChunkJob):
@@ -858,27 +854,15 @@ class Restore(ChunkJob):
         return cut_seq
 
     def check_delta(self, name, d):
-        """Refuse a malformed delta, or one of another image than ours; returns its objects' digest."""
-        def bad(why):
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"delta of image {name!r}: {why}")
-        if not isinstance(d, dict) or d.get("format") != DELTA_FORMAT or d.get("name") != name:
-            bad(f"not a {DELTA_FORMAT} delta of that image")
+        """Refuse a malformed delta (image.validate_delta), or one of another image than ours;
+        returns its objects' digest."""
+        try:
+            validate_delta(d, name)
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
         if d.get("parent") != self.name:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"delta of image {name!r}: it moves on from image "
                             f"{d.get('parent')!r}, this restore holds {self.name!r}")
-        for field in ("cut_seq", "next_id"):
-            if not isinstance(d.get(field), int) or isinstance(d[field], bool) or not 0 <= d[field] < 1 << 64:
-                bad(f"{field} is not a count")
-        error = d.get("error")
-        if not isinstance(error, dict) or not isinstance(error.get("status"), int) or not isinstance(error.get("message"), str):
-            bad("error is not {status, message}")
-        changes = d.get("changes")
-        if not isinstance(changes, list) or not all(
-                isinstance(c, list) and len(c) == 3 and type(c[0]) is int and type(c[1]) is int for c in changes) \
-                or not all_keys([c[2] for c in changes]):
-            bad("changes are not [region address, chunk index, chunk key] triples")
-        if not isinstance(d.get("objects"), str):
-            bad("it names no objects")
         return d["objects"]
 
     def chunk_keys(self):
