@@ -5,6 +5,9 @@ worker checks handles and pointers before it calls a backend, so backends trust
 their arguments except for what only the device can know (kernel accesses).
 """
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from phos.snapshot.ops import SnapshotOps
 
 
 @dataclass
@@ -30,6 +33,129 @@ class Function:
     def param_bytes(self):
         """Size of the packed parameter buffer a launch must send."""
         return max((off + size for off, size in self.params), default=0)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a context worker and the snapshot engine need of a device; EmuBackend
+    (gpu_server/emu.py) and CudaBackend (gpu_server/cuda.py) implement it, and
+    tests/test_interfaces.py checks that they declare every member with its parameters.
+    Addresses are device addresses inside `space`; streams and events are the backend's own
+    objects (the worker maps handles to them); `stream` None is the default stream."""
+
+    name: str
+    """The backend's name, as `--backend` gives it and an image records it."""
+
+    pins_host_memory: bool
+    """Whether host memory must be pinned for the device to copy it at full speed, and
+    pinning is slow: a pre-started worker then prepares its snapshot copy buffers and pins
+    a host store before it is handed out (snap.prepare, snap.pin)."""
+
+    space: object
+    """The context's AddressSpace (gpu_server/address_space.py): its allocations."""
+
+    @property
+    def snap(self) -> SnapshotOps:
+        """The snapshot engine's device operations (snapshot/ops.py)."""
+
+    @staticmethod
+    def devices() -> list:
+        """A DeviceInfo for each device this backend can open, by ordinal."""
+
+    @staticmethod
+    def driver_version() -> int:
+        """The CUDA driver version it serves, as cuDriverGetVersion gives it."""
+
+    def device_info(self) -> DeviceInfo:
+        """The DeviceInfo of the device this context runs on."""
+
+    def alloc(self, nbytes, at=None) -> int:
+        """Allocate nbytes of device memory (at that address, for a restore); its address."""
+
+    def free(self, ptr) -> None:
+        """Free the allocation at ptr."""
+
+    def mem_info(self) -> tuple:
+        """(free, total) bytes of device memory."""
+
+    def htod(self, dst, data, stream) -> None:
+        """Copy a host buffer to device address dst, in order on stream."""
+
+    def dtoh(self, src, out, stream) -> None:
+        """Copy len(out) bytes from device address src into the host buffer out; done on return."""
+
+    def register_host(self, buf) -> None:
+        """A host buffer the worker copies through often (the client's staging area): the
+        backend may pin it."""
+
+    def dtod(self, dst, src, nbytes, stream) -> None:
+        """Copy nbytes from device address src to dst, in order on stream."""
+
+    def memset(self, dst, value, elem_size, count, stream) -> None:
+        """Set count elements of elem_size bytes (1, 2 or 4) at dst to value."""
+
+    def load_module(self, image):
+        """Load a module (PTX, cubin or fatbin bytes); the backend's module object."""
+
+    def unload_module(self, module) -> None:
+        """Unload a module and free its globals."""
+
+    def module_globals(self, module) -> list:
+        """[(name, device address, size)] of a module's globals."""
+
+    def get_function(self, module, name) -> Function:
+        """The kernel called name in module, as a Function; CudaError if there is none."""
+
+    def get_global(self, module, name) -> tuple:
+        """(device address, size) of the global called name in module; CudaError if none."""
+
+    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:
+        """Launch a kernel with its packed parameter buffer, in order on stream."""
+
+    def take_output(self) -> str:
+        """What kernels printed since the last call (printf), and forget it."""
+
+    def stream_create(self, flags, priority):
+        """A new stream."""
+
+    def stream_destroy(self, stream) -> None:
+        """Destroy a stream once its work is done."""
+
+    def stream_sync(self, stream) -> None:
+        """Wait for the stream's work."""
+
+    def stream_query(self, stream) -> bool:
+        """Whether the stream's work is done."""
+
+    def stream_wait_event(self, stream, event) -> None:
+        """Make the stream's later work wait for the event."""
+
+    def event_create(self, flags):
+        """A new event."""
+
+    def event_record(self, event, stream) -> None:
+        """Record the event on stream."""
+
+    def event_sync(self, event) -> None:
+        """Wait for the event."""
+
+    def event_query(self, event) -> bool:
+        """Whether the event has happened."""
+
+    def event_elapsed(self, start, end) -> float:
+        """Milliseconds between two recorded events."""
+
+    def event_destroy(self, event) -> None:
+        """Destroy an event."""
+
+    def synchronize(self) -> None:
+        """Wait for the application's work (not a snapshot's background copy)."""
+
+    def idle(self) -> bool:
+        """Whether the application's work is done (what synchronize waits for)."""
+
+    def close(self) -> None:
+        """Free the context's device memory and everything else it holds."""
 
 
 def load_backend(name):

@@ -17,7 +17,7 @@ from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.snapshot.engine import BATCH_BYTES, URGENT_BATCH_BYTES
+from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES
 
 log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
@@ -76,31 +76,6 @@ _cuEventQuery = _driver_call("cuEventQuery", _P)
 _cuStreamQuery = _driver_call("cuStreamQuery", _P)     # a synchronize polls it while a checkpoint runs
 
 
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
-                ("flags", ctypes.c_uint)]
-
-
-# A checkpoint's batch is 64 chunk copies to as many store slots, and a restore's more: one
-# driver call for them all (CUDA 12.8+), in stream order behind what the stream did before.
-# Off until perf/probe_batch_copies.py has run on the H200 (PHOS_BATCH_COPIES=1 turns it on).
-def _batch_call():
-    try:
-        return _driver_call("cuMemcpyBatchAsync_v2", _P, _P, _P, _N, _P, _P, _N, _P)
-    except AttributeError:             # an older driver: a call a copy
-        return None
-
-
-_cuMemcpyBatchAsync = _batch_call() if os.environ.get("PHOS_BATCH_COPIES") == "1" else None
-_IN_STREAM_ORDER = _MemcpyAttributes(srcAccessOrder=1)      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, for every copy:
-_FIRST_COPY = (_N * 1)(0)                                      # the attributes from the first copy on
-_BATCH_ATTRS = (ctypes.addressof(_IN_STREAM_ORDER), ctypes.addressof(_FIRST_COPY), 1)
-
-
 def _check(err, what):
     """Raise CudaError for a failed ctypes driver call."""
     if err:
@@ -125,7 +100,9 @@ def _init():
 
 
 class CudaBackend:
+    """The Backend (gpu_server/backend.py) of a real GPU."""
     name = "cuda"
+    pins_host_memory = True      # unpinned host memory copies slowly, and pinning takes ~280 ms per GiB
 
     @staticmethod
     def devices():
@@ -470,19 +447,8 @@ def _runs(chunks, offsets):
 
 
 def _copies(one, dsts, srcs, sizes, stream, what):
-    """Enqueue copies on stream: one(dst, src, size, stream) each (a cuMemcpy*Async), or one
-    batch call for them all."""
-    global _cuMemcpyBatchAsync
+    """Enqueue copies on stream: one(dst, src, size, stream) each (a cuMemcpy*Async)."""
     dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
-    if len(sizes) > 1 and _cuMemcpyBatchAsync is not None:
-        err = _cuMemcpyBatchAsync(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes), *_BATCH_ATTRS, stream)
-        if err not in (CUresult.CUDA_ERROR_INVALID_VALUE, CUresult.CUDA_ERROR_NOT_SUPPORTED):
-            _check(err, what)
-            return
-        # a driver or device without it: a call a copy from now on (copying twice is harmless),
-        # and one that fails alone names its copy
-        log.warning("cuMemcpyBatchAsync failed (%s): copies go one call each", _error_string(err))
-        _cuMemcpyBatchAsync = None
     for dst, src, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
         _check(one(dst, src, n, stream), what)
 
@@ -505,7 +471,7 @@ def _pinned(nbytes):
 
 
 class CudaSnapshotOps:
-    """The snapshot engine's device operations (snapshot/engine.py) on a real GPU.
+    """The snapshot engine's device operations (SnapshotOps, snapshot/ops.py) on a real GPU.
 
     Copies run on two streams of our own that never block the application's: `bulk` for
     the background copy, `urgent` (highest priority) for copy-on-write saves. The cut
@@ -631,14 +597,15 @@ class CudaSnapshotOps:
                 self._table(f"{key}{n}", 1024)
         self._table("cut", CUT_TABLE)       # a larger cut would pin a table of its own, the application held
 
-    def pin(self, memory, piece):
+    def pin(self, memory, slot_bytes):
         """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in
-        pieces of whole slots: one copy runs pinned only within one registration. A pre-started
-        worker does it before any application uses it: pinning costs ~280 ms per GiB of a fresh
-        store's pages (perf/RESULTS.md). Small pieces, a moment apart: pinning and unpinning
+        pieces of whole slots of slot_bytes, about STORE_PIN_PIECE each: one copy runs pinned
+        only within one registration. A pre-started worker does it before any application uses
+        it: pinning costs ~280 ms per GiB of a fresh store's pages (perf/RESULTS.md). Small pieces, a moment apart: pinning and unpinning
         hold a driver lock that all processes on the GPU share (see CudaBackend.close), ~18 ms
         per 64 MiB of fresh pages. Returns False (logged) if it could not."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        piece = slot_bytes * max(1, STORE_PIN_PIECE // slot_bytes)
         start, done = memory.ctypes.data, []
         for off in range(0, memory.nbytes, piece):
             n = min(piece, memory.nbytes - off)
@@ -696,8 +663,8 @@ class CudaSnapshotOps:
         return buffers
 
     def read(self, batches, urgent=False):
-        """Copy batches of chunks to the host (snapshot/engine.py has the contract). Each batch
-        is copied on the device into a buffer of ours first, hashed there and sent to the host
+        """Copy batches of chunks to the host (snapshot/ops.py, SnapshotOps.read, has the contract).
+        Each batch is copied on the device into a buffer of ours first, hashed there and sent to the host
         from there: the fingerprint is that of the bytes handed on even if the application
         writes a chunk meanwhile, and the hash reads device memory, not the host copy (which
         held the copies to ~9.6 GB/s on the H200). Two batches are under way at a time, in

@@ -20,7 +20,9 @@ EMU_MEMORY = int(os.environ.get("PHOS_EMU_MEMORY", 16 * GiB))
 
 
 class EmuBackend:
+    """The Backend (gpu_server/backend.py) of an emulated device."""
     name = "emu"
+    pins_host_memory = False     # the CPU reads any host memory as it is
 
     @staticmethod
     def devices():
@@ -156,7 +158,7 @@ class EmuBackend:
 
 
 class EmuSnapshotOps:
-    """The snapshot engine's device operations (snapshot/engine.py): NumPy on the arena."""
+    """The snapshot engine's device operations (SnapshotOps, snapshot/ops.py): NumPy on the arena."""
 
     def __init__(self, mem):
         self.mem = mem
@@ -170,6 +172,12 @@ class EmuSnapshotOps:
 
     def maps(self, host):
         return True             # no copy engines: any host memory will do
+
+    def pin(self, memory, slot_bytes):
+        return True             # nothing to pin (maps() takes it as it is)
+
+    def prepare(self):
+        pass                    # nothing made ahead
 
     def read(self, batches, urgent=False):
         for chunks, into, tag in batches:

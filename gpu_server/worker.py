@@ -56,7 +56,9 @@ BOX = object()            # the "peer" of a request that came through the shared
 
 
 class Session:
-    """One context's state: backend, virtual handles, error state."""
+    """One context's state: backend, virtual handles, error state. The snapshot engine sees
+    it as a SnapshotSession (snapshot/ops.py): through handle, reach_global and the methods
+    after drop."""
 
     def __init__(self, backend, ctx_id, token):
         self.backend, self.space = backend, backend.space
@@ -154,6 +156,27 @@ class Session:
     def drop(self, hid):
         self.objects.pop(hid, None)
         self.meta.pop(hid, None)
+
+    # -- SnapshotSession (snapshot/ops.py): what the snapshot engine reads and changes
+    def listing(self):
+        return [(hid, kind, obj, self.meta.get(hid, {})) for hid, (kind, obj) in sorted(self.objects.items())]
+
+    def note(self, hid, facts):
+        self.meta.setdefault(hid, {}).update(facts)
+
+    def place(self, hid, kind, obj, facts=None):
+        self.objects[hid] = (kind, obj)
+        if facts:
+            self.meta[hid] = facts
+
+    def state(self):
+        status, message = self.sticky or (0, "")
+        return {"ctx": self.ctx_id, "token": self.token_digest, "next_id": self.next_id}, \
+            {"status": int(status), "message": message}
+
+    def adopt(self, session, error):
+        self.ctx_id, self.token_digest, self.next_id = session["ctx"], session["token"], session["next_id"]
+        self.sticky = (error["status"], error["message"]) if error["status"] else None
 
     def execute(self, name, args, payloads, last):
         """Run one call; returns (status, message, fields)."""
@@ -737,16 +760,15 @@ def _exit_on_sigterm(*_):
 
 
 def pin_host_store(backend, path):
-    """Pin a HostStore's memory (in pieces of whole slots, cuda.py STORE_PIN_PIECE); without it,
-    checkpoints and restores through that store copy through buffers (slower, still correct)."""
-    from phos.gpu_server.cuda import STORE_PIN_PIECE
+    """Pin a HostStore's memory (SnapshotOps.pin); without it, checkpoints and restores
+    through that store copy through buffers (slower, still correct)."""
     try:
         store = open_store(path)
     except (OSError, ImageError) as e:
         log.warning("host store %s cannot be used: %s", path, e)
         return
     t = time.perf_counter()
-    if backend.snap.pin(store.memory, store.slot_bytes * max(1, STORE_PIN_PIECE // store.slot_bytes)):
+    if backend.snap.pin(store.memory, store.slot_bytes):
         log.info("pinned host store %s (%d MiB) in %.2f s", path, store.memory.nbytes >> 20, time.perf_counter() - t)
     store.refresh()       # a restore into this worker then reads only the index's later changes
 
@@ -804,7 +826,7 @@ def main(argv=None):
     # and a restore sent to it meanwhile waited ~150 ms on the H200 (perf/bench_snapshot.py).
     if opts.standby:
         backend.device_info()
-        if backend.name == "cuda":
+        if backend.pins_host_memory:
             backend.snap.prepare()
             if opts.host_store:
                 pin_host_store(backend, opts.host_store)

@@ -1,28 +1,9 @@
 """The snapshot engine: consistent checkpoints taken while the application runs, and
 restores that hand the context back before its contents are loaded (DESIGN 7, 8, 10).
 
-It runs inside a context worker and sees its Session (gpu_server/worker.py). The device
-work goes through the backend's snapshot operations (`backend.snap`):
-
-    fingerprints(chunks, fence) -> wait      pfp1 of each (address, length) chunk (pairs, or
-                                             an (n, 2) uint64 array); with fence, later
-                                             application work waits for it. wait() gives
-                                             them; wait(block=False) None until they are done
-    read(batches, urgent)                    copy batches of chunks to the host; pulls
-                                             (chunks, into, tag) from the iterable batches as
-                                             its buffers free up, and yields (tag, [(bytes,
-                                             fingerprint of what was copied)]) per batch in
-                                             order, or None while the device is still copying;
-                                             a batch's bytes stay valid until the next item is
-                                             asked for. into: a host view per chunk to copy it
-                                             to (a HostStore's slots), or None for a buffer
-    write(chunks, load, pool, urgent, sources) -> fps
-                                             copy chunk i's bytes, load(i), to the device (pool
-                                             threads fetch them), or straight from sources[i];
-                                             returns the fingerprints of what landed there,
-                                             so restores verify on the device
-    maps(host) -> bool                       whether read and write may copy straight to and
-                                             from this host memory (cuda: pinned here)
+It runs inside a context worker and sees its Session (gpu_server/worker.py) as a
+SnapshotSession, through its methods alone; the device work goes through the backend's snapshot
+operations (`backend.snap`, SnapshotOps). Both interfaces are in snapshot/ops.py.
 
 Checkpoint: the cut is a point in the call stream (the worker's last executed call). The
 engine records the context's objects, fingerprints every chunk at the cut, and saves the
@@ -58,13 +39,11 @@ import numpy as np
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, chunk_payload,
-                                 read_chunk, read_chunk_into, read_image, read_latest_image)
-from phos.snapshot.store import all_keys, keys_of
+                                 encode_delta, read_chunk, read_chunk_into, read_image, read_latest_image, validate_delta)
+from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTES
+from phos.snapshot.store import keys_of
 
 log = logging.getLogger("phos.snapshot")
-BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
-URGENT_BATCH_BYTES = 16 << 20    # ... and a call's copy-on-write this much
-DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostStore
 ASK_AT_ONCE = 256                # chunks a checkpoint's step asks the store about
 LOOK_EVERY = 500e-6              # seconds between a checkpoint's looks at a busy device (advance)
 STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls keep coming
@@ -192,13 +171,14 @@ def image_kind(data):
 
 
 def describe(session, chunk_size):
-    """The manifest fields of a session's objects, and its regions [(address, size, chunk_size)]."""
+    """The manifest fields of a session's objects, its regions [(address, size, chunk_size)],
+    and the facts the session keeps about each module ({id: facts})."""
     backend = session.backend
     modules, functions, streams, events, globals_ = [], [], [], [], []
-    global_ptrs = set()
-    for hid, (kind, obj) in sorted(session.objects.items()):
-        meta = session.meta.get(hid, {})
+    global_ptrs, images = set(), {}
+    for hid, kind, obj, meta in session.listing():
         if kind == "module":
+            images[hid] = meta
             modules.append({"id": hid, "name": meta.get("name", f"module{hid}"), "kind": image_kind(meta["image"]),
                             "image": None, "size": len(meta["image"])})
             for name, ptr, size in backend.module_globals(obj):
@@ -217,17 +197,17 @@ def describe(session, chunk_size):
     for e in allocations + globals_:
         e["chunk_size"] = chunk_size
     info = backend.device_info()
+    sess, error = session.state()
     fields = {
         "backend": backend.name,
         "device": {"name": info.name, "uuid": info.uuid.hex(), "cc": list(info.compute_capability), "total_mem": info.total_mem},
         "address_space": {"base": session.space.base, "size": session.space.size},
         "modules": modules, "functions": functions, "globals": globals_, "streams": streams, "events": events,
         "allocations": allocations,
-        "error": {"status": int(session.sticky[0]) if session.sticky else 0, "message": session.sticky[1] if session.sticky else ""},
-        "session": {"ctx": session.ctx_id, "token": session.token_digest, "next_id": session.next_id},
+        "error": error, "session": sess,
     }
     regions = [(e["address"], e["size"], chunk_size) for e in allocations + globals_ if e["size"]]
-    return fields, regions
+    return fields, regions, images
 
 
 class ChunkJob:
@@ -364,7 +344,7 @@ class Checkpoint(ChunkJob):
         self.trace_steps(t0, TRACE_SECONDS)
         s = self.session
         self.cut_seq = cut_seq
-        self.fields, regions = describe(s, self.chunk_size)
+        self.fields, regions, images = describe(s, self.chunk_size)
         self.chunks, self.settled = Chunks(regions, s.space.moved), set()
         # the pass first: the application's next kernel waits for it (the fence), not for the rest
         t = self.step("cut_describe", t0)
@@ -374,10 +354,12 @@ class Checkpoint(ChunkJob):
         if self.prior is not None and self.prior[0] == self.chunks.regions:
             self.prior_keys = self.prior[1]
         for e in self.fields["modules"]:
-            meta = s.meta[e["id"]]
-            if "image_fp" not in meta:        # the same bytes every checkpoint: hashed once
-                meta["image_fp"] = fingerprint(meta["image"])
-            e["image"] = self.writer.add_chunk(meta["image"], meta["image_fp"])
+            facts = images[e["id"]]
+            fp = facts.get("image_fp")
+            if fp is None:                    # the same bytes every checkpoint: hashed once
+                fp = fingerprint(facts["image"])
+                s.note(e["id"], {"image_fp": fp})
+            e["image"] = self.writer.add_chunk(facts["image"], fp)
         self.keys = [None] * len(self.chunks)
         self.asked = [False] * len(self.chunks)    # whether the store was asked if it holds the chunk
         self.bytes_total, self.bytes_done = int(self.chunks.sizes.sum()), 0
@@ -717,16 +699,12 @@ def image_delta(m, changes=None):
     the caller knows them; else every chunk is listed. JSON-ready."""
     if changes is None:
         changes = [[e["address"], j, k] for e in list(m.allocations) + list(m.globals) for j, k in enumerate(e["chunks"])]
-    return {"format": DELTA_FORMAT, "name": m.name, "parent": m.parent, "cut_seq": m.cut_seq, "objects": objects_digest(m),
-            "next_id": m.session["next_id"], "error": m.error, "changes": changes}
+    return encode_delta(m.name, m.parent, m.cut_seq, objects_digest(m), m.session["next_id"], m.error, changes)
 
 
 def objects_digest(m):
     """A digest of same_objects(m): a delta names the objects of its image by it."""
     return hashlib.blake2b(repr(same_objects(m)).encode(), digest_size=16).hexdigest()
-
-
-DELTA_FORMAT = "phos-delta-2"
 
 
 class Restore(ChunkJob):
@@ -783,8 +761,7 @@ class Restore(ChunkJob):
             except ImageError as err:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(err)) from None
             module = backend.load_module(image)
-            s.objects[e["id"]] = ("module", module)
-            s.meta[e["id"]] = {"image": image, "name": e["name"], "kind": e["kind"], "image_fp": bytes.fromhex(e["image"])}
+            s.place(e["id"], "module", module, {"image": image, "name": e["name"], "kind": e["kind"], "image_fp": bytes.fromhex(e["image"])})
             for g in (g for g in m.globals if g["module"] == e["id"]):
                 ptr, size = backend.get_global(module, g["name"])
                 if size != g["size"]:
@@ -798,18 +775,16 @@ class Restore(ChunkJob):
             if [list(p) for p in fn.params] != f["params"]:
                 self.refuse(f"kernel {f['name']} has parameters {fn.params}, the image {f['params']}")
             fn.module_id, fn.size = f["module"], fn.param_bytes
-            s.objects[f["id"]] = ("function", fn)
+            s.place(f["id"], "function", fn)
         for e in m.streams:
-            s.objects[e["id"]] = ("stream", backend.stream_create(e["flags"], e["priority"]))
-            s.meta[e["id"]] = {"flags": e["flags"], "priority": e["priority"]}
+            s.place(e["id"], "stream", backend.stream_create(e["flags"], e["priority"]), {"flags": e["flags"], "priority": e["priority"]})
         for e in m.events:
-            s.objects[e["id"]] = ("event", backend.event_create(e["flags"]))
-            s.meta[e["id"]] = {"flags": e["flags"]}
+            s.place(e["id"], "event", backend.event_create(e["flags"]), {"flags": e["flags"]})
         t = self.step("modules", t)
         for e in m.allocations:
             backend.alloc(e["size"], at=e["address"])
         t = self.step("allocations", t)
-        self.adopt_session(m.session, m.error)
+        s.adopt(m.session, m.error)
         regions = [(placed.get((e.get("module"), e.get("name")), e["address"]), e) for e in region_entries(m)]
         self.bases = [ptr for ptr, _ in regions]      # advance() pairs a later image's entries with them
         self.chunks, self.settled = Chunks([(ptr, e["size"], e["chunk_size"]) for ptr, e in regions], s.space.moved), set()
@@ -818,11 +793,6 @@ class Restore(ChunkJob):
         self.bytes_total, self.bytes_done = int(self.chunks.sizes.sum()), 0
         self.global_chunks = {c for ptr, e in regions if "module" in e for c in self.chunks.covering(ptr, e["size"])}
         return m.cut_seq
-
-    def adopt_session(self, sess, error):
-        s = self.session
-        s.ctx_id, s.token_digest, s.next_id = sess["ctx"], sess["token"], sess["next_id"]
-        s.sticky = (error["status"], error["message"]) if error["status"] else None
 
     def advance(self, name, full=False, delta=None):
         """Move this restore (its context not yet in use) on to a later image of the same
@@ -876,7 +846,7 @@ class Restore(ChunkJob):
         if m is not None:          # by a delta, the objects are those of the manifest we hold
             self.manifest = m
         self.name = name
-        self.adopt_session(session, error)
+        self.session.adopt(session, error)
         t = self.step("manifest", t)
         if self.failure is None:
             self.start(full)
@@ -884,27 +854,15 @@ class Restore(ChunkJob):
         return cut_seq
 
     def check_delta(self, name, d):
-        """Refuse a malformed delta, or one of another image than ours; returns its objects' digest."""
-        def bad(why):
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"delta of image {name!r}: {why}")
-        if not isinstance(d, dict) or d.get("format") != DELTA_FORMAT or d.get("name") != name:
-            bad(f"not a {DELTA_FORMAT} delta of that image")
+        """Refuse a malformed delta (image.validate_delta), or one of another image than ours;
+        returns its objects' digest."""
+        try:
+            validate_delta(d, name)
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
         if d.get("parent") != self.name:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"delta of image {name!r}: it moves on from image "
                             f"{d.get('parent')!r}, this restore holds {self.name!r}")
-        for field in ("cut_seq", "next_id"):
-            if not isinstance(d.get(field), int) or isinstance(d[field], bool) or not 0 <= d[field] < 1 << 64:
-                bad(f"{field} is not a count")
-        error = d.get("error")
-        if not isinstance(error, dict) or not isinstance(error.get("status"), int) or not isinstance(error.get("message"), str):
-            bad("error is not {status, message}")
-        changes = d.get("changes")
-        if not isinstance(changes, list) or not all(
-                isinstance(c, list) and len(c) == 3 and type(c[0]) is int and type(c[1]) is int for c in changes) \
-                or not all_keys([c[2] for c in changes]):
-            bad("changes are not [region address, chunk index, chunk key] triples")
-        if not isinstance(d.get("objects"), str):
-            bad("it names no objects")
         return d["objects"]
 
     def chunk_keys(self):

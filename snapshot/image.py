@@ -31,8 +31,14 @@ Layout in a store (see store.py):
        "events":      [{"id", "flags"}],
        "allocations": [{"address", "size", "chunk_size", "chunks": [key]}],
        "error":       {"status", "message"},
+       "session":     {"ctx", "token", "next_id"}                (optional)
        "metadata":    {...}    e.g. {"mode": "concurrent", "paused": false, "pause_ms": 0.4,
                                       "recopied_chunks": 0}}
+
+  `session` is the context the image was taken of, which a restore takes on: its id (ctx),
+  the digest of its session token (token: 64 lowercase hex digits, token_digest) and the
+  next handle it gives out (next_id). The snapshot engine always writes it, and restores
+  only an image that has it; latest_image picks images by it.
 
   A region (allocation or global) of `size` bytes has ceil(size / chunk_size) chunks;
   chunk j holds bytes [j*chunk_size, min(size, (j+1)*chunk_size)). Entries may carry
@@ -42,6 +48,18 @@ Layout in a store (see store.py):
   when the writer had a server secret (BLAKE2b in keyed mode, person
   b"phos-manifest-v1", over the manifest's exact bytes). A reader given a key refuses
   unkeyed images, so the digest cannot be stripped and recomputed.
+
+- **Deltas.** A handoff's last round sends its image to the warm target as a delta of the
+  parent image the target holds, before the manifest is committed (encode_delta; checked by
+  validate_delta, or decode_delta from its JSON text). A JSON object:
+
+      {"format": "phos-delta-2", "name": str, "parent": str | null, "cut_seq": int,
+       "objects": str      (a digest of the image's objects: snapshot/engine.py objects_digest),
+       "next_id": int      (the session's, as in the manifest),
+       "error":   {"status", "message"},
+       "changes": [[region address, chunk index in that region, chunk key], ...]}
+
+  changes lists the chunks whose keys differ from the parent's (or every chunk).
 
 Every failure raises ImageError with a message naming the image, chunk or field.
 
@@ -86,11 +104,13 @@ DIGEST_KEYED = b"blake2b-256-keyed"
 _QUOTED_KEY_RE = re.compile(rb'"([0-9a-f]{32})"')
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2}){0,64}")
 _CONTAINERS = itertools.repeat((dict, list))
-# A manifest's "created" key, metadata mode and session, as canonical JSON writes them (for
+_TOKEN_RE = re.compile(r"[0-9a-f]{64}")
+DELTA_FORMAT = "phos-delta-2"
+# A manifest's "created" key, metadata mode and session key, as canonical JSON writes them (for
 # latest_image's glance): a quote inside a string is escaped (\"), so only keys match.
 _CREATED_RE = re.compile(rb'"created":(-?[0-9][0-9.eE+-]*)[,}]')
 _MODE_RE = re.compile(rb'"mode":"([a-z]*)"')
-_SESSION_RE = re.compile(rb'"session":\{"ctx":([0-9]+),"next_id":[0-9]+,"token":"([0-9a-f]*)"\}')
+_SESSION_KEY = b'"session":'
 
 
 # ---------------------------------------------------------------------------------
@@ -379,6 +399,17 @@ class _V:
             self.fail(p, f"expected an object, found {type(v).__name__}")
         return v
 
+    def session(self, m):
+        """The manifest's session, if it has one, checked; None if not."""
+        sess = self.obj(m, "session", "", optional=True)
+        if sess is not None:
+            self.int(sess, "ctx", "session")
+            token = self.str(sess, "token", "session", maxlen=64)
+            if not _TOKEN_RE.fullmatch(token):
+                self.fail("session.token", f"expected a token digest (64 lowercase hex digits), found {token!r:.80}")
+            self.int(sess, "next_id", "session")
+        return sess
+
     def region(self, e, p):
         self.int(e, "address", p)
         size = self.int(e, "size", p)
@@ -498,6 +529,7 @@ def validate_manifest(m, name=None, depth_checked=False):
     err = v.obj(m, "error", "")
     v.int(err, "status", "error", lo=-(1 << 63), hi=U64 - 1)
     v.str(err, "message", "error", maxlen=65536)
+    v.session(m)
     v.obj(m, "metadata", "")
     if not depth_checked and not _depth_ok(m):
         raise ImageError(f"image {v.image!r}: manifest nests deeper than {MAX_JSON_DEPTH} levels")
@@ -830,6 +862,50 @@ def check_token(token, digest):
     return hmac.compare_digest(token_digest(token), digest)
 
 
+# ---------------------------------------------------------------------------------
+# deltas
+
+def encode_delta(name, parent, cut_seq, objects, next_id, error, changes):
+    """A delta (see the module docstring) of image `name`, as a JSON-ready dict."""
+    return {"format": DELTA_FORMAT, "name": name, "parent": parent, "cut_seq": cut_seq, "objects": objects,
+            "next_id": next_id, "error": error, "changes": changes}
+
+
+def validate_delta(d, name):
+    """Check a delta of image `name`: its format, fields and types; ImageError on the first
+    problem. Returns it. (Whether it moves on from the image a restore holds is the restore's
+    to check.)"""
+    def bad(why):
+        raise ImageError(f"delta of image {name!r}: {why}")
+    if not isinstance(d, dict) or d.get("format") != DELTA_FORMAT or d.get("name") != name:
+        bad(f"not a {DELTA_FORMAT} delta of that image")
+    if d.get("parent") is not None and not isinstance(d["parent"], str):
+        bad("parent is not an image name")
+    for field in ("cut_seq", "next_id"):
+        if not isinstance(d.get(field), int) or isinstance(d[field], bool) or not 0 <= d[field] < U64:
+            bad(f"{field} is not a count")
+    error = d.get("error")
+    if not isinstance(error, dict) or not isinstance(error.get("status"), int) or not isinstance(error.get("message"), str):
+        bad("error is not {status, message}")
+    changes = d.get("changes")
+    if not isinstance(changes, list) or not all(
+            isinstance(c, list) and len(c) == 3 and type(c[0]) is int and type(c[1]) is int for c in changes) \
+            or not all_keys([c[2] for c in changes]):
+        bad("changes are not [region address, chunk index, chunk key] triples")
+    if not isinstance(d.get("objects"), str):
+        bad("it names no objects")
+    return d
+
+
+def decode_delta(text, name):
+    """The checked delta of image `name` from its JSON text (validate_delta)."""
+    try:
+        d = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ImageError(f"delta of image {name!r} is not JSON: {str(e)[:200]}") from None
+    return validate_delta(d, name)
+
+
 def latest_image(store, ctx=None, token=None):
     """The name of the newest readable, consistent image in a store (of context ctx, and whose
     session token is `token`, if given), or None. A handoff's pre-copy round is consistent in
@@ -853,7 +929,7 @@ def _latest(store, ctx=None, token=None, key=None):
     for _, name, raw, digest in sorted(dated, key=lambda d: d[:2], reverse=True):
         try:
             _check_digest(name, raw, digest, key)
-            mode, session = _glance(raw)
+            mode, session = _glance(raw, name)
         except Exception:
             continue
         if mode == "precopy":
@@ -866,14 +942,24 @@ def _latest(store, ctx=None, token=None, key=None):
     return None
 
 
-def _glance(raw):
-    """(metadata mode, session) of a manifest, found in its text without parsing it all; parsed
-    when the text does not hold each exactly once in the form a writer gives it."""
-    modes, sessions = _MODE_RE.findall(raw), _SESSION_RE.findall(raw)
-    if len(modes) == 1 and len(sessions) == 1:
-        return modes[0].decode(), {"ctx": int(sessions[0][0]), "token": sessions[0][1].decode()}
+def _glance(raw, name=None):
+    """(metadata mode, session) of a manifest, its session checked as validate_manifest checks
+    it (ImageError). Found in its text without parsing it all, the session's object read as
+    JSON where its key is; the whole is parsed when the text does not hold the mode and the
+    session each exactly once in the form a writer gives them."""
+    modes, at = _MODE_RE.findall(raw), raw.find(_SESSION_KEY)
+    if len(modes) == 1 and at >= 0 and raw.find(_SESSION_KEY, at + 1) < 0:
+        start = at + len(_SESSION_KEY)
+        end = raw.find(b"}", start) + 1          # a writer's session holds no nested object
+        try:
+            session = json.loads(raw[start:end]) if end else None
+        except ValueError:
+            session = None
+        if isinstance(session, dict):
+            _V(name).session({"session": session})
+            return modes[0].decode(), session
     data = json.loads(raw)
-    return data.get("metadata", {}).get("mode"), data.get("session", {})
+    return data.get("metadata", {}).get("mode"), _V(name).session(data) or {}
 
 
 def _created(raw):

@@ -428,9 +428,11 @@ def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
     result = cp.finish(1)
     assert result["mode"] == "concurrent" and not result["paused"] and result["recopied_chunks"] == 0
     assert region(DirStore(tmp_path), "a", ptr).tobytes() == before.tobytes()
-    from phos.snapshot.image import _MODE_RE, _SESSION_RE      # latest_image's glance fits what we write
+    from phos.snapshot.image import _MODE_RE, _SESSION_KEY      # latest_image's glance fits what we write
     raw = DirStore(tmp_path).get_manifest("a")[0]
-    assert len(_MODE_RE.findall(raw)) == 1 and _SESSION_RE.findall(raw) == [(b"7", s.token_digest.encode())]
+    assert len(_MODE_RE.findall(raw)) == 1 and raw.count(_SESSION_KEY) == 1
+    start = raw.index(_SESSION_KEY) + len(_SESSION_KEY)
+    assert json.loads(raw[start:raw.index(b"}", start) + 1]) == {"ctx": 7, "token": s.token_digest, "next_id": s.next_id}
 
 
 def slow_cut_fingerprints(session, looks):

@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -164,6 +165,7 @@ def write_image(store, name, contents, parent=None, key=None, globals_data=b"\x0
             "events": [{"id": 4, "flags": 2}],
             "allocations": allocs,
             "error": {"status": 0, "message": ""},
+            "session": {"ctx": 7, "token": "ab" * 32, "next_id": 0x1005},
             "metadata": {"paused": False, "pause_ms": 0.25, "recopied_chunks": 0, "mode": "concurrent"},
         })
     return man, w
@@ -675,11 +677,77 @@ def test_the_created_time_is_read_without_parsing_the_manifest():
 def test_a_manifests_mode_and_session_are_read_without_parsing_it():
     """latest_image glances at each manifest's metadata mode and session in its text: a string
     holding the same text is escaped in canonical JSON, and a shape other than a writer's sends
-    it to the JSON parser."""
+    it to the JSON parser. The session is checked as validate_manifest checks it either way."""
     from phos.snapshot.image import _glance
     session = {"ctx": 7, "next_id": 3, "token": "ab" * 32}
-    raw = canonical_json({"metadata": {"mode": "concurrent", "paused": False}, "name": 'a"mode":"precopy"', "session": session})
-    assert _glance(raw) == ("concurrent", {"ctx": 7, "token": "ab" * 32})
+    raw = canonical_json({"metadata": {"mode": "concurrent", "paused": False}, "name": 'a"session":{"ctx":1}"mode":"precopy"',
+                          "session": session})
+    assert _glance(raw) == ("concurrent", session)
     raw = canonical_json({"metadata": {"mode": "precopy"}, "other": {"mode": "paused"}, "session": session})
     assert _glance(raw) == ("precopy", session)
-    assert _glance(canonical_json({"metadata": {}, "session": {"ctx": 7, "token": "cd"}})) == (None, {"ctx": 7, "token": "cd"})
+    assert _glance(canonical_json({"metadata": {}, "session": session})) == (None, session)
+    assert _glance(canonical_json({"metadata": {"mode": "paused"}})) == ("paused", {})
+    for bad in ({"ctx": 7, "token": "cd", "next_id": 3}, {"ctx": "7", "token": "ab" * 32, "next_id": 3}, [7]):
+        with pytest.raises(ImageError, match="manifest field session"):
+            _glance(canonical_json({"metadata": {"mode": "paused"}, "session": bad}))
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("7", r"session: expected an object, found str"),
+    ({"token": "ab" * 32, "next_id": 1}, r"session\.ctx: missing"),
+    ({"ctx": -1, "token": "ab" * 32, "next_id": 1}, r"session\.ctx: -1 is out of range"),
+    ({"ctx": True, "token": "ab" * 32, "next_id": 1}, r"session\.ctx: expected an integer, found bool"),
+    ({"ctx": 7, "token": "AB" * 32, "next_id": 1}, r"session\.token: expected a token digest"),
+    ({"ctx": 7, "token": "ab" * 31, "next_id": 1}, r"session\.token: expected a token digest"),
+    ({"ctx": 7, "token": 5, "next_id": 1}, r"session\.token: expected a string"),
+    ({"ctx": 7, "token": "ab" * 32}, r"session\.next_id: missing"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1 << 64}, r"session\.next_id: .* is out of range"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1.5}, r"session\.next_id: expected an integer, found float"),
+])
+def test_a_bad_session_is_refused(store, bad, says):
+    """A manifest's session is optional, and checked when it is there: as read, as validated,
+    and as latest_image glances at it (which passes such an image over)."""
+    write_image(store, "img", make_contents())
+    assert read_image(store, "img").session == {"ctx": 7, "token": "ab" * 32, "next_id": 0x1005}
+    assert latest_image(store, ctx=7) == "img"
+    rewrite(store, "img", lambda d: d.update(session=bad))
+    with pytest.raises(ImageError, match=f"image 'img': manifest field {says}"):
+        read_image(store, "img")
+    with pytest.raises(ImageError, match=says):
+        validate_manifest(json.loads(store.get_manifest("img")[0]), "img")
+    assert latest_image(store) is None
+    rewrite(store, "img", lambda d: d.pop("session"))
+    assert read_image(store, "img") and latest_image(store) == "img" and latest_image(store, ctx=7) is None
+
+
+def test_a_delta_is_encoded_and_checked_in_one_place():
+    """The delta a handoff's last round sends (phos-delta-2): encode_delta makes it, and
+    validate_delta / decode_delta refuse a malformed one with ImageError naming the field."""
+    from phos.snapshot.image import DELTA_FORMAT, decode_delta, encode_delta, validate_delta
+    key = "ab" * 16
+    good = encode_delta("b", "a", 12, "0" * 32, 0x1005, {"status": 0, "message": ""}, [[0x7F0000000000, 3, key]])
+    assert good["format"] == DELTA_FORMAT == "phos-delta-2"
+    assert validate_delta(good, "b") is good and decode_delta(json.dumps(good), "b") == good
+    assert validate_delta(dict(good, parent=None, changes=[]), "b")
+    cases = [(dict(good, format="phos-delta-1"), "not a phos-delta-2 delta of that image"),
+             (dict(good, name="c"), "not a phos-delta-2 delta of that image"),
+             ([good], "not a phos-delta-2 delta of that image"),
+             (dict(good, parent=5), "parent is not an image name"),
+             (dict(good, cut_seq=-1), "cut_seq is not a count"),
+             (dict(good, cut_seq=True), "cut_seq is not a count"),
+             (dict(good, next_id=1 << 64), "next_id is not a count"),
+             (dict(good, next_id="1"), "next_id is not a count"),
+             (dict(good, error={"status": 0}), "error is not {status, message}"),
+             (dict(good, error=[0, ""]), "error is not {status, message}"),
+             (dict(good, changes=[[0x7F0000000000, 3]]), "changes are not"),
+             (dict(good, changes=[[0x7F0000000000, 3, "zz" * 16]]), "changes are not"),
+             (dict(good, changes=[[0x7F0000000000, 3.0, key]]), "changes are not"),
+             (dict(good, changes={"0": key}), "changes are not"),
+             ({k: v for k, v in good.items() if k != "objects"}, "it names no objects")]
+    for d, says in cases:
+        with pytest.raises(ImageError, match=f"delta of image 'b': {re.escape(says)}"):
+            validate_delta(d, "b")
+    with pytest.raises(ImageError, match="delta of image 'b' is not JSON"):
+        decode_delta("{", "b")
+    with pytest.raises(ImageError, match="cut_seq is not a count"):
+        decode_delta(json.dumps(dict(good, cut_seq=-1)), "b")

@@ -11,7 +11,6 @@
 # kernels (perf/probe_fingerprint_kernels.py: the cut's hash pass written several ways; needs nvcc),
 # arena (perf/probe_host_arena.py: can images live in pinned shared memory?),
 # interference (perf/probe_copy_interference.py: does copying slow the application's kernels?),
-# batch (perf/probe_batch_copies.py: a checkpoint's copies, one driver call a batch or one a copy),
 # handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py; handoff-bench: the last alone),
 # bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes),
@@ -59,9 +58,6 @@ if want snap || want snap-bench; then
     [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
         --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-1}" --json "$OUT/bench_snapshot.json" \
         ${PHOS_BENCH_ARGS:-}
-fi
-if want batch; then
-    step probe-batch-copies python3 perf/probe_batch_copies.py --gib "${PHOS_BATCH_GIB:-2}"
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py

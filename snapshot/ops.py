@@ -1,0 +1,101 @@
+"""The snapshot engine's interfaces: what it needs of a device (SnapshotOps, a backend's
+`snap`) and of the context it checkpoints or restores (SnapshotSession, the worker's Session).
+
+gpu_server/emu.py and gpu_server/cuda.py implement SnapshotOps; gpu_server/worker.py's
+Session implements SnapshotSession. tests/test_interfaces.py checks that they declare every
+member with the same parameters.
+
+The batch sizes are here, not in the engine or a backend: the engine cuts its copies into
+batches of them, and a backend sizes its copy buffers to hold one.
+"""
+from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
+
+BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
+URGENT_BATCH_BYTES = 16 << 20    # ... and a call's copy-on-write this much
+DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostStore
+
+Chunk = tuple                    # (device address, length in bytes)
+
+
+@runtime_checkable
+class SnapshotOps(Protocol):
+    """A backend's device operations for snapshots (`backend.snap`). Chunks are (address,
+    length) pairs of device memory, or an (n, 2) uint64 array of them; a fingerprint is the
+    16-byte pfp1 digest of a chunk's contents (snapshot/fingerprint.py)."""
+
+    def fingerprints(self, chunks, fence) -> Callable[..., Optional[list]]:
+        """Start fingerprinting each chunk as the device holds it now (a checkpoint's cut);
+        returns wait: wait() gives the fingerprints, in order, once they are done;
+        wait(block=False) gives None until then. fence: later application work waits for
+        the fingerprinting, so that none of it can change a chunk before it is read."""
+
+    def read(self, batches: Iterable, urgent=False) -> Iterator[Optional[tuple]]:
+        """Copy batches of chunks to the host. Pulls (chunks, into, tag) from the iterable
+        batches as its buffers free up, and yields (tag, [(bytes, fingerprint of what was
+        copied)]) per batch, in order, or None while the device is still copying; a batch's
+        bytes stay valid until the next item is asked for. into: a host view per chunk to
+        copy it to (a HostStore's slots), or None for a buffer of its own. urgent: a call
+        waits for it (a copy-on-write), beside the background copy. Closing the generator
+        waits for the copies under way."""
+
+    def write(self, chunks: Sequence[Chunk], load, pool, urgent=False, sources=None) -> list:
+        """Copy chunks to the device: chunk i's bytes from load(i, out), which fills out (a
+        host buffer of its length; pool, an executor, runs the loads), or straight from
+        sources[i] (host views this backend maps). Returns the fingerprints of what landed
+        on the device, so that a restore verifies there. urgent: as for read."""
+
+    def maps(self, host) -> bool:
+        """Whether read and write may copy straight to and from this host memory (a NumPy
+        view): the device reaches it without a buffer in between."""
+
+    def pin(self, memory, slot_bytes) -> bool:
+        """Make a HostStore's shared memory (a NumPy view of slots of slot_bytes each) one that
+        maps() accepts, for copies straight to and from it. False where it could not (copies
+        then go through buffers: slower, still correct)."""
+
+    def prepare(self) -> None:
+        """Make now what the first checkpoint or restore would make (copy buffers, tables):
+        a pre-started worker does it before an application uses it."""
+
+
+@runtime_checkable
+class SnapshotSession(Protocol):
+    """What the engine needs of the context it checkpoints or restores (gpu_server/worker.py's
+    Session). The engine reads and changes the context through these methods alone."""
+
+    @property
+    def backend(self):
+        """The context's device (gpu_server/backend.py Backend); its `snap` is SnapshotOps."""
+
+    @property
+    def space(self):
+        """The context's AddressSpace (gpu_server/address_space.py): its allocations, and
+        where the device placed what it moved."""
+
+    def listing(self) -> list:
+        """[(id, kind, object, facts)] of every object of the context, by id: kind "module",
+        "function", "stream" or "event"; facts, what the session keeps about it for
+        snapshots ({} if nothing; a module's: "image", its bytes, and "name")."""
+
+    def note(self, hid, facts) -> None:
+        """Keep more facts (a dict) about object hid (a module image's fingerprint,
+        "image_fp"), as listing() gives them."""
+
+    def place(self, hid, kind, obj, facts=None) -> None:
+        """Put a recreated object under the id it had (a restore), with its facts (a dict)."""
+
+    def handle(self, kind, hid):
+        """The object of that kind with that id; CudaError if there is none."""
+
+    def reach_global(self, old, ptr, size, name) -> bool:
+        """Make the address the client knows a module global by (old) reach where the device
+        put it now (ptr). False when another range holds old."""
+
+    def state(self) -> tuple:
+        """(session, error) as an image keeps them: {"ctx", "token" (the digest of the
+        session token), "next_id"}, and {"status", "message"} of the error that fails every
+        later call (status 0: none)."""
+
+    def adopt(self, session, error) -> None:
+        """Take on an image's session and error (as state() gives them): a restore's context
+        is the one the image was taken of, its next handle and sticky error included."""
