@@ -1,8 +1,8 @@
 """Does one driver call a batch (cuMemcpyBatchAsync) shorten a checkpoint's copy steps?
 
-Issue 5: a 32 GiB checkpoint took 740-760 steps of ~120 us on the worker's thread, and a call
-that arrives during one waits for it. A third of them enqueued a batch's 64 chunk copies to
-the store's slots, one driver call each (perf/RESULTS.md, session 15). This probe copies --gib
+Issue 5: a 32 GiB checkpoint takes 740-760 steps of ~120 us on the worker's thread, and a call
+that arrives during one waits for it. A third of them enqueue a batch's 64 chunk copies to
+the store's slots, one driver call each (perf/RESULTS.md, bench_snapshot). This probe copies --gib
 of device memory in 2 MiB chunks to a pinned HostStore through CudaSnapshotOps.read, as a
 checkpoint does, with the batch call and with a call a copy, and back through write, as a
 restore does. Per way:
