@@ -35,9 +35,9 @@ REATTACH_TIMEOUT = float(os.environ.get("PHOS_REATTACH_TIMEOUT", "60"))   # look
 LOG_CALLS = int(os.environ.get("PHOS_LOG_CALLS", str(1 << 16)))        # the replay log holds this many calls...
 LOG_BYTES = int(os.environ.get("PHOS_LOG_BYTES", str(256 << 20)))      # ...and bytes, else it asks to shrink
 # Spin this long for a reply before sleeping in poll: a wake-up costs more than a short spin
-# where cores are plentiful. 1 ms, as the worker: a sync on a short kernel took 70-100 us to
-# serve, so with 100 us many a reply came after the spin and paid a wake-up (~30 us more a sync,
-# perf/RESULTS.md, session 15). Off on small machines, where the spin would starve the peer.
+# where cores are plentiful. 1 ms, as the worker: a sync on a short kernel takes 70-100 us to
+# serve, so with a 100 us spin many a reply would come after it and pay a wake-up (~30 us more a sync
+# on the H200). Off on small machines, where the spin would starve the peer.
 SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
 STAGING_SLOT = 32 << 20          # bulk copies go through a shared staging area in slots this big...
 STAGING_MIN = 256 << 10          # ...when at least this big and the worker shares our host

@@ -10,8 +10,8 @@ import numpy as np
 from phos.schema.cuda_types import CudaError, CUresult
 
 # Far below where Linux places mmap()s (top-down from 0x7fff...): a base inside that area,
-# such as DESIGN's 0x7f0000000000, collided with the worker's own libraries on the H200 and
-# the fixed-address reservation failed now and then. The GPU's 49-bit space has room here.
+# such as 0x7f0000000000, collides with the worker's own libraries on the H200, and
+# the fixed-address reservation would fail now and then. The GPU's 49-bit space has room here.
 BASE = 0x600000000000
 
 

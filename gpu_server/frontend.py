@@ -555,7 +555,7 @@ _CONTEXT_CALLS = frozenset(n for n in wire.phos_capnp.Call.schema.union_fields) 
 
 def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None, host_store=None):
     # We start workers with fork+exec while gRPC's threads run; its fork handlers would run in
-    # the child before exec (and crashed it now and then), and we need none of them.
+    # the child before exec (and can crash it), and we need none of them.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     import uvloop
     check_listen(listen, curve)

@@ -28,7 +28,7 @@ import zmq.utils.monitor
 
 from phos.gpu_server.backend import load_backend
 from phos.gpu_server.calls import WORKER_CALLS
-# at import, not at the first attach: a handoff's client waited 1.1-1.7 ms for it there (emu)
+# at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
@@ -751,7 +751,7 @@ def _die_with_parent():
 def _exit_on_sigterm(*_):
     """Exit through the cleanup in main(). The SystemExit lands wherever the main thread is,
     and where that is a callback whose exceptions Python ignores (a weakref callback run by the
-    garbage collector: seen in CI), it is lost and the worker lives on without its front end.
+    garbage collector, which a signal may interrupt), it is lost and the worker lives on alone.
     So a timer ends the process anyway if the cleanup has not within 5 s."""
     timer = threading.Timer(5.0, os._exit, (0,))
     timer.daemon = True
@@ -823,7 +823,7 @@ def main(argv=None):
         ctl_endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
     # Cached now: a checkpoint's cut must not pay for it. A pre-started worker also readies the
     # snapshot kernels and copy buffers, before it says READY: the front end hands it out then,
-    # and a restore sent to it meanwhile waited ~150 ms on the H200 (perf/bench_snapshot.py).
+    # and a restore sent to it meanwhile would wait ~150 ms on the H200 (perf/bench_snapshot.py).
     if opts.standby:
         backend.device_info()
         if backend.pins_host_memory:

@@ -7,7 +7,7 @@ memory per second, between two server processes on one GPU (issue 6).
 
 Downtime is the longest gap between two of the application's completed synchronizing calls
 during the handoff; the loop without a handoff gives the baseline gap. That gap includes the
-loop's own wait between its steps (--step-ms, 1 ms; until session 11 it was 10 ms, which put
+loop's own wait between its steps (--step-ms, 1 ms: kept short, since a wait of 10 ms would put
 10 ms of the loop's own sleep into every gap); "longest step" is how long one step (its
 launches and the synchronize after them) took from its first call to its end: the stall itself.
 """

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Native vs phos on a GPU machine (the lead runs it on the H200): builds perf/bench_stub.cu,
+# Native vs phos on a GPU machine (perf/device/run.sh bench runs it on the H200): builds perf/bench_stub.cu,
 # runs it with NVIDIA's libcudart, then through phos's native stub against a `cuda` server
 # over ipc, and prints one table.
 #   perf/bench_stub.sh [--server ADDR] [bench_stub options: --big-mib N --launches N --rtt N]

@@ -8,8 +8,8 @@ times, over 2 MiB chunks as the cut hashes them:
 - `sm_90`: the same source, snapshot/kernels/pfp1.cu, compiled here for the H200 by nvcc;
 - `read`: XOR of every word (what reading the memory alone costs);
 
-and checks that both pfp1 builds give the same sums. (In session 12 it also timed the kernel as
-it was before and a 512-thread variant: perf/RESULTS.md.)
+and checks that both pfp1 builds give the same sums. (perf/RESULTS.md also times the kernel
+with 512 threads a block, which gains under 2%.)
 
     python perf/probe_fingerprint_kernels.py --sizes 8,32      # on the H200; needs nvcc
 """

@@ -186,7 +186,7 @@ struct Call {
                              # data, when it was handed off: the standby of the server it went to
     ctxStats @41 :Void;        # u64s: [bytes allocated, allocations, last executed seq]
     thaw @42 :Void;            # control: a frozen worker (checkpoint with freeze) serves its client again
-    unusedRetire @43 :Void;    # replaced by retireTo
+    unusedRetire @43 :Void;    # ordinal reserved so that the others keep theirs; retireTo retires
     logFull @44 :Void;         # the client's recovery log is full: take an image now. u64s: [durable
                                # seq], or [0] without recovery images (ackSeq is what counts then)
     retireTo @45 :Moved;       # control: a frozen worker's context lives there now: tell the client

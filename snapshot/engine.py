@@ -9,7 +9,7 @@ Checkpoint: the cut is a point in the call stream (the worker's last executed ca
 engine records the context's objects, fingerprints every chunk at the cut, and saves the
 chunks in the background: in steps that the worker's loop takes between calls, on its own
 thread (`advance`). A second Python thread would take the interpreter from the loop that serves
-the application at every step, and held the application to 13-30% of its kernels per second on
+the application at every step, and holds the application to 13-30% of its kernels per second on
 the H200. A call that waits goes before the next step (for up to STEP_AT_LEAST), and a step
 that found the device still copying is not taken again for LOOK_EVERY. A call that would write
 a chunk not yet saved saves it first (soft copy-on-write, `before_write`). A saved chunk whose

@@ -918,7 +918,7 @@ def _latest(store, ctx=None, token=None, key=None):
     """latest_image's (name, manifest bytes, digest bytes); its digest checked with key."""
     # Newest first by a glance at the text, then its digest checked until one qualifies. The
     # full check is left to whoever restores it (Restore reads it anyway): parsing and checking
-    # a 32 GiB context's manifest took the front end 3.2-4.3 ms of an on-demand restore on the H200.
+    # a 32 GiB context's manifest costs the front end 3.2-4.3 ms of an on-demand restore on the H200.
     dated = []
     for name in store.list_images():
         try:

@@ -138,7 +138,7 @@ def test_a_starting_server_sweeps_what_killed_processes_left_in_shm(servers):
 def test_a_worker_told_to_stop_stops_even_when_the_exit_lands_in_a_callback():
     """A worker stops on SIGTERM (its front end died: PDEATHSIG) by raising SystemExit. Where the
     signal arrives while the garbage collector runs a weakref callback, Python ignores that
-    exception (seen in CI); the worker must still end, within seconds, not live on orphaned."""
+    exception; the worker must still end, within seconds, not live on orphaned."""
     import subprocess
     import sys
     import time

@@ -4,8 +4,8 @@
 #   run(command="bash perf/device/run.sh all", carry=[".whl", "phos/stub"])
 #
 # The device machine has CUDA 13, cuda-python and PyTorch but no pyzmq, pycapnp or
-# zstandard and no package manager: carry them as wheels in .whl/ (see the README's
-# "On a GPU" section for the download command) and the native stub built here in phos/stub/.
+# zstandard and no package manager: carry them as wheels in .whl/ (see docs/device.md
+# for the download command) and the native stub built here in phos/stub/.
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
 # perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
 # kernels (perf/probe_fingerprint_kernels.py: the cut's hash pass written several ways; needs nvcc),

@@ -1,5 +1,5 @@
 #!/bin/sh
-# GPU check (run by the lead on the H200): every test program natively (NVIDIA's
+# GPU check (perf/device/run.sh stub runs it on the H200): every test program natively (NVIDIA's
 # libcudart and driver), then through phos's native stub against a `cuda` server, and
 # the two outputs compared. Exits non-zero if a program fails or the outputs differ.
 #   tests/apps/run_native_vs_stub.sh [--server ADDR]
