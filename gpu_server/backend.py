@@ -109,8 +109,10 @@ class Backend(Protocol):
     def get_global(self, module, name) -> tuple:
         """(device address, size) of the global called name in module; CudaError if none."""
 
-    def launch(self, function, grid, block, shared_bytes, stream, params) -> None:
-        """Launch a kernel with its packed parameter buffer, in order on stream."""
+    def launch(self, function, grid, block, shared_bytes, stream, params, options=0) -> None:
+        """Launch a kernel with its packed parameter buffer, in order on stream.
+
+        options: Launch.config's options (schema/wire.py: launch_cluster, LAUNCH_COOPERATIVE)."""
 
     def take_output(self) -> str:
         """What kernels printed since the last call (printf), and forget it."""

@@ -176,7 +176,7 @@ def run_launch(s, function_id, config, params):
         if len(config) != LAUNCH_CONFIG.size:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: config holds {len(config)} bytes, not {LAUNCH_CONFIG.size}")
         config = LAUNCH_CONFIG.unpack(config)
-    gx, gy, gz, bx, by, bz, shared, _, stream = config
+    gx, gy, gz, bx, by, bz, shared, options, stream = config
     if not (gx and gy and gz and bx and by and bz):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: grid {(gx, gy, gz)} and block {(bx, by, bz)} must be non-zero")
     if bx * by * bz > 1024:
@@ -187,7 +187,7 @@ def run_launch(s, function_id, config, params):
         s.touch_kernel(fn, params)
     if s.space.moved:        # a restored context whose module globals the device placed elsewhere
         params = s.space.translate_words(params)
-    s.backend.launch(fn, (gx, gy, gz), (bx, by, bz), shared, _stream(s, stream), params)
+    s.backend.launch(fn, (gx, gy, gz), (bx, by, bz), shared, _stream(s, stream), params, options)
 
 
 def launch(s, a, p):

@@ -17,6 +17,7 @@ from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
 from phos.schema.cuda_types import CudaError, CUresult
+from phos.schema.wire import LAUNCH_COOPERATIVE, launch_cluster
 from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES
 
 log = logging.getLogger("phos.cuda")
@@ -93,6 +94,25 @@ def _ready(err, what):
 class _LaunchConfig(ctypes.Structure):      # CUlaunchConfig (cuda.h)
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+class _LaunchAttribute(ctypes.Structure):   # CUlaunchAttribute: an id, then a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+def _launch_attributes(options):
+    """The CUlaunchAttribute array a launch's options (schema/wire.py) stand for, or None."""
+    attrs = []
+    cluster = launch_cluster(options)
+    if cluster:
+        a = _LaunchAttribute(int(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION))
+        a.value[0], a.value[1], a.value[2] = (max(c, 1) for c in cluster)
+        attrs.append(a)
+    if options & LAUNCH_COOPERATIVE:
+        a = _LaunchAttribute(int(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE))
+        a.value[0] = 1
+        attrs.append(a)
+    return (_LaunchAttribute * len(attrs))(*attrs) if attrs else None
 
 
 def _init():
@@ -313,7 +333,7 @@ class CudaBackend:
     def module_globals(self, module):
         return list(module[1])
 
-    def launch(self, function, grid, block, shared_bytes, stream, params):
+    def launch(self, function, grid, block, shared_bytes, stream, params, options=0):
         if shared_bytes > 48 << 10 and shared_bytes > getattr(function, "dynamic_shared", 48 << 10):
             # the client checked the application's opt-in (cuFuncSetAttribute); the driver
             # here needs the same opt-in before a launch asks for more than 48 KiB
@@ -325,13 +345,15 @@ class CudaBackend:
             ptrs = np.array([buf.ctypes.data + off for off, _ in function.params] or [0], np.uint64)
             args = function.args = (buf, ptrs, ptrs.ctypes.data if function.params else 0, buf.ctypes.data,
                                     int(function.handle))
-        key = (grid, block, shared_bytes, int(stream) if stream else 0)
+        key = (grid, block, shared_bytes, int(stream) if stream else 0, options)
         config = self.launch_configs.get(key)
         if config is None:
             if len(self.launch_configs) > 1024:
                 self.launch_configs.clear()
-            c = _LaunchConfig(grid, block, shared_bytes, key[3] or None, None, 0)
-            config = self.launch_configs[key] = (c, ctypes.addressof(c))
+            attrs = _launch_attributes(options)
+            c = _LaunchConfig(grid, block, shared_bytes, key[3] or None, ctypes.addressof(attrs) if attrs else None,
+                              len(attrs) if attrs else 0)
+            config = self.launch_configs[key] = (c, ctypes.addressof(c), attrs)
         ctypes.memmove(args[3], params, len(params))
         err = _cuLaunchKernelEx(config[1], args[4], args[2], None)
         if err:

@@ -13,6 +13,7 @@ from phos.gpu_server.backend import DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
 from phos.gpu_server.emu_memory import EmuMemory
 from phos.schema.cuda_types import CudaError, CUresult
+from phos.schema.wire import launch_cluster
 from phos.snapshot.fingerprint import fingerprint
 
 GiB = 1 << 30
@@ -103,7 +104,11 @@ class EmuBackend:
                 return ptr, size
         raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no global named {name!r} in this module")
 
-    def launch(self, function, grid, block, shared_bytes, stream, params):
+    def launch(self, function, grid, block, shared_bytes, stream, params, options=0):
+        if launch_cluster(options):
+            raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, f"launch of {function.name}: emu runs no thread-block clusters")
+        # A cooperative launch needs every block resident at once: emu runs a grid's blocks
+        # together, so it is a plain launch here.
         module, name = function.handle
         module.launch(name, self.mem, grid, block, shared_bytes, bytes(params), self.output.append)
 

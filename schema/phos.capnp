@@ -53,7 +53,7 @@
 # Request packed into one Data blob (a lone launch is a batch of one; `launch` stays for
 # other clients). The blob is a sequence of records, little-endian, with no padding:
 #   UInt64 function id
-#   40 bytes, as Launch.config: grid x, y, z, block x, y, z, shared bytes, 0 (UInt32s), stream (UInt64)
+#   40 bytes, as Launch.config: grid x, y, z, block x, y, z, shared bytes, options (UInt32s), stream (UInt64)
 #   UInt32 n, the length of the parameters
 #   n bytes of parameters, packed as Launch.params
 # Sequence numbers: each launch takes one seq, as if sent alone, so that a batch of k
@@ -231,9 +231,11 @@ struct ModuleLoad { payload @0 :UInt32; }                 # the image: PTX, cubi
 struct ModuleSymbol { module @0 :UInt64; name @1 :Text; }
 struct Launch {
   function @0 :UInt64;
-  # grid x, y, z, block x, y, z, shared bytes and a zero as eight little-endian UInt32s,
-  # then the stream id as a little-endian UInt64 (40 bytes). One field instead of nine:
-  # launches are the hot path, and each field costs the worker a read.
+  # grid x, y, z, block x, y, z, shared bytes and the launch options as eight little-endian
+  # UInt32s, then the stream id as a little-endian UInt64 (40 bytes). One field instead of
+  # nine: launches are the hot path, and each field costs the worker a read. Options: bits
+  # 0-7, 8-15 and 16-23 the thread-block cluster's x, y and z (0: no cluster), bit 24 a
+  # cooperative launch (cuLaunchKernelEx's attributes that change what a kernel may do).
   config @1 :Data;
   params @2 :Data;             # packed by the parameter layout of moduleGetFunction
 }

@@ -15,7 +15,14 @@ PROTOCOL_VERSION = phos_capnp.protocolVersion
 MAX_CONTROL_FRAME = 1 << 20          # a Request or Reply frame; bulk bytes go in payload frames
 TRAVERSAL_LIMIT_WORDS = MAX_CONTROL_FRAME // 8 * 2
 
-LAUNCH_CONFIG = struct.Struct("<8IQ")   # Launch.config: grid xyz, block xyz, shared bytes, 0, stream
+LAUNCH_CONFIG = struct.Struct("<8IQ")   # Launch.config: grid xyz, block xyz, shared bytes, options, stream
+LAUNCH_COOPERATIVE = 1 << 24            # Launch.config's options (phos.capnp): bit 24, and the cluster below
+
+
+def launch_cluster(options):
+    """The thread-block cluster a launch's options name, or None."""
+    cluster = (options & 0xFF, (options >> 8) & 0xFF, (options >> 16) & 0xFF)
+    return cluster if any(cluster) else None
 # A launchBatch record's head: function id, LAUNCH_CONFIG's nine values, params length;
 # the params follow (see "Launch batches" in phos.capnp).
 LAUNCH_RECORD = struct.Struct("<Q" + LAUNCH_CONFIG.format[1:] + "I")

@@ -92,6 +92,10 @@ PER_THREAD(cuLaunchKernel_ptsz, cuLaunchKernel,
            (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh,
             CUstream st, void** kp, void** ex),
            (f, gx, gy, gz, bx, by, bz, sh, st, kp, ex))
+PER_THREAD(cuLaunchCooperativeKernel_ptsz, cuLaunchCooperativeKernel,
+           (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned sh,
+            CUstream st, void** kp),
+           (f, gx, gy, gz, bx, by, bz, sh, st, kp))
 PER_THREAD(cuLaunchKernelEx_ptsz, cuLaunchKernelEx, (const CUlaunchConfig* c, CUfunction f, void** kp, void** ex), (c, f, kp, ex))
 PER_THREAD(cuStreamSynchronize_ptsz, cuStreamSynchronize, (CUstream st), (st))
 PER_THREAD(cuStreamQuery_ptsz, cuStreamQuery, (CUstream st), (st))

@@ -196,6 +196,7 @@ PHOS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
+    if (dptr == 0) return CUDA_SUCCESS;      // as the driver: NVIDIA's runtime frees NULL to start a context
     auto it = s.allocations.find(dptr);
     if (it == s.allocations.end()) return CUDA_ERROR_INVALID_VALUE;
     CUctx_st* owner = it->second.ctx;

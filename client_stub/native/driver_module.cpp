@@ -12,6 +12,7 @@ namespace phos::driver {
 
 constexpr uint32_t kFatbinMagic = 0xBA55ED50;
 constexpr uint32_t kFatbinWrapperMagic = 0x466243B1;
+constexpr uint32_t kLaunchCooperative = 1u << 24;    // Launch.config's options (phos.capnp)
 
 // A fatbin: {u32 magic; u16 version; u16 header_size; u64 size of what follows}.
 static size_t fatbin_size(const uint8_t* p) {
@@ -130,7 +131,7 @@ static CUresult pack_params(const CUfunc_st* f, void** kernel_params, void** ext
 }
 
 static CUresult launch(CUfunction f, const unsigned grid[3], const unsigned block[3], unsigned shared_bytes,
-                       CUstream stream, void** kernel_params, void** extra) {
+                       CUstream stream, void** kernel_params, void** extra, uint32_t options = 0) {
     CUresult err = require_init();
     if (err != CUDA_SUCCESS) return err;
     if ((err = resolve_function(f, &f)) != CUDA_SUCCESS) return err;
@@ -141,7 +142,8 @@ static CUresult launch(CUfunction f, const unsigned grid[3], const unsigned bloc
     std::string params;
     if ((err = pack_params(f, kernel_params, extra, params)) != CUDA_SUCCESS) return err;
     ctx->conn->post(wire::Call::launch(f->id, wire::Dim3{grid[0], grid[1], grid[2]},
-                                       wire::Dim3{block[0], block[1], block[2]}, shared_bytes, sid, std::move(params)));
+                                       wire::Dim3{block[0], block[1], block[2]}, shared_bytes, sid, std::move(params),
+                                       options));
     return CUDA_SUCCESS;
 }
 
@@ -389,15 +391,48 @@ PHOS_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int 
 }
 
 PHOS_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** kernel_params, void** extra) {
-    if (!config) return CUDA_ERROR_INVALID_VALUE;
+    if (!config || (config->numAttrs && !config->attrs)) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
+    uint32_t options = 0;
     for (unsigned i = 0; i < config->numAttrs; i++) {
-        log_error("cuLaunchKernelEx: launch attribute %d is not supported", static_cast<int>(config->attrs[i].id));
-        return CUDA_ERROR_NOT_SUPPORTED;
+        const CUlaunchAttribute& a = config->attrs[i];
+        switch (a.id) {
+        case CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: {
+            const auto& c = a.value.clusterDim;
+            if (c.x > 0xFF || c.y > 0xFF || c.z > 0xFF) return CUDA_ERROR_INVALID_CLUSTER_SIZE;
+            options |= c.x | (c.y << 8) | (c.z << 16);
+            break;
+        }
+        case CU_LAUNCH_ATTRIBUTE_COOPERATIVE:
+            if (a.value.cooperative) options |= kLaunchCooperative;
+            break;
+        // Hints and orderings a launch may drop: without them the kernel runs after the
+        // previous work on its stream, as a plain launch does.
+        case CU_LAUNCH_ATTRIBUTE_IGNORE:
+        case CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW:
+        case CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE:
+        case CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
+        case CU_LAUNCH_ATTRIBUTE_PRIORITY:
+        case CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN_MAP:
+        case CU_LAUNCH_ATTRIBUTE_MEM_SYNC_DOMAIN:
+        case CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT:
+            break;
+        default:
+            log_error("cuLaunchKernelEx: launch attribute %d is not supported", static_cast<int>(a.id));
+            return CUDA_ERROR_NOT_SUPPORTED;
+        }
     }
     const unsigned grid[3] = {config->gridDimX, config->gridDimY, config->gridDimZ};
     const unsigned block[3] = {config->blockDimX, config->blockDimY, config->blockDimZ};
-    return launch(f, grid, block, config->sharedMemBytes, config->hStream, kernel_params, extra);
+    return launch(f, grid, block, config->sharedMemBytes, config->hStream, kernel_params, extra, options);
+}
+
+PHOS_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                                               unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared_bytes,
+                                               CUstream stream, void** kernel_params) {
+    Guard g(state().lock);
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    return launch(f, grid, block, shared_bytes, stream, kernel_params, nullptr, kLaunchCooperative);
 }
 
 PHOS_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, CUfunction f, int block_size,

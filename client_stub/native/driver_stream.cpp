@@ -274,3 +274,12 @@ PHOS_EXPORT CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode
     std::swap(current, *mode);
     return CUDA_SUCCESS;
 }
+
+// phos makes no green contexts: every stream belongs to a plain one.
+PHOS_EXPORT CUresult cuStreamGetGreenCtx(CUstream stream, CUgreenCtx* green) {
+    if (!green) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = check_stream(stream);
+    if (err == CUDA_SUCCESS) *green = nullptr;
+    return err;
+}

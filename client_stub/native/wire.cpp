@@ -158,8 +158,9 @@ Call Call::module_symbol(Kind kind, uint64_t module, std::string name) {
     return c;
 }
 Call Call::launch(uint64_t function, Dim3 grid, Dim3 block, uint32_t shared_bytes, uint64_t stream,
-                  std::string params) {
+                  std::string params, uint32_t options) {
     Call c = plain(Kind::launch);
+    c.options = options;
     c.id = function;
     c.grid = grid;
     c.block = block;
@@ -210,9 +211,9 @@ static void put_le(std::string& out, uint64_t value, int n) {
     for (int b = 0; b < n; b++) out.push_back(char(value >> (8 * b)));
 }
 
-// Launch.config: grid xyz, block xyz, shared bytes, 0 (little-endian UInt32s), then the stream (UInt64).
+// Launch.config: grid xyz, block xyz, shared bytes, options (little-endian UInt32s), then the stream (UInt64).
 static void put_launch_config(std::string& out, const Call& c) {
-    const uint32_t words[8] = {c.grid.x, c.grid.y, c.grid.z, c.block.x, c.block.y, c.block.z, c.flags, 0};
+    const uint32_t words[8] = {c.grid.x, c.grid.y, c.grid.z, c.block.x, c.block.y, c.block.z, c.flags, c.options};
     for (uint32_t w : words) put_le(out, w, 4);
     put_le(out, c.stream, 8);
 }

@@ -61,6 +61,7 @@ struct Call {
     std::string bytes2;       // shmCookie (attach)
     Payload payload;          // memcpyHtoD bytes; moduleLoad image
     uint32_t launches = 0;    // launchBatch: how many records `bytes` holds
+    uint32_t options = 0;     // launch: Launch.config's options (cluster, cooperative; phos.capnp)
     bool wanted = false;      // sent last in a Request with wantReply: someone waits for its Result
     bool ends = false;        // sent last in a Request: a resend ends one there too (frames stay small)
 
@@ -99,7 +100,7 @@ struct Call {
     static Call module_load(Payload image);
     static Call module_symbol(Kind kind, uint64_t module, std::string name);
     static Call launch(uint64_t function, Dim3 grid, Dim3 block, uint32_t shared_bytes, uint64_t stream,
-                       std::string params);
+                       std::string params, uint32_t options = 0);
     static Call stream_create(uint32_t flags, int priority);
     static Call stream_wait_event(uint64_t stream, uint64_t event, uint32_t flags);
     static Call event_create(uint32_t flags);
