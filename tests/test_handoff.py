@@ -1,4 +1,4 @@
-"""Live handoff of a context between two server processes (gpu_server/admin.py, Handoff).
+"""Live handoff of a context between two server processes (gpu_server/handoff.py).
 
 The application is a Python client program; it keeps its PHOS_SERVER pointing at the first
 server, whose front end redirects its re-attach to the context's new worker.
