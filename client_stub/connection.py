@@ -21,6 +21,7 @@ import zmq
 import zmq.utils.monitor
 
 from phos.schema import wire
+from phos.schema.wire import Result, read_result
 from phos.schema.cuda_types import CudaError, CUresult
 
 log = logging.getLogger("phos.client")
@@ -44,7 +45,6 @@ STAGING_MIN = 256 << 10          # ...when at least this big and the worker shar
 POLLIN = int(zmq.POLLIN)         # a plain int: `&` with the enum costs microseconds in the spin
 DOORBELL = wire.Request.new_message(version=wire.PROTOCOL_VERSION, doorbell=True).to_bytes()
 
-Result = collections.namedtuple("Result", "seq status message u64s f64 text data payload params")
 
 _zctx = None
 _monitor_ids = itertools.count()
@@ -554,15 +554,6 @@ def log_size(call):
     """The host bytes a logged call holds: its payload, or a launchBatch's blob."""
     seq, name, args, payload = call
     return (len(payload) if payload is not None else 0) + (len(args) if name == "launchBatch" else 0)
-
-
-def read_result(r, frames):
-    """A Result as a namedtuple, reading only the fields that are set (each read costs a microsecond)."""
-    return Result(r.seq, r.status, r.message if r._has("message") else "",
-                  list(r.u64s) if r._has("u64s") else [], r.f64,
-                  r.text if r._has("text") else "", bytes(r.data) if r._has("data") else b"",
-                  frames[r.payload] if 0 < r.payload < len(frames) else None,
-                  [(p.offset, p.size) for p in r.params] if r._has("params") else [])
 
 
 def host_bytes_writable(dst, nbytes):

@@ -19,8 +19,9 @@ import zmq
 import zmq.asyncio
 
 from phos.gpu_server.backend import load_backend
-from phos.gpu_server.worker import build_reply, error_reply
 from phos.schema import wire
+from phos.schema.control import admin_socket
+from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import CudaError, CUresult
 
 log = logging.getLogger("phos.frontend")
@@ -43,7 +44,7 @@ class WorkerProc:
     ctl: object = None           # DEALER to the control socket, attached on first use
     ctl_lock: asyncio.Lock = None
     ctl_seq: int = 0
-    ctl_waiters: dict = None     # seq -> asyncio.Queue of its Results
+    ctl_waiters: dict = None     # seq -> asyncio.Queue of its replies, (kind, value)
     state: str = "running"
 
 
@@ -332,15 +333,34 @@ class FrontEnd:
             worker.ctl.close(linger=0)
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
 
-    async def control(self, worker, name, args=None, progress=None):
-        """One call on a worker's control socket; returns its final Result (progress gets the others).
+    # -- the workers' control sockets (ControlRequest, ControlReply; schema/wire.py) ----------
+    async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):
+        """Checkpoint a worker's context (args: Checkpoint's fields); returns its result dict.
+        on_progress(done, total) while it copies; on_delta(packed ImageDelta) with `early`."""
+        return await self.control(worker, "checkpoint", args, on_progress, on_delta)
 
-        Calls may overlap (a stats query during a checkpoint): replies are routed by seq."""
+    async def ctx_stats(self, worker):
+        """What a worker's context holds and does (a dict, see wire.control_reply)."""
+        return await self.control(worker, "ctxStats")
+
+    async def thaw(self, worker):
+        await self.control(worker, "thaw")
+
+    async def retire(self, worker, endpoint, standby):
+        """A frozen worker's context lives at endpoint now: it tells its client and exits."""
+        await self.control(worker, "retireTo", {"endpoint": endpoint, "standby": standby})
+
+    @staticmethod
+    def worker_alive(worker):
+        return alive(worker.proc)
+
+    async def control(self, worker, kind, args=None, on_progress=None, on_delta=None):
+        """One request on a worker's control socket; returns its last reply's value (a failure
+        raises CudaError). on_progress and on_delta get a checkpoint's replies before it.
+
+        Requests may overlap (a stats query during a checkpoint): replies are routed by seq."""
         await self.open_control(worker)
-        res = await self._control_call(worker, name, args, progress)
-        if res.status:
-            raise CudaError(res.status, res.message)
-        return res
+        return await self._control_call(worker, kind, args, on_progress, on_delta)
 
     async def open_control(self, worker):
         """Connect to a worker's control socket and present its token, once."""
@@ -351,11 +371,9 @@ class FrontEnd:
                 worker.ctl.connect(worker.ctl_endpoint)
                 worker.ctl_waiters = {}
                 asyncio.get_running_loop().create_task(self._control_reader(worker))
-                res = await self._control_call(worker, "attach", {"ctx": worker.ctx_id, "token": worker.ctl_token})
-                if res.status:
-                    raise CudaError(res.status, res.message)
+                await self._control_call(worker, "attach", {"ctx": worker.ctx_id, "token": worker.ctl_token})
 
-    async def _control_call(self, worker, name, args, progress=None):
+    async def _control_call(self, worker, kind, args, on_progress=None, on_delta=None):
         worker.ctl_seq += 1
         seq = worker.ctl_seq
         queue = worker.ctl_waiters[seq] = asyncio.Queue()
@@ -366,38 +384,46 @@ class FrontEnd:
             if worker.proc.returncode is not None or worker.ctl.closed:
                 raise exited
             try:
-                await worker.ctl.send(wire.encode_request([(seq, name, args, None)])[0])
+                frame = wire.encode_control(seq, kind, args)
+            except wire.WireError as e:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{kind}: {e}") from None
+            try:
+                await worker.ctl.send(frame)
             except zmq.ZMQError:
                 raise exited from None        # watch() closed its socket: the worker is gone
             while True:
-                res = await queue.get()
-                if res is None:
+                reply = await queue.get()
+                if reply is None:
                     raise exited
-                if res.status == CUresult.CUDA_ERROR_NOT_READY and progress is not None:
-                    await progress(res)
-                    continue
-                return res
+                what, value = reply
+                if what == "failed":
+                    raise CudaError(*value)
+                if what == "progress":
+                    if on_progress is not None:
+                        on_progress(*value)
+                elif what == "delta":
+                    if on_delta is not None:
+                        on_delta(value)
+                else:
+                    return value
         finally:
             worker.ctl_waiters.pop(seq, None)
 
     async def _control_reader(self, worker):
-        """Route the control socket's Results to the calls waiting for them, until the worker exits."""
-        from phos.client_stub.connection import read_result
+        """Route the control socket's replies to the requests waiting for them, until the worker exits."""
         try:
             while worker.proc.returncode is None:
                 if not await worker.ctl.poll(500):
                     continue
                 frames = await worker.ctl.recv_multipart()
                 try:
-                    with wire.decode(wire.Reply, frames[0]) as reply:
-                        results = [read_result(r, frames) for r in reply.results]
+                    seq, kind, value = wire.read_control_reply(frames[0])
                 except wire.MALFORMED as e:
                     log.warning("context %d: malformed control reply: %s", worker.ctx_id, wire.describe(e))
                     continue
-                for res in results:
-                    waiters = list(worker.ctl_waiters.values()) if res.seq == 0 else [worker.ctl_waiters.get(res.seq)]
-                    for queue in filter(None, waiters):
-                        queue.put_nowait(res)
+                waiters = list(worker.ctl_waiters.values()) if seq == 0 else [worker.ctl_waiters.get(seq)]
+                for queue in filter(None, waiters):
+                    queue.put_nowait((kind, value))
         except zmq.ZMQError:
             pass                   # the socket was closed under us
         finally:
@@ -443,7 +469,7 @@ class FrontEnd:
         await sock.send_multipart([peer, *frames])
 
     async def restore(self, store, name, full, warm=False):
-        """Restore an image into a pre-started worker; returns (worker, Result of the restore call).
+        """Restore an image into a pre-started worker; returns (worker, the restore's result dict).
         warm: a handoff's early image, which no client may attach to until advance()."""
         worker = self.pool.pop(0) if self.pool else await self.start_worker(0, 0, standby=True)
         worker.state = "restoring"
@@ -455,7 +481,7 @@ class FrontEnd:
             raise
         finally:     # not before the client re-attached: starting a process (a fork of ours) holds up this loop
             asyncio.get_running_loop().call_later(REFILL_AFTER_RESTORE, self.fill_pool)
-        ctx_id = res.u64s[0]
+        ctx_id = res["ctx"]
         live = self.workers.get(ctx_id)
         if live is not None and alive(live.proc) and live.state != "warming":
             worker.proc.kill()
@@ -474,11 +500,12 @@ class FrontEnd:
         if worker is not None and worker.proc.returncode is None:
             worker.proc.kill()
 
-    async def advance(self, store, name, ctx, final=True, full=False, delta=""):
+    async def advance(self, store, name, ctx, final=True, full=False, delta=b""):
         """A handoff's later image: the warm copy of context ctx moves on to it, loading only
         what changed; if it cannot, the image is restored afresh. final: clients may attach then.
-        full: answer once everything is loaded. delta: the image as a delta of the warm copy's
-        (its manifest may not be committed yet: no fresh restore then, the caller falls back)."""
+        full: answer once everything is loaded. delta: the image as a delta of the warm copy's, a
+        packed ImageDelta (its manifest may not be committed yet: no fresh restore then, the
+        caller falls back)."""
         warm = self.workers.get(ctx)
         if warm is not None and warm.state == "warming" and alive(warm.proc):
             try:
@@ -497,7 +524,7 @@ class FrontEnd:
         return await self.restore(store, name, full=full, warm=not final)
 
     async def serve(self):
-        from phos.gpu_server import admin
+        from phos.gpu_server import admin        # gRPC, once run() has set its fork support off
         gone = sweep_shm()
         if gone:
             log.info("removed %d file(s) that killed processes left in /dev/shm: %s", len(gone), ", ".join(gone[:5]))
@@ -515,7 +542,7 @@ class FrontEnd:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        admin_server = await admin.start(self, admin.admin_socket(self.listen))     # before we say we listen
+        admin_server = await admin.start(self, admin_socket(self.listen))     # before we say we listen
         log.warning("phos server (%s backend, %d device(s)) listening on %s", self.backend_name, len(self.devices), self.listen)
         self.fill_pool()
         print(f"phos server listening on {self.listen} ({self.backend_name})", flush=True)

@@ -1,4 +1,4 @@
-"""Where a handoff's rounds go (gpu_server/admin.py, Handoff).
+"""Where a handoff's rounds go (gpu_server/handoff.py).
 
 A target that takes recovery images gets them in its recovery store of the context
 (gpu_server/recovery.py): the last round is then the context's recovery image there from

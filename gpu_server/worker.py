@@ -11,7 +11,6 @@ not be created.
 """
 import argparse
 import ctypes
-import json
 import logging
 import mmap
 import os
@@ -20,7 +19,6 @@ import stat
 import sys
 import threading
 import time
-import types
 
 import numpy as np
 import zmq
@@ -31,6 +29,7 @@ from phos.gpu_server.calls import WORKER_CALLS
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
 from phos.schema import wire
+from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.snapshot import engine
 from phos.snapshot.host_store import open_store
@@ -51,7 +50,6 @@ PROFILE_DIR = os.environ.get("PHOS_PROFILE_DIR")   # cProfile each checkpoint's 
 FIRST_HANDLE = 0x1000
 POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs microseconds, twice a loop
 EVENTS = int(zmq.EVENTS)   # ... and getsockopt makes an enum of the enum it is given
-CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync", "early")
 BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
 
 
@@ -200,40 +198,6 @@ class Session:
         elif not last and self.deferred is None:
             self.deferred = (status, message)
         return status, message, {}
-
-
-def build_reply(ack_seq, results, output="", durable=0, moved=None):
-    """Encode a Reply; results are (seq, status, message, fields); moved: (endpoint, standby).
-    Returns the frames."""
-    if len(results) == 1 and not output and not durable and not results[0][1] and not results[0][2] and not results[0][3]:
-        return [wire.PLAIN_REPLY.fill(ack_seq, results[0][0])]
-    reply = wire.Reply.new_message(ackSeq=ack_seq, durableSeq=durable)
-    if output:
-        reply.output = output
-    if moved:
-        reply.moved.endpoint, reply.moved.standby = moved
-    frames = [None]
-    out = reply.init("results", len(results))
-    for r, (seq, status, message, fields) in zip(out, results):
-        r.seq, r.status = seq, int(status)
-        if message:
-            r.message = message
-        for key, value in fields.items():
-            if key == "payload":
-                frames.append(value)
-                r.payload = len(frames) - 1
-            elif key == "params":
-                ps = r.init("params", len(value))
-                for p, (off, size) in zip(ps, value):
-                    p.offset, p.size = off, size
-            else:
-                setattr(r, key, value)
-    frames[0] = reply.to_bytes()
-    return frames
-
-
-def error_reply(status, message):
-    return build_reply(0, [(0, status, message, {})])
 
 
 class Worker:
@@ -409,45 +373,46 @@ class Worker:
         self.sock.send_multipart([peer, *frames], copy=False)
 
     # -- the control socket: the front end's checkpoint, restore and stats ------------------
+    # (ControlRequest and ControlReply in schema/phos.capnp; read and written by schema/wire.py)
     def handle_control(self, frames):
         if len(frames) < 2:
             return
         peer = frames[0].bytes
         try:
-            with wire.decode(wire.Request, frames[1]) as req:
-                for call in req.calls:
-                    self.control_call(peer, call.seq, call.which(), call)
+            seq, kind, args = wire.read_control(frames[1])
         except wire.MALFORMED as e:
             log.warning("malformed control frame: %s", wire.describe(e))
-            self.ctl.send_multipart([peer, *error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}")])
+            self.answer_control(peer, 0, "failed", (CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
+            return
+        self.control_call(peer, seq, kind, args)
 
-    def control_call(self, peer, seq, name, call):
+    def control_call(self, peer, seq, kind, args):
         try:
-            if name == "attach":
-                if bytes(call.attach.token) != self.control_token or not self.control_token:
+            if kind == "attach":
+                if args.token != self.control_token or not self.control_token:
                     raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, "wrong control token")
                 self.ctl_peers.add(peer)
-                fields = {}
+                answer = ("done", None)
             elif peer not in self.ctl_peers:
                 raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, "attach with the control token first")
-            elif name not in CONTROL_CALLS:
-                raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, f"call {name!r} is not served on the control socket")
+            elif kind not in CONTROL_CALLS:
+                raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, f"request {kind!r} is not served on the control socket")
             else:
-                fields = CONTROL_CALLS[name](self, peer, seq, getattr(call, name))
-            if fields is not None:
-                self.answer_control(peer, seq, CUresult.CUDA_SUCCESS, "", fields)
+                answer = CONTROL_CALLS[kind](self, peer, seq, args)
+            if answer is not None:        # None: answered later (a checkpoint)
+                self.answer_control(peer, seq, *answer)
         except CudaError as e:
-            self.answer_control(peer, seq, e.status, f"{name}: {e.message}", {})
+            self.answer_control(peer, seq, "failed", (e.status, f"{kind}: {e.message}"))
         except Exception as e:     # a bug of ours: fail the call loudly, keep the context
-            log.exception("context %d: control call %s raised", self.session.ctx_id, name)
-            self.answer_control(peer, seq, CUresult.CUDA_ERROR_UNKNOWN, f"{name}: internal error: {type(e).__name__}: {e}", {})
+            log.exception("context %d: control call %s raised", self.session.ctx_id, kind)
+            self.answer_control(peer, seq, "failed", (CUresult.CUDA_ERROR_UNKNOWN, f"{kind}: internal error: {type(e).__name__}: {e}"))
 
-    def answer_control(self, peer, seq, status, message, fields):
-        self.ctl.send_multipart([peer, *build_reply(seq, [(seq, status, message, fields)])])
+    def answer_control(self, peer, seq, kind, value=None):
+        """One ControlReply (wire.control_reply's kinds and values)."""
+        self.ctl.send_multipart([peer, wire.control_reply(seq, kind, value)])
 
     def start_checkpoint(self, peer, seq, a):
         s = self.session
-        a = types.SimpleNamespace(**{k: getattr(a, k) for k in CHECKPOINT_ARGS})    # it may wait: copy it
         if s.checkpoint is not None and self.recovering and self.queued_checkpoint is None:
             self.queued_checkpoint = (peer, seq, a)       # after the recovery image: it is seconds at most
             return None
@@ -547,11 +512,7 @@ class Worker:
         r, s = self.warm, self.session
         if r is None or self.attached or os.path.abspath(a.store) != r.store.path:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker holds no restore to advance")
-        try:
-            delta = json.loads(a.delta) if a.delta else None
-        except ValueError as e:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"delta of image {a.name!r} is not JSON: {e}") from None
-        cut = r.advance(a.name, a.full, delta)
+        cut = r.advance(a.name, a.full, a.delta)
         if cut is None:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"image {a.name!r} holds other objects: restore it afresh")
         self.ack = cut
@@ -560,13 +521,13 @@ class Worker:
         return self.restored(r)
 
     def restored(self, r):
-        """The restore call's Result: the context, its cut and what is loaded so far."""
-        return {"u64s": [self.session.ctx_id, self.ack],
-                "text": json.dumps({"name": r.name, "bytes": r.bytes_total, "loaded": r.bytes_done, "phase_ms": r.phase_ms})}
+        """The restore's reply: the context, its cut and what is loaded so far."""
+        return "restored", {"ctx": self.session.ctx_id, "cut_seq": self.ack, "name": r.name, "bytes": r.bytes_total,
+                            "loaded": r.bytes_done, "phase_ms": r.phase_ms}
 
     def thaw(self, peer, seq, a):
         self.frozen = False
-        return {}
+        return "done", None
 
     def retire(self, peer, seq, a):
         """The context lives at a.endpoint now: say so to the client, which attaches there at
@@ -580,15 +541,15 @@ class Worker:
             moved = build_reply(self.ack, [], moved=(a.endpoint, a.standby))
             for client in self.attached:
                 self.sock.send_multipart([client, *moved], copy=False)
-        return {}
+        return "done", None
 
     def ctx_stats(self, peer, seq, a):
         s = self.session
         job = s.checkpoint or s.restoring
-        return {"u64s": [s.space.used(), len(s.space.allocations()), self.ack],
-                "text": json.dumps({"checkpoint": s.checkpoint is not None, "restoring": s.restoring is not None,
-                                    "done": job.bytes_done if job else 0, "total": job.bytes_total if job else 0,
-                                    "first_call_loaded": self.first_call_loaded})}
+        return "stats", {"bytes": s.space.used(), "allocations": len(s.space.allocations()), "last_seq": self.ack,
+                         "checkpoint": s.checkpoint is not None, "restoring": s.restoring is not None,
+                         "done": job.bytes_done if job else 0, "total": job.bytes_total if job else 0,
+                         "first_call_loaded": self.first_call_loaded}
 
     def tick(self):
         """Finish or report on a running checkpoint; retire a restore whose loading ended."""
@@ -605,19 +566,18 @@ class Worker:
             self.serving = [0, 0.0]
 
             def send_delta(delta):
-                self.answer_control(*self.job, CUresult.CUDA_ERROR_NOT_READY, "", {"text": json.dumps(delta)})
+                self.answer_control(*self.job, "delta", delta)
                 sent.append(True)
             try:
                 result = cp.finish(self.ack, send_delta if self.early and self.job else None)
                 self.remember(cp)
                 result["messages_served"] = served
-                fields = {"text": json.dumps(result)}
-                status, message = CUresult.CUDA_SUCCESS, ""
+                answer = ("checkpointed", result)
             except Exception as e:     # the image is lost, not the context
                 if not isinstance(e, CudaError):
                     log.exception("context %d: checkpoint failed", s.ctx_id)
                     e = CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"{type(e).__name__}: {e}")
-                result, fields, status, message = None, {}, e.status, f"checkpoint: {e.message}"
+                result, answer = None, ("failed", (e.status, f"checkpoint: {e.message}"))
                 # A handoff's last round failed: the context goes on here, unless its delta went
                 # out first; the target may hold the context then, and the front end decides.
                 self.frozen = bool(sent)
@@ -627,19 +587,19 @@ class Worker:
                 self.profiler.dump_stats(os.path.join(PROFILE_DIR, f"checkpoint-{os.getpid()}-{time.monotonic_ns()}.prof"))
                 self.profiler = None
             if self.recovering:
-                s.recovery.committed(result["cut_seq"]) if result else s.recovery.failed(message)
+                s.recovery.committed(result["cut_seq"]) if result else s.recovery.failed(answer[1][1])
                 queued, self.queued_checkpoint = self.queued_checkpoint, None
                 if queued:
                     try:
                         self.start_checkpoint(*queued)
                     except CudaError as e:
-                        self.answer_control(*queued[:2], e.status, f"checkpoint: {e.message}", {})
+                        self.answer_control(*queued[:2], "failed", (e.status, f"checkpoint: {e.message}"))
             elif self.job:
-                self.answer_control(*self.job, status, message, fields)
+                self.answer_control(*self.job, *answer)
                 self.job = None
         elif cp is not None and self.job and time.monotonic() - self.progress_at > PROGRESS_EVERY:
             self.progress_at = time.monotonic()
-            self.answer_control(*self.job, CUresult.CUDA_ERROR_NOT_READY, "", {"u64s": [cp.bytes_done, cp.bytes_total]})
+            self.answer_control(*self.job, "progress", (cp.bytes_done, cp.bytes_total))
         r = s.restoring
         if r is not None and r.loader_held:
             now = time.perf_counter()

@@ -37,6 +37,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from ptx_helpers import compile_ptx  # noqa: E402  (tests/kernels/snapshot.cu: fill_u64)
+from phos.schema.control import checkpoint_result  # noqa: E402
 from phos.snapshot.engine import TRACE_SECONDS  # noqa: E402
 
 FILL_PTX = compile_ptx("snapshot.cu", "compute_75")
@@ -134,15 +135,17 @@ class App:
 
 
 CHECKPOINT_CHILD = """
-import sys
+import json, sys
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
+from phos.schema.control import checkpoint_result
 address, ctx, store, chunk = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 admin = stub(address)
 admin.Stats(pb.StatsRequest())                  # connected before we are timed
 print("READY", flush=True)
 sys.stdin.readline()
-print(list(admin.Checkpoint(pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk)))[-1].result_json, flush=True)
+print(json.dumps(checkpoint_result(list(admin.Checkpoint(pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk)))[-1].result)),
+      flush=True)
 """
 
 
@@ -328,7 +331,7 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
 
     def checkpoint(srv, ctx, store, **kw):
         msgs = list(stub(srv.address).Checkpoint(pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk, **kw)))
-        return json.loads(msgs[-1].result_json)
+        return checkpoint_result(msgs[-1].result)
 
     row = {}
     one = server("one")

@@ -1,16 +1,18 @@
-"""`phos ctx list`, `phos checkpoint`, `phos restore`, `phos image inspect`: clients of the admin API."""
+"""`phos ctx list`, `phos checkpoint`, `phos restore`, `phos image inspect`: clients of the admin API.
+
+Loads no server code (phos.gpu_server, phos.snapshot) at import: only the admin API's schema."""
 import json
 import sys
 import time
 
 from phos.schema import admin_pb2 as pb
+from phos.schema.control import admin_socket, checkpoint_result
 
 GiB = 1 << 30
 
 
 def stub(server):
     import grpc
-    from phos.gpu_server.admin import admin_socket
     from phos.schema import admin_pb2_grpc
     return admin_pb2_grpc.AdminStub(grpc.insecure_channel(admin_socket(server)))
 
@@ -63,7 +65,7 @@ def checkpoint(opts):
     start, result = time.perf_counter(), None
     show = not opts.json and sys.stderr.isatty() or opts.progress
     for msg in call(lambda: list(_stream(stub(opts.server).Checkpoint(req), start, show))):
-        result = json.loads(msg.result_json)
+        result = checkpoint_result(msg.result)
     if opts.json:
         print(json.dumps(result))
         return 0

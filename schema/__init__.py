@@ -1,1 +1,2 @@
-"""Wire schemas: phos.capnp (data plane) and admin.proto (control plane)."""
+"""Wire schemas: phos.capnp (the data plane, and the control plane between a front end and its
+workers) and admin.proto (the admin API)."""

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\rphos.admin.v1\"\x82\x01\n\x07\x43ontext\x12\n\n\x02id\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x61llocations\x18\x03 \x01(\x04\x12\x10\n\x08last_seq\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x19\n\x11\x66irst_call_loaded\x18\x07 \x01(\x04\"\x15\n\x13ListContextsRequest\"=\n\x11ListContextsReply\x12(\n\x08\x63ontexts\x18\x01 \x03(\x0b\x32\x16.phos.admin.v1.Context\"\x88\x01\n\x11\x43heckpointRequest\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\x12\r\n\x05store\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\x13\n\x0bincremental\x18\x05 \x01(\x08\x12\x10\n\x08\x63ompress\x18\x06 \x01(\x08\x12\x12\n\nchunk_size\x18\x07 \x01(\x04\"d\n\x12\x43heckpointProgress\x12\x12\n\ndone_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x13\n\x0bresult_json\x18\x04 \x01(\t\"v\n\x0eRestoreRequest\x12\r\n\x05store\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12\x0c\n\x04warm\x18\x04 \x01(\x08\x12\x0f\n\x07\x61\x64vance\x18\x05 \x01(\x08\x12\x0b\n\x03\x63tx\x18\x06 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x07 \x01(\t\"\xd8\x01\n\x0cRestoreReply\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\x12\x0f\n\x07\x63ut_seq\x18\x02 \x01(\x04\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x10\n\x08\x65ndpoint\x18\x06 \x01(\t\x12:\n\x08phase_ms\x18\x07 \x03(\x0b\x32(.phos.admin.v1.RestoreReply.PhaseMsEntry\x1a.\n\x0cPhaseMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Q\n\x0eHandoffRequest\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\x12\n\n\x02to\x18\x02 \x01(\t\x12\x12\n\nmax_rounds\x18\x03 \x01(\r\x12\x12\n\nchunk_size\x18\x04 \x01(\x04\"\xa4\x02\n\x0cHandoffReply\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\x12\n\n\x02to\x18\x02 \x01(\t\x12\x13\n\x0bround_bytes\x18\x03 \x03(\x04\x12\x13\n\x0b\x64owntime_ms\x18\x04 \x01(\x01\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x10\n\x08round_ms\x18\x07 \x03(\x01\x12:\n\x08phase_ms\x18\x06 \x03(\x0b\x32(.phos.admin.v1.HandoffReply.PhaseMsEntry\x12\x12\n\nchunk_size\x18\x08 \x01(\x04\x12\x16\n\x0erecovery_store\x18\t \x01(\t\x12\x16\n\x0erecovery_image\x18\n \x01(\t\x1a.\n\x0cPhaseMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1e\n\x0f\x44ropWarmRequest\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\"\x0f\n\rDropWarmReply\"1\n\x12\x44\x65leteImageRequest\x12\r\n\x05store\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"=\n\x10\x44\x65leteImageReply\x12\x14\n\x0c\x66reed_chunks\x18\x01 \x01(\x04\x12\x13\n\x0b\x66reed_bytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xca\x01\n\nStatsReply\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\r\x12\x10\n\x08\x63ontexts\x18\x03 \x01(\r\x12\x17\n\x0fstandby_workers\x18\x04 \x01(\r\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63heckpoints\x18\x06 \x01(\x04\x12\x10\n\x08restores\x18\x07 \x01(\x04\x12\x14\n\x0crecovery_dir\x18\x08 \x01(\t\x12\x0f\n\x07standby\x18\t \x01(\t\x12\x12\n\nhost_store\x18\n \x01(\t2\x9e\x04\n\x05\x41\x64min\x12T\n\x0cListContexts\x12\".phos.admin.v1.ListContextsRequest\x1a .phos.admin.v1.ListContextsReply\x12S\n\nCheckpoint\x12 .phos.admin.v1.CheckpointRequest\x1a!.phos.admin.v1.CheckpointProgress0\x01\x12\x45\n\x07Restore\x12\x1d.phos.admin.v1.RestoreRequest\x1a\x1b.phos.admin.v1.RestoreReply\x12Q\n\x0b\x44\x65leteImage\x12!.phos.admin.v1.DeleteImageRequest\x1a\x1f.phos.admin.v1.DeleteImageReply\x12?\n\x05Stats\x12\x1b.phos.admin.v1.StatsRequest\x1a\x19.phos.admin.v1.StatsReply\x12\x45\n\x07Handoff\x12\x1d.phos.admin.v1.HandoffRequest\x1a\x1b.phos.admin.v1.HandoffReply\x12H\n\x08\x44ropWarm\x12\x1e.phos.admin.v1.DropWarmRequest\x1a\x1c.phos.admin.v1.DropWarmReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x61\x64min.proto\x12\rphos.admin.v1\"\x82\x01\n\x07\x43ontext\x12\n\n\x02id\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x13\n\x0b\x61llocations\x18\x03 \x01(\x04\x12\x10\n\x08last_seq\x18\x04 \x01(\x04\x12\x0b\n\x03pid\x18\x05 \x01(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x19\n\x11\x66irst_call_loaded\x18\x07 \x01(\x04\"\x15\n\x13ListContextsRequest\"=\n\x11ListContextsReply\x12(\n\x08\x63ontexts\x18\x01 \x03(\x0b\x32\x16.phos.admin.v1.Context\"\x88\x01\n\x11\x43heckpointRequest\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\x12\r\n\x05store\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\x13\n\x0bincremental\x18\x05 \x01(\x08\x12\x10\n\x08\x63ompress\x18\x06 \x01(\x08\x12\x12\n\nchunk_size\x18\x07 \x01(\x04\"\x86\x01\n\x12\x43heckpointProgress\x12\x12\n\ndone_bytes\x18\x01 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12/\n\x06result\x18\x05 \x01(\x0b\x32\x1f.phos.admin.v1.CheckpointResultJ\x04\x08\x04\x10\x05\"\x95\x04\n\x10\x43heckpointResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x63opied_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x04 \x01(\x04\x12\x12\n\nnew_chunks\x18\x05 \x01(\x04\x12\x15\n\rreused_chunks\x18\x06 \x01(\x04\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x0e\n\x06paused\x18\t \x01(\x08\x12\x10\n\x08pause_ms\x18\n \x01(\x01\x12\x17\n\x0frecopied_chunks\x18\x0b \x01(\x04\x12\x0f\n\x07\x63ut_seq\x18\x0c \x01(\x04\x12\x16\n\x0emanifest_bytes\x18\r \x01(\x04\x12>\n\x08phase_ms\x18\x0e \x03(\x0b\x32,.phos.admin.v1.CheckpointResult.PhaseMsEntry\x12*\n\x08trace_ms\x18\x0f \x03(\x0b\x32\x18.phos.admin.v1.TraceStep\x12\x12\n\ntrace_from\x18\x10 \x01(\x01\x12,\n\rserved_before\x18\x11 \x01(\x0b\x32\x15.phos.admin.v1.Served\x12,\n\rserved_during\x18\x12 \x01(\x0b\x32\x15.phos.admin.v1.Served\x1a.\n\x0cPhaseMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\tTraceStep\x12\r\n\x05\x61t_ms\x18\x01 \x01(\x01\x12\x0c\n\x04step\x18\x02 \x01(\t\x12\n\n\x02ms\x18\x03 \x01(\x01\"&\n\x06Served\x12\x10\n\x08messages\x18\x01 \x01(\x04\x12\n\n\x02ms\x18\x02 \x01(\x01\"v\n\x0eRestoreRequest\x12\r\n\x05store\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12\x0c\n\x04warm\x18\x04 \x01(\x08\x12\x0f\n\x07\x61\x64vance\x18\x05 \x01(\x08\x12\x0b\n\x03\x63tx\x18\x06 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x07 \x01(\x0c\"\xd8\x01\n\x0cRestoreReply\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\x12\x0f\n\x07\x63ut_seq\x18\x02 \x01(\x04\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x10\n\x08\x65ndpoint\x18\x06 \x01(\t\x12:\n\x08phase_ms\x18\x07 \x03(\x0b\x32(.phos.admin.v1.RestoreReply.PhaseMsEntry\x1a.\n\x0cPhaseMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Q\n\x0eHandoffRequest\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\x12\n\n\x02to\x18\x02 \x01(\t\x12\x12\n\nmax_rounds\x18\x03 \x01(\r\x12\x12\n\nchunk_size\x18\x04 \x01(\x04\"\xa4\x02\n\x0cHandoffReply\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\x12\n\n\x02to\x18\x02 \x01(\t\x12\x13\n\x0bround_bytes\x18\x03 \x03(\x04\x12\x13\n\x0b\x64owntime_ms\x18\x04 \x01(\x01\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x10\n\x08round_ms\x18\x07 \x03(\x01\x12:\n\x08phase_ms\x18\x06 \x03(\x0b\x32(.phos.admin.v1.HandoffReply.PhaseMsEntry\x12\x12\n\nchunk_size\x18\x08 \x01(\x04\x12\x16\n\x0erecovery_store\x18\t \x01(\t\x12\x16\n\x0erecovery_image\x18\n \x01(\t\x1a.\n\x0cPhaseMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1e\n\x0f\x44ropWarmRequest\x12\x0b\n\x03\x63tx\x18\x01 \x01(\x04\"\x0f\n\rDropWarmReply\"1\n\x12\x44\x65leteImageRequest\x12\r\n\x05store\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"=\n\x10\x44\x65leteImageReply\x12\x14\n\x0c\x66reed_chunks\x18\x01 \x01(\x04\x12\x13\n\x0b\x66reed_bytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"\xca\x01\n\nStatsReply\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x01(\r\x12\x10\n\x08\x63ontexts\x18\x03 \x01(\r\x12\x17\n\x0fstandby_workers\x18\x04 \x01(\r\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x63heckpoints\x18\x06 \x01(\x04\x12\x10\n\x08restores\x18\x07 \x01(\x04\x12\x14\n\x0crecovery_dir\x18\x08 \x01(\t\x12\x0f\n\x07standby\x18\t \x01(\t\x12\x12\n\nhost_store\x18\n \x01(\t2\x9e\x04\n\x05\x41\x64min\x12T\n\x0cListContexts\x12\".phos.admin.v1.ListContextsRequest\x1a .phos.admin.v1.ListContextsReply\x12S\n\nCheckpoint\x12 .phos.admin.v1.CheckpointRequest\x1a!.phos.admin.v1.CheckpointProgress0\x01\x12\x45\n\x07Restore\x12\x1d.phos.admin.v1.RestoreRequest\x1a\x1b.phos.admin.v1.RestoreReply\x12Q\n\x0b\x44\x65leteImage\x12!.phos.admin.v1.DeleteImageRequest\x1a\x1f.phos.admin.v1.DeleteImageReply\x12?\n\x05Stats\x12\x1b.phos.admin.v1.StatsRequest\x1a\x19.phos.admin.v1.StatsReply\x12\x45\n\x07Handoff\x12\x1d.phos.admin.v1.HandoffRequest\x1a\x1b.phos.admin.v1.HandoffReply\x12H\n\x08\x44ropWarm\x12\x1e.phos.admin.v1.DropWarmRequest\x1a\x1c.phos.admin.v1.DropWarmReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_CHECKPOINTRESULT_PHASEMSENTRY']._loaded_options = None
+  _globals['_CHECKPOINTRESULT_PHASEMSENTRY']._serialized_options = b'8\001'
   _globals['_RESTOREREPLY_PHASEMSENTRY']._loaded_options = None
   _globals['_RESTOREREPLY_PHASEMSENTRY']._serialized_options = b'8\001'
   _globals['_HANDOFFREPLY_PHASEMSENTRY']._loaded_options = None
@@ -43,32 +45,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTCONTEXTSREPLY']._serialized_end=247
   _globals['_CHECKPOINTREQUEST']._serialized_start=250
   _globals['_CHECKPOINTREQUEST']._serialized_end=386
-  _globals['_CHECKPOINTPROGRESS']._serialized_start=388
-  _globals['_CHECKPOINTPROGRESS']._serialized_end=488
-  _globals['_RESTOREREQUEST']._serialized_start=490
-  _globals['_RESTOREREQUEST']._serialized_end=608
-  _globals['_RESTOREREPLY']._serialized_start=611
-  _globals['_RESTOREREPLY']._serialized_end=827
-  _globals['_RESTOREREPLY_PHASEMSENTRY']._serialized_start=781
-  _globals['_RESTOREREPLY_PHASEMSENTRY']._serialized_end=827
-  _globals['_HANDOFFREQUEST']._serialized_start=829
-  _globals['_HANDOFFREQUEST']._serialized_end=910
-  _globals['_HANDOFFREPLY']._serialized_start=913
-  _globals['_HANDOFFREPLY']._serialized_end=1205
-  _globals['_HANDOFFREPLY_PHASEMSENTRY']._serialized_start=781
-  _globals['_HANDOFFREPLY_PHASEMSENTRY']._serialized_end=827
-  _globals['_DROPWARMREQUEST']._serialized_start=1207
-  _globals['_DROPWARMREQUEST']._serialized_end=1237
-  _globals['_DROPWARMREPLY']._serialized_start=1239
-  _globals['_DROPWARMREPLY']._serialized_end=1254
-  _globals['_DELETEIMAGEREQUEST']._serialized_start=1256
-  _globals['_DELETEIMAGEREQUEST']._serialized_end=1305
-  _globals['_DELETEIMAGEREPLY']._serialized_start=1307
-  _globals['_DELETEIMAGEREPLY']._serialized_end=1368
-  _globals['_STATSREQUEST']._serialized_start=1370
-  _globals['_STATSREQUEST']._serialized_end=1384
-  _globals['_STATSREPLY']._serialized_start=1387
-  _globals['_STATSREPLY']._serialized_end=1589
-  _globals['_ADMIN']._serialized_start=1592
-  _globals['_ADMIN']._serialized_end=2134
+  _globals['_CHECKPOINTPROGRESS']._serialized_start=389
+  _globals['_CHECKPOINTPROGRESS']._serialized_end=523
+  _globals['_CHECKPOINTRESULT']._serialized_start=526
+  _globals['_CHECKPOINTRESULT']._serialized_end=1059
+  _globals['_CHECKPOINTRESULT_PHASEMSENTRY']._serialized_start=1013
+  _globals['_CHECKPOINTRESULT_PHASEMSENTRY']._serialized_end=1059
+  _globals['_TRACESTEP']._serialized_start=1061
+  _globals['_TRACESTEP']._serialized_end=1113
+  _globals['_SERVED']._serialized_start=1115
+  _globals['_SERVED']._serialized_end=1153
+  _globals['_RESTOREREQUEST']._serialized_start=1155
+  _globals['_RESTOREREQUEST']._serialized_end=1273
+  _globals['_RESTOREREPLY']._serialized_start=1276
+  _globals['_RESTOREREPLY']._serialized_end=1492
+  _globals['_RESTOREREPLY_PHASEMSENTRY']._serialized_start=1013
+  _globals['_RESTOREREPLY_PHASEMSENTRY']._serialized_end=1059
+  _globals['_HANDOFFREQUEST']._serialized_start=1494
+  _globals['_HANDOFFREQUEST']._serialized_end=1575
+  _globals['_HANDOFFREPLY']._serialized_start=1578
+  _globals['_HANDOFFREPLY']._serialized_end=1870
+  _globals['_HANDOFFREPLY_PHASEMSENTRY']._serialized_start=1013
+  _globals['_HANDOFFREPLY_PHASEMSENTRY']._serialized_end=1059
+  _globals['_DROPWARMREQUEST']._serialized_start=1872
+  _globals['_DROPWARMREQUEST']._serialized_end=1902
+  _globals['_DROPWARMREPLY']._serialized_start=1904
+  _globals['_DROPWARMREPLY']._serialized_end=1919
+  _globals['_DELETEIMAGEREQUEST']._serialized_start=1921
+  _globals['_DELETEIMAGEREQUEST']._serialized_end=1970
+  _globals['_DELETEIMAGEREPLY']._serialized_start=1972
+  _globals['_DELETEIMAGEREPLY']._serialized_end=2033
+  _globals['_STATSREQUEST']._serialized_start=2035
+  _globals['_STATSREQUEST']._serialized_end=2049
+  _globals['_STATSREPLY']._serialized_start=2052
+  _globals['_STATSREPLY']._serialized_end=2254
+  _globals['_ADMIN']._serialized_start=2257
+  _globals['_ADMIN']._serialized_end=2799
 # @@protoc_insertion_point(module_scope)

@@ -1,12 +1,18 @@
-"""Encoding and decoding of data-plane messages (schema/phos.capnp).
+"""Encoding and decoding of phos's messages (schema/phos.capnp), for both sides.
 
-A message is [Request or Reply frame, payload frame 1, payload frame 2, ...].
+The data plane: a message is [Request or Reply frame, payload frame 1, payload frame 2, ...].
+The control plane (a front end and a worker's control socket): one ControlRequest or
+ControlReply frame; read here into plain Python values.
 """
+import collections
 import os
 import struct
+import types
 
 import capnp
 import numpy as np
+
+from phos.schema import control
 
 capnp.remove_import_hook()
 phos_capnp = capnp.load(os.path.join(os.path.dirname(__file__), "phos.capnp"))
@@ -38,6 +44,12 @@ SLOTS_OFFSET = BOX_OFFSET + 2 * BOX_SIZE
 
 Request = phos_capnp.Request
 Reply = phos_capnp.Reply
+ControlRequest = phos_capnp.ControlRequest
+ControlReply = phos_capnp.ControlReply
+ImageDelta = phos_capnp.ImageDelta
+
+# A Reply's Result, read (read_result)
+Result = collections.namedtuple("Result", "seq status message u64s f64 text data payload params")
 
 
 class WireError(Exception):
@@ -232,3 +244,228 @@ def read_bare_call(frame):
             if name:
                 return name, Template.U64.unpack_from(frame, off)[0]
     return None
+
+
+# -- Replies of the data plane -----------------------------------------------------------------
+def build_reply(ack_seq, results, output="", durable=0, moved=None):
+    """Encode a Reply; results are (seq, status, message, fields); moved: (endpoint, standby).
+    Returns the frames."""
+    if len(results) == 1 and not output and not durable and not results[0][1] and not results[0][2] and not results[0][3]:
+        return [PLAIN_REPLY.fill(ack_seq, results[0][0])]
+    reply = Reply.new_message(ackSeq=ack_seq, durableSeq=durable)
+    if output:
+        reply.output = output
+    if moved:
+        reply.moved.endpoint, reply.moved.standby = moved
+    frames = [None]
+    out = reply.init("results", len(results))
+    for r, (seq, status, message, fields) in zip(out, results):
+        r.seq, r.status = seq, int(status)
+        if message:
+            r.message = message
+        for key, value in fields.items():
+            if key == "payload":
+                frames.append(value)
+                r.payload = len(frames) - 1
+            elif key == "params":
+                ps = r.init("params", len(value))
+                for p, (off, size) in zip(ps, value):
+                    p.offset, p.size = off, size
+            else:
+                setattr(r, key, value)
+    frames[0] = reply.to_bytes()
+    return frames
+
+
+def error_reply(status, message):
+    return build_reply(0, [(0, status, message, {})])
+
+
+def read_result(r, frames):
+    """A Result as a namedtuple, reading only the fields that are set (each read costs a microsecond)."""
+    return Result(r.seq, r.status, r.message if r._has("message") else "",
+                  list(r.u64s) if r._has("u64s") else [], r.f64,
+                  r.text if r._has("text") else "", bytes(r.data) if r._has("data") else b"",
+                  frames[r.payload] if 0 < r.payload < len(frames) else None,
+                  [(p.offset, p.size) for p in r.params] if r._has("params") else [])
+
+
+# -- the control plane (ControlRequest, ControlReply) -------------------------------------------
+def _camel(key):
+    head, *rest = key.split("_")
+    return head + "".join(w.title() for w in rest)
+
+
+CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync", "early")
+RESTORE_ARGS = ("store", "name", "full", "advance", "warm")
+# A checkpoint's result as a dict (the keys of `phos checkpoint --json`) and its capnp fields:
+# the scalars (mode, an enum, by hand); phase_ms, trace_ms and messages_served by hand too.
+CHECKPOINT_SCALARS = tuple((k, None if k == "mode" else _camel(k)) for k in control.CHECKPOINT_SCALARS)
+STATS_FIELDS = (("bytes", "bytes"), ("allocations", "allocations"), ("last_seq", "lastSeq"),
+                ("checkpoint", "checkpointing"), ("restoring", "restoring"), ("done", "doneBytes"), ("total", "totalBytes"))
+
+
+def encode_control(seq, kind, args=None):
+    """A ControlRequest frame. kind: attach ({ctx, token}), checkpoint (CHECKPOINT_ARGS),
+    restore (RESTORE_ARGS and delta: a packed ImageDelta, see pack_delta), ctxStats, thaw or
+    retireTo ({endpoint, standby}); args: a dict of its fields (those left out are zero).
+    Raises WireError for a delta that cannot be read."""
+    req = ControlRequest.new_message(seq=seq)
+    if args is None:
+        setattr(req, kind, None)
+        return req.to_bytes()
+    fields = req.init(kind)
+    for key, value in args.items():
+        if key == "delta":
+            if value:
+                try:
+                    with decode(ImageDelta, value) as d:
+                        fields.delta = d
+                except MALFORMED as e:
+                    raise WireError(f"the delta is not an ImageDelta: {describe(e)}") from None
+        else:
+            setattr(fields, key, value)
+    return req.to_bytes()
+
+
+def read_control(frame):
+    """(seq, kind, args) of a ControlRequest frame; args are plain values, copied out of the frame
+    (a SimpleNamespace of the member's fields; a restore's delta as a dict, or None). Raises WireError."""
+    with decode(ControlRequest, frame) as req:
+        kind = req.which()
+        a = getattr(req, kind)
+        if kind == "attach":
+            args = types.SimpleNamespace(ctx=a.ctx, token=bytes(a.token))
+        elif kind == "checkpoint":
+            args = types.SimpleNamespace(**{k: getattr(a, k) for k in CHECKPOINT_ARGS})
+        elif kind == "restore":
+            args = types.SimpleNamespace(**{k: getattr(a, k) for k in RESTORE_ARGS},
+                                         delta=_read_delta(a.delta) if a._has("delta") else None)
+        elif kind == "retireTo":
+            args = types.SimpleNamespace(endpoint=a.endpoint, standby=a.standby)
+        else:
+            args = None
+        return req.seq, kind, args
+
+
+def control_reply(seq, kind, value=None):
+    """A ControlReply frame. kind and value: failed (status, message), done (None), progress
+    (done bytes, total bytes), delta (the dict of snapshot.engine.image_delta), checkpointed (the
+    checkpoint's result dict), restored (restore_result's dict) or stats (ctx stats dict)."""
+    reply = ControlReply.new_message(seq=seq)
+    if kind == "done":
+        reply.done = None
+    elif kind == "failed":
+        f = reply.init("failed")
+        f.status, f.message = int(value[0]), value[1]
+    elif kind == "progress":
+        p = reply.init("progress")
+        p.doneBytes, p.totalBytes = value
+    elif kind == "delta":
+        _write_delta(reply.init("delta"), value)
+    elif kind == "checkpointed":
+        _write_checkpoint_result(reply.init("checkpointed"), value)
+    elif kind == "restored":
+        r = reply.init("restored")
+        r.ctx, r.cutSeq, r.name, r.bytes, r.loaded = (value[k] for k in ("ctx", "cut_seq", "name", "bytes", "loaded"))
+        _write_timings(r, "phaseMs", value["phase_ms"])
+    elif kind == "stats":
+        st = reply.init("stats")
+        for key, field in STATS_FIELDS:
+            setattr(st, field, value[key])
+        if value.get("first_call_loaded") is not None:
+            st.firstCallLoaded, st.firstCallSeen = value["first_call_loaded"], True
+    else:
+        raise ValueError(f"no control reply {kind!r}")
+    return reply.to_bytes()
+
+
+def read_control_reply(frame):
+    """(seq, kind, value) of a ControlReply frame, value as control_reply takes it, but for a
+    delta: the packed ImageDelta (bytes), which a handoff passes on as it is. Raises WireError."""
+    with decode(ControlReply, frame) as reply:
+        kind = reply.which()
+        if kind == "done":
+            value = None
+        elif kind == "failed":
+            value = (reply.failed.status, reply.failed.message)
+        elif kind == "progress":
+            value = (reply.progress.doneBytes, reply.progress.totalBytes)
+        elif kind == "delta":
+            value = reply.delta.as_builder().to_bytes()
+        elif kind == "checkpointed":
+            value = _read_checkpoint_result(reply.checkpointed)
+        elif kind == "restored":
+            r = reply.restored
+            value = {"ctx": r.ctx, "cut_seq": r.cutSeq, "name": r.name, "bytes": r.bytes, "loaded": r.loaded,
+                     "phase_ms": _read_timings(r.phaseMs)}
+        else:
+            st = reply.stats
+            value = {key: getattr(st, field) for key, field in STATS_FIELDS}
+            value["first_call_loaded"] = st.firstCallLoaded if st.firstCallSeen else None
+        return reply.seq, kind, value
+
+
+def pack_delta(delta):
+    """An image delta (the dict of snapshot.engine.image_delta) as a packed ImageDelta message."""
+    msg = ImageDelta.new_message()
+    _write_delta(msg, delta)
+    return msg.to_bytes()
+
+
+def read_delta(blob):
+    """The dict of a packed ImageDelta. Raises WireError."""
+    with decode(ImageDelta, blob) as d:
+        return _read_delta(d)
+
+
+def _write_delta(d, delta):
+    d.format, d.name, d.parent = delta["format"], delta["name"], delta["parent"] or ""
+    d.cutSeq, d.objects, d.nextId = delta["cut_seq"], delta["objects"], delta["next_id"]
+    error = delta.get("error") or {}
+    d.error.status, d.error.message = int(error.get("status", 0)), error.get("message", "")
+    changes = d.init("changes", len(delta["changes"]))
+    for c, (address, index, key) in zip(changes, delta["changes"]):
+        c.address, c.index, c.key = address, index, key
+
+
+def _read_delta(d):
+    return {"format": d.format, "name": d.name, "parent": d.parent or None, "cut_seq": d.cutSeq, "objects": d.objects,
+            "next_id": d.nextId, "error": {"status": d.error.status, "message": d.error.message},
+            "changes": [[c.address, c.index, c.key] for c in d.changes]}
+
+
+def _write_timings(msg, field, timings):
+    out = msg.init(field, len(timings))
+    for t, (name, ms) in zip(out, timings.items()):
+        t.name, t.ms = name, ms
+
+
+def _read_timings(timings):
+    return {t.name: t.ms for t in timings}
+
+
+def _write_checkpoint_result(r, result):
+    for key, field in CHECKPOINT_SCALARS:
+        if field is not None:
+            setattr(r, field, result[key])
+    r.mode = result["mode"]
+    _write_timings(r, "phaseMs", result["phase_ms"])
+    trace = r.init("trace", len(result["trace_ms"]))
+    for t, (at, step, ms) in zip(trace, result["trace_ms"]):
+        t.atMs, t.step, t.ms = at, step, ms
+    r.traceFrom = result["trace_from"]
+    served = result.get("messages_served")
+    if served:
+        for field, key in (("servedBefore", "before"), ("servedDuring", "during")):
+            getattr(r, field).messages, getattr(r, field).ms = served[key]
+
+
+def _read_checkpoint_result(r):
+    out = {key: getattr(r, field) if field else str(r.mode) for key, field in CHECKPOINT_SCALARS}
+    out["phase_ms"] = _read_timings(r.phaseMs)
+    out["trace_ms"] = [[t.atMs, t.step, t.ms] for t in r.trace]
+    out["trace_from"] = r.traceFrom
+    out["messages_served"] = {"before": [r.servedBefore.messages, r.servedBefore.ms],
+                              "during": [r.servedDuring.messages, r.servedDuring.ms]}
+    return out

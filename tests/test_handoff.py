@@ -1,4 +1,4 @@
-"""Live handoff of a context between two server processes (gpu_server/admin.py, Handoff).
+"""Live handoff of a context between two server processes (gpu_server/handoff.py).
 
 The application is a Python client program; it keeps its PHOS_SERVER pointing at the first
 server, whose front end redirects its re-attach to the context's new worker.
@@ -20,6 +20,7 @@ import pytest
 from conftest import wait_until
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
+from phos.schema import wire
 from phos.snapshot import DirStore, HostStore, latest_image, read_image
 from test_snapshot_engine import App, checkpoint, region
 
@@ -246,10 +247,10 @@ def warm_then_advance(servers, client, tmp_path, between, by_delta=False, before
     admin.Restore(pb.RestoreRequest(store=str(store), name=a, warm=True))
     warm = contexts(two)
     assert list(warm) == [app.id] and warm[app.id] in ("warming", "restoring")     # no client may attach yet
-    delta = ""
+    delta = b""
     if by_delta:
         from phos.snapshot.engine import image_delta
-        delta = json.dumps(image_delta(read_image(DirStore(store), b)))
+        delta = wire.pack_delta(image_delta(read_image(DirStore(store), b)))
         if before:
             before(admin, str(store), a, b, delta)
     reply = admin.Restore(pb.RestoreRequest(store=str(store), name=b, advance=True, ctx=app.id, delta=delta))
@@ -270,24 +271,24 @@ def test_a_warm_copy_advances_to_the_later_image(servers, client, tmp_path, by_d
 
 
 def test_a_bad_delta_is_refused_and_the_warm_copy_stays(servers, client, tmp_path):
-    """A delta that is not JSON, names another parent, a chunk or region the image does not
+    """A delta that is no ImageDelta, names another parent, a chunk or region the image does not
     have, a malformed key or other objects is refused with a reason, and no fresh restore is
-    tried (its manifest may not be committed yet); the warm copy still advances by the good one."""
+    tried (its manifest may not be committed yet); the warm copy still advances by the good one.
+    (A change without a key or a negative cut cannot be written: the schema's types rule them out.)"""
     def bad_ones(admin, store, a, b, delta):
-        good = json.loads(delta)
+        good = wire.read_delta(delta)
         (address, j, key), rest = good["changes"][0], good["changes"][1:]
-        cases = {"not JSON": ("{", "not JSON"),
+        cases = {"not a delta": (b"{", "not an ImageDelta"),
                  "parent": (dict(good, parent="other"), "moves on from image 'other'"),
                  "index": (dict(good, changes=[[address, 1 << 40, key]] + rest), "names chunk 1099511627776 of a region"),
                  "region": (dict(good, changes=[[address + 8, j, key]] + rest), "is not one of its regions"),
                  "key": (dict(good, changes=[[address, j, "zz" * 16]] + rest), "changes are not"),
-                 "shape": (dict(good, changes=[[address, j]] + rest), "changes are not"),
-                 "cut": (dict(good, cut_seq=-1), "cut_seq is not a count"),
+                 "no key": (dict(good, changes=[[address, j, ""]] + rest), "changes are not"),
                  "objects": (dict(good, objects="0" * 32), "holds other objects")}
         for what, (d, says) in cases.items():
             with pytest.raises(grpc.RpcError) as e:
                 admin.Restore(pb.RestoreRequest(store=store, name=b, advance=True, ctx=app_id(admin),
-                                                delta=d if isinstance(d, str) else json.dumps(d)))
+                                                delta=d if isinstance(d, bytes) else wire.pack_delta(d)))
             assert says in e.value.details(), (what, e.value.details())
             assert list(contexts_of(admin).values()) == ["warming"], what
 

@@ -6,7 +6,6 @@ its handles start at the same id and its allocations at the same base), so B mee
 values as plain numbers: refused where B has no such object, B's own object where it has.
 """
 import ctypes
-import json
 import os
 import struct
 
@@ -234,29 +233,30 @@ def test_staging_file_must_be_the_clients(a, b, tmp_path):
 
 
 def test_b_cannot_checkpoint_or_restore_a(a, b, server, tmp_path):
-    """Snapshots are the operator's: the admin socket is the server user's alone, workers serve
-    no checkpoint or restore on the data plane, and their control sockets want a token."""
+    """Snapshots are the operator's: the admin socket is the server user's alone, the data plane
+    has no snapshot calls, and the workers' control sockets want a token."""
     from phos.admin_cli import stub
-    from phos.gpu_server.admin import admin_socket
     from phos.schema import admin_pb2 as pb
+    from phos.schema.control import admin_socket
     store = tmp_path / "images"
     image = list(stub(server.address).Checkpoint(pb.CheckpointRequest(ctx=int(a.ctx), store=str(store))))[-1]
-    name = json.loads(image.result_json)["name"]
+    name = image.result.name
     assert os.stat(admin_socket(server.address)[len("unix:"):]).st_mode & 0o077 == 0, "admin socket open to others"
+    control_kinds = set(wire.ControlRequest.schema.union_fields)
+    assert not control_kinds & set(wire.phos_capnp.Call.schema.union_fields) - {"attach"}, "control requests on the data plane"
     steal = {"store": str(store), "name": "stolen"}
-    take = {"store": str(store), "name": name, "full": True}
-    for call in [("checkpoint", steal), ("restore", take)]:
-        status, message = b.status(call)
-        assert status == CUresult.CUDA_ERROR_NOT_SUPPORTED and "not served by a context worker" in message, (call, message)
-    [(_, status, message, _, _)] = b.call_on(b.front, ("restore", take))
-    assert status != 0 and "restore" in message
     control = dealer(a.endpoint.replace(f".ctx{int(a.ctx)}", f".ctl{int(a.ctx)}"))
     try:
-        for calls in [[("checkpoint", steal)],
-                      [("attach", {"ctx": int(a.ctx), "token": b.token}), ("checkpoint", steal)]]:
-            control.send(encode(calls, range(1, len(calls) + 1)))
-            results = decode_reply(control.recv_multipart())
-            assert results[-1][1] == CUresult.CUDA_ERROR_NOT_PERMITTED, results
+        for requests in [[("checkpoint", steal)],
+                         [("attach", {"ctx": int(a.ctx), "token": b.token}), ("checkpoint", steal)]]:
+            for seq, (kind, args) in enumerate(requests, 1):
+                control.send(wire.encode_control(seq, kind, args))
+                reply = wire.read_control_reply(control.recv())
+                assert reply[1] == "failed" and reply[2][0] == CUresult.CUDA_ERROR_NOT_PERMITTED, reply
+        # a data-plane Request is no control request: refused, and the worker goes on
+        control.send(encode([("ctxSynchronize", None)], [1]))
+        _, kind, (status, _) = wire.read_control_reply(control.recv())
+        assert kind == "failed" and status in (CUresult.CUDA_ERROR_NOT_PERMITTED, CUresult.CUDA_ERROR_INVALID_VALUE)
     finally:
         control.close()
     assert sorted(os.listdir(store / "images")) == [f"{name}.digest", f"{name}.json"]

@@ -22,6 +22,7 @@ from conftest import wait_until
 from ptx_helpers import compile_ptx
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
+from phos.schema.control import checkpoint_result
 from phos.snapshot import DirStore, HostStore, latest_image, open_store, read_image, read_region
 from phos.snapshot.fingerprint import _finish, finish_many, fingerprint, hash_parts
 
@@ -91,7 +92,7 @@ def emu_session_holding(data):
 def checkpoint(server, ctx, store, **kw):
     msgs = list(stub(server.address).Checkpoint(pb.CheckpointRequest(ctx=ctx, store=str(store), **kw)))
     assert msgs[-1].finished
-    return json.loads(msgs[-1].result_json)
+    return checkpoint_result(msgs[-1].result)
 
 
 def restore(server, store, **kw):

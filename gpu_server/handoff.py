@@ -1,0 +1,203 @@
+"""A live handoff: move a context from this server to another (the admin API's Handoff).
+
+Pre-copy rounds while the application runs, then a frozen last round, then the target
+adopts it and this worker retires. The target keeps a warm copy: it restores the first
+round and advances with each later one, loading what changed, so that after the freeze
+it loads only what the last round changed. Pre-copy rounds hold nothing up (no cut);
+they go on while what they copy shrinks. Any failure before the target holds the
+context leaves it running here.
+
+Plain code over two parties, so that it runs without gRPC or processes (tests fake both):
+  source  the front end holding the context (gpu_server/frontend.py FrontEnd): checkpoint,
+          thaw and retire on the worker's control socket, worker_alive, host_store, moved, counts
+  target  the server it goes to (gpu_server/admin.py TargetServer, over its admin API):
+          async stats() -> .recovery_dir, .host_store, .standby;
+          async restore(store, name, **how) -> .endpoint, .phase_ms (how: warm, advance, full, delta);
+          async drop_warm(); async wait_loaded(timeout)
+Either side's failure is a CudaError.
+"""
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from phos.gpu_server.handoff_store import HandoffStore
+from phos.schema.cuda_types import CudaError
+from phos.snapshot.image import DEFAULT_CHUNK_SIZE
+
+MAX_ROUNDS = 12                  # pre-copy rounds of a handoff, at most
+SMALL_ROUND = 4 << 20            # a pre-copy round this small ends them: the frozen one will be small too
+LOADED_TIMEOUT = 600             # seconds the target may load on demand from the rounds before they go
+
+log = logging.getLogger("phos.admin")
+
+
+@dataclass
+class HandoffResult:
+    ctx: int
+    to: str
+    round_bytes: list            # bytes copied by each pre-copy round, then by the final one
+    round_ms: list               # how long each round's copy took, the frozen one last
+    downtime_ms: float           # the application's calls were held this long
+    seconds: float               # the whole handoff
+    phase_ms: dict               # where the time went (see HandoffReply in schema/admin.proto)
+    chunk_size: int
+    recovery_store: str = ""     # the rounds went to the target's recovery store of the context:
+    recovery_image: str = ""     # the last one is its recovery image there
+    cleanup: asyncio.Future = field(default=None, repr=False)   # removes the rounds once the target loaded them
+
+
+class Handoff:
+    def __init__(self, source, worker, target, ctx, to, max_rounds=0, chunk_size=0, make_store=HandoffStore):
+        self.source, self.worker, self.target = source, worker, target
+        self.ctx, self.to = ctx, to
+        self.max_rounds = max_rounds or MAX_ROUNDS
+        # 2 MiB unless asked: 8 MiB chunks at 8 GiB cut the frozen round's per-chunk work
+        # by 14 ms but copied twice the bytes, and the downtime grew (perf/RESULTS.md)
+        self.chunk = chunk_size or DEFAULT_CHUNK_SIZE
+        self.make_store = make_store
+        self.store = None          # a HandoffStore, once the target said where
+
+    async def run(self):
+        """Move the context; returns a HandoffResult, or raises CudaError with the context
+        still live here (or, past the target's adoption, gone from here either way)."""
+        t0 = time.perf_counter()
+        loading = warm = False      # warm: the target may hold a warm copy that is not yet the live one
+        w = self.worker
+        try:
+            info = await self.target.stats()
+            # a host store both servers pin: the rounds go device to device through it
+            shared = info.host_store if info.host_store and info.host_store == self.source.host_store else ""
+            store = self.store = self.make_store(self.ctx, info.recovery_dir, shared)
+            warm = True
+            rounds, round_ms, parent = await self.pre_copy()
+            frozen = time.perf_counter()
+            phases = {"pre_copy": (frozen - t0) * 1e3}
+            name = store.round_name(len(rounds))
+            reply, copied, ms = await self.last_round(name, parent, frozen, phases)
+            rounds.append(copied)
+            round_ms.append(ms)
+            warm = False              # it is the live context there now
+            self.source.moved[self.ctx] = (reply.endpoint, info.standby)
+            t = time.perf_counter()
+            try:
+                await self.source.retire(w, reply.endpoint, info.standby)
+            except CudaError:
+                if self.source.worker_alive(w):
+                    raise
+                # it died after the target adopted the context: gone either way, the move stands
+            phases["retire"] = (time.perf_counter() - t) * 1e3
+            downtime = time.perf_counter() - frozen
+            loading = True
+            cleanup = asyncio.ensure_future(self.remove_when_loaded(name))
+            self.source.counts["handoffs"] += 1
+            return HandoffResult(self.ctx, self.to, rounds, round_ms, downtime * 1e3, time.perf_counter() - t0, phases,
+                                 self.chunk, *((store.path, name) if store.recovery else ("", "")), cleanup=cleanup)
+        except CudaError:
+            if warm:
+                await self.target.drop_warm()
+            if self.store is not None:      # gone before the caller hears of the failure
+                await asyncio.to_thread(self.store.remove)
+                self.store = None
+            raise
+        finally:
+            if not loading and self.store is not None:
+                await asyncio.to_thread(self.store.remove)     # off the loop: it may be gigabytes of files
+
+    async def adopt(self, name, **how):
+        return await self.target.restore(self.store.path, name, **how)
+
+    async def pre_copy(self):
+        """Pre-copy rounds while the application runs; the target's warm copy loads each round
+        (adopt) while the next one copies. Returns the bytes and milliseconds of each round,
+        and the last round's name."""
+        rounds, round_ms, name, warming = [], [], "", None
+        smallest, grew = None, 0      # the smallest round after the first; rounds since it
+        try:
+            for i in range(max(2, self.max_rounds)):
+                name, parent = self.store.round_name(i), name
+                copied, _, ms = await self.round(name, parent, final=False)
+                rounds.append(copied)
+                round_ms.append(ms)
+                if warming is not None:
+                    await warming
+                warming = asyncio.ensure_future(self.adopt(name, warm=True, full=True, advance=i > 0))
+                if i == 0:
+                    continue
+                # On while they shrink, with a round's grace: one may grow while the target
+                # catches up (round 2 waits for round 0's long load).
+                if smallest is None or copied < smallest:
+                    smallest, grew = copied, 0
+                else:
+                    grew += 1
+                if copied <= SMALL_ROUND or grew >= 2:
+                    break
+            await warming        # before the freeze: after it, the target loads the last round alone
+        finally:
+            if warming is not None and not warming.done():
+                warming.cancel()
+        return rounds, round_ms, name
+
+    async def last_round(self, name, parent, frozen, phases):
+        """The frozen last round, and the target's adopting it. Returns (the target's restore
+        reply, bytes copied, milliseconds).
+
+        The target adopts the last round loaded in full before the client comes (the delta is
+        small, and a loader thread left running would slow the target's first calls: GIL).
+        Unless the round is the target's recovery image (which must be committed first), the
+        source sends it as a delta before committing, and the target adopts that while the
+        source commits."""
+        early, commit_failed, adopt_began = None, None, frozen    # early: the target adopting the delta
+
+        def on_delta(delta):
+            nonlocal early, adopt_began
+            adopt_began = time.perf_counter()
+            phases["last_round_delta"] = (adopt_began - frozen) * 1e3
+            early = asyncio.ensure_future(self.adopt(name, advance=True, full=True, delta=delta))
+        try:
+            copied, steps, ms = await self.round(name, parent, final=True,
+                                                 on_delta=None if self.store.recovery else on_delta)
+        except CudaError as e:
+            if early is None:
+                raise               # before its delta: the source thawed itself
+            copied, steps, ms, commit_failed = 0, {}, 0.0, e
+        t = time.perf_counter()
+        phases.update({f"last_round_{k}": v for k, v in steps.items()}, last_round=(t - frozen) * 1e3)
+        reply = None
+        if early is not None:
+            try:
+                reply = await early
+            except CudaError as e:
+                log.info("context %d: the target could not take the last round's delta (%s): it adopts the "
+                         "committed image", self.ctx, e.message)
+        if reply is None:
+            try:
+                if commit_failed is not None:
+                    raise commit_failed
+                adopt_began = time.perf_counter()
+                reply = await self.adopt(name, advance=True, full=True)
+            except CudaError:
+                await self.source.thaw(self.worker)
+                raise
+        elif commit_failed is not None:      # the target holds it all: the image was for a fallback
+            log.warning("context %d: the handoff's last round was not committed (%s); the target took its "
+                        "delta", self.ctx, commit_failed.message)
+        phases["target_adopt"] = (time.perf_counter() - adopt_began) * 1e3
+        phases.update({f"target_{k}": v for k, v in reply.phase_ms.items()})
+        return reply, copied, ms
+
+    async def round(self, name, parent, final, on_delta=None):
+        """One round into the handoff's store: a pre-copy round, or the frozen last one.
+        on_delta: given the last round's delta when the source sends it, before committing.
+        Returns (bytes copied, its steps, milliseconds)."""
+        result = await self.source.checkpoint(
+            self.worker, on_delta=on_delta, store=self.store.path, name=name, parent=parent, paused=final, freeze=final,
+            precopy=not final, chunkSize=self.chunk, noSync=True, early=on_delta is not None)
+        return result["copied_bytes"], result["phase_ms"], result["seconds"] * 1e3
+
+    async def remove_when_loaded(self, last):
+        """The target loads on demand from the handoff's store: remove the rounds once that is
+        done, but the last one where it is the target's recovery image."""
+        store = self.store
+        await self.target.wait_loaded(LOADED_TIMEOUT)
+        await asyncio.to_thread(store.remove, last if store.recovery else None)

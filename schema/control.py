@@ -1,0 +1,43 @@
+"""What the admin API's server and its clients share (schema/admin.proto): where a server's
+admin socket is, and a checkpoint's result as the dict `phos checkpoint --json` prints.
+
+Imports no server code, and no capnp: the command line loads it for every client command.
+"""
+import urllib.parse
+
+# a checkpoint's result: its dict's scalar keys, the same in CheckpointResult (admin.proto)
+CHECKPOINT_SCALARS = ("name", "bytes", "copied_bytes", "stored_bytes", "new_chunks", "reused_chunks", "seconds", "mode",
+                      "paused", "pause_ms", "recopied_chunks", "cut_seq", "manifest_bytes")
+
+
+def admin_socket(server):
+    """The admin socket of the server listening on `server` (ipc://PATH or tcp://HOST:PORT)."""
+    url = urllib.parse.urlparse(server)
+    if url.scheme == "ipc":
+        return f"unix:{server[len('ipc://'):]}.admin"
+    if url.scheme == "tcp":
+        return f"unix:/tmp/phos/admin-{url.port}.sock"
+    raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def checkpoint_message(result):
+    """A checkpoint's result dict (schema/wire.py read_control_reply) as a CheckpointResult message."""
+    from phos.schema import admin_pb2 as pb
+    served = result.get("messages_served") or {"before": [0, 0.0], "during": [0, 0.0]}
+    return pb.CheckpointResult(
+        **{k: result[k] for k in CHECKPOINT_SCALARS}, phase_ms=result["phase_ms"],
+        trace_ms=[pb.TraceStep(at_ms=at, step=step, ms=ms) for at, step, ms in result["trace_ms"]],
+        trace_from=result["trace_from"],
+        served_before=pb.Served(messages=served["before"][0], ms=served["before"][1]),
+        served_during=pb.Served(messages=served["during"][0], ms=served["during"][1]))
+
+
+def checkpoint_result(msg):
+    """A CheckpointResult message as a dict, keys in the order the worker gives them."""
+    out = {k: getattr(msg, k) for k in CHECKPOINT_SCALARS}
+    out["phase_ms"] = dict(msg.phase_ms)
+    out["trace_ms"] = [[t.at_ms, t.step, t.ms] for t in msg.trace_ms]
+    out["trace_from"] = msg.trace_from
+    out["messages_served"] = {"before": [msg.served_before.messages, msg.served_before.ms],
+                              "during": [msg.served_during.messages, msg.served_during.ms]}
+    return out

@@ -1,0 +1,127 @@
+"""The control plane's encoding (schema/wire.py, ControlRequest and ControlReply in
+schema/phos.capnp) and the import boundaries it allows: the server imports no client code,
+the command line no server code."""
+import subprocess
+import sys
+
+import pytest
+
+from phos.schema import admin_pb2 as pb
+from phos.schema import wire
+from phos.schema.control import admin_socket, checkpoint_message, checkpoint_result
+from phos.schema.cuda_types import CUresult
+
+RESULT = {"name": "ctx1-x", "bytes": 8 << 20, "copied_bytes": 4 << 20, "stored_bytes": 3 << 20, "new_chunks": 2,
+          "reused_chunks": 2, "seconds": 0.012345, "mode": "concurrent", "paused": False, "pause_ms": 0.25,
+          "recopied_chunks": 0, "cut_seq": 41, "manifest_bytes": 900, "phase_ms": {"cut": 0.5, "copy": 9.0, "commit": 1.25},
+          "trace_ms": [[0.0, "cut", 0.5], [0.5, "copy", 9.0]], "trace_from": 1234.5,
+          "messages_served": {"before": [5, 0.125], "during": [3, 0.5]}}
+DELTA = {"format": "phos-delta-2", "name": "b", "parent": "a", "cut_seq": 9, "objects": "ab" * 16, "next_id": 4100,
+         "error": {"status": 0, "message": ""}, "changes": [[0x7000_0000, 3, "cd" * 16], [0x7020_0000, 0, "ef" * 16]]}
+
+
+def test_requests_round_trip():
+    cases = [("attach", {"ctx": 7, "token": b"t" * 16}, {"ctx": 7, "token": b"t" * 16}),
+             ("checkpoint", {"store": "/s", "name": "n", "paused": True, "chunkSize": 1 << 20, "early": True},
+              {"store": "/s", "name": "n", "parent": "", "paused": True, "compress": False, "chunkSize": 1 << 20,
+               "freeze": False, "precopy": False, "noSync": False, "early": True}),
+             ("restore", {"store": "/s", "name": "b", "advance": True, "full": True, "delta": wire.pack_delta(DELTA)},
+              {"store": "/s", "name": "b", "full": True, "advance": True, "warm": False, "delta": DELTA}),
+             ("restore", {"store": "/s", "name": ""}, {"store": "/s", "name": "", "full": False, "advance": False,
+                                                       "warm": False, "delta": None}),
+             ("retireTo", {"endpoint": "ipc:///w", "standby": "ipc:///s"}, {"endpoint": "ipc:///w", "standby": "ipc:///s"}),
+             ("ctxStats", None, None), ("thaw", None, None)]
+    for seq, (kind, args, read) in enumerate(cases, 1):
+        got_seq, got_kind, got = wire.read_control(wire.encode_control(seq, kind, args))
+        assert (got_seq, got_kind) == (seq, kind)
+        assert (vars(got) if got is not None else None) == read, kind
+
+
+def test_replies_round_trip():
+    restored = {"ctx": 7, "cut_seq": 41, "name": "b", "bytes": 1 << 30, "loaded": 0, "phase_ms": {"manifest": 0.5, "device": 2.0}}
+    stats = {"bytes": 4096, "allocations": 2, "last_seq": 41, "checkpoint": True, "restoring": False, "done": 1,
+             "total": 2, "first_call_loaded": None}
+    cases = [("done", None, None), ("failed", (CUresult.CUDA_ERROR_ILLEGAL_STATE, "checkpoint: no"), (401, "checkpoint: no")),
+             ("progress", (1, 2), (1, 2)), ("checkpointed", RESULT, RESULT), ("restored", restored, restored),
+             ("stats", stats, stats), ("stats", dict(stats, first_call_loaded=0), dict(stats, first_call_loaded=0))]
+    for seq, (kind, value, read) in enumerate(cases, 1):
+        assert wire.read_control_reply(wire.control_reply(seq, kind, value)) == (seq, kind, read), kind
+
+
+def test_a_delta_travels_packed():
+    """A checkpoint's delta reaches the front end as a packed ImageDelta, passed on as it is
+    (the admin API's RestoreRequest.delta) and read into the dict only by the worker."""
+    _, kind, packed = wire.read_control_reply(wire.control_reply(3, "delta", DELTA))
+    assert kind == "delta" and isinstance(packed, bytes) and wire.read_delta(packed) == DELTA
+    _, _, args = wire.read_control(wire.encode_control(4, "restore", {"store": "/s", "name": "b", "delta": packed}))
+    assert args.delta == DELTA
+    assert wire.read_delta(wire.pack_delta(dict(DELTA, parent=None)))["parent"] is None
+    with pytest.raises(wire.WireError, match="not an ImageDelta"):
+        wire.encode_control(5, "restore", {"store": "/s", "name": "b", "delta": b"{"})
+
+
+def test_malformed_control_frames_raise_wire_errors():
+    for frame in (b"", b"\x00" * 3, wire.encode_request([(1, "ctxSynchronize", None, None)])[0]):
+        try:
+            wire.read_control(frame)
+        except wire.MALFORMED:
+            pass
+        with pytest.raises(wire.MALFORMED):
+            wire.read_control_reply(b"\x01" * 5)
+
+
+def test_checkpoint_result_through_the_admin_api():
+    """The worker's result dict, as the admin API carries it, is the dict `--json` prints."""
+    msg = pb.CheckpointProgress.FromString(pb.CheckpointProgress(finished=True, result=checkpoint_message(RESULT))
+                                           .SerializeToString())
+    assert checkpoint_result(msg.result) == RESULT
+    assert list(checkpoint_result(msg.result)) == list(RESULT)     # the keys, in the worker's order
+
+
+def test_no_snapshot_calls_on_the_data_plane():
+    calls = set(wire.phos_capnp.Call.schema.union_fields)
+    assert not calls & {"checkpoint", "restore", "ctxStats", "thaw", "retireTo", "unusedRetire"}
+    assert set(wire.ControlRequest.schema.union_fields) == {"attach", "checkpoint", "restore", "ctxStats", "thaw", "retireTo"}
+
+
+def test_admin_socket():
+    assert admin_socket("ipc:///tmp/p/phos.sock") == "unix:/tmp/p/phos.sock.admin"
+    assert admin_socket("tcp://127.0.0.1:5555") == "unix:/tmp/phos/admin-5555.sock"
+    with pytest.raises(ValueError):
+        admin_socket("udp://x")
+
+
+def loaded_by(statement):
+    code = f"import sys\n{statement}\nprint(' '.join(sorted(m for m in sys.modules if m.startswith('phos.'))))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+
+
+@pytest.mark.parametrize("module", ["phos.admin_cli", "phos.cli"])
+def test_the_command_line_loads_no_server_code(module):
+    modules = loaded_by(f"import {module}")
+    assert not [m for m in modules if m.startswith(("phos.gpu_server", "phos.snapshot", "phos.client_stub"))], modules
+
+
+def test_the_server_loads_no_client_code():
+    modules = loaded_by("import phos.gpu_server.frontend, phos.gpu_server.admin, phos.gpu_server.worker, "
+                        "phos.gpu_server.handoff")
+    assert not [m for m in modules if m.startswith("phos.client_stub")], modules
+
+
+def test_admin_does_not_import_the_front_end():
+    """No import cycle: the front end starts the admin API, which gets the front end as a value."""
+    assert "phos.gpu_server.frontend" not in loaded_by("import phos.gpu_server.admin")
+
+
+def test_no_server_module_imports_the_client():
+    """Not even lazily, inside a function: scanned in the source."""
+    import ast
+    import pathlib
+    root = pathlib.Path(wire.__file__).resolve().parent.parent / "gpu_server"
+    found = []
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if "client_stub" in n]
+    assert not found, found

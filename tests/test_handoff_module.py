@@ -1,0 +1,141 @@
+"""The handoff's algorithm (gpu_server/handoff.py) driven without gRPC, processes or a device:
+a fake front end whose checkpoints copy given byte counts, and a fake target."""
+import asyncio
+import types
+
+import pytest
+
+from phos.gpu_server import handoff
+from phos.schema.cuda_types import CudaError, CUresult
+
+MiB = 1 << 20
+
+
+class Source:
+    """The front end holding the context: checkpoints copy `sizes` bytes, one a round."""
+    host_store = None
+
+    def __init__(self, sizes, commit_fails=False):
+        self.sizes, self.commit_fails = list(sizes), commit_fails
+        self.moved, self.counts, self.calls = {}, {"handoffs": 0}, []
+
+    async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):
+        self.calls.append(("checkpoint", args))
+        if args["early"]:
+            on_delta(b"packed delta of " + args["name"].encode())
+        if args["freeze"] and self.commit_fails:
+            raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, "checkpoint: the store is full")
+        return {"copied_bytes": self.sizes.pop(0), "phase_ms": {"copy": 1.0}, "seconds": 0.002}
+
+    async def thaw(self, worker):
+        self.calls.append(("thaw",))
+
+    async def retire(self, worker, endpoint, standby):
+        self.calls.append(("retire", endpoint, standby))
+
+    def worker_alive(self, worker):
+        return True
+
+
+class Target:
+    def __init__(self, recovery_dir="", refuse=()):
+        self.recovery_dir, self.refuse = recovery_dir, refuse
+        self.restores, self.dropped, self.waited = [], False, False
+
+    async def stats(self):
+        return types.SimpleNamespace(recovery_dir=self.recovery_dir, host_store="", standby="ipc:///standby")
+
+    async def restore(self, store, name, **how):
+        self.restores.append((name, how))
+        if ("delta" if how.get("delta") else "final" if not how.get("warm") else "warm") in self.refuse:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "handoff of context 1 failed, it stays live here: no")
+        return types.SimpleNamespace(endpoint="ipc:///target.ctx1", phase_ms={"load": 2.0})
+
+    async def drop_warm(self):
+        self.dropped = True
+
+    async def wait_loaded(self, timeout):
+        self.waited = True
+
+
+class Store:
+    made = []
+
+    def __init__(self, ctx, recovery_dir, host_store):
+        self.path, self.recovery, self.rounds, self.removed = "/rounds", bool(recovery_dir), [], []
+        Store.made.append(self)
+
+    def round_name(self, i):
+        self.rounds.append(f"round{i}")
+        return self.rounds[-1]
+
+    def remove(self, keep=None):
+        self.removed.append(keep)
+
+
+def run(source, target, **kw):
+    async def go():
+        h = handoff.Handoff(source, "worker", target, 1, "ipc:///two", make_store=Store, **kw)
+        result = await h.run()
+        await result.cleanup
+        return result
+    return asyncio.run(go())
+
+
+def test_rounds_shrink_then_the_target_adopts_the_delta():
+    source, target = Source([100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB]), Target()
+    r = run(source, target)
+    assert r.round_bytes == [100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB]     # a round of <= 4 MiB ends the pre-copy
+    rounds = [args for what, *args in source.calls if what == "checkpoint"]
+    assert [a[0]["name"] for a in rounds] == ["round0", "round1", "round2", "round3"]
+    assert [a[0]["parent"] for a in rounds] == ["", "round0", "round1", "round2"]
+    assert [(a[0]["freeze"], a[0]["paused"], a[0]["precopy"], a[0]["early"]) for a in rounds] == \
+        [(False, False, True, False)] * 3 + [(True, True, False, True)]
+    # the warm copy restores round 0, advances with each round, then adopts the last one's delta
+    assert target.restores == [("round0", {"warm": True, "full": True, "advance": False}),
+                               ("round1", {"warm": True, "full": True, "advance": True}),
+                               ("round2", {"warm": True, "full": True, "advance": True}),
+                               ("round3", {"advance": True, "full": True, "delta": b"packed delta of round3"})]
+    assert source.calls[-1] == ("retire", "ipc:///target.ctx1", "ipc:///standby")
+    assert source.moved == {1: ("ipc:///target.ctx1", "ipc:///standby")} and source.counts["handoffs"] == 1
+    assert {"pre_copy", "last_round_delta", "last_round_copy", "last_round", "target_adopt", "target_load",
+            "retire"} <= set(r.phase_ms)
+    assert r.chunk_size == handoff.DEFAULT_CHUNK_SIZE and len(r.round_ms) == 4 and r.recovery_image == ""
+    assert target.waited and Store.made[-1].removed == [None] and not target.dropped
+
+
+def test_rounds_that_grow_twice_end_the_pre_copy():
+    source = Source([100 * MiB, 50 * MiB, 60 * MiB, 70 * MiB, 80 * MiB, 2 * MiB])
+    r = run(source, Target(), max_rounds=12)
+    assert r.round_bytes == [100 * MiB, 50 * MiB, 60 * MiB, 70 * MiB, 80 * MiB]
+
+
+def test_into_the_targets_recovery_store_the_last_round_is_committed_first():
+    source, target = Source([10 * MiB, 1 * MiB, 1 * MiB]), Target(recovery_dir="/recovery")
+    r = run(source, target, max_rounds=2)
+    assert not [a for what, *a in source.calls if what == "checkpoint" and a[0]["early"]]
+    assert target.restores[-1] == ("round2", {"advance": True, "full": True})
+    assert (r.recovery_store, r.recovery_image) == ("/rounds", "round2")
+    assert Store.made[-1].removed == ["round2"]          # the rounds go, the recovery image stays
+
+
+def test_a_target_that_cannot_adopt_leaves_the_context_here():
+    source, target = Source([10 * MiB, 1 * MiB, 1 * MiB]), Target(refuse=("delta", "final"))
+    with pytest.raises(CudaError, match="stays live here"):
+        run(source, target)
+    assert ("thaw",) in source.calls and not [c for c in source.calls if c[0] == "retire"]
+    assert source.moved == {} and source.counts["handoffs"] == 0
+    assert target.dropped and Store.made[-1].removed == [None]
+
+
+def test_a_delta_the_target_took_stands_though_the_commit_failed():
+    source, target = Source([10 * MiB, 1 * MiB], commit_fails=True), Target()
+    r = run(source, target)
+    assert r.round_bytes == [10 * MiB, 1 * MiB, 0] and source.calls[-1][0] == "retire"
+
+
+def test_a_failed_commit_without_the_delta_thaws_the_context():
+    source, target = Source([10 * MiB, 1 * MiB], commit_fails=True), Target(refuse=("delta",))
+    with pytest.raises(CudaError, match="store is full"):
+        run(source, target)
+    assert ("thaw",) in source.calls and target.dropped and source.moved == {}
