@@ -13,6 +13,7 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
+from phos import settings
 from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
@@ -94,7 +95,7 @@ def _batch_call():
         return None
 
 
-_cuMemcpyBatchAsync = _batch_call() if os.environ.get("PHOS_BATCH_COPIES") == "1" else None
+_cuMemcpyBatchAsync = _batch_call() if settings.batch_copies() else None
 _IN_STREAM_ORDER = _MemcpyAttributes(srcAccessOrder=1)      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, for every copy:
 _FIRST_COPY = (_N * 1)(0)                                      # the attributes from the first copy on
 _BATCH_ATTRS = (ctypes.addressof(_IN_STREAM_ORDER), ctypes.addressof(_FIRST_COPY), 1)
