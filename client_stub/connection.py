@@ -20,6 +20,7 @@ import numpy as np
 import zmq
 import zmq.utils.monitor
 
+from phos import settings
 from phos.schema import wire
 from phos.schema.wire import Result, read_result
 from phos.schema.cuda_types import CudaError, CUresult
@@ -30,18 +31,18 @@ BATCH_CALLS = 64                 # flush an asynchronous batch after this many c
 BATCH_BYTES = 1 << 20            # ...or this many payload bytes...
 BATCH_LAUNCH_BYTES = 256 << 10   # ...or launch records: the Request frame stays under wire.MAX_CONTROL_FRAME
 ZERO_COPY = 64 << 10             # payloads above this are sent from the caller's buffer
-CONNECT_TIMEOUT = float(os.environ.get("PHOS_CONNECT_TIMEOUT", "5"))
-GONE_TIMEOUT = float(os.environ.get("PHOS_GONE_TIMEOUT", "10"))
-REATTACH_TIMEOUT = float(os.environ.get("PHOS_REATTACH_TIMEOUT", "60"))   # look for a restored context this long
-LOG_CALLS = int(os.environ.get("PHOS_LOG_CALLS", str(1 << 16)))        # the replay log holds this many calls...
-LOG_BYTES = int(os.environ.get("PHOS_LOG_BYTES", str(256 << 20)))      # ...and bytes, else it asks to shrink
+CONNECT_TIMEOUT = settings.connect_timeout()
+GONE_TIMEOUT = settings.gone_timeout()
+REATTACH_TIMEOUT = settings.reattach_timeout()   # look for a restored context this long
+LOG_CALLS = settings.log_calls()        # the replay log holds this many calls...
+LOG_BYTES = settings.log_bytes()      # ...and bytes, else it asks to shrink
 # Spin this long for a reply before sleeping in poll: a wake-up costs more than a short spin
 # where cores are plentiful. 1 ms, as the worker: a sync on a short kernel takes 70-100 us to
 # serve, so with a 100 us spin many a reply would come after it and pay a wake-up (~30 us more a sync
 # on the H200). Off on small machines, where the spin would starve the peer.
-SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
-STAGING_SLOT = 32 << 20          # bulk copies go through a shared staging area in slots this big...
-STAGING_MIN = 256 << 10          # ...when at least this big and the worker shares our host
+SPIN = settings.spin_us() / 1e6
+STAGING_SLOT = wire.SLOT_SIZE     # bulk copies go through a shared staging area in slots this big...
+STAGING_MIN = wire.MIN_COPY       # ...when at least this big and the worker shares our host
 POLLIN = int(zmq.POLLIN)         # a plain int: `&` with the enum costs microseconds in the spin
 DOORBELL = wire.Request.new_message(version=wire.PROTOCOL_VERSION, doorbell=True).to_bytes()
 
@@ -87,12 +88,12 @@ def _green_context():
 
 def _configure_curve(sock):
     """Encrypt and authenticate when the server asks for it (PHOS_SERVER_KEY, PHOS_CLIENT_KEY)."""
-    server_key = os.environ.get("PHOS_SERVER_KEY")
+    server_key = settings.server_key()
     if not server_key:
         return
     import zmq.auth
     sock.curve_serverkey, _ = zmq.auth.load_certificate(server_key)
-    client = os.environ.get("PHOS_CLIENT_KEY")
+    client = settings.client_key()
     if not client:
         raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, "PHOS_SERVER_KEY is set but PHOS_CLIENT_KEY is not")
     sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(client)
@@ -457,12 +458,12 @@ class Connection:
 
     def offer_staging(self):
         """Make a staging file the worker may map: (path, cookie, size), or None if it can't share our host."""
-        if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://127.") or os.environ.get("PHOS_STAGING") == "1"):
+        if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://127.") or settings.staging() is True):
             return None
-        if os.environ.get("PHOS_STAGING") == "0" or not os.path.isdir("/dev/shm"):
+        if settings.staging() is False or not os.path.isdir("/dev/shm"):
             return None
         size = wire.SLOTS_OFFSET + 2 * STAGING_SLOT
-        cookie = os.urandom(16)
+        cookie = os.urandom(wire.COOKIE_BYTES)
         path = f"/dev/shm/phos-{os.getpid()}-{cookie.hex()[:12]}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -11,11 +11,11 @@ import ctypes
 import os
 import threading
 
+from phos import settings
 from phos.client_stub.connection import CONNECT_TIMEOUT, Connection, host_writer
 from phos.schema import wire
 from phos.schema.cuda_types import ERROR_STRINGS, CudaError, CUdevice_attribute, CUresult  # noqa: F401 (re-exported)
 
-DEFAULT_SERVER = "ipc:///tmp/phos/phos.sock"
 SUCCESS = CUresult.CUDA_SUCCESS
 
 
@@ -121,7 +121,7 @@ def _api(arity):
                 return (SUCCESS,) if out is None else (SUCCESS, *out) if isinstance(out, tuple) else (SUCCESS, out)
             except CudaError as e:
                 last_error = e.message
-                if os.environ.get("PHOS_VERBOSE"):
+                if settings.verbose():
                     print(f"phos: {fn.__name__}: {e}", flush=True)
                 status = e.status if isinstance(e.status, CUresult) else CUresult.CUDA_ERROR_UNKNOWN
                 return (status, *([None] * arity))
@@ -156,7 +156,7 @@ def cuInit(Flags=0):
     with _lock:
         if _front is not None:
             return
-        conn = Connection(os.environ.get("PHOS_SERVER", DEFAULT_SERVER))
+        conn = Connection(settings.server())
         try:
             res = conn.call("hello", {"version": wire.PROTOCOL_VERSION, "client": f"python pid {os.getpid()}"},
                             timeout=CONNECT_TIMEOUT)
@@ -245,7 +245,7 @@ def _finder(conn, ctx_id, token):
         if moved is not None and not passed_over:      # its old worker said where, as it retired
             conn.standby = moved[1] or conn.standby
             return moved[0], {"ctx": ctx_id, "token": token}
-        servers = [os.environ.get("PHOS_SERVER", DEFAULT_SERVER), os.environ.get("PHOS_STANDBY") or conn.standby]
+        servers = [settings.server(), settings.standby() or conn.standby]
         for server in order + servers:
             if server and server not in order:
                 order.append(server)

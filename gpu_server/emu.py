@@ -4,10 +4,10 @@ Memory is one arena at the fixed base (emu_memory.py); kernels run in the PTX
 interpreter (ptx/). Calls run in arrival order, which is one valid schedule of the
 streams, so stream and event ordering holds; events record the time they ran.
 """
-import os
 import time
 import uuid
 
+from phos import settings
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.backend import DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
@@ -17,7 +17,7 @@ from phos.schema.wire import launch_cluster
 from phos.snapshot.fingerprint import fingerprint
 
 GiB = 1 << 30
-EMU_MEMORY = int(os.environ.get("PHOS_EMU_MEMORY", 16 * GiB))
+EMU_MEMORY = settings.emu_memory()
 
 
 class EmuBackend:

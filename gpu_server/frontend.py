@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from phos import settings
 from phos.gpu_server.backend import load_backend
 from phos.schema import wire
 from phos.schema.control import admin_socket
@@ -25,10 +26,10 @@ from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import CudaError, CUresult
 
 log = logging.getLogger("phos.frontend")
-WORKER_START_TIMEOUT = float(os.environ.get("PHOS_WORKER_START_TIMEOUT", "60"))
+WORKER_START_TIMEOUT = settings.worker_start_timeout()
 
 
-POOL_SIZE = int(os.environ.get("PHOS_POOL", "1"))     # pre-started workers, ready for a context or a restore
+POOL_SIZE = settings.pool()     # pre-started workers, ready for a context or a restore
 MAX_STARTING = 2          # workers being pre-started at once
 REFILL_AFTER_RESTORE = 0.3    # seconds: a restored context's client re-attaches and runs its first calls first
 

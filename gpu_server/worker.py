@@ -25,6 +25,7 @@ import zmq
 import zmq.utils.monitor
 
 from phos.gpu_server.backend import load_backend
+from phos import settings
 from phos.gpu_server.calls import WORKER_CALLS
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
@@ -36,17 +37,17 @@ from phos.snapshot.host_store import open_store
 from phos.snapshot.image import ImageError, check_token, token_digest
 
 log = logging.getLogger("phos.worker")
-ORPHAN_GRACE = float(os.environ.get("PHOS_ORPHAN_GRACE", "2"))   # seconds without a client before the context is freed
-ATTACH_TIMEOUT = float(os.environ.get("PHOS_ATTACH_TIMEOUT", "30"))
-REATTACH_TIMEOUT = float(os.environ.get("PHOS_REATTACH_TIMEOUT", "60"))   # a restored context waits this long for its client
+ORPHAN_GRACE = settings.orphan_grace()   # seconds without a client before the context is freed
+ATTACH_TIMEOUT = settings.attach_timeout()
+REATTACH_TIMEOUT = settings.restore_grace()   # a restored context waits this long for its client
 # A restore on demand loads in the background once its client has attached and gone quiet
 # this long (its re-attach and first calls served first: a loader thread would slow them
 # down, competing for the interpreter), or by the deadline, whoever attached.
 LOADER_QUIET, LOADER_DEADLINE = 0.002, 0.1
 PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
-SPIN = float(os.environ.get("PHOS_SPIN_US", "1000" if (os.cpu_count() or 1) > 4 else "0")) / 1e6
-PROFILE_DIR = os.environ.get("PHOS_PROFILE_DIR")   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
+SPIN = settings.spin_us() / 1e6
+PROFILE_DIR = settings.profile_dir()   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
 FIRST_HANDLE = 0x1000
 POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs microseconds, twice a loop
 EVENTS = int(zmq.EVENTS)   # ... and getsockopt makes an enum of the enum it is given
@@ -101,7 +102,7 @@ class Session:
                 os.close(fd)
         except (OSError, ValueError):
             return False
-        if len(cookie) < 16 or area[:len(cookie)] != cookie:
+        if len(cookie) < wire.COOKIE_BYTES or area[:len(cookie)] != cookie:
             area.close()
             return False
         self.shm = np.frombuffer(area, np.uint8)
@@ -748,11 +749,11 @@ def main(argv=None):
     ap.add_argument("--standby-server", default="", help="the server that restores the context if this one dies")
     ap.add_argument("--host-store", help="a HostStore whose memory to pin, for copies straight to and from it")
     opts = ap.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PHOS_LOG", "WARNING"), format="%(asctime)s %(name)s[%(process)d] %(message)s")
+    logging.basicConfig(level=settings.log_level(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # A restore's loader and the I/O threads share the GIL with the loop serving the client: hand it back fast.
-    sys.setswitchinterval(float(os.environ.get("PHOS_SWITCH_US", "200")) / 1e6)
+    sys.setswitchinterval(settings.switch_us() / 1e6)
     token = bytes.fromhex(sys.stdin.readline().strip())
     curve_secret = sys.stdin.readline().strip().encode()
     control_token = bytes.fromhex(sys.stdin.readline().strip())

@@ -4,11 +4,11 @@ import logging
 import os
 import sys
 
-DEFAULT_SERVER = "ipc:///tmp/phos/phos.sock"
+from phos import settings
 
 
 def default_server():
-    return os.environ.get("PHOS_SERVER", DEFAULT_SERVER)
+    return settings.server()
 
 
 def load_curve(auth_dir):
@@ -88,7 +88,7 @@ def main(argv=None):
     p.add_argument("--backend", choices=["cuda", "emu"], default="emu")
     p.add_argument("--listen", default=default_server(), help="ipc://PATH or tcp://127.0.0.1:PORT")
     p.add_argument("--auth-dir", help="CURVE keys made by `phos keygen`; required for non-loopback tcp")
-    p.add_argument("--pool", type=int, default=int(os.environ.get("PHOS_POOL", "1")),
+    p.add_argument("--pool", type=int, default=settings.pool(),
                    help="workers kept started with an initialized device, ready for a new context or a restore")
     p.add_argument("--recovery-dir", help="take recovery images of every context here, so that a context whose "
                    "worker or server dies is restored (transparent recovery); share it with the --standby")
@@ -100,7 +100,7 @@ def main(argv=None):
     p.add_argument("--host-store", metavar="DIR", help="an image store in shared host memory that pre-started workers "
                    "pin, so checkpoints and restores into it run at the host link's speed")
     p.add_argument("--host-memory", metavar="SIZE", help="make the --host-store this big (e.g. 40G) if it does not exist")
-    p.add_argument("--log-level", default=os.environ.get("PHOS_LOG", "WARNING"))
+    p.add_argument("--log-level", default=settings.log_level())
     p.set_defaults(func=cmd_server)
 
     p = sub.add_parser("keygen", help="make CURVE keys for a server reachable from other hosts")
@@ -108,7 +108,7 @@ def main(argv=None):
     p.set_defaults(func=cmd_keygen)
 
     p = sub.add_parser("run", help="run an unmodified CUDA program against a phos server")
-    p.add_argument("--server", default=os.environ.get("PHOS_SERVER"), help="server address; default: start a local emu server")
+    p.add_argument("--server", default=settings.server.raw(), help="server address; default: start a local emu server")
     p.add_argument("argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_run)
 

@@ -16,9 +16,11 @@ import sys
 import tempfile
 import time
 
+from phos import settings
+
 # PHOS_STUB_DIR: where the stub is when phos is installed away from the checkout that built it
-STUB_DIR = os.environ.get("PHOS_STUB_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
-SERVER_START_TIMEOUT = float(os.environ.get("PHOS_SERVER_START_TIMEOUT", "60"))
+STUB_DIR = settings.stub_dir()
+SERVER_START_TIMEOUT = settings.server_start_timeout()
 
 
 def stub_environment(server, base=None):

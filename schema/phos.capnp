@@ -26,14 +26,16 @@
 # Sticky errors (illegal address, launch failure, trap) fail every later call.
 #
 # The shared staging area (same host only; see Attach). The client creates a file,
-# offers it in attach, and unlinks it once the worker answered. Layout, little-endian:
-#   [0, 16)                 cookie: random bytes the worker compares with Attach.shmCookie
-#   [16, 24)                UInt64 workerAwake: 1 while the worker watches the mailbox, else 0
-#   [24, 32)                UInt64 clientAsleep: the seq of the mailbox request whose client stopped
+# offers it in attach, and unlinks it once the worker answered. Its layout, little-endian, is
+# the staging* constants below (the one definition: the native stub reads them from the
+# generated header, Python from this file through pycapnp, schema/wire.py):
+#   cookie                  random bytes the worker compares with Attach.shmCookie
+#   workerAwake             UInt64: 1 while the worker watches the mailbox, else 0
+#   clientAsleep            UInt64: the seq of the mailbox request whose client stopped
 #                           spinning for the reply and sleeps in poll on the socket
-#   [4096, 4096+64K)        request box: UInt64 seq, UInt64 len, then len bytes of a Request frame
-#   [4096+64K, 4096+128K)   reply box:   UInt64 seq, UInt64 len, then len bytes of a Reply frame
-#   [4096+128K, end)        bulk slots; memcpyHtoD/DtoH with viaShm name byte offsets into the file
+#   request box             UInt64 seq, UInt64 len, then len bytes of a Request frame
+#   reply box               the same for a Reply frame, right after the request box
+#   bulk slots, to the end  memcpyHtoD/DtoH with viaShm name byte offsets into the file
 # The mailbox skips the socket for synchronous calls. A client may put a Request there
 # when it wants a reply, has no payload frames and no memcpyDtoH answered by frames: it
 # writes the bytes, then len, then seq (1, 2, 3... per connection), and if workerAwake
@@ -91,6 +93,21 @@
 # before it died still learns whom to ask.
 
 const protocolVersion :UInt32 = 3;   # 3: snapshot calls left Call for the control plane (ControlRequest)
+
+# Where a client looks for the server when PHOS_SERVER is unset (phos/settings.py, the stub's
+# settings.cpp) and where `phos server` listens by default.
+const defaultServer :Text = "ipc:///tmp/phos/phos.sock";
+
+# The shared staging area's layout (header comment), in bytes. Constants hold no arithmetic:
+# stagingSlotsOffset = stagingBoxOffset + 2 * stagingBoxSize (tests/test_settings.py checks).
+const stagingCookieBytes :UInt64 = 16;         # [0, 16) the cookie
+const stagingAwakeOffset :UInt64 = 16;         # [16, 24) workerAwake
+const stagingAsleepOffset :UInt64 = 24;        # [24, 32) clientAsleep
+const stagingBoxOffset :UInt64 = 4096;         # the request box; the reply box follows
+const stagingBoxSize :UInt64 = 65536;          # each box: UInt64 seq, UInt64 len, then a frame
+const stagingSlotsOffset :UInt64 = 135168;     # the bulk slots; a worker maps no smaller file
+const stagingSlotSize :UInt64 = 33554432;      # clients use two slots of 32 MiB, in turn
+const stagingMinCopy :UInt64 = 262144;         # clients send smaller copies in frames
 
 struct Request {
   version @0 :UInt32;          # protocolVersion of the sender; checked on every frame

@@ -34,13 +34,16 @@ def launch_cluster(options):
 LAUNCH_RECORD = struct.Struct("<Q" + LAUNCH_CONFIG.format[1:] + "I")
 _U32 = struct.Struct("<I")
 
-# The shared staging area's layout (see the header of phos.capnp).
-COOKIE_BYTES = 16
-AWAKE_OFFSET = 16
-ASLEEP_OFFSET = 24
-BOX_OFFSET = 4096
-BOX_SIZE = 64 << 10
-SLOTS_OFFSET = BOX_OFFSET + 2 * BOX_SIZE
+# The shared staging area's layout: the staging* constants of phos.capnp (see its header).
+COOKIE_BYTES = phos_capnp.stagingCookieBytes
+AWAKE_OFFSET = phos_capnp.stagingAwakeOffset
+ASLEEP_OFFSET = phos_capnp.stagingAsleepOffset
+BOX_OFFSET = phos_capnp.stagingBoxOffset
+BOX_SIZE = phos_capnp.stagingBoxSize
+SLOTS_OFFSET = phos_capnp.stagingSlotsOffset
+SLOT_SIZE = phos_capnp.stagingSlotSize          # clients' two bulk slots
+MIN_COPY = phos_capnp.stagingMinCopy            # clients' smallest staged copy
+DEFAULT_SERVER = phos_capnp.defaultServer       # phos/settings.py reads the same constant
 
 Request = phos_capnp.Request
 Reply = phos_capnp.Reply

@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
 import logging
-import os
 import struct
 import threading
 import time
@@ -36,6 +35,7 @@ import types
 
 import numpy as np
 
+from phos import settings
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, chunk_payload,
@@ -50,7 +50,7 @@ STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls
 # a checkpoint reports its steps of this long from the cut (trace_ms); a benchmark may ask for
 # its whole copy (PHOS_TRACE_SECONDS=1: ~10,000 entries, whose JSON holds the worker's thread
 # for 10-20 ms at the end: a gap the application sees)
-TRACE_SECONDS = float(os.environ.get("PHOS_TRACE_SECONDS", "0.03"))
+TRACE_SECONDS = settings.trace_seconds()
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
 FEW = 32                         # chunk lists up to this long are walked in Python, longer ones by NumPy

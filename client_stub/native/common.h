@@ -1,6 +1,7 @@
 // Helpers shared by every part of the native stub: exporting, logging, settings.
 #pragma once
 
+#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -17,11 +18,13 @@ void log_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 void log_verbose(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 bool verbose();
 
-// Settings from the environment, read once.
-std::string env_string(const char* name, const char* fallback);
-double env_seconds(const char* name, double fallback);
-long env_long(const char* name, long fallback);
+// Log lines go to stderr whole (log.cpp).
+void log_line(const char* fmt, va_list ap);
 
+// Every PHOS_* variable the stub reads, read once, in settings.cpp alone (the driver
+// library's; the runtime library reads none). phos/settings.py declares them all, with
+// their defaults and meanings, for README.md's table; tests/test_settings.py checks that
+// the two agree.
 struct Settings {
     std::string server;          // PHOS_SERVER: the front end's ZeroMQ endpoint
     double connect_timeout;      // PHOS_CONNECT_TIMEOUT: seconds to wait for hello / attach
@@ -37,9 +40,14 @@ struct Settings {
     int mailbox;                 // PHOS_MAILBOX: synchronous calls through the staging area's mailbox:
                                  // 1 always, 0 never, -1 (default) while we spin and the worker is awake
     double spin;                 // PHOS_SPIN_US (as seconds): spin this long for a reply before sleeping
+    bool verbose;                // PHOS_VERBOSE or PHOS_DEBUG: a non-zero number
+    bool server_key;             // PHOS_SERVER_KEY is set (we speak no CURVE: refuse)
+    double exit_timeout;         // PHOS_EXIT_TIMEOUT: seconds to wait at exit for each ctxDestroy
 };
 const Settings& settings();
 
-inline constexpr const char* kDefaultServer = "ipc:///tmp/phos/phos.sock";
+// Read at call time, not once: a lost context may have moved to another server.
+std::string server_now();                                  // PHOS_SERVER, else schema's defaultServer
+std::string standby_now(const std::string& fallback);      // PHOS_STANDBY, else `fallback`
 
 }  // namespace phos

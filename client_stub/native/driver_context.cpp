@@ -75,7 +75,7 @@ static std::string program_name() {
 static CUresult initialise() {
     State& s = state();
     const Settings& cfg = settings();
-    if (getenv("PHOS_SERVER_KEY")) {
+    if (cfg.server_key) {
         log_error("PHOS_SERVER_KEY is set, but the native stub speaks no CURVE (its libzmq is built without "
                   "libsodium); reach the server over ipc:// or a loopback tcp:// address, or use the Python client");
         return CUDA_ERROR_NO_DEVICE;
@@ -163,7 +163,7 @@ static void finish_at_exit() {
     for (int i = 0; i < 100 && !g.try_lock(); i++) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     if (!g.owns_lock()) return;   // another thread is stuck in a call: leave it to the server
     s.exiting = true;
-    const double timeout = env_seconds("PHOS_EXIT_TIMEOUT", 10.0);
+    const double timeout = settings().exit_timeout;
     for (CUctx_st* ctx : s.contexts) {
         if (!ctx->live || !ctx->conn) continue;
         wire::Result r = ctx->conn->call(wire::Call::plain(wire::Kind::ctxDestroy), nullptr, timeout);

@@ -12,8 +12,23 @@
 #include <thread>
 
 #include "common.h"
+#include "phos.capnp.h"   // generated at build time by `capnp compile -oc++`
 
 namespace phos {
+
+// The shared staging area's layout: schema/phos.capnp's staging* constants (its header comment).
+namespace staging {
+constexpr size_t kCookieBytes = ::STAGING_COOKIE_BYTES;
+constexpr size_t kAwakeOffset = ::STAGING_AWAKE_OFFSET;     // UInt64 workerAwake
+constexpr size_t kAsleepOffset = ::STAGING_ASLEEP_OFFSET;   // UInt64 clientAsleep
+constexpr size_t kBoxOffset = ::STAGING_BOX_OFFSET;         // request box; the reply box follows
+constexpr size_t kBoxSize = ::STAGING_BOX_SIZE;             // UInt64 seq, UInt64 len, then a frame
+constexpr size_t kSlotsOffset = ::STAGING_SLOTS_OFFSET;
+constexpr size_t kSlotSize = ::STAGING_SLOT_SIZE;           // two bulk slots, used in turn
+constexpr size_t kAreaSize = kSlotsOffset + 2 * kSlotSize;
+const size_t kMinCopy = ::STAGING_MIN_COPY;                 // smaller copies travel in frames
+static_assert(kSlotsOffset == kBoxOffset + 2 * kBoxSize, "schema/phos.capnp: the slots follow the two boxes");
+}  // namespace staging
 
 using Clock = std::chrono::steady_clock;
 
@@ -742,8 +757,7 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
 // endpoint, or "" with `why`.
 std::string Connection::find_context(double timeout, std::string& why) {
     std::vector<std::string> servers;
-    for (const std::string& server : {found_at_, env_string("PHOS_SERVER", kDefaultServer),
-                                      env_string("PHOS_STANDBY", standby_.c_str())})
+    for (const std::string& server : {found_at_, server_now(), standby_now(standby_)})
         if (!server.empty() && std::find(servers.begin(), servers.end(), server) == servers.end()) servers.push_back(server);
     auto passed = std::find(servers.begin(), servers.end(), passed_over_);
     if (passed != servers.end()) std::rotate(passed, passed + 1, servers.end());

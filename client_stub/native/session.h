@@ -18,17 +18,10 @@
 
 namespace phos {
 
-// The shared staging area's layout (schema/phos.capnp, header comment).
+// The shared staging area's layout is schema/phos.capnp's (session.cpp, namespace staging);
+// copies smaller than this travel in frames.
 namespace staging {
-constexpr size_t kCookieBytes = 16;
-constexpr size_t kAwakeOffset = 16;                    // UInt64 workerAwake
-constexpr size_t kAsleepOffset = 24;                   // UInt64 clientAsleep
-constexpr size_t kBoxOffset = 4096;                    // request box; the reply box follows
-constexpr size_t kBoxSize = 64 << 10;                  // UInt64 seq, UInt64 len, then a frame
-constexpr size_t kSlotsOffset = kBoxOffset + 2 * kBoxSize;
-constexpr size_t kSlotSize = 32 << 20;                 // two bulk slots, used in turn
-constexpr size_t kAreaSize = kSlotsOffset + 2 * kSlotSize;
-constexpr size_t kMinCopy = 256 << 10;                 // smaller copies travel in frames
+extern const size_t kMinCopy;
 }  // namespace staging
 
 // Where the bytes of a device->host copy go once its Result arrives.

@@ -1,0 +1,184 @@
+"""Every PHOS_* environment variable: its name, type, default, who reads it and what it means.
+
+One declaration a variable, and one helper (Setting.__call__) that reads them all. A module
+that wants a value at import reads it then (`CONNECT_TIMEOUT = settings.connect_timeout()`);
+one that must see a change reads it at call time (the client reads PHOS_SERVER again when it
+looks for a lost context). An empty value counts as unset. The native stub reads its own
+variables in client_stub/native/settings.cpp (its Settings struct): the table below declares
+those too, so that README.md's "Settings" table (`python -m phos.settings` prints it;
+tests/test_settings.py checks it) lists every variable once, with the side that reads it.
+
+Light on purpose: stdlib only, imported by the client, the server and the `phos` command.
+"""
+import functools
+import os
+import re
+from typing import Any, Callable, NamedTuple
+
+# Who reads a variable: the Python client (client_stub), the native stub (client_stub/native),
+# the server (front end, workers, backends, snapshot engine), the `phos` command line.
+CLIENT, STUB, SERVER, CLI = "client", "stub", "server", "cli"
+
+
+@functools.lru_cache(maxsize=None)
+def default_server():
+    """The server address when PHOS_SERVER is unset: schema/phos.capnp's `defaultServer`.
+
+    Read from the schema's text (not through pycapnp, which this module does not import),
+    as the native stub reads it through the generated header: one definition for both."""
+    from importlib.resources import files
+    text = files("phos.schema").joinpath("phos.capnp").read_text()
+    m = re.search(r'^const defaultServer :Text = "([^"]*)";', text, re.M)
+    if m is None:
+        raise RuntimeError("schema/phos.capnp declares no `const defaultServer :Text`")
+    return m.group(1)
+
+
+def _spin_default():
+    # Spinning beats a wake-up where cores are plentiful; on small machines it starves the peer.
+    return 1000.0 if (os.cpu_count() or 1) > 4 else 0.0
+
+
+def _stub_dir_default():
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
+
+
+def tristate(raw):
+    """"1": on, "0": off, anything else: automatic (None)."""
+    return True if raw == "1" else False if raw == "0" else None
+
+
+def present(raw):
+    """On for any (non-empty) value."""
+    return True
+
+
+class Setting(NamedTuple):
+    name: str
+    type: Callable[[str], Any]     # parses the variable's text
+    default: Any                   # the value when unset (a callable: computed when read)
+    readers: str                   # CLIENT, STUB, SERVER, CLI, comma-separated
+    meaning: str                   # one line, for README.md's table
+    shown: str = ""                # the default as the table shows it, where str(default) won't do
+
+    def raw(self):
+        """The variable's text, or None when unset (or empty)."""
+        return os.environ.get(self.name) or None
+
+    def __call__(self):
+        """The value now, typed; the default when unset. Raises ValueError naming the variable."""
+        raw = self.raw()
+        if raw is None:
+            return self.default() if callable(self.default) else self.default
+        try:
+            return self.type(raw)
+        except ValueError:
+            raise ValueError(f"{self.name}={raw!r}: not a valid {getattr(self.type, '__name__', 'value')}") from None
+
+    def default_text(self):
+        if self.shown:
+            return self.shown
+        d = self.default() if callable(self.default) else self.default
+        return "unset" if d is None else f"`{d}`" if isinstance(d, str) else f"{d:g}" if isinstance(d, float) else str(d)
+
+
+TABLE = []
+
+
+def _declare(name, type, default, readers, meaning, shown=""):
+    setting = Setting(name, type, default, readers, meaning, shown)
+    TABLE.append(setting)
+    return setting
+
+
+# -- where the server is, and how a client talks to it ------------------------------------------
+server = _declare("PHOS_SERVER", str, default_server, f"{CLIENT}, {STUB}, {CLI}",
+                  "the front end's address; clients read it again when they look for a lost context; "
+                  "`phos server --listen` and the admin commands default to it (`phos run`: else a local server); "
+                  "the default is schema/phos.capnp's `defaultServer`")
+standby = _declare("PHOS_STANDBY", str, "", f"{CLIENT}, {STUB}",
+                   "the server to ask for a lost context after PHOS_SERVER (default: the standby attach named)",
+                   shown="unset")
+server_key = _declare("PHOS_SERVER_KEY", str, None, f"{CLIENT}, {STUB}",
+                      "CURVE: the server's public key file (`phos keygen`); the native stub, which speaks "
+                      "no CURVE, refuses to start when it is set")
+client_key = _declare("PHOS_CLIENT_KEY", str, None, CLIENT,
+                      "CURVE: the client's secret key file, needed with PHOS_SERVER_KEY")
+connect_timeout = _declare("PHOS_CONNECT_TIMEOUT", float, 5.0, f"{CLIENT}, {STUB}",
+                           "seconds to wait for the answer to hello and attach")
+gone_timeout = _declare("PHOS_GONE_TIMEOUT", float, 10.0, f"{CLIENT}, {STUB}",
+                        "seconds disconnected from a server before a call fails")
+reattach_timeout = _declare("PHOS_REATTACH_TIMEOUT", float, 60.0, f"{CLIENT}, {STUB}",
+                            "seconds a client looks for a context whose worker went away (restored by a "
+                            "server) before the waiting call fails")
+log_calls = _declare("PHOS_LOG_CALLS", int, 1 << 16, f"{CLIENT}, {STUB}",
+                     "the replay log holds this many calls (with recovery: then it asks for an image)")
+log_bytes = _declare("PHOS_LOG_BYTES", int, 256 << 20, f"{CLIENT}, {STUB}",
+                     "... and this many bytes of host data", shown="268435456 (256 MiB)")
+spin_us = _declare("PHOS_SPIN_US", float, _spin_default, f"{CLIENT}, {STUB}, {SERVER}",
+                   "microseconds a client spins for a reply, and a worker for the next message, before sleeping",
+                   shown="1000 with more than 4 cores, else 0")
+staging = _declare("PHOS_STAGING", tristate, None, f"{CLIENT}, {STUB}",
+                   "`1`: offer the worker a shared staging area (bulk copies, mailbox) always; `0`: never; "
+                   "unset: when it is reached over ipc:// or tcp://127.x", shown="unset (automatic)")
+verbose = _declare("PHOS_VERBOSE", present, False, f"{CLIENT}, {STUB}",
+                   "say why calls fail (client: any value; stub: a non-zero number, which also reports "
+                   "connections and staging statistics)", shown="unset")
+
+# -- the native stub alone ------------------------------------------------------------------------
+debug = _declare("PHOS_DEBUG", present, False, STUB, "as PHOS_VERBOSE (a non-zero number)", shown="unset")
+mailbox = _declare("PHOS_MAILBOX", tristate, None, STUB,
+                   "synchronous calls through the staging area's mailbox: `1` always, `0` never, unset: while "
+                   "the stub spins and the worker is awake", shown="unset (automatic)")
+batch_calls = _declare("PHOS_BATCH_CALLS", int, 64, STUB, "send a batch of asynchronous calls at this many calls")
+batch_bytes = _declare("PHOS_BATCH_BYTES", int, 1 << 20, STUB, "... or this many payload bytes",
+                          shown="1048576 (1 MiB)")
+batch_age_us = _declare("PHOS_BATCH_AGE_US", int, 1000, STUB, "... or when its first call is this many microseconds old")
+inline_copy_max = _declare("PHOS_INLINE_COPY_MAX", int, 64 << 10, STUB,
+                           "host-to-device copies up to this many bytes are captured and sent asynchronously")
+exit_timeout = _declare("PHOS_EXIT_TIMEOUT", float, 10.0, STUB,
+                        "seconds the stub waits at exit for each context's ctxDestroy")
+
+# -- the server ---------------------------------------------------------------------------------
+pool = _declare("PHOS_POOL", int, 1, f"{SERVER}, {CLI}",
+                "workers kept started, ready for a new context or a restore (`phos server --pool`'s default)")
+worker_start_timeout = _declare("PHOS_WORKER_START_TIMEOUT", float, 60.0, SERVER,
+                                "seconds the front end waits for a worker to start")
+attach_timeout = _declare("PHOS_ATTACH_TIMEOUT", float, 30.0, SERVER,
+                          "seconds a new context waits for its client's attach before it is freed")
+orphan_grace = _declare("PHOS_ORPHAN_GRACE", float, 2.0, SERVER,
+                        "seconds a context stays without a client before it is freed")
+restore_grace = _declare("PHOS_RESTORE_GRACE", float, 60.0, SERVER,
+                         "seconds a restored context waits for its client to re-attach before it is freed "
+                         "(was read from PHOS_REATTACH_TIMEOUT, now the client's alone)")
+log_level = _declare("PHOS_LOG", str, "WARNING", f"{SERVER}, {CLI}",
+                     "the server's and its workers' log level (`phos server --log-level`'s default)")
+switch_us = _declare("PHOS_SWITCH_US", float, 200.0, SERVER,
+                     "a worker's interpreter switch interval in microseconds (sys.setswitchinterval)")
+profile_dir = _declare("PHOS_PROFILE_DIR", str, None, SERVER,
+                       "each worker writes a cProfile file per checkpoint into this directory")
+trace_seconds = _declare("PHOS_TRACE_SECONDS", float, 0.03, SERVER,
+                         "a checkpoint traces its steps this many seconds from the cut (1: its whole copy)")
+emu_memory = _declare("PHOS_EMU_MEMORY", int, 16 << 30, SERVER, "the emu backend's device memory in bytes",
+                        shown="17179869184 (16 GiB)")
+
+
+# -- the `phos` command line --------------------------------------------------------------------
+stub_dir = _declare("PHOS_STUB_DIR", str, _stub_dir_default, CLI,
+                    "where `phos run` finds the native stub (when phos is installed away from the checkout "
+                    "that built it)", shown="phos/stub")
+server_start_timeout = _declare("PHOS_SERVER_START_TIMEOUT", float, 60.0, CLI,
+                                "seconds `phos run` waits for the local server it starts")
+
+BY_NAME = {s.name: s for s in TABLE}
+
+
+def markdown_table():
+    """README.md's table of settings, generated from TABLE (tests/test_settings.py checks it)."""
+    lines = ["| Variable | Default | Read by | Meaning |", "|---|---|---|---|"]
+    lines += [f"| `{s.name}` | {s.default_text()} | {s.readers} | {s.meaning} |" for s in TABLE]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
