@@ -22,12 +22,18 @@ class DeviceInfo:
         return self.attributes[75], self.attributes[76]
 
 
+FUNCTION_ATTRIBUTES = 16     # CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK .. _CLUSTER_SCHEDULING_POLICY_PREFERENCE
+
+
 @dataclass
 class Function:
     """A kernel as the worker sees it: the backend's handle and the parameter layout."""
     handle: object
     name: str
     params: list          # [(offset, size)] per parameter
+    # CUfunction_attribute values 0 .. FUNCTION_ATTRIBUTES-1, as the device reports them
+    # (registers, static shared memory, ...): a client answers cuFuncGetAttribute from them.
+    attributes: tuple = ()
 
     @property
     def param_bytes(self):
@@ -113,6 +119,14 @@ class Backend(Protocol):
         """Launch a kernel with its packed parameter buffer, in order on stream.
 
         options: Launch.config's options (schema/wire.py: launch_cluster, LAUNCH_COOPERATIVE)."""
+
+    def occupancy(self, function, query, a, b, flags, grid=0) -> tuple:
+        """A cuOccupancy* answer for function: query, a, b and flags as FuncOccupancy
+        (phos.capnp) names them; the u64s of the Result."""
+
+    def tensor_map_encode(self, im2col, values) -> bytes:
+        """The 128-byte CUtensorMap of cuTensorMapEncodeTiled (or Im2col, when im2col), from
+        TensorMapEncode.args unpacked (schema/wire.py: TENSOR_MAP_TILED, TENSOR_MAP_IM2COL)."""
 
     def take_output(self) -> str:
         """What kernels printed since the last call (printf), and forget it."""

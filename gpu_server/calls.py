@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
-from phos.schema.wire import LAUNCH_CONFIG, WireError, read_launch_batch
+from phos.schema.wire import LAUNCH_CONFIG, TENSOR_MAP_IM2COL, TENSOR_MAP_TILED, WireError, read_launch_batch
 from phos.snapshot import engine
 
 STEP_AFTER = 0.0005    # seconds into a wait for the device before a running checkpoint takes its steps
@@ -159,7 +159,8 @@ def module_get_function(s, a, p):
     fn = s.backend.get_function(s.handle("module", a.module), a.name)
     fn.module_id, fn.size = a.module, fn.param_bytes
     fid = s.add("function", fn)
-    return {"u64s": [fid], "params": fn.params}
+    # the attributes follow the id as 64-bit two's complement (a carveout of -1 is "no preference")
+    return {"u64s": [fid, *(a & (1 << 64) - 1 for a in fn.attributes)], "params": fn.params}
 
 
 def module_get_global(s, a, p):
@@ -283,6 +284,22 @@ def log_full(s, a, p):
     return {"u64s": [s.recovery.durable]}
 
 
+def tensor_map_encode(s, a, p):
+    layout = TENSOR_MAP_IM2COL if a.im2col else TENSOR_MAP_TILED
+    if len(a.args) != layout.size:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"tensorMapEncode: {len(a.args)} bytes of arguments, not {layout.size}")
+    values = layout.unpack(a.args)
+    rank = values[1]
+    if not 1 <= rank <= 5:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"tensorMapEncode: rank {rank} is not 1 to 5")
+    return {"data": s.backend.tensor_map_encode(bool(a.im2col), values)}
+
+
+def func_occupancy(s, a, p):
+    fn = s.handle("function", a.function)
+    return {"u64s": list(s.backend.occupancy(fn, str(a.query), a.a, a.b, a.flags, a.grid))}
+
+
 # call name -> handler. A call missing here is refused with its name.
 WORKER_CALLS = {
     "ctxDestroy": ctx_destroy,
@@ -313,4 +330,6 @@ WORKER_CALLS = {
     "eventElapsedTime": event_elapsed_time,
     "eventDestroy": event_destroy,
     "logFull": log_full,
+    "tensorMapEncode": tensor_map_encode,
+    "funcOccupancy": func_occupancy,
 }

@@ -14,7 +14,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from phos.gpu_server.address_space import BASE, AddressSpace
-from phos.gpu_server.backend import DeviceInfo, Function
+from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import LAUNCH_COOPERATIVE, launch_cluster
@@ -74,7 +74,13 @@ _cuMemSetAccess = _driver_call("cuMemSetAccess", _U64, _N, _P, _N)
 _cuMemUnmap = _driver_call("cuMemUnmap", _U64, _N)
 _cuMemRelease = _driver_call("cuMemRelease", _U64)
 _cuEventQuery = _driver_call("cuEventQuery", _P)
-_cuStreamQuery = _driver_call("cuStreamQuery", _P)     # a synchronize polls it while a checkpoint runs
+_cuStreamQuery = _driver_call("cuStreamQuery", _P)
+_cuOccupancyMaxActiveClusters = _driver_call("cuOccupancyMaxActiveClusters", _P, _P, _P)
+# The tensor maps a client's libraries encode for the device (the format is the driver's own).
+_I, _UI = ctypes.c_int, ctypes.c_uint
+_cuTensorMapEncodeTiled = _driver_call("cuTensorMapEncodeTiled", _P, _I, _UI, _U64, _P, _P, _P, _P, _I, _I, _I, _I)
+_cuTensorMapEncodeIm2col = _driver_call("cuTensorMapEncodeIm2col", _P, _I, _UI, _U64, _P, _P, _P, _P, _UI, _UI, _P,
+                                        _I, _I, _I, _I)     # a synchronize polls it while a checkpoint runs
 
 
 def _check(err, what):
@@ -320,7 +326,9 @@ class CudaBackend:
             if int(err) != 0:
                 break
             params.append((int(offset), int(size)))
-        return Function(fn, name, params)
+        attributes = tuple(ok(cu.cuFuncGetAttribute(cu.CUfunction_attribute(a), fn), f"cuFuncGetAttribute({name})")
+                           for a in range(FUNCTION_ATTRIBUTES))
+        return Function(fn, name, params, attributes)
 
     def get_global(self, module, name):
         ptr, size = ok(cu.cuModuleGetGlobal(module[0], name.encode()), f"cuModuleGetGlobal({name})")
@@ -358,6 +366,41 @@ class CudaBackend:
         err = _cuLaunchKernelEx(config[1], args[4], args[2], None)
         if err:
             ok((err,), f"launch of {function.name}")
+
+    def occupancy(self, function, query, a, b, flags, grid=0):
+        fn = function.handle
+        if query == "maxActiveBlocks":
+            return (ok(cu.cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(fn, a, b, flags), "cuOccupancy"),)
+        if query == "availableDynamicShared":
+            return (ok(cu.cuOccupancyAvailableDynamicSMemPerBlock(fn, a, b), "cuOccupancy"),)
+        if query == "maxPotentialBlockSize":
+            return ok(cu.cuOccupancyMaxPotentialBlockSizeWithFlags(fn, None, a, b, flags), "cuOccupancy")
+        if query == "maxActiveClusters":
+            dims = lambda packed: (packed & 0x1FFFFF, (packed >> 21) & 0x1FFFFF, packed >> 42)
+            attrs = _launch_attributes(flags)
+            config = _LaunchConfig(dims(grid), dims(a), b, None, ctypes.addressof(attrs) if attrs else None,
+                                   len(attrs) if attrs else 0)
+            count = ctypes.c_int()
+            _check(_cuOccupancyMaxActiveClusters(ctypes.byref(count), int(fn), ctypes.byref(config)), "cuOccupancyMaxActiveClusters")
+            return (count.value,)
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"no occupancy query {query!r}")
+
+    def tensor_map_encode(self, im2col, values):
+        out = (ctypes.c_uint64 * 16)()
+        if im2col:
+            (dtype, rank, address, *rest) = values
+            dims, strides, lower, upper = rest[0:5], rest[5:9], rest[9:12], rest[12:15]
+            channels, pixels, elem, (interleave, swizzle, l2, oob) = rest[15], rest[16], rest[17:22], rest[22:26]
+            err = _cuTensorMapEncodeIm2col(out, dtype, rank, address, (_U64 * 5)(*dims), (_U64 * 4)(*strides),
+                                           (ctypes.c_int * 3)(*lower), (ctypes.c_int * 3)(*upper), channels, pixels,
+                                           (ctypes.c_uint * 5)(*elem), interleave, swizzle, l2, oob)
+        else:
+            (dtype, rank, address, *rest) = values
+            dims, strides, box, elem, (interleave, swizzle, l2, oob) = rest[0:5], rest[5:9], rest[9:14], rest[14:19], rest[19:23]
+            err = _cuTensorMapEncodeTiled(out, dtype, rank, address, (_U64 * 5)(*dims), (_U64 * 4)(*strides),
+                                          (ctypes.c_uint * 5)(*box), (ctypes.c_uint * 5)(*elem), interleave, swizzle, l2, oob)
+        _check(err, "cuTensorMapEncodeIm2col" if im2col else "cuTensorMapEncodeTiled")
+        return bytes(out)
 
     def take_output(self):
         return ""      # device printf goes to the worker's stdout on a real GPU

@@ -9,7 +9,7 @@ import uuid
 
 from phos import settings
 from phos.gpu_server.address_space import BASE
-from phos.gpu_server.backend import DeviceInfo, Function
+from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
 from phos.gpu_server.emu_memory import EmuMemory
 from phos.schema.cuda_types import CudaError, CUresult
@@ -96,7 +96,12 @@ class EmuBackend:
         kernel = module.kernels.get(name)
         if kernel is None:
             raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no kernel named {name!r} in this module")
-        return Function((module, name), name, list(kernel.params))
+        # What a compute-capability-9.0 driver reports for a plain kernel: the interpreter
+        # has no register allocation, so 32 registers a thread.
+        static = kernel.shared_size
+        attributes = (1024, static, 0, 0, 32, 90, 90, 0, max(0, (48 << 10) - static), -1, 0, 0, 0, 0, 0, 0)
+        assert len(attributes) == FUNCTION_ATTRIBUTES
+        return Function((module, name), name, list(kernel.params), attributes)
 
     def get_global(self, module, name):
         for var, ptr, size in module.allocations:
@@ -111,6 +116,31 @@ class EmuBackend:
         # together, so it is a plain launch here.
         module, name = function.handle
         module.launch(name, self.mem, grid, block, shared_bytes, bytes(params), self.output.append)
+
+    def occupancy(self, function, query, a, b, flags, grid=0):
+        """What the device's limits allow, with the 32 registers a thread emu reports."""
+        attrs, shared_static = EMU_ATTRIBUTES, function.attributes[1]
+
+        def blocks(block_size, dynamic):
+            if not 0 < block_size <= attrs[1]:
+                return 0
+            threads = -(-block_size // attrs[10]) * attrs[10]
+            n = min(attrs[39] // threads, attrs[106], attrs[82] // (threads * 32))
+            used = shared_static + dynamic
+            return max(0, min(n, attrs[81] // used) if used else n)
+
+        if query == "maxActiveBlocks":
+            return (blocks(a, b),)
+        if query == "availableDynamicShared":
+            return (max(0, attrs[81] // max(a, 1) - shared_static) if blocks(b, 0) >= a else 0,)
+        if query == "maxPotentialBlockSize":
+            limit = min(b or attrs[1], attrs[1])
+            size = max(range(attrs[10], limit + 1, attrs[10]), key=lambda s: (blocks(s, a) * s, s), default=0)
+            return (blocks(size, a) * attrs[16], size)
+        raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, f"emu cannot answer occupancy query {query!r} (no clusters)")
+
+    def tensor_map_encode(self, im2col, values):
+        raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, "emu has no tensor memory accelerator (cuTensorMapEncode)")
 
     def take_output(self):
         text, self.output = "".join(self.output), []

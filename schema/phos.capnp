@@ -202,7 +202,39 @@ struct Call {
                              # data, when it was handed off: the standby of the server it went to
     logFull @39 :Void;         # the client's recovery log is full: take an image now. u64s: [durable
                                # seq], or [0] without recovery images (ackSeq is what counts then)
+    tensorMapEncode @40 :TensorMapEncode;   # Result data: the 128-byte CUtensorMap
+    funcOccupancy @41 :FuncOccupancy;       # Result u64s: the answer (see FuncOccupancy)
   }
+}
+
+# The cuOccupancy* calls, answered by the server's driver: libraries size their grids by
+# them, so an estimate could change how they split work and so their results.
+#   maxActiveBlocks        a: block size, b: dynamic shared bytes, flags -> [blocks per SM]
+#   availableDynamicShared a: blocks per SM, b: block size -> [bytes]
+#   maxPotentialBlockSize  a: dynamic shared bytes, b: block size limit, flags -> [min grid, block size]
+#   maxActiveClusters      a: block x | y << 21 | z << 42, b: dynamic shared bytes, grid: the
+#                          launch's grid, packed as a; flags: the cluster as Launch.config's
+#                          options -> [clusters]
+struct FuncOccupancy {
+  function @0 :UInt64;
+  query @1 :Query;
+  a @2 :UInt64;
+  b @3 :UInt64;
+  flags @4 :UInt32;
+  grid @5 :UInt64;
+  enum Query { maxActiveBlocks @0; availableDynamicShared @1; maxPotentialBlockSize @2; maxActiveClusters @3; }
+}
+
+# cuTensorMapEncodeTiled / Im2col: the driver encodes a TMA descriptor on the host, in a
+# format it does not publish, so the server's driver does it. `args` is one little-endian
+# record, rank-5 arrays whatever the rank (schema/wire.py, TENSOR_MAP_TILED and _IM2COL):
+#   UInt32 dataType, rank; UInt64 globalAddress; UInt64 globalDim[5], globalStrides[4];
+#   tiled: UInt32 boxDim[5]; im2col: Int32 lowerCorner[3], upperCorner[3], UInt32
+#   channelsPerPixel, pixelsPerColumn; then UInt32 elementStrides[5], interleave, swizzle,
+#   l2Promotion, oobFill.
+struct TensorMapEncode {
+  im2col @0 :Bool;
+  args @1 :Data;
 }
 
 struct Hello {

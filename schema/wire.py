@@ -25,6 +25,10 @@ LAUNCH_CONFIG = struct.Struct("<8IQ")   # Launch.config: grid xyz, block xyz, sh
 LAUNCH_COOPERATIVE = 1 << 24            # Launch.config's options (phos.capnp): bit 24, and the cluster below
 
 
+TENSOR_MAP_TILED = struct.Struct("<IIQ5Q4Q5I5IIIII")       # TensorMapEncode.args (phos.capnp)
+TENSOR_MAP_IM2COL = struct.Struct("<IIQ5Q4Q3i3iII5IIIII")
+
+
 def launch_cluster(options):
     """The thread-block cluster a launch's options name, or None."""
     cluster = (options & 0xFF, (options >> 8) & 0xFF, (options >> 16) & 0xFF)

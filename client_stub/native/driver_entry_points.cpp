@@ -31,6 +31,7 @@ PHOS_EXPORT CUresult cuCtxCreate_v2(CUcontext* pctx, unsigned int flags, CUdevic
 PHOS_EXPORT CUresult cuCtxCreate_v3(CUcontext* pctx, CUexecAffinityParam* affinity, int count, unsigned int flags,
                                     CUdevice dev);
 PHOS_EXPORT CUresult cuFuncGetParamCount(CUfunction f, size_t* count);
+PHOS_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec* out, CUgraph graph, CUgraphNode* error_node, char* log, size_t size);
 PHOS_EXPORT CUresult cuStreamGetCaptureInfo_v2(CUstream stream, CUstreamCaptureStatus* status, cuuint64_t* id,
                                                CUgraph* graph, const CUgraphNode** deps, size_t* count);
 
@@ -112,6 +113,19 @@ PER_THREAD(cuStreamGetCaptureInfo_v3_ptsz, cuStreamGetCaptureInfo_v3,
 PER_THREAD(cuStreamGetCaptureInfo_v2_ptsz, cuStreamGetCaptureInfo_v2,
            (CUstream st, CUstreamCaptureStatus* s, cuuint64_t* id, CUgraph* g, const CUgraphNode** d, size_t* n),
            (st, s, id, g, d, n))
+PER_THREAD(cuStreamBeginCapture_v2_ptsz, cuStreamBeginCapture_v2, (CUstream st, CUstreamCaptureMode m), (st, m))
+PER_THREAD(cuStreamEndCapture_ptsz, cuStreamEndCapture, (CUstream st, CUgraph* g), (st, g))
+PER_THREAD(cuGraphInstantiateWithParams_ptsz, cuGraphInstantiateWithParams,
+           (CUgraphExec* e, CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS* p), (e, g, p))
+PER_THREAD(cuGraphUpload_ptsz, cuGraphUpload, (CUgraphExec e, CUstream st), (e, st))
+PER_THREAD(cuGraphLaunch_ptsz, cuGraphLaunch, (CUgraphExec e, CUstream st), (e, st))
+PER_THREAD(cuLaunchHostFunc_ptsz, cuLaunchHostFunc, (CUstream st, CUhostFn f, void* d), (st, f, d))
+PER_THREAD(cuStreamAddCallback_ptsz, cuStreamAddCallback, (CUstream st, CUstreamCallback f, void* d, unsigned fl),
+           (st, f, d, fl))
+PER_THREAD(cuMemAllocAsync_ptsz, cuMemAllocAsync, (CUdeviceptr* p, size_t n, CUstream st), (p, n, st))
+PER_THREAD(cuMemAllocFromPoolAsync_ptsz, cuMemAllocFromPoolAsync, (CUdeviceptr* p, size_t n, CUmemoryPool m, CUstream st),
+           (p, n, m, st))
+PER_THREAD(cuMemFreeAsync_ptsz, cuMemFreeAsync, (CUdeviceptr p, CUstream st), (p, st))
 PER_THREAD(cuEventRecord_ptsz, cuEventRecord, (CUevent e, CUstream st), (e, st))
 PER_THREAD(cuEventRecordWithFlags_ptsz, cuEventRecordWithFlags, (CUevent e, CUstream st, unsigned fl), (e, st, fl))
 

@@ -72,7 +72,8 @@ CUresult stream_id(CUstream stream, CUctx_st* ctx, uint64_t* id) {
 
 static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool async_api) {
     CUctx_st* ctx;
-    CUresult err = current_context(&ctx);
+    CUresult err = refuse_in_capture(stream);    // host memory is not read again when a graph replays
+    if (err == CUDA_SUCCESS) err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     uint64_t sid = 0;
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
@@ -93,7 +94,8 @@ static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstr
 
 static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
     CUctx_st* ctx;
-    CUresult err = current_context(&ctx);
+    CUresult err = refuse_in_capture(stream);
+    if (err == CUDA_SUCCESS) err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     uint64_t sid = 0;
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
@@ -120,7 +122,7 @@ static CUresult copy_on_device(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstr
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!device_range_ok(dst, n) || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
-    ctx->conn->post(wire::Call::memcpy_dtod(dst, src, n, sid));
+    submit(ctx, stream, wire::Call::memcpy_dtod(dst, src, n, sid));
     return CUDA_SUCCESS;
 }
 
@@ -133,7 +135,7 @@ static CUresult fill(CUdeviceptr dst, uint32_t value, int elem_size, size_t coun
     if (count == 0) return CUDA_SUCCESS;
     if (dst % static_cast<unsigned>(elem_size) != 0 || !device_range_ok(dst, count * elem_size))
         return CUDA_ERROR_INVALID_VALUE;
-    ctx->conn->post(wire::Call::memset(dst, value, elem_size, count, sid));
+    submit(ctx, stream, wire::Call::memset(dst, value, elem_size, count, sid));
     return CUDA_SUCCESS;
 }
 
@@ -434,4 +436,190 @@ PHOS_EXPORT CUresult cuPointerGetAttributes(unsigned int count, CUpointer_attrib
         }
     }
     return CUDA_SUCCESS;
+}
+
+// -- tensor maps: the server's driver encodes them (TensorMapEncode, phos.capnp) -----------
+
+namespace {
+template <typename T>
+void put(std::string& out, const T& v) {
+    out.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+template <typename T, size_t N>
+void put_array(std::string& out, const T* values, unsigned n) {
+    for (size_t i = 0; i < N; i++) put<T>(out, i < n && values ? values[i] : T{});
+}
+
+CUresult encode_tensor_map(CUtensorMap* map, bool im2col, std::string args) {
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    wire::Call call = wire::Call::plain(wire::Kind::tensorMapEncode);
+    call.flags = im2col ? 1 : 0;
+    call.bytes = std::move(args);
+    wire::Result r;
+    if ((err = context_call(ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
+    if (r.data.size() != sizeof *map) return CUDA_ERROR_UNKNOWN;
+    std::memcpy(map, r.data.data(), sizeof *map);
+    return CUDA_SUCCESS;
+}
+}  // namespace
+
+PHOS_EXPORT CUresult cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, void* address,
+                                            const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                                            const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                                            CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2,
+                                            CUtensorMapFloatOOBfill oob) {
+    if (!map || !dims || !box || !element_strides || rank == 0 || rank > 5 || (rank > 1 && !strides))
+        return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    std::string a;
+    put<uint32_t>(a, type);
+    put<uint32_t>(a, rank);
+    put<uint64_t>(a, reinterpret_cast<uint64_t>(address));
+    put_array<cuuint64_t, 5>(a, dims, rank);
+    put_array<cuuint64_t, 4>(a, strides, rank - 1);
+    put_array<cuuint32_t, 5>(a, box, rank);
+    put_array<cuuint32_t, 5>(a, element_strides, rank);
+    for (uint32_t v : {uint32_t(interleave), uint32_t(swizzle), uint32_t(l2), uint32_t(oob)}) put(a, v);
+    return encode_tensor_map(map, false, std::move(a));
+}
+
+PHOS_EXPORT CUresult cuTensorMapEncodeIm2col(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, void* address,
+                                             const cuuint64_t* dims, const cuuint64_t* strides, const int* lower,
+                                             const int* upper, cuuint32_t channels, cuuint32_t pixels,
+                                             const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                                             CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2,
+                                             CUtensorMapFloatOOBfill oob) {
+    if (!map || !dims || !element_strides || !lower || !upper || rank < 3 || rank > 5 || !strides)
+        return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    std::string a;
+    put<uint32_t>(a, type);
+    put<uint32_t>(a, rank);
+    put<uint64_t>(a, reinterpret_cast<uint64_t>(address));
+    put_array<cuuint64_t, 5>(a, dims, rank);
+    put_array<cuuint64_t, 4>(a, strides, rank - 1);
+    put_array<int, 3>(a, lower, rank - 2);
+    put_array<int, 3>(a, upper, rank - 2);
+    put<uint32_t>(a, channels);
+    put<uint32_t>(a, pixels);
+    put_array<cuuint32_t, 5>(a, element_strides, rank);
+    for (uint32_t v : {uint32_t(interleave), uint32_t(swizzle), uint32_t(l2), uint32_t(oob)}) put(a, v);
+    return encode_tensor_map(map, true, std::move(a));
+}
+
+// -- stream-ordered allocation -------------------------------------------------------------
+// The server allocates at once and frees after the device's work is done (a free waits for
+// it there), which is one valid order of the stream's work. A pool is bookkeeping here: its
+// memory is the context's, which checkpoints, restores and handoffs carry as any allocation.
+
+struct CUmemPoolHandle_st {
+    int device = 0;
+    uint64_t release_threshold = 0;
+    int reuse_flags = 1;               // follow-event, opportunistic and internal-dependency reuse
+    uint64_t used = 0, used_high = 0;
+};
+
+namespace {
+CUmemPoolHandle_st* default_pool(int device) {
+    static std::map<int, CUmemPoolHandle_st*> pools;     // never freed, as the driver's
+    auto& p = pools[device];
+    if (!p) {
+        p = new CUmemPoolHandle_st();
+        p->device = device;
+        state().handles[p] = HandleKind::mem_pool;
+    }
+    return p;
+}
+
+std::map<CUdeviceptr, CUmemoryPool>& pool_of_allocation() {
+    static std::map<CUdeviceptr, CUmemoryPool> m;
+    return m;
+}
+}  // namespace
+
+PHOS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* dptr, size_t bytesize, CUmemoryPool pool, CUstream stream) {
+    Guard g(state().lock);
+    if (!is_handle(pool, HandleKind::mem_pool)) return CUDA_ERROR_INVALID_VALUE;
+    CUresult err = refuse_in_capture(stream);    // graphs hold no allocation nodes here
+    if (err == CUDA_SUCCESS) err = cuMemAlloc_v2(dptr, bytesize);
+    if (err != CUDA_SUCCESS) return err;
+    pool_of_allocation()[*dptr] = pool;
+    pool->used += bytesize;
+    pool->used_high = std::max(pool->used_high, pool->used);
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemAllocAsync(CUdeviceptr* dptr, size_t bytesize, CUstream stream) {
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    return cuMemAllocFromPoolAsync(dptr, bytesize, default_pool(ctx->device), stream);
+}
+
+PHOS_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
+    Guard g(state().lock);
+    CUresult err = refuse_in_capture(stream);
+    if (err != CUDA_SUCCESS) return err;
+    auto range = state().allocations.find(dptr);
+    size_t size = range == state().allocations.end() ? 0 : range->second.size;
+    if ((err = cuMemFree_v2(dptr)) != CUDA_SUCCESS) return err;
+    auto it = pool_of_allocation().find(dptr);
+    if (it != pool_of_allocation().end()) {
+        it->second->used -= std::min<uint64_t>(it->second->used, size);
+        pool_of_allocation().erase(it);
+    }
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool* pool, CUdevice dev) {
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = check_device(dev);
+    if (err == CUDA_SUCCESS) *pool = default_pool(dev);
+    return err;
+}
+
+PHOS_EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool* pool, CUdevice dev) { return cuDeviceGetDefaultMemPool(pool, dev); }
+
+PHOS_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t) {
+    Guard g(state().lock);
+    return is_handle(pool, HandleKind::mem_pool) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;   // nothing is cached
+}
+
+PHOS_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void* value) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!is_handle(pool, HandleKind::mem_pool)) return CUDA_ERROR_INVALID_VALUE;
+    switch (attr) {
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: pool->release_threshold = *static_cast<cuuint64_t*>(value); return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: pool->reuse_flags = *static_cast<int*>(value); return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+        if (*static_cast<cuuint64_t*>(value) != 0) return CUDA_ERROR_INVALID_VALUE;   // only a reset
+        pool->used_high = pool->used;
+        return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+PHOS_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void* value) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    if (!is_handle(pool, HandleKind::mem_pool)) return CUDA_ERROR_INVALID_VALUE;
+    switch (attr) {
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *static_cast<cuuint64_t*>(value) = pool->release_threshold; return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES: *static_cast<int*>(value) = pool->reuse_flags; return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT:
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *static_cast<cuuint64_t*>(value) = pool->used; return CUDA_SUCCESS;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH:
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *static_cast<cuuint64_t*>(value) = pool->used_high; return CUDA_SUCCESS;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
 }

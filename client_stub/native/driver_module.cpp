@@ -141,38 +141,38 @@ static CUresult launch(CUfunction f, const unsigned grid[3], const unsigned bloc
     if ((err = check_launch_shape(ctx, grid, block, shared_bytes)) != CUDA_SUCCESS) return err;
     std::string params;
     if ((err = pack_params(f, kernel_params, extra, params)) != CUDA_SUCCESS) return err;
-    ctx->conn->post(wire::Call::launch(f->id, wire::Dim3{grid[0], grid[1], grid[2]},
+    submit(ctx, stream, wire::Call::launch(f->id, wire::Dim3{grid[0], grid[1], grid[2]},
                                        wire::Dim3{block[0], block[1], block[2]}, shared_bytes, sid, std::move(params),
                                        options));
     return CUDA_SUCCESS;
 }
 
-// Registers per thread that phos assumes for occupancy: the server reports no register counts.
-constexpr int kAssumedRegistersPerThread = 32;
-
-static CUresult occupancy(int* blocks, CUfunction f, int block_size, size_t dynamic_shared) {
-    if (!blocks || block_size <= 0) return CUDA_ERROR_INVALID_VALUE;
+// A cuOccupancy* answer from the server's driver (FuncOccupancy, phos.capnp); each asked once
+// per function, since frameworks ask again before many launches.
+static CUresult occupancy(CUfunction f, int query, uint64_t a, uint64_t b, uint32_t flags, std::vector<uint64_t>* out,
+                          uint64_t grid = 0) {
     CUresult err = resolve_function(f, &f);
     if (err != CUDA_SUCCESS) return err;
-    int dev = f->ctx->device;
-    int warp = 32, threads_sm = 2048, blocks_sm = 32, shared_sm = 228 << 10, regs_sm = 65536;
-    device_attribute(dev, CU_DEVICE_ATTRIBUTE_WARP_SIZE, &warp);
-    device_attribute(dev, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, &threads_sm);
-    device_attribute(dev, CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR, &blocks_sm);
-    device_attribute(dev, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, &shared_sm);
-    device_attribute(dev, CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR, &regs_sm);
-    if (block_size > f->ctx->limits.max_threads_per_block) {
-        *blocks = 0;
-        return CUDA_SUCCESS;
+    auto key = std::make_tuple(query, a, b, flags, grid);
+    auto it = f->occupancy.find(key);
+    if (it == f->occupancy.end()) {
+        wire::Call call = wire::Call::plain(wire::Kind::funcOccupancy);
+        call.id = f->id;
+        call.number = query;
+        call.address = a;
+        call.size = b;
+        call.flags = flags;
+        call.address2 = grid;
+        wire::Result r;
+        if ((err = context_call(f->ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
+        if (r.u64s.empty()) return CUDA_ERROR_UNKNOWN;
+        it = f->occupancy.emplace(key, r.u64s).first;
     }
-    // Whole warps per block; then the tightest of threads, blocks, shared memory and registers.
-    const int64_t threads = int64_t((block_size + warp - 1) / warp) * warp;
-    int64_t n = std::min<int64_t>(threads_sm / threads, blocks_sm);
-    if (dynamic_shared > 0) n = std::min<int64_t>(n, int64_t(shared_sm) / int64_t(dynamic_shared));
-    n = std::min<int64_t>(n, regs_sm / (threads * kAssumedRegistersPerThread));
-    *blocks = static_cast<int>(std::max<int64_t>(n, 0));
+    *out = it->second;
     return CUDA_SUCCESS;
 }
+
+enum OccupancyQuery { kMaxActiveBlocks, kAvailableDynamicShared, kMaxPotentialBlockSize, kMaxActiveClusters };
 
 }  // namespace phos::driver
 
@@ -258,6 +258,10 @@ PHOS_EXPORT CUresult cuModuleGetFunction(CUfunction* out, CUmodule module, const
         f->name = name;
         f->params = r.params;
         for (const auto& p : f->params) f->params_size = std::max<size_t>(f->params_size, size_t(p.offset) + p.size);
+        // The device's own figures for the kernel follow its id (calls.module_get_function).
+        for (size_t i = 1; i < r.u64s.size(); i++) f->attributes.push_back(static_cast<int>(r.u64s[i]));
+        if (f->attributes.size() > CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+            f->max_dynamic_shared = f->attributes[CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES];
         s.handles[f.get()] = HandleKind::function;
         it = module->functions.emplace(name, std::move(f)).first;
     }
@@ -315,41 +319,17 @@ PHOS_EXPORT CUresult cuFuncGetModule(CUmodule* module, CUfunction f) {
     return CUDA_SUCCESS;
 }
 
-// The server reports each kernel's parameter layout and nothing else, so the
-// resource figures here are what a plain kernel has: no static shared, constant or
-// local memory, and kAssumedRegistersPerThread registers.
+// The device's figures, reported with the function; the two the application sets come
+// from what it set.
 PHOS_EXPORT CUresult cuFuncGetAttribute(int* value, CUfunction_attribute attribute, CUfunction f) {
     if (!value) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
     CUresult err = resolve_function(f, &f);
     if (err != CUDA_SUCCESS) return err;
-    const int dev = f->ctx->device;
-    int major = 9, minor = 0;
-    switch (attribute) {
-    case CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *value = f->ctx->limits.max_threads_per_block; break;
-    case CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
-    case CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES:
-    case CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES:
-    case CU_FUNC_ATTRIBUTE_CACHE_MODE_CA: *value = 0; break;
-    case CU_FUNC_ATTRIBUTE_NUM_REGS: *value = kAssumedRegistersPerThread; break;
-    case CU_FUNC_ATTRIBUTE_PTX_VERSION:
-    case CU_FUNC_ATTRIBUTE_BINARY_VERSION:
-        device_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, &major);
-        device_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, &minor);
-        *value = major * 10 + minor;
-        break;
-    case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *value = f->max_dynamic_shared; break;
-    case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *value = f->shared_carveout; break;
-    case CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET:
-    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH:
-    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT:
-    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH:
-    case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED:
-    case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE: *value = 0; break;
-    default:
-        log_error("cuFuncGetAttribute: attribute %d is not supported", static_cast<int>(attribute));
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
+    if (attribute == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) *value = f->max_dynamic_shared;
+    else if (attribute == CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) *value = f->shared_carveout;
+    else if (attribute >= 0 && static_cast<size_t>(attribute) < f->attributes.size()) *value = f->attributes[attribute];
+    else return CUDA_ERROR_INVALID_VALUE;
     return CUDA_SUCCESS;
 }
 
@@ -435,16 +415,71 @@ PHOS_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, un
     return launch(f, grid, block, shared_bytes, stream, kernel_params, nullptr, kLaunchCooperative);
 }
 
-PHOS_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, CUfunction f, int block_size,
-                                                                 size_t dynamic_shared) {
+PHOS_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* blocks, CUfunction f, int block_size,
+                                                                          size_t dynamic_shared, unsigned int flags) {
+    if (!blocks || block_size <= 0) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    return occupancy(blocks, f, block_size, dynamic_shared);
+    std::vector<uint64_t> r;
+    CUresult err = occupancy(f, kMaxActiveBlocks, block_size, dynamic_shared, flags, &r);
+    if (err == CUDA_SUCCESS) *blocks = static_cast<int>(r[0]);
+    return err;
 }
 
-PHOS_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* blocks, CUfunction f, int block_size,
-                                                                          size_t dynamic_shared, unsigned int) {
+PHOS_EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, CUfunction f, int block_size,
+                                                                 size_t dynamic_shared) {
+    return cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(blocks, f, block_size, dynamic_shared, 0);
+}
+
+PHOS_EXPORT CUresult cuOccupancyAvailableDynamicSMemPerBlock(size_t* bytes, CUfunction f, int blocks, int block_size) {
+    if (!bytes || blocks <= 0 || block_size <= 0) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    return occupancy(blocks, f, block_size, dynamic_shared);
+    std::vector<uint64_t> r;
+    CUresult err = occupancy(f, kAvailableDynamicShared, blocks, block_size, 0, &r);
+    if (err == CUDA_SUCCESS) *bytes = r[0];
+    return err;
+}
+
+// A block-size-dependent shared memory callback would need the server to call back into this
+// process for every size it tries: only a constant size is supported.
+PHOS_EXPORT CUresult cuOccupancyMaxPotentialBlockSizeWithFlags(int* min_grid, int* block_size, CUfunction f,
+                                                               CUoccupancyB2DSize shared_of_size, size_t dynamic_shared,
+                                                               int limit, unsigned int flags) {
+    if (!min_grid || !block_size) return CUDA_ERROR_INVALID_VALUE;
+    if (shared_of_size) {
+        log_error("cuOccupancyMaxPotentialBlockSize: a block-size-to-shared-memory callback is not supported");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    Guard g(state().lock);
+    std::vector<uint64_t> r;
+    CUresult err = occupancy(f, kMaxPotentialBlockSize, dynamic_shared, static_cast<uint64_t>(std::max(limit, 0)), flags, &r);
+    if (err != CUDA_SUCCESS) return err;
+    if (r.size() < 2) return CUDA_ERROR_UNKNOWN;
+    *min_grid = static_cast<int>(r[0]);
+    *block_size = static_cast<int>(r[1]);
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int* min_grid, int* block_size, CUfunction f,
+                                                      CUoccupancyB2DSize shared_of_size, size_t dynamic_shared, int limit) {
+    return cuOccupancyMaxPotentialBlockSizeWithFlags(min_grid, block_size, f, shared_of_size, dynamic_shared, limit, 0);
+}
+
+PHOS_EXPORT CUresult cuOccupancyMaxActiveClusters(int* clusters, CUfunction f, const CUlaunchConfig* config) {
+    if (!clusters || !config || (config->numAttrs && !config->attrs)) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    uint32_t cluster = 0;
+    for (unsigned i = 0; i < config->numAttrs; i++) {
+        if (config->attrs[i].id != CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) continue;
+        const auto& c = config->attrs[i].value.clusterDim;
+        if (c.x > 0xFF || c.y > 0xFF || c.z > 0xFF) return CUDA_ERROR_INVALID_CLUSTER_SIZE;
+        cluster = c.x | (c.y << 8) | (c.z << 16);
+    }
+    auto packed = [](unsigned x, unsigned y, unsigned z) { return uint64_t(x) | (uint64_t(y) << 21) | (uint64_t(z) << 42); };
+    std::vector<uint64_t> r;
+    CUresult err = occupancy(f, kMaxActiveClusters, packed(config->blockDimX, config->blockDimY, config->blockDimZ),
+                             config->sharedMemBytes, cluster, &r, packed(config->gridDimX, config->gridDimY, config->gridDimZ));
+    if (err == CUDA_SUCCESS) *clusters = static_cast<int>(r[0]);
+    return err;
 }
 
 // phos loads every module whole when it is asked to: NVIDIA's runtime then loads its

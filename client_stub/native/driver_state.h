@@ -9,6 +9,7 @@
 #include <cuda.h>
 
 #include <map>
+#include <tuple>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -65,6 +66,8 @@ struct CUfunc_st {
     std::string name;
     std::vector<phos::wire::ParamInfo> params;
     size_t params_size = 0;       // bytes of the packed parameter buffer
+    std::vector<int> attributes;         // CUfunction_attribute values, from the server
+    std::map<std::tuple<int, uint64_t, uint64_t, uint32_t, uint64_t>, std::vector<uint64_t>> occupancy;   // answers asked
     int max_dynamic_shared = 48 << 10;   // cuFuncSetAttribute's opt-in
     int shared_carveout = -1;
 };
@@ -92,6 +95,7 @@ struct CUkern_st {
 
 struct CUstream_st {
     CUctx_st* ctx = nullptr;
+    CUgraph_st* capturing = nullptr;   // the graph its calls are recorded into (driver_graph.cpp)
     uint64_t id = 0;
     unsigned flags = 0;
     int priority = 0;
@@ -99,13 +103,14 @@ struct CUstream_st {
 
 struct CUevent_st {
     CUctx_st* ctx = nullptr;
+    CUgraph_st* captured_in = nullptr; // recorded inside this capture: a stream waiting on it joins it
     uint64_t id = 0;
     unsigned flags = 0;
 };
 
 namespace phos::driver {
 
-enum class HandleKind : uint8_t { context, module, function, stream, event, library, kernel };
+enum class HandleKind : uint8_t { context, module, function, stream, event, library, kernel, graph, graph_exec, mem_pool };
 
 struct DeviceRange {           // a device allocation or a module global
     size_t size = 0;
@@ -159,6 +164,16 @@ bool image_bytes(const void* image, const void** data, size_t* size);
 // A function handle as launches and attribute calls take it: a CUfunction, or a CUkernel
 // resolved in the current context (the driver accepts either).
 CUresult resolve_function(CUfunction f, CUfunc_st** out);
+// Stream capture (driver_graph.cpp): the graph a stream's calls are recorded into, if any;
+// post a call or record it; refuse a call a capture cannot record (and spoil the capture);
+// a stream waiting on an event recorded in a capture joins it.
+CUgraph_st* capture_of(CUstream stream);
+void submit(CUctx_st* ctx, CUstream stream, wire::Call call);
+CUresult refuse_in_capture(CUstream stream);
+void join_capture(CUstream stream, CUevent event);
+bool capture_invalidated(const CUgraph_st* graph);
+uint64_t capture_id(const CUgraph_st* graph);
+
 // Forgets a module of a library's (its context is going, or it is unloaded).
 void forget_library_module(CUmod_st* m);
 

@@ -28,6 +28,7 @@ static CUresult create_stream(CUstream* out, unsigned flags, int priority) {
 static CUresult stream_query_call(wire::Kind kind, CUstream stream) {
     CUresult err = require_init();
     if (err != CUDA_SUCCESS) return err;
+    if ((err = refuse_in_capture(stream)) != CUDA_SUCCESS) return err;   // a capture does not run its work
     CUctx_st* ctx;
     if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
         if ((err = current_context(&ctx)) != CUDA_SUCCESS) return err;
@@ -54,7 +55,8 @@ static CUresult record_event(CUevent event, CUstream stream) {
     if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
     uint64_t sid = 0;
     if ((err = stream_id(stream, event->ctx, &sid)) != CUDA_SUCCESS) return err;
-    event->ctx->conn->post(wire::Call::event_record(event->id, sid));
+    event->captured_in = capture_of(stream);
+    submit(event->ctx, stream, wire::Call::event_record(event->id, sid));
     return CUDA_SUCCESS;
 }
 
@@ -115,7 +117,8 @@ PHOS_EXPORT CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned 
     if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
     uint64_t sid = 0;
     if ((err = stream_id(stream, event->ctx, &sid)) != CUDA_SUCCESS) return err;
-    event->ctx->conn->post(wire::Call::stream_wait_event(sid, event->id, flags));
+    join_capture(stream, event);
+    submit(event->ctx, stream, wire::Call::stream_wait_event(sid, event->id, flags));
     return CUDA_SUCCESS;
 }
 
@@ -227,9 +230,9 @@ PHOS_EXPORT CUresult cuEventDestroy_v2(CUevent event) {
     return CUDA_SUCCESS;
 }
 
-// -- stream capture: phos records no graphs, so no stream is ever capturing ---------------
+// -- stream capture queries: answered here (driver_graph.cpp keeps the captures) -----------
 // Frameworks ask before every allocation and many launches whether they are inside a
-// capture; these answer at once, without the server.
+// capture.
 
 static CUresult check_stream(CUstream stream) {
     CUresult err = require_init();
@@ -238,11 +241,17 @@ static CUresult check_stream(CUstream stream) {
     return is_handle(stream, HandleKind::stream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
+static CUstreamCaptureStatus capture_status(CUstream stream) {
+    CUgraph_st* g = capture_of(stream);
+    return !g ? CU_STREAM_CAPTURE_STATUS_NONE : capture_invalidated(g) ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
+                                                                        : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+}
+
 PHOS_EXPORT CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status) {
     if (!status) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
     CUresult err = check_stream(stream);
-    if (err == CUDA_SUCCESS) *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (err == CUDA_SUCCESS) *status = capture_status(stream);
     return err;
 }
 
@@ -253,9 +262,10 @@ PHOS_EXPORT CUresult cuStreamGetCaptureInfo_v3(CUstream stream, CUstreamCaptureS
     Guard g(state().lock);
     CUresult err = check_stream(stream);
     if (err != CUDA_SUCCESS) return err;
-    *status = CU_STREAM_CAPTURE_STATUS_NONE;
-    if (id) *id = 0;
-    if (graph) *graph = nullptr;
+    *status = capture_status(stream);
+    CUgraph_st* capture = capture_of(stream);
+    if (id) *id = capture ? capture_id(capture) : 0;
+    if (graph) *graph = capture;
     if (deps) *deps = nullptr;
     if (edges) *edges = nullptr;
     if (count) *count = 0;

@@ -24,7 +24,7 @@ const char* kind_name(Kind kind) {
         "moduleLoad", "moduleUnload", "moduleGetFunction", "moduleGetGlobal", "launch",
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
-        "launchBatch", "reattach", "logFull",
+        "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -374,6 +374,22 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     case Kind::eventDestroy: out.initEventDestroy().setId(c.id); break;
     case Kind::launchBatch: out.setLaunchBatch(as_data(c.bytes)); break;
     case Kind::logFull: out.setLogFull(); break;
+    case Kind::funcOccupancy: {
+        auto o = out.initFuncOccupancy();
+        o.setFunction(c.id);
+        o.setQuery(static_cast<::FuncOccupancy::Query>(c.number));
+        o.setA(c.address);
+        o.setB(c.size);
+        o.setFlags(c.flags);
+        o.setGrid(c.address2);
+        break;
+    }
+    case Kind::tensorMapEncode: {
+        auto t = out.initTensorMapEncode();
+        t.setIm2col(c.flags != 0);
+        t.setArgs(as_data(c.bytes));
+        break;
+    }
     case Kind::reattach: {
         auto a = out.initReattach();
         a.setCtx(c.address);

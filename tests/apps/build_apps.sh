@@ -4,6 +4,8 @@
 #     embedding compute_90 PTX (what the emu backend runs) and sm_90 SASS;
 #   * driver_api against libcuda.so.1, plus its kernels as PTX (driver_kernels.ptx).
 #   build_apps.sh OUTDIR
+# PHOS_APPS_RPATH=DIR pins the runtime programs to DIR's libcudart.so.13 by RPATH, which the
+# loader searches before LD_LIBRARY_PATH: how PyTorch's wheels load NVIDIA's own runtime.
 set -eu
 out=$1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -18,7 +20,8 @@ for src in "$here"/*.cu; do
     case $name in
     driver_api|driver_kernels) continue ;;
     esac
-    $NVCC -cudart shared $gencode -o "$out/$name" "$src" &
+    $NVCC -cudart shared $gencode ${PHOS_APPS_RPATH:+-Xlinker --disable-new-dtags -Xlinker -rpath="$PHOS_APPS_RPATH"} \
+        -o "$out/$name" "$src" &
     pids="$pids $!"
 done
 # driver_api links libcuda.so.1: NVIDIA's link stub if the toolkit has one, else phos's.
