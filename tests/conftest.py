@@ -1,4 +1,9 @@
-"""Shared fixtures: a real phos server process per test module, on the chosen backend."""
+"""Shared fixtures: a real phos server process per test module, on the chosen backend.
+
+Tests by kind: unit/ (functions and classes in process), e2e/ (through real servers and the
+Python client), native/ (the native stub and the CUDA programs in apps/). This folder, on
+sys.path (pyproject's pythonpath), keeps what they share: this file, wire_client.py,
+ptx_helpers.py, apps/ and kernels/."""
 import os
 import subprocess
 import time

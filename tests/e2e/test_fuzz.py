@@ -18,8 +18,8 @@ dropped it, and still answer. Cases:
 Every 100 cases, and at the end, a victim session (the Python client) must still
 compute vec_add correctly, and the front end and the victim's worker must be alive.
 
-    python3 -m pytest -q tests/test_fuzz.py                 # the CI sample (a few hundred cases)
-    python3 -m pytest -q -m fuzz tests/test_fuzz.py         # nightly: 20,000 cases
+    python3 -m pytest -q tests/e2e/test_fuzz.py             # the CI sample (a few hundred cases)
+    python3 -m pytest -q -m fuzz tests/e2e/test_fuzz.py     # nightly: 20,000 cases
 """
 import collections
 import ctypes

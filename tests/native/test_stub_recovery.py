@@ -5,7 +5,7 @@ context. Its worker, or its whole server, is SIGKILLed, and the program must pri
 what an uninterrupted run prints: the stub finds the context again (on its server, or on
 the standby), replays its log after the image's cut (acknowledged calls and staged copies
 too) and drops the Results it had delivered before. Runs on emu in CI, and skips like
-tests/test_stub_reattach.py where the stub or the program cannot be built.
+tests/native/test_stub_reattach.py where the stub or the program cannot be built.
 """
 import os
 import signal

@@ -131,7 +131,7 @@ def region(store, name, address):
 def test_pfp1_kernel_matches_the_reference():
     """The GPU hash kernel computes pfp1 exactly (run here on the emulator), and its PTX is current."""
     from phos.gpu_server.emu import EmuBackend
-    root = os.path.join(os.path.dirname(__file__), "..", "snapshot", "kernels")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "snapshot", "kernels")
     ptx = open(os.path.join(root, "pfp1.ptx"), "rb").read()
     b = EmuBackend()
     fn = b.get_function(b.load_module(ptx), "pfp1_lane_sums")
