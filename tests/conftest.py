@@ -21,6 +21,14 @@ def pytest_addoption(parser):
                      help="backend of the servers the end-to-end tests start")
 
 
+def pytest_runtest_setup(item):
+    """`gpu` marks what perf/device/run.sh also runs on the H200 (pytest -m 'gpu and not fuzz' --backend cuda);
+    CI runs those on emu. gpu(only=True) marks a test that means nothing without a real GPU."""
+    mark = item.get_closest_marker("gpu")
+    if mark is not None and mark.kwargs.get("only") and item.config.getoption("--backend") != "cuda":
+        pytest.skip("needs a real GPU: run it with --backend cuda (perf/device/run.sh)")
+
+
 @pytest.fixture(scope="session")
 def backend(request):
     return request.config.getoption("--backend")

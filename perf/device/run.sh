@@ -37,6 +37,8 @@ step() {   # step NAME COMMAND...: run it, log it, remember a failure
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/log.txt"
+# core, stub and snap run the test files marked `gpu` (pyproject): pytest -m 'gpu and not fuzz'
+# --backend cuda selects the same tests; a file new to these lists gets that mark
 if want core; then
     step core-tests python3 -m pytest -q -p no:cacheprovider --backend cuda -m "not fuzz" \
         tests/e2e/test_client_e2e.py tests/e2e/test_kernels_e2e.py tests/e2e/test_bad_input.py tests/e2e/test_server_lifecycle.py \

@@ -39,6 +39,8 @@ from phos.schema.cuda_types import STICKY, CUresult
 from ptx_helpers import compile_ptx
 from wire_client import RawSession, dealer, decode_reply, encode
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 CI_CASES = int(os.environ.get("PHOS_FUZZ_CI_CASES", "300"))
 NIGHTLY_CASES = int(os.environ.get("PHOS_FUZZ_CASES", "20000"))
 VICTIM_EVERY = 100

@@ -26,6 +26,8 @@ from phos.schema.control import checkpoint_result
 from phos.snapshot import DirStore, HostStore, latest_image, open_store, read_image, read_region
 from phos.snapshot.fingerprint import _finish, finish_many, fingerprint, hash_parts
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MiB = 1 << 20
 

@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NATIVE = os.path.join(ROOT, "client_stub", "native")
 STUB = os.path.join(ROOT, "phos", "stub")

@@ -19,6 +19,8 @@ from phos.schema import admin_pb2 as pb
 from phos.snapshot import DirStore, latest_image
 from test_stub_reattach import PAUSE, Program, iterate, kill, reference  # noqa: F401 (iterate: the fixture)
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 # sweeps of a run killed while it computes: seconds of work on emu, and on a GPU (where 400
 # sweeps end in milliseconds, before the test can kill anything)
 RUNNING_TOTAL = {"emu": 400, "cuda": 300_000}
