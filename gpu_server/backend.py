@@ -45,7 +45,7 @@ class Function:
 class Backend(Protocol):
     """What a context worker and the snapshot engine need of a device; EmuBackend
     (gpu_server/emu.py) and CudaBackend (gpu_server/cuda.py) implement it, and
-    tests/test_interfaces.py checks that they declare every member with its parameters.
+    tests/unit/test_interfaces.py checks that they declare every member with its parameters.
     Addresses are device addresses inside `space`; streams and events are the backend's own
     objects (the worker maps handles to them); `stream` None is the default stream."""
 

@@ -6,7 +6,7 @@ one that must see a change reads it at call time (the client reads PHOS_SERVER a
 looks for a lost context). An empty value counts as unset. The native stub reads its own
 variables in client_stub/native/settings.cpp (its Settings struct): the table below declares
 those too, so that README.md's "Settings" table (`python -m phos.settings` prints it;
-tests/test_settings.py checks it) lists every variable once, with the side that reads it.
+tests/unit/test_settings.py checks it) lists every variable once, with the side that reads it.
 
 Light on purpose: stdlib only, imported by the client, the server and the `phos` command.
 """
@@ -174,7 +174,7 @@ BY_NAME = {s.name: s for s in TABLE}
 
 
 def markdown_table():
-    """README.md's table of settings, generated from TABLE (tests/test_settings.py checks it)."""
+    """README.md's table of settings, generated from TABLE (tests/unit/test_settings.py checks it)."""
     lines = ["| Variable | Default | Read by | Meaning |", "|---|---|---|---|"]
     lines += [f"| `{s.name}` | {s.default_text()} | {s.readers} | {s.meaning} |" for s in TABLE]
     return "\n".join(lines) + "\n"

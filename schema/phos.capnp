@@ -99,7 +99,7 @@ const protocolVersion :UInt32 = 3;   # 3: snapshot calls left Call for the contr
 const defaultServer :Text = "ipc:///tmp/phos/phos.sock";
 
 # The shared staging area's layout (header comment), in bytes. Constants hold no arithmetic:
-# stagingSlotsOffset = stagingBoxOffset + 2 * stagingBoxSize (tests/test_settings.py checks).
+# stagingSlotsOffset = stagingBoxOffset + 2 * stagingBoxSize (tests/unit/test_settings.py checks).
 const stagingCookieBytes :UInt64 = 16;         # [0, 16) the cookie
 const stagingAwakeOffset :UInt64 = 16;         # [16, 24) workerAwake
 const stagingAsleepOffset :UInt64 = 24;        # [24, 32) clientAsleep

@@ -53,7 +53,7 @@ Input: a byte string `buf` of length L (L >= 0).
 5. Output: the 16 bytes h0 little-endian, then h1 little-endian. `key(fp)` is its
    lowercase hex (32 characters), the name a chunk is stored under.
 
-Known answers (pinned in tests/test_snapshot_image.py):
+Known answers (pinned in tests/unit/test_snapshot_image.py):
 
     fingerprint(b"")                      = 3338822534e18f2973c2cd5f9cdfc9dd
     fingerprint(bytes(range(256)) * 17)   = b3ec6b17740d8ce79967b02b3c9e55e3   (L = 4352)

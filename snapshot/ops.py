@@ -2,7 +2,7 @@
 `snap`) and of the context it checkpoints or restores (SnapshotSession, the worker's Session).
 
 gpu_server/emu.py and gpu_server/cuda.py implement SnapshotOps; gpu_server/worker.py's
-Session implements SnapshotSession. tests/test_interfaces.py checks that they declare every
+Session implements SnapshotSession. tests/unit/test_interfaces.py checks that they declare every
 member with the same parameters.
 
 The batch sizes are here, not in the engine or a backend: the engine cuts its copies into

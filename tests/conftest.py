@@ -1,4 +1,9 @@
-"""Shared fixtures: a real phos server process per test module, on the chosen backend."""
+"""Shared fixtures: a real phos server process per test module, on the chosen backend.
+
+Tests by kind: unit/ (functions and classes in process), e2e/ (through real servers and the
+Python client), native/ (the native stub and the CUDA programs in apps/). This folder, on
+sys.path (pyproject's pythonpath), keeps what they share: this file, wire_client.py,
+ptx_helpers.py, apps/ and kernels/."""
 import os
 import subprocess
 import time
@@ -14,6 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def pytest_addoption(parser):
     parser.addoption("--backend", default=os.environ.get("PHOS_TEST_BACKEND", "emu"), choices=["emu", "cuda"],
                      help="backend of the servers the end-to-end tests start")
+
+
+def pytest_runtest_setup(item):
+    """`gpu` marks what perf/device/run.sh also runs on the H200 (pytest -m 'gpu and not fuzz' --backend cuda);
+    CI runs those on emu. gpu(only=True) marks a test that means nothing without a real GPU."""
+    mark = item.get_closest_marker("gpu")
+    if mark is not None and mark.kwargs.get("only") and item.config.getoption("--backend") != "cuda":
+        pytest.skip("needs a real GPU: run it with --backend cuda (perf/device/run.sh)")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run chosen tests on the device with a time limit, tracebacks of a hang, and every server's log:
-#   run(command="bash perf/device/diagnose.sh 280 tests/test_x.py::test_y ...", carry=[".whl", "phos/stub"])
+#   run(command="bash perf/device/diagnose.sh 280 tests/e2e/test_x.py::test_y ...", carry=[".whl", "phos/stub"])
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
 limit=$1; shift

@@ -37,20 +37,22 @@ step() {   # step NAME COMMAND...: run it, log it, remember a failure
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/log.txt"
+# core, stub and snap run the test files marked `gpu` (pyproject): pytest -m 'gpu and not fuzz'
+# --backend cuda selects the same tests; a file new to these lists gets that mark
 if want core; then
     step core-tests python3 -m pytest -q -p no:cacheprovider --backend cuda -m "not fuzz" \
-        tests/test_client_e2e.py tests/test_kernels_e2e.py tests/test_bad_input.py tests/test_server_lifecycle.py \
-        tests/test_launch_batch.py tests/test_isolation.py tests/test_fuzz.py tests/test_client_death.py
+        tests/e2e/test_client_e2e.py tests/e2e/test_kernels_e2e.py tests/e2e/test_bad_input.py tests/e2e/test_server_lifecycle.py \
+        tests/native/test_launch_batch.py tests/e2e/test_isolation.py tests/e2e/test_fuzz.py tests/e2e/test_client_death.py
 fi
 if want stub; then
-    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/test_stub.py tests/test_stub_reattach.py \
-        tests/test_stub_recovery.py
+    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/native/test_stub.py tests/native/test_stub_reattach.py \
+        tests/native/test_stub_recovery.py
     step stub-apps sh tests/apps/run_native_vs_stub.sh
 fi
 if want snap; then
     # PHOS_SNAP_TESTS: the test files to run (default: all three)
     step snapshot-tests python3 -m pytest -q -p no:cacheprovider --backend cuda \
-        ${PHOS_SNAP_TESTS:-tests/test_snapshot_engine.py tests/test_handoff.py tests/test_recovery.py}
+        ${PHOS_SNAP_TESTS:-tests/e2e/test_snapshot_engine.py tests/e2e/test_handoff.py tests/e2e/test_recovery.py}
 fi
 if want snap || want snap-bench; then
     # PHOS_BENCH_SIZES= (empty) runs the tests alone; PHOS_BENCH_REPEAT: phos runs a size;

@@ -7,7 +7,7 @@
 // the loop is unrolled so that each thread has several loads in flight. Launch it with 256
 // threads a block (the stride and the reduction assume it).
 // Built into pfp1.ptx by `nvcc -ptx -arch=compute_75 pfp1.cu` (checked in, so servers need no
-// compiler; tests/test_snapshot_engine.py checks the two match and runs it on the emulator).
+// compiler; tests/e2e/test_snapshot_engine.py checks the two match and runs it on the emulator).
 typedef unsigned long long u64;
 
 __device__ __forceinline__ u64 term(u64 w, u64 k, u64 a, u64 b) {

@@ -3,7 +3,7 @@
 // prints "READY <sweeps done>" and waits for a line on stdin. After the first pause it
 // uploads a second right-hand side, so that copies (staged ones when the worker shares
 // our host) follow a restore. Prints the result's checksum, with full precision.
-// tests/test_stub_reattach.py checkpoints the context at a pause, kills the server and
+// tests/native/test_stub_reattach.py checkpoints the context at a pause, kills the server and
 // restores the context elsewhere: the output must not change. Its module globals (weights, a
 // pointer, a count only the kernel keeps) must come back with it.
 #include <cstdint>

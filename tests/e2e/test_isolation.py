@@ -17,6 +17,8 @@ from phos.schema.cuda_types import CUresult
 from ptx_helpers import compile_ptx
 from wire_client import RawSession, dealer, decode_reply, encode
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 INVALID_HANDLE, INVALID_VALUE = CUresult.CUDA_ERROR_INVALID_HANDLE, CUresult.CUDA_ERROR_INVALID_VALUE
 N = 1024                        # floats in A's vectors
 

@@ -5,7 +5,7 @@ context. Its worker, or its whole server, is SIGKILLed, and the program must pri
 what an uninterrupted run prints: the stub finds the context again (on its server, or on
 the standby), replays its log after the image's cut (acknowledged calls and staged copies
 too) and drops the Results it had delivered before. Runs on emu in CI, and skips like
-tests/test_stub_reattach.py where the stub or the program cannot be built.
+tests/native/test_stub_reattach.py where the stub or the program cannot be built.
 """
 import os
 import signal
@@ -18,6 +18,8 @@ from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
 from phos.snapshot import DirStore, latest_image
 from test_stub_reattach import PAUSE, Program, iterate, kill, reference  # noqa: F401 (iterate: the fixture)
+
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
 # sweeps of a run killed while it computes: seconds of work on emu, and on a GPU (where 400
 # sweeps end in milliseconds, before the test can kill anything)

@@ -18,8 +18,8 @@ dropped it, and still answer. Cases:
 Every 100 cases, and at the end, a victim session (the Python client) must still
 compute vec_add correctly, and the front end and the victim's worker must be alive.
 
-    python3 -m pytest -q tests/test_fuzz.py                 # the CI sample (a few hundred cases)
-    python3 -m pytest -q -m fuzz tests/test_fuzz.py         # nightly: 20,000 cases
+    python3 -m pytest -q tests/e2e/test_fuzz.py             # the CI sample (a few hundred cases)
+    python3 -m pytest -q -m fuzz tests/e2e/test_fuzz.py     # nightly: 20,000 cases
 """
 import collections
 import ctypes
@@ -38,6 +38,8 @@ from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CUresult
 from ptx_helpers import compile_ptx
 from wire_client import RawSession, dealer, decode_reply, encode
+
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
 CI_CASES = int(os.environ.get("PHOS_FUZZ_CI_CASES", "300"))
 NIGHTLY_CASES = int(os.environ.get("PHOS_FUZZ_CASES", "20000"))

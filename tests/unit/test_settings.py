@@ -15,7 +15,7 @@ import pytest
 from phos import settings
 from phos.schema import wire
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRODUCT = ("gpu_server", "client_stub", "snapshot", "phos", "schema")
 NATIVE = ROOT / "client_stub" / "native"
 

@@ -21,7 +21,9 @@ from conftest import wait_until
 from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NATIVE = os.path.join(ROOT, "client_stub", "native")
 STUB = os.path.join(ROOT, "phos", "stub")
 APP = os.path.join(ROOT, "tests", "apps", "iterate.cu")

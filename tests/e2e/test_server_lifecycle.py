@@ -9,6 +9,8 @@ import pytest
 from conftest import ServerProc, wait_until
 from phos.gpu_server.frontend import check_listen
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 
 def client_script(address, body, env=""):
     return textwrap.dedent(f"""

@@ -22,6 +22,8 @@ from test_bad_input import assert_server_healthy, open_worker, request, results
 from test_kernels_e2e import Dev, i32, ptr
 from test_stub import APPS, NVCC, phos_run, stub  # noqa: F401 (stub is a fixture)
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 OK = 0
 N = 256                                      # elements of the vectors below
 GRID, BLOCK = (1, 1, 1), (N, 1, 1)

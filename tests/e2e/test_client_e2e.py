@@ -10,6 +10,8 @@ import pytest
 
 from phos.gpu_server.address_space import BASE
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 OK = 0
 
 

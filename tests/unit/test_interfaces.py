@@ -10,7 +10,7 @@ import pytest
 from phos.gpu_server.backend import Backend
 from phos.snapshot.ops import SnapshotOps, SnapshotSession
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def members(proto):

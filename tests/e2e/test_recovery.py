@@ -13,6 +13,8 @@ import pytest
 from conftest import recovery_images, wait_until
 from test_snapshot_engine import App
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 N, TOTAL, KILL_AT = 1 << 16, 240, 90       # 256 KiB vectors: copies go through the staging area
 
 

@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NATIVE = os.path.join(ROOT, "client_stub", "native")
 STUB = os.path.join(ROOT, "phos", "stub")
 APPS = os.path.join(ROOT, "tests", "apps")

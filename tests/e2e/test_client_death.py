@@ -18,6 +18,8 @@ import pytest
 from conftest import ROOT, wait_until
 from wire_client import dealer
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 CLEAN_WITHIN = 5.0
 PRELUDE = """
 import ctypes, os, sys, time

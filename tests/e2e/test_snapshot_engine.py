@@ -26,6 +26,8 @@ from phos.schema.control import checkpoint_result
 from phos.snapshot import DirStore, HostStore, latest_image, open_store, read_image, read_region
 from phos.snapshot.fingerprint import _finish, finish_many, fingerprint, hash_parts
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MiB = 1 << 20
 
@@ -131,7 +133,7 @@ def region(store, name, address):
 def test_pfp1_kernel_matches_the_reference():
     """The GPU hash kernel computes pfp1 exactly (run here on the emulator), and its PTX is current."""
     from phos.gpu_server.emu import EmuBackend
-    root = os.path.join(os.path.dirname(__file__), "..", "snapshot", "kernels")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "snapshot", "kernels")
     ptx = open(os.path.join(root, "pfp1.ptx"), "rb").read()
     b = EmuBackend()
     fn = b.get_function(b.load_module(ptx), "pfp1_lane_sums")

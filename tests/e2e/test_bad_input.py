@@ -8,12 +8,15 @@ import textwrap
 
 import capnp
 import numpy as np
+import pytest
 import zmq
 
 from conftest import wait_until
 from wire_client import encode
 from phos.schema import wire
 from phos.schema.cuda_types import CUresult
+
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
 
 def request(*calls, version=wire.PROTOCOL_VERSION, want_reply=True):

@@ -9,6 +9,8 @@ import pytest
 
 from ptx_helpers import compile_ptx
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 OK = 0
 i32, f32, f64, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_double, ctypes.c_void_p
 

@@ -24,6 +24,8 @@ from phos.schema import wire
 from phos.snapshot import DirStore, HostStore, latest_image, read_image
 from test_snapshot_engine import App, checkpoint, region
 
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
 N, TOTAL = 1 << 15, 300
 
 
