@@ -222,8 +222,6 @@ CUresult lookup(const char* symbol, void** pfn, int version, cuuint64_t flags, C
     }
     if (result != CU_GET_PROC_ADDRESS_SUCCESS)
         log_verbose("cuGetProcAddress: %s (version %d, flags %llu) not found", symbol, version, (unsigned long long)flags);
-    else if (!best)
-        log_verbose("cuGetProcAddress: %s (version %d) is unsupported", symbol, version);
     // NVIDIA's driver (580, on the H200) answers a missing name with CUDA_SUCCESS when the
     // caller asked for the status, which then says why; without a status, NOT_FOUND.
     if (status) {
