@@ -34,6 +34,7 @@ class Function:
     # CUfunction_attribute values 0 .. FUNCTION_ATTRIBUTES-1, as the device reports them
     # (registers, static shared memory, ...): a client answers cuFuncGetAttribute from them.
     attributes: tuple = ()
+    set_attributes: dict = field(default_factory=dict)   # what the application set: {attribute: value}
 
     @property
     def param_bytes(self):
@@ -119,6 +120,10 @@ class Backend(Protocol):
         """Launch a kernel with its packed parameter buffer, in order on stream.
 
         options: Launch.config's options (schema/wire.py: launch_cluster, LAUNCH_COOPERATIVE)."""
+
+    def set_function_attribute(self, function, attribute, value) -> None:
+        """cuFuncSetAttribute: a CUfunction_attribute the application may set (dynamic shared
+        memory, carveout, cluster sizes)."""
 
     def occupancy(self, function, query, a, b, flags, grid=0) -> tuple:
         """A cuOccupancy* answer for function: query, a, b and flags as FuncOccupancy

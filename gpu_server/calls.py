@@ -295,6 +295,12 @@ def tensor_map_encode(s, a, p):
     return {"data": s.backend.tensor_map_encode(bool(a.im2col), values)}
 
 
+def func_set_attribute(s, a, p):
+    fn = s.handle("function", a.function)
+    s.backend.set_function_attribute(fn, a.attribute, a.value)
+    fn.set_attributes[a.attribute] = a.value       # a restore sets them again (engine)
+
+
 def func_occupancy(s, a, p):
     fn = s.handle("function", a.function)
     return {"u64s": list(s.backend.occupancy(fn, str(a.query), a.a, a.b, a.flags, a.grid))}
@@ -332,4 +338,5 @@ WORKER_CALLS = {
     "logFull": log_full,
     "tensorMapEncode": tensor_map_encode,
     "funcOccupancy": func_occupancy,
+    "funcSetAttribute": func_set_attribute,
 }

@@ -58,7 +58,6 @@ def _driver_call(name, *argtypes):
 # wrapper, and cuLaunchKernelEx with a prepared CUlaunchConfig less again than cuLaunchKernel:
 # four arguments to convert instead of eleven (an application repeats a handful of launch shapes).
 # A checkpoint's copies are the other: a dozen calls a batch, taken between the application's.
-MAX_DYNAMIC_SHARED = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _libcuda = ctypes.CDLL("libcuda.so.1")
 _P, _U64, _N = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
 _cuLaunchKernelEx = _driver_call("cuLaunchKernelEx", _P, _P, _P, _P)
@@ -342,11 +341,6 @@ class CudaBackend:
         return list(module[1])
 
     def launch(self, function, grid, block, shared_bytes, stream, params, options=0):
-        if shared_bytes > 48 << 10 and shared_bytes > getattr(function, "dynamic_shared", 48 << 10):
-            # the client checked the application's opt-in (cuFuncSetAttribute); the driver
-            # here needs the same opt-in before a launch asks for more than 48 KiB
-            ok(cu.cuFuncSetAttribute(function.handle, MAX_DYNAMIC_SHARED, shared_bytes), f"opt-in of {function.name}")
-            function.dynamic_shared = shared_bytes
         args = getattr(function, "args", None)
         if args is None:     # one argument buffer per function, reused: the driver copies it at launch
             buf = np.zeros(max(function.param_bytes, 8), np.uint8)
@@ -366,6 +360,9 @@ class CudaBackend:
         err = _cuLaunchKernelEx(config[1], args[4], args[2], None)
         if err:
             ok((err,), f"launch of {function.name}")
+
+    def set_function_attribute(self, function, attribute, value):
+        ok(cu.cuFuncSetAttribute(function.handle, cu.CUfunction_attribute(attribute), value), f"cuFuncSetAttribute({function.name})")
 
     def occupancy(self, function, query, a, b, flags, grid=0):
         fn = function.handle

@@ -16,7 +16,7 @@ from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import launch_cluster
 from phos.snapshot.fingerprint import fingerprint
 
-GiB = 1 << 30
+MAX_DYNAMIC_SHARED = 8      # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 EMU_MEMORY = settings.emu_memory()
 
 
@@ -116,6 +116,12 @@ class EmuBackend:
         # together, so it is a plain launch here.
         module, name = function.handle
         module.launch(name, self.mem, grid, block, shared_bytes, bytes(params), self.output.append)
+
+    def set_function_attribute(self, function, attribute, value):
+        if attribute == MAX_DYNAMIC_SHARED:
+            module, name = function.handle
+            module.kernels[name].max_dynamic_shared = value
+        # the others (carveout, cluster sizes) change nothing the interpreter does
 
     def occupancy(self, function, query, a, b, flags, grid=0):
         """What the device's limits allow, with the 32 registers a thread emu reports."""

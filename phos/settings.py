@@ -123,7 +123,8 @@ staging = _declare("PHOS_STAGING", tristate, None, f"{CLIENT}, {STUB}",
                    "unset: when it is reached over ipc:// or tcp://127.x", shown="unset (automatic)")
 verbose = _declare("PHOS_VERBOSE", present, False, f"{CLIENT}, {STUB}",
                    "say why calls fail (client: any value; stub: a non-zero number, which also reports "
-                   "connections and staging statistics)", shown="unset")
+                   "connections and staging statistics; `2`: the stub also names every driver call that "
+                   "NVIDIA's runtime and libraries resolve through cuGetProcAddress, as it is made)", shown="unset")
 
 # -- the native stub alone ------------------------------------------------------------------------
 debug = _declare("PHOS_DEBUG", present, False, STUB, "as PHOS_VERBOSE (a non-zero number)", shown="unset")

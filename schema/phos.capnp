@@ -204,8 +204,11 @@ struct Call {
                                # seq], or [0] without recovery images (ackSeq is what counts then)
     tensorMapEncode @40 :TensorMapEncode;   # Result data: the 128-byte CUtensorMap
     funcOccupancy @41 :FuncOccupancy;       # Result u64s: the answer (see FuncOccupancy)
+    funcSetAttribute @42 :FuncAttribute;    # cuFuncSetAttribute: kept with the function, in images too
   }
 }
+
+struct FuncAttribute { function @0 :UInt64; attribute @1 :Int32; value @2 :Int32; }
 
 # The cuOccupancy* calls, answered by the server's driver: libraries size their grids by
 # them, so an estimate could change how they split work and so their results.

@@ -189,6 +189,8 @@ def describe(session, chunk_size):
                 global_ptrs.add(ptr)
         elif kind == "function":
             functions.append({"id": hid, "module": obj.module_id, "name": obj.name, "params": [list(p) for p in obj.params]})
+            if obj.set_attributes:
+                functions[-1]["attributes"] = [[a, v] for a, v in sorted(obj.set_attributes.items())]
         elif kind == "stream":
             streams.append({"id": hid, "flags": meta.get("flags", 0), "priority": meta.get("priority", 0)})
         elif kind == "event":
@@ -775,6 +777,9 @@ class Restore(ChunkJob):
             if [list(p) for p in fn.params] != f["params"]:
                 self.refuse(f"kernel {f['name']} has parameters {fn.params}, the image {f['params']}")
             fn.module_id, fn.size = f["module"], fn.param_bytes
+            for attribute, value in f.get("attributes", []):
+                backend.set_function_attribute(fn, attribute, value)
+                fn.set_attributes[attribute] = value
             s.place(f["id"], "function", fn)
         for e in m.streams:
             s.place(e["id"], "stream", backend.stream_create(e["flags"], e["priority"]), {"flags": e["flags"], "priority": e["priority"]})

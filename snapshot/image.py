@@ -24,7 +24,8 @@ Layout in a store (see store.py):
        "device": {"name", "uuid" (hex), "cc": [major, minor], "total_mem"},
        "address_space": {"base", "size"}                      (optional)
        "modules":     [{"id", "name", "kind", "image": key, "size"}],
-       "functions":   [{"id", "module", "name", "params": [[offset, size], ...]}],
+       "functions":   [{"id", "module", "name", "params": [[offset, size], ...],
+                        "attributes"?: [[CUfunction_attribute, value], ...] (what the application set)}],
        "globals":     [{"module", "name", "address", "size", "chunk_size", "chunks": [key],
                         "device" (optional: where the device had it, when not at address)}],
        "streams":     [{"id", "flags", "priority"}],
@@ -498,6 +499,10 @@ def validate_manifest(m, name=None, depth_checked=False):
             if (not isinstance(pr, list) or len(pr) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 32) for x in pr)):
                 v.fail(f"{p}.params[{k}]", f"expected [offset, size], found {pr!r:.80}")
+        for k, at in enumerate(e.get("attributes", []) if isinstance(e.get("attributes", []), list) else [None]):
+            if (not isinstance(at, list) or len(at) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and -(1 << 31) <= x < (1 << 31) for x in at)):
+                v.fail(f"{p}.attributes[{k}]", f"expected [attribute, value], found {at!r:.80}")
     for j, e in enumerate(v.list(m, "globals", "")):
         p = f"globals[{j}]"
         mod = v.int(e, "module", p)

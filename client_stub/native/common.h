@@ -41,6 +41,7 @@ struct Settings {
                                  // 1 always, 0 never, -1 (default) while we spin and the worker is awake
     double spin;                 // PHOS_SPIN_US (as seconds): spin this long for a reply before sleeping
     bool verbose;                // PHOS_VERBOSE or PHOS_DEBUG: a non-zero number
+    bool trace;                  // PHOS_VERBOSE=2: name each call made through cuGetProcAddress's answers
     bool server_key;             // PHOS_SERVER_KEY is set (we speak no CURVE: refuse)
     double exit_timeout;         // PHOS_EXIT_TIMEOUT: seconds to wait at exit for each ctxDestroy
 };

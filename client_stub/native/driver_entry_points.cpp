@@ -5,6 +5,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "call_trace.h"
 #include "driver_state.h"
 #include "unsupported.h"
 
@@ -199,6 +200,10 @@ void* unsupported_stub(const char* symbol) {
     return it == stubs->end() ? nullptr : it->second;
 }
 
+// PHOS_VERBOSE=2: an entry point handed out wrapped so that each call is named, with its
+// result: libraries call the driver through these pointers, not by symbol (call_trace.h).
+void trace_result(const char* name, int result) { log_error("call %s -> %d", name, result); }
+
 CUresult lookup(const char* symbol, void** pfn, int version, cuuint64_t flags, CUdriverProcAddressQueryResult* status) {
     if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
     const ProcEntry* best = nullptr;
@@ -222,6 +227,8 @@ CUresult lookup(const char* symbol, void** pfn, int version, cuuint64_t flags, C
     }
     if (result != CU_GET_PROC_ADDRESS_SUCCESS)
         log_verbose("cuGetProcAddress: %s (version %d, flags %llu) not found", symbol, version, (unsigned long long)flags);
+    else if (settings().trace && *pfn)
+        *pfn = trace::wrap(symbol, *pfn, &trace_result);
     // NVIDIA's driver (580, on the H200) answers a missing name with CUDA_SUCCESS when the
     // caller asked for the status, which then says why; without a status, NOT_FOUND.
     if (status) {

@@ -35,6 +35,7 @@ constexpr Table size_of(size_t slots) { return reinterpret_cast<Table>(slots * s
 
 CUresult module_from_fatbin_wrapper(CUmodule* module, const void* wrapper) {
     if (!module || !wrapper) return CUDA_ERROR_INVALID_VALUE;
+    log_verbose("cuGetExportTable: a module from a fatbin");
     return cuModuleLoadData(module, wrapper);
 }
 
@@ -61,7 +62,7 @@ CUresult primary_context(CUcontext* pctx, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
-void runtime_notice(size_t) {}
+void runtime_notice(size_t value) { log_verbose("cuGetExportTable: runtime notice %zu", value); }
 CUresult load_compilers() { return CUDA_SUCCESS; }
 
 const Table kRuntimeInterface[13] = {
@@ -103,12 +104,15 @@ CUresult storage_context(CUcontext ctx, CUctx_st** out) {
     return CUDA_SUCCESS;
 }
 
+// A key holds its first value: putting it again is refused and changes nothing, as with the
+// H200's driver (perf/probe_context_storage.py);
+// a runtime that races to set up its state keeps the state that won.
 CUresult storage_put(CUcontext ctx, void* key, void* value, LocalStorageDestructor destructor) {
     Guard g(state().lock);
     CUctx_st* c;
     CUresult err = storage_context(ctx, &c);
-    if (err == CUDA_SUCCESS) c->local_storage[key] = {value, destructor};
-    return err;
+    if (err != CUDA_SUCCESS) return err;
+    return c->local_storage.emplace(key, LocalValue{value, destructor}).second ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 
 // The caller frees the value itself: the destructor runs only when the context goes.
@@ -141,7 +145,7 @@ CUresult create_context_bypass(CUcontext* pctx, unsigned flags, CUdevice dev) {
 }
 const Table kContextCreateBypass[2] = {size_of(2), fn(create_context_bypass)};
 
-CUresult device_attribute_ext(CUdevice dev, unsigned attribute, int, size_t (*result)[2]) {
+CUresult device_attribute_ext(CUdevice dev, unsigned attribute, int unknown, size_t (*result)[2]) {
     if (!result) return CUDA_ERROR_INVALID_VALUE;
     int value = 0;
     CUresult err = cuDeviceGetAttribute(&value, static_cast<CUdevice_attribute>(attribute), dev);
@@ -149,20 +153,25 @@ CUresult device_attribute_ext(CUdevice dev, unsigned attribute, int, size_t (*re
         (*result)[0] = static_cast<size_t>(value);
         (*result)[1] = 0;
     }
+    log_verbose("cuGetExportTable: device attribute %u (%d) -> %d, %d", attribute, unknown, value, static_cast<int>(err));
     return err;
 }
-CUresult device_flag(unsigned char* result, CUdevice) {
+CUresult device_flag(unsigned char* result, CUdevice dev) {
+    log_verbose("cuGetExportTable: device flag of %d", dev);
     if (result) *result = 0;
     return CUDA_SUCCESS;
 }
 Table kDeviceExtended[31] = {};
 
-CUresult context_check(CUcontext, unsigned* result, const void** detail) {
+// The H200's driver answers 0 and leaves the detail as it was.
+CUresult context_check(CUcontext, unsigned* result, const void**) {
     if (result) *result = 0;
-    if (detail) *detail = nullptr;
     return CUDA_SUCCESS;
 }
-unsigned context_check_2() { return 0; }
+unsigned context_check_2() {
+    log_verbose("cuGetExportTable: context check 2");
+    return 0;
+}
 const Table kContextChecks[15] = {size_of(15), nullptr, fn(context_check), fn(context_check_2)};
 
 // -- the runtime's integrity check ---------------------------------------------------------
@@ -194,6 +203,7 @@ static_assert(sizeof(DeviceIdentity) == 28);
 
 CUresult integrity_check(unsigned version, uint64_t unix_seconds, uint64_t (*result)[2]) {
     if (!result) return CUDA_ERROR_INVALID_VALUE;
+    log_verbose("cuGetExportTable: integrity check for runtime %u", version);
     // Runtimes whose version ends in 0 or 1 expect fixed answers.
     if (version % 10 == 0 || version % 10 == 1) {
         (*result)[0] = version % 10 == 0 ? 0x3341181C03CB675Cull : 0x1841181C03CB675Cull;

@@ -470,8 +470,10 @@ PHOS_EXPORT CUresult cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataTyp
                                             const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
                                             CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2,
                                             CUtensorMapFloatOOBfill oob) {
-    if (!map || !dims || !box || !element_strides || rank == 0 || rank > 5 || (rank > 1 && !strides))
+    if (!map || !dims || !box || !element_strides || rank == 0 || rank > 5 || (rank > 1 && !strides)) {
+        log_verbose("cuTensorMapEncodeTiled: missing arguments or rank %u", rank);
         return CUDA_ERROR_INVALID_VALUE;
+    }
     Guard g(state().lock);
     std::string a;
     put<uint32_t>(a, type);

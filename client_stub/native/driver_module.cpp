@@ -138,9 +138,16 @@ static CUresult launch(CUfunction f, const unsigned grid[3], const unsigned bloc
     CUctx_st* ctx = f->ctx;
     uint64_t sid = 0;
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
-    if ((err = check_launch_shape(ctx, grid, block, shared_bytes)) != CUDA_SUCCESS) return err;
+    if ((err = check_launch_shape(ctx, grid, block, shared_bytes)) != CUDA_SUCCESS) {
+        log_verbose("launch of %s: grid (%u, %u, %u), block (%u, %u, %u), %u shared bytes are out of bounds", f->name.c_str(),
+                    grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_bytes);
+        return err;
+    }
     std::string params;
-    if ((err = pack_params(f, kernel_params, extra, params)) != CUDA_SUCCESS) return err;
+    if ((err = pack_params(f, kernel_params, extra, params)) != CUDA_SUCCESS) {
+        log_verbose("launch of %s: its parameters could not be packed", f->name.c_str());
+        return err;
+    }
     submit(ctx, stream, wire::Call::launch(f->id, wire::Dim3{grid[0], grid[1], grid[2]},
                                        wire::Dim3{block[0], block[1], block[2]}, shared_bytes, sid, std::move(params),
                                        options));
@@ -166,6 +173,9 @@ static CUresult occupancy(CUfunction f, int query, uint64_t a, uint64_t b, uint3
         wire::Result r;
         if ((err = context_call(f->ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
         if (r.u64s.empty()) return CUDA_ERROR_UNKNOWN;
+        log_verbose("occupancy of %s: query %d (%llu, %llu, %u, grid %llx) -> %llu", f->name.c_str(), query,
+                    (unsigned long long)a, (unsigned long long)b, flags, (unsigned long long)grid,
+                    (unsigned long long)r.u64s[0]);
         it = f->occupancy.emplace(key, r.u64s).first;
     }
     *out = it->second;
@@ -329,7 +339,10 @@ PHOS_EXPORT CUresult cuFuncGetAttribute(int* value, CUfunction_attribute attribu
     if (attribute == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) *value = f->max_dynamic_shared;
     else if (attribute == CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) *value = f->shared_carveout;
     else if (attribute >= 0 && static_cast<size_t>(attribute) < f->attributes.size()) *value = f->attributes[attribute];
-    else return CUDA_ERROR_INVALID_VALUE;
+    else {
+        log_verbose("cuFuncGetAttribute: attribute %d of %s is not known", static_cast<int>(attribute), f->name.c_str());
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     return CUDA_SUCCESS;
 }
 
@@ -338,8 +351,8 @@ PHOS_EXPORT CUresult cuFuncSetCacheConfig(CUfunction f, CUfunc_cache) {
     return resolve_function(f, &f);   // a hint
 }
 
-// The dynamic shared memory opt-in is checked here at launch; the server's driver is given
-// the same opt-in by the worker when a launch needs it.
+// The server's driver is told (the kernel runs there, and a restore tells the next one); the
+// two the launch checks and cuFuncGetAttribute reports are kept here too.
 PHOS_EXPORT CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute attribute, int value) {
     Guard g(state().lock);
     CUresult err = resolve_function(f, &f);
@@ -347,19 +360,30 @@ PHOS_EXPORT CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute attri
     switch (attribute) {
     case CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
         if (value < 0 || value > f->ctx->limits.max_shared_optin) return CUDA_ERROR_INVALID_VALUE;
-        f->max_dynamic_shared = value;
-        return CUDA_SUCCESS;
+        break;
     case CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT:
         if (value < -1 || value > 100) return CUDA_ERROR_INVALID_VALUE;
-        f->shared_carveout = value;
-        return CUDA_SUCCESS;
+        break;
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT:
+    case CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH:
     case CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED:
     case CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE:
-        return CUDA_SUCCESS;    // scheduling hints
+        break;
     default:
-        log_error("cuFuncSetAttribute: attribute %d is not supported", static_cast<int>(attribute));
-        return CUDA_ERROR_NOT_SUPPORTED;
+        log_error("cuFuncSetAttribute: attribute %d cannot be set", static_cast<int>(attribute));
+        return CUDA_ERROR_INVALID_VALUE;
     }
+    wire::Call call = wire::Call::plain(wire::Kind::funcSetAttribute);
+    call.id = f->id;
+    call.number = attribute;
+    call.flags = static_cast<uint32_t>(value);
+    if ((err = context_call(f->ctx, std::move(call))) != CUDA_SUCCESS) return err;
+    if (attribute == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) f->max_dynamic_shared = value;
+    else if (attribute == CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) f->shared_carveout = value;
+    else if (static_cast<size_t>(attribute) < f->attributes.size()) f->attributes[attribute] = value;
+    f->occupancy.clear();     // the answers may change with it
+    return CUDA_SUCCESS;
 }
 
 PHOS_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,

@@ -63,6 +63,7 @@ const Settings& settings() {
         const long cores = sysconf(_SC_NPROCESSORS_ONLN);
         t.spin = std::max(0L, env_long("PHOS_SPIN_US", cores > 4 ? 1000 : 0)) * 1e-6;
         t.verbose = env_long("PHOS_VERBOSE", 0) != 0 || env_long("PHOS_DEBUG", 0) != 0;
+        t.trace = env_long("PHOS_VERBOSE", 0) >= 2;
         t.server_key = getenv("PHOS_SERVER_KEY") != nullptr;
         t.exit_timeout = env_seconds("PHOS_EXIT_TIMEOUT", 10.0);
         if (t.batch_calls < 1) t.batch_calls = 1;

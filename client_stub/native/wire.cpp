@@ -24,7 +24,7 @@ const char* kind_name(Kind kind) {
         "moduleLoad", "moduleUnload", "moduleGetFunction", "moduleGetGlobal", "launch",
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
-        "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy",
+        "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy", "funcSetAttribute",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -374,6 +374,13 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     case Kind::eventDestroy: out.initEventDestroy().setId(c.id); break;
     case Kind::launchBatch: out.setLaunchBatch(as_data(c.bytes)); break;
     case Kind::logFull: out.setLogFull(); break;
+    case Kind::funcSetAttribute: {
+        auto a = out.initFuncSetAttribute();
+        a.setFunction(c.id);
+        a.setAttribute(c.number);
+        a.setValue(static_cast<int32_t>(c.flags));
+        break;
+    }
     case Kind::funcOccupancy: {
         auto o = out.initFuncOccupancy();
         o.setFunction(c.id);

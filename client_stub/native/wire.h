@@ -23,7 +23,7 @@ enum class Kind : uint8_t {
     moduleLoad, moduleUnload, moduleGetFunction, moduleGetGlobal, launch,
     streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
     eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
-    launchBatch, reattach, logFull, tensorMapEncode, funcOccupancy,
+    launchBatch, reattach, logFull, tensorMapEncode, funcOccupancy, funcSetAttribute,
 };
 const char* kind_name(Kind kind);
 

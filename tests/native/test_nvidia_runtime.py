@@ -193,3 +193,24 @@ def test_runtimes_whose_version_ends_in_0_get_the_fixed_answer(stub, server):
     assert r.returncode == 0, r.stderr
     answer = bytes.fromhex(r.stdout.split()[0])
     assert answer == (0x3341181C03CB675C).to_bytes(8, "little") + (0x8ED383AA1F4CD1E8).to_bytes(8, "little")
+
+
+def test_context_local_storage_answers_as_the_h200s_driver_did(stub, server):
+    """perf/probe_context_storage.py on the H200's driver: a missing key is 400, a key keeps its
+    first value (a second put is 400), a context check answers 0 and leaves its detail alone."""
+    probe = os.path.join(os.path.dirname(APPS), "..", "perf", "probe_context_storage.py")
+    r = subprocess.run([sys.executable, probe, LIBCUDA], capture_output=True, text=True, timeout=60,
+                       env=stub_env(server.address))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    for expected in ("get missing (ctx): 400 None", "delete missing: 400", "put: 0", "put again: 400",
+                     "get deleted: 400", "context check: 0 0 77", "check 3: 0"):
+        assert expected in lines, r.stdout
+    assert lines[lines.index("put again: 400") + 1] == "get: 0 22136"
+
+
+def test_verbose_2_names_each_call_the_runtime_makes_with_its_result(pinned_apps, server):
+    r = subprocess.run([str(pinned_apps / "vector_add")], capture_output=True, text=True, timeout=300,
+                       env=stub_env(server.address, PHOS_VERBOSE="2"))
+    assert r.returncode == 0, r.stderr
+    assert "phos: call cuLibraryGetKernel -> 0" in r.stderr and "phos: call cuLaunchKernel -> 0" in r.stderr

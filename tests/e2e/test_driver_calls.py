@@ -1,0 +1,103 @@
+"""The worker's side of the driver calls NVIDIA's runtime and libraries make beyond plain
+launches: each kernel's own figures, cuFuncSetAttribute (kept with the function, and in
+images, so a restored context keeps it), occupancy answered by the device, and tensor maps
+(which the emulated device has none of, and says so)."""
+import struct
+from types import SimpleNamespace as Args
+
+import numpy as np
+import pytest
+
+from phos.gpu_server import calls
+from phos.gpu_server.emu import EmuBackend
+from phos.gpu_server.worker import Session
+from phos.schema.cuda_types import CudaError, CUresult
+from phos.schema.wire import LAUNCH_CONFIG, TENSOR_MAP_TILED
+from phos.snapshot.engine import Checkpoint, Restore
+from phos.snapshot.image import read_image
+from phos.snapshot.store import DirStore
+from ptx_helpers import compile_ptx
+
+MAX_THREADS, SHARED_SIZE, NUM_REGS, MAX_DYNAMIC_SHARED = 0, 1, 4, 8     # CUfunction_attribute
+PER_BLOCK = 20 << 10          # floats a block reverses: 80 KiB of dynamic shared memory
+
+
+def kernel_session():
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    module = calls.module_load(s, Args(payload=1), [compile_ptx("dynshared.cu").encode()])["u64s"][0]
+    reply = calls.module_get_function(s, Args(module=module, name="reverse_blocks"), [])
+    return s, reply["u64s"][0], reply["u64s"][1:]
+
+
+def device_floats(s, x, n):
+    out = np.empty(n * 4, np.uint8)
+    s.backend.dtoh(x, out, None)
+    return out.view(np.float32)
+
+
+def reverse(s, fn, x):
+    config = LAUNCH_CONFIG.pack(2, 1, 1, 128, 1, 1, PER_BLOCK * 4, 0, 0)
+    calls.run_launch(s, fn, config, struct.pack("<Qi", x, PER_BLOCK))
+
+
+def test_a_function_comes_with_the_devices_figures_for_it():
+    _, _, figures = kernel_session()
+    assert len(figures) == 16
+    assert figures[MAX_THREADS] == 1024 and figures[NUM_REGS] == 32 and figures[SHARED_SIZE] == 0
+    assert figures[MAX_DYNAMIC_SHARED] == 48 << 10
+
+
+def test_the_dynamic_shared_memory_opt_in_reaches_the_device_and_survives_a_restore(tmp_path):
+    s, fn, _ = kernel_session()
+    data = np.arange(2 * PER_BLOCK, dtype=np.float32)
+    x = s.backend.alloc(data.nbytes)
+    s.backend.htod(x, data.tobytes(), None)
+    with pytest.raises(CudaError) as e:             # 80 KiB without the opt-in
+        reverse(s, fn, x)
+    assert "shared" in e.value.message
+    calls.func_set_attribute(s, Args(function=fn, attribute=MAX_DYNAMIC_SHARED, value=PER_BLOCK * 4), [])
+    reverse(s, fn, x)
+    out = device_floats(s, x, data.size)
+    assert (out[:PER_BLOCK] == data[:PER_BLOCK][::-1]).all() and (out[PER_BLOCK:] == data[PER_BLOCK:][::-1]).all()
+
+    cp = Checkpoint(s, DirStore(tmp_path), "a", paused=True, chunk_size=1 << 20)
+    cp.cut(1, paused=True)
+    cp.finish(1)
+    [f] = read_image(DirStore(tmp_path), "a").functions
+    assert f["attributes"] == [[MAX_DYNAMIC_SHARED, PER_BLOCK * 4]]
+    fresh = Session(EmuBackend(), 0, b"t" * 16)
+    r = Restore(fresh, DirStore(tmp_path), "a")
+    r.recreate()
+    r.start(full=True)
+    r.wait()
+    reverse(fresh, fn, x)                           # the restored kernel kept its opt-in
+    assert (device_floats(fresh, x, data.size) == data).all()
+
+
+def test_occupancy_is_the_devices_answer():
+    s, fn, _ = kernel_session()
+    [blocks] = calls.func_occupancy(s, Args(function=fn, query="maxActiveBlocks", a=256, b=0, flags=0, grid=0), [])["u64s"]
+    assert blocks == 2048 // 256
+    [fewer] = calls.func_occupancy(s, Args(function=fn, query="maxActiveBlocks", a=256, b=100 << 10, flags=0, grid=0), [])["u64s"]
+    assert fewer == (228 << 10) // (100 << 10)
+    min_grid, block = calls.func_occupancy(s, Args(function=fn, query="maxPotentialBlockSize", a=0, b=0, flags=0, grid=0), [])["u64s"]
+    assert block > 0 and min_grid > 0
+
+
+def test_an_unknown_occupancy_query_and_clusters_are_refused_clearly():
+    s, fn, _ = kernel_session()
+    with pytest.raises(CudaError) as e:
+        calls.func_occupancy(s, Args(function=fn, query="maxActiveClusters", a=128, b=0, flags=2, grid=2), [])
+    assert e.value.status == CUresult.CUDA_ERROR_NOT_SUPPORTED and "cluster" in e.value.message
+
+
+def test_tensor_maps_are_refused_by_name_on_emu_and_bad_ones_everywhere():
+    s, _, _ = kernel_session()
+    good = TENSOR_MAP_TILED.pack(7, 2, 0x600000000000, 64, 64, 0, 0, 0, 256, 0, 0, 0, 8, 8, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(CudaError) as e:
+        calls.tensor_map_encode(s, Args(im2col=False, args=good), [])
+    assert e.value.status == CUresult.CUDA_ERROR_NOT_SUPPORTED and "cuTensorMapEncode" in e.value.message
+    for bad in (good[:-4], TENSOR_MAP_TILED.pack(7, 9, *TENSOR_MAP_TILED.unpack(good)[2:])):
+        with pytest.raises(CudaError) as e:
+            calls.tensor_map_encode(s, Args(im2col=False, args=bad), [])
+        assert e.value.status == CUresult.CUDA_ERROR_INVALID_VALUE
