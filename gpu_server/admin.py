@@ -16,7 +16,7 @@ import grpc
 from phos.gpu_server.handoff import Handoff
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
-from phos.schema.control import admin_socket, checkpoint_message
+from phos.schema.control import admin_socket, checkpoint_message, private_directory
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import ImageError, latest_image, open_store
 from phos.snapshot.store import images_in
@@ -249,7 +249,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
 async def start(front, address):
     """Serve the admin API at a unix: address, readable by this user only."""
     path = address[len("unix:"):]
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    private_directory(os.path.dirname(os.path.abspath(path)), create=True)
     if os.path.exists(path):
         os.unlink(path)        # a stale socket of a server that died
     server = grpc.aio.server()

@@ -295,15 +295,30 @@ def tensor_map_encode(s, a, p):
     return {"data": s.backend.tensor_map_encode(bool(a.im2col), values)}
 
 
+# CUfunction_attribute values an application may set: dynamic shared memory, the carveout,
+# the required cluster size and the two cluster policies.
+SETTABLE_ATTRIBUTES = {8, 9, 11, 12, 13, 14, 15}
+
+
 def func_set_attribute(s, a, p):
     fn = s.handle("function", a.function)
+    if a.attribute not in SETTABLE_ATTRIBUTES or a.value < -1:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{fn.name}: attribute {a.attribute} cannot be set to {a.value}")
     s.backend.set_function_attribute(fn, a.attribute, a.value)
     fn.set_attributes[a.attribute] = a.value       # a restore sets them again (engine)
 
 
+OCCUPANCY_QUERIES = ("maxActiveBlocks", "availableDynamicShared", "maxPotentialBlockSize", "maxActiveClusters")
+
+
 def func_occupancy(s, a, p):
     fn = s.handle("function", a.function)
-    return {"u64s": list(s.backend.occupancy(fn, str(a.query), a.a, a.b, a.flags, a.grid))}
+    query = getattr(a.query, "raw", a.query)     # by number: a value past the enum is refused here
+    if not isinstance(query, int):
+        query = OCCUPANCY_QUERIES.index(query) if query in OCCUPANCY_QUERIES else -1
+    if not 0 <= query < len(OCCUPANCY_QUERIES):
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"funcOccupancy: no query {query}")
+    return {"u64s": list(s.backend.occupancy(fn, OCCUPANCY_QUERIES[query], a.a, a.b, a.flags, a.grid))}
 
 
 # call name -> handler. A call missing here is refused with its name.

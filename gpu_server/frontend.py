@@ -21,7 +21,7 @@ import zmq.asyncio
 from phos import settings
 from phos.gpu_server.backend import load_backend
 from phos.schema import wire
-from phos.schema.control import admin_socket
+from phos.schema.control import admin_socket, private_directory
 from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import CudaError, CUresult
 
@@ -56,6 +56,10 @@ def check_listen(address, curve_secret):
         return
     if url.scheme != "tcp":
         raise ValueError(f"listen address {address!r}: use ipc://PATH or tcp://HOST:PORT")
+    # ZeroMQ reads "HOST:PORT@..." and "...;..." otherwise than a URL parser would: the host
+    # checked must be the one it binds, so only the plain form is taken.
+    if "@" in url.netloc or ";" in address or url.path not in ("", "/"):
+        raise ValueError(f"listen address {address!r}: use a plain tcp://HOST:PORT")
     host = url.hostname or ""
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -540,6 +544,8 @@ class FrontEnd:
             auth.configure_curve(domain="*", location=self.curve[2])
             sock.curve_server, sock.curve_secretkey = True, self.curve[1]
         sock.bind(self.listen)
+        # what ZeroMQ bound, checked as the address given was (a wildcard port is resolved)
+        check_listen(sock.getsockopt_string(zmq.LAST_ENDPOINT), self.curve)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -588,7 +594,7 @@ def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None, host_store=N
     import uvloop
     check_listen(listen, curve)
     if listen.startswith("ipc://"):
-        os.makedirs(os.path.dirname(listen[len("ipc://"):]) or ".", exist_ok=True)
+        private_directory(os.path.dirname(os.path.abspath(listen[len("ipc://"):])), create=True)
     front = FrontEnd(backend, listen, curve, recovery, host_store)
     front.pool_size = pool
     uvloop.run(front.serve())

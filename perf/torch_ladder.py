@@ -143,25 +143,32 @@ def step_expandable(torch):
 STEPS = ["tensors", "matmul", "conv", "autocast", "cnn", "transformer", "graph", "compile", "expandable"]
 
 
-def run(args):
+def run_step(name, train_steps):
     import torch
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    t0 = time.perf_counter()
+    fn = globals()[f"step_{name}"]
+    res = fn(torch, train_steps) if name in ("cnn", "transformer") else fn(torch)
+    torch.cuda.synchronize()
+    return {"ok": True, "result": res, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def run(args):
+    """Each step in a process of its own: a CUDA error is sticky, and one step's failure must
+    not hide what the others do."""
+    import subprocess
     results = {}
     for name in args.steps.split(","):
-        t0 = time.perf_counter()
+        child = subprocess.run([sys.executable, __file__, "--one", name, "--train-steps", str(args.train_steps)],
+                               capture_output=True, text=True, timeout=args.step_timeout)
+        sys.stderr.write(child.stderr[-4000:])
         try:
-            fn = globals()[f"step_{name}"]
-            res = fn(torch, args.train_steps) if name in ("cnn", "transformer") else fn(torch)
-            torch.cuda.synchronize()
-            results[name] = {"ok": True, "result": res, "seconds": round(time.perf_counter() - t0, 3)}
-        except Exception as e:       # one failed step must not hide the others
-            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
-            traceback.print_exc()
-            if "CUDA error" in str(e) or "cuda" in type(e).__name__.lower():
-                break                # a CUDA error is sticky: later steps would only repeat it
+            results[name] = json.loads(child.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            results[name] = {"ok": False, "error": f"exit {child.returncode}: {child.stderr.strip()[-1500:]}"}
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
     return results
 
@@ -187,9 +194,18 @@ def main():
     p.add_argument("--train-steps", type=int, default=200)
     p.add_argument("--json")
     p.add_argument("--compare", nargs=2, metavar=("NATIVE", "PHOS"))
+    p.add_argument("--one", help=argparse.SUPPRESS)     # run one step here, print its result
+    p.add_argument("--step-timeout", type=float, default=600)
     args = p.parse_args()
     if args.compare:
         compare(*args.compare)
+        return
+    if args.one:
+        try:
+            print(json.dumps(run_step(args.one, args.train_steps)))
+        except Exception as e:
+            traceback.print_exc()
+            print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}))
         return
     results = run(args)
     if args.json:

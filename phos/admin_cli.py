@@ -2,11 +2,12 @@
 
 Loads no server code (phos.gpu_server, phos.snapshot) at import: only the admin API's schema."""
 import json
+import os
 import sys
 import time
 
 from phos.schema import admin_pb2 as pb
-from phos.schema.control import admin_socket, checkpoint_result
+from phos.schema.control import admin_socket, checkpoint_result, private_directory
 
 GiB = 1 << 30
 
@@ -14,7 +15,12 @@ GiB = 1 << 30
 def stub(server):
     import grpc
     from phos.schema import admin_pb2_grpc
-    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(admin_socket(server)))
+    address = admin_socket(server)
+    try:      # a socket someone else could have put there is not the server's
+        private_directory(os.path.dirname(os.path.abspath(address[len("unix:"):])))
+    except ValueError as e:
+        raise SystemExit(f"phos: {e}")
+    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(address))
 
 
 def call(fn, *args):

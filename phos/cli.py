@@ -67,6 +67,8 @@ def cmd_keygen(opts):
     zmq.auth.create_certificates(opts.dir, "server")
     zmq.auth.create_certificates(opts.dir, "client")
     os.replace(os.path.join(opts.dir, "client.key"), os.path.join(opts.dir, "clients", "client.key"))
+    for secret in ("server.key_secret", "client.key_secret"):     # pyzmq writes them readable by all
+        os.chmod(os.path.join(opts.dir, secret), 0o600)
     print(f"server keys and one client key pair written to {opts.dir}; "
           f"clients use PHOS_SERVER_KEY={opts.dir}/server.key PHOS_CLIENT_KEY={opts.dir}/client.key_secret")
     return 0

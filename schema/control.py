@@ -3,6 +3,8 @@ admin socket is, and a checkpoint's result as the dict `phos checkpoint --json` 
 
 Imports no server code, and no capnp: the command line loads it for every client command.
 """
+import os
+import stat
 import urllib.parse
 
 # a checkpoint's result: its dict's scalar keys, the same in CheckpointResult (admin.proto)
@@ -18,6 +20,25 @@ def admin_socket(server):
     if url.scheme == "tcp":
         return f"unix:/tmp/phos/admin-{url.port}.sock"
     raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def private_directory(path, create=False):
+    """Check that the directory holding a server's sockets is this user's own and that nobody
+    else may write in it (else another user could put a socket of theirs in place of the
+    server's); with create, make it (mode 0700) when it is missing. Raises ValueError."""
+    if create:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ValueError(f"socket directory {path} does not exist") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"socket directory {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"socket directory {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+                         "another user could replace the sockets in it")
+    if st.st_mode & 0o022:
+        raise ValueError(f"socket directory {path} is writable by others (mode {st.st_mode & 0o777:o})")
 
 
 def checkpoint_message(result):

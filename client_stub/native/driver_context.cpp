@@ -689,27 +689,30 @@ static size_t* limit_slot(CUctx_st* ctx, CUlimit limit) {
     return &ctx->limits_set.emplace(limit, d->second).first->second;
 }
 
-PHOS_EXPORT CUresult cuCtxGetLimit(size_t* value, CUlimit limit) {
-    if (!value) return CUDA_ERROR_INVALID_VALUE;
-    Guard g(state().lock);
+// The current context's value of a limit.
+static CUresult current_limit(CUlimit limit, size_t** slot) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
-    size_t* slot = limit_slot(ctx, limit);
-    if (!slot) return CUDA_ERROR_UNSUPPORTED_LIMIT;
-    *value = *slot;
-    return CUDA_SUCCESS;
+    *slot = limit_slot(ctx, limit);
+    return *slot ? CUDA_SUCCESS : CUDA_ERROR_UNSUPPORTED_LIMIT;
+}
+
+PHOS_EXPORT CUresult cuCtxGetLimit(size_t* value, CUlimit limit) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    size_t* slot;
+    CUresult err = current_limit(limit, &slot);
+    if (err == CUDA_SUCCESS) *value = *slot;
+    return err;
 }
 
 PHOS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     Guard g(state().lock);
-    CUctx_st* ctx;
-    CUresult err = current_context(&ctx);
-    if (err != CUDA_SUCCESS) return err;
-    size_t* slot = limit_slot(ctx, limit);
-    if (!slot) return CUDA_ERROR_UNSUPPORTED_LIMIT;
-    *slot = value;
-    return CUDA_SUCCESS;
+    size_t* slot;
+    CUresult err = current_limit(limit, &slot);
+    if (err == CUDA_SUCCESS) *slot = value;
+    return err;
 }
 
 // -- peers: each phos context sees its device alone ---------------------------------------

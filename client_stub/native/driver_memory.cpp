@@ -450,6 +450,24 @@ void put_array(std::string& out, const T* values, unsigned n) {
     for (size_t i = 0; i < N; i++) put<T>(out, i < n && values ? values[i] : T{});
 }
 
+// The arguments both encodings share, around the ones of each (TensorMapEncode.args).
+std::string tensor_map_head(CUtensorMapDataType type, cuuint32_t rank, void* address, const cuuint64_t* dims,
+                            const cuuint64_t* strides) {
+    std::string a;
+    put<uint32_t>(a, type);
+    put<uint32_t>(a, rank);
+    put<uint64_t>(a, reinterpret_cast<uint64_t>(address));
+    put_array<cuuint64_t, 5>(a, dims, rank);
+    put_array<cuuint64_t, 4>(a, strides, rank - 1);
+    return a;
+}
+
+void tensor_map_tail(std::string& a, cuuint32_t rank, const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                     CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2, CUtensorMapFloatOOBfill oob) {
+    put_array<cuuint32_t, 5>(a, element_strides, rank);
+    for (uint32_t v : {uint32_t(interleave), uint32_t(swizzle), uint32_t(l2), uint32_t(oob)}) put(a, v);
+}
+
 CUresult encode_tensor_map(CUtensorMap* map, bool im2col, std::string args) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
@@ -475,15 +493,9 @@ PHOS_EXPORT CUresult cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataTyp
         return CUDA_ERROR_INVALID_VALUE;
     }
     Guard g(state().lock);
-    std::string a;
-    put<uint32_t>(a, type);
-    put<uint32_t>(a, rank);
-    put<uint64_t>(a, reinterpret_cast<uint64_t>(address));
-    put_array<cuuint64_t, 5>(a, dims, rank);
-    put_array<cuuint64_t, 4>(a, strides, rank - 1);
+    std::string a = tensor_map_head(type, rank, address, dims, strides);
     put_array<cuuint32_t, 5>(a, box, rank);
-    put_array<cuuint32_t, 5>(a, element_strides, rank);
-    for (uint32_t v : {uint32_t(interleave), uint32_t(swizzle), uint32_t(l2), uint32_t(oob)}) put(a, v);
+    tensor_map_tail(a, rank, element_strides, interleave, swizzle, l2, oob);
     return encode_tensor_map(map, false, std::move(a));
 }
 
@@ -496,18 +508,12 @@ PHOS_EXPORT CUresult cuTensorMapEncodeIm2col(CUtensorMap* map, CUtensorMapDataTy
     if (!map || !dims || !element_strides || !lower || !upper || rank < 3 || rank > 5 || !strides)
         return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    std::string a;
-    put<uint32_t>(a, type);
-    put<uint32_t>(a, rank);
-    put<uint64_t>(a, reinterpret_cast<uint64_t>(address));
-    put_array<cuuint64_t, 5>(a, dims, rank);
-    put_array<cuuint64_t, 4>(a, strides, rank - 1);
+    std::string a = tensor_map_head(type, rank, address, dims, strides);
     put_array<int, 3>(a, lower, rank - 2);
     put_array<int, 3>(a, upper, rank - 2);
     put<uint32_t>(a, channels);
     put<uint32_t>(a, pixels);
-    put_array<cuuint32_t, 5>(a, element_strides, rank);
-    for (uint32_t v : {uint32_t(interleave), uint32_t(swizzle), uint32_t(l2), uint32_t(oob)}) put(a, v);
+    tensor_map_tail(a, rank, element_strides, interleave, swizzle, l2, oob);
     return encode_tensor_map(map, true, std::move(a));
 }
 

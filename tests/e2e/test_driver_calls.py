@@ -101,3 +101,12 @@ def test_tensor_maps_are_refused_by_name_on_emu_and_bad_ones_everywhere():
         with pytest.raises(CudaError) as e:
             calls.tensor_map_encode(s, Args(im2col=False, args=bad), [])
         assert e.value.status == CUresult.CUDA_ERROR_INVALID_VALUE
+
+
+def test_only_settable_attributes_are_set():
+    s, fn, _ = kernel_session()
+    for attribute, value in ((NUM_REGS, 8), (MAX_DYNAMIC_SHARED, -5), (99, 1)):
+        with pytest.raises(CudaError) as e:
+            calls.func_set_attribute(s, Args(function=fn, attribute=attribute, value=value), [])
+        assert e.value.status == CUresult.CUDA_ERROR_INVALID_VALUE
+    assert not s.handle("function", fn).set_attributes

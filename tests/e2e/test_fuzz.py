@@ -99,6 +99,7 @@ def launch_blob(draw):
 
 
 VALUES = {"uint64": U64, "uint32": U32, "int32": I32, "uint8": st.integers(0, 255), "bool": st.booleans(),
+          "enum": st.integers(0, 9),   # past the last enumerant too: a bad value must be refused
           "text": TEXT, "data": DATA}
 
 

@@ -146,7 +146,7 @@ def test_b_cannot_touch_a_memory(a, b):
 def b_kernel(b):
     [(_, status, message, [module], _)] = b.call(("moduleLoad", {"payload": 1}), payloads=[compile_ptx("vecadd.cu", "compute_75").encode()])
     assert status == 0, message
-    [(_, status, message, [fn], _)] = b.call(("moduleGetFunction", {"module": module, "name": "vec_add"}))
+    [(_, status, message, [fn, *_figures], _)] = b.call(("moduleGetFunction", {"module": module, "name": "vec_add"}))
     assert status == 0, message
     return fn
 

@@ -83,6 +83,21 @@ def test_loopback_and_ipc_listeners_are_fine():
         check_listen("udp://127.0.0.1:5", None)
 
 
+@pytest.mark.parametrize("address", ["tcp://127.0.0.2:5595@0.0.0.0", "tcp://0.0.0.0:5595@127.0.0.1",
+                                     "tcp://127.0.0.1:5595;0.0.0.0:5596", "tcp://127.0.0.1:5595/x"])
+def test_a_listener_is_a_plain_host_and_port(address):
+    """ZeroMQ would bind another host than the one a URL parser reads from these."""
+    with pytest.raises(ValueError, match="plain tcp://HOST:PORT"):
+        check_listen(address, None)
+
+
+def test_keygen_writes_secrets_only_its_user_can_read(tmp_path):
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "phos.cli", "keygen", str(keys)], check=True, capture_output=True)
+    for secret in ("server.key_secret", "client.key_secret"):
+        assert (keys / secret).stat().st_mode & 0o777 == 0o600
+
+
 def test_server_refuses_open_listener_from_cli():
     out = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", "tcp://0.0.0.0:45111"],
                          capture_output=True, text=True, timeout=60)
@@ -157,3 +172,27 @@ time.sleep(60)
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and time.monotonic() - t < 20, out.stderr
     assert "SystemExit" in out.stderr       # it did land where it was ignored
+
+
+def test_a_socket_directory_another_user_owns_is_refused(tmp_path):
+    """Another user could replace the sockets there: neither the server nor the CLI uses it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give the directory to another user")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    server = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", f"ipc://{theirs}/phos.sock"],
+                            capture_output=True, text=True, timeout=60)
+    assert server.returncode != 0 and "belongs to uid 65534" in server.stderr
+    cli = subprocess.run([sys.executable, "-m", "phos.cli", "ctx", "list", "--server", f"ipc://{theirs}/phos.sock"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode != 0 and "belongs to uid 65534" in cli.stderr
+
+
+def test_a_socket_directory_others_may_write_is_refused(tmp_path):
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    server = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", f"ipc://{open_dir}/phos.sock"],
+                            capture_output=True, text=True, timeout=60)
+    assert server.returncode != 0 and "writable by others" in server.stderr
