@@ -228,7 +228,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
     async def DeleteImage(self, request, context):
         from phos.snapshot import delete_image
         try:
-            freed = await asyncio.to_thread(lambda: delete_image(open_store(request.store), request.name, None, True))
+            freed = await asyncio.to_thread(lambda: delete_image(open_store(request.store, create=False), request.name, None, True))
         except ImageError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except OSError as e:

@@ -489,7 +489,7 @@ class Worker:
         if s.objects or s.space.allocations() or s.restoring is not None or self.attached:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this worker already holds a context")
         try:
-            r = engine.Restore(s, open_store(a.store), a.name)
+            r = engine.Restore(s, open_store(a.store, create=False), a.name)
             s.globals_noted = module_globals_noted(r.store.path)
         except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {a.store!r}: {e}") from None

@@ -163,7 +163,7 @@ def add_commands(sub, default_server):
 
     p = sub.add_parser("checkpoint", help="checkpoint a context into an image store directory")
     p.add_argument("ctx", type=int)
-    p.add_argument("dir")
+    p.add_argument("dir", type=os.path.abspath)    # the server is elsewhere: name it from here
     p.add_argument("--pause", action="store_true", help="stop the world instead of copying while the application runs")
     p.add_argument("--incremental", action="store_true", help="copy only what changed since the context's latest image in DIR")
     p.add_argument("--compress", action="store_true", help="zstd the chunks")
@@ -174,7 +174,7 @@ def add_commands(sub, default_server):
     p.set_defaults(func=checkpoint)
 
     p = sub.add_parser("restore", help="restore a context from an image store directory")
-    p.add_argument("dir")
+    p.add_argument("dir", type=os.path.abspath)    # the server is elsewhere: name it from here
     p.add_argument("--name", help="image name (default: the newest)")
     p.add_argument("--full", action="store_true", help="return once everything is loaded (default: on demand)")
     common(p)
@@ -191,7 +191,7 @@ def add_commands(sub, default_server):
     p = sub.add_parser("image", help="images")
     img_sub = p.add_subparsers(dest="image_command", required=True)
     p = img_sub.add_parser("inspect", help="show an image's manifest (verified)")
-    p.add_argument("dir")
+    p.add_argument("dir", type=os.path.abspath)    # the server is elsewhere: name it from here
     p.add_argument("--name", help="image name (default: the newest)")
     common(p)
     p.set_defaults(func=image_inspect)

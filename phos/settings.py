@@ -124,7 +124,8 @@ staging = _declare("PHOS_STAGING", tristate, None, f"{CLIENT}, {STUB}",
 verbose = _declare("PHOS_VERBOSE", present, False, f"{CLIENT}, {STUB}",
                    "say why calls fail (client: any value; stub: a non-zero number, which also reports "
                    "connections and staging statistics; `2`: the stub also names every driver call that "
-                   "NVIDIA's runtime and libraries resolve through cuGetProcAddress, as it is made)", shown="unset")
+                   "NVIDIA's runtime and libraries resolve through cuGetProcAddress, as it is made, and any "
+                   "call of an export-table slot phos does not know)", shown="unset")
 
 # -- the native stub alone ------------------------------------------------------------------------
 debug = _declare("PHOS_DEBUG", present, False, STUB, "as PHOS_VERBOSE (a non-zero number)", shown="unset")

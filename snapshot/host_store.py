@@ -46,11 +46,12 @@ def is_host_store(path):
     return os.path.isfile(os.path.join(os.fspath(path), INDEX_FILE))
 
 
-def open_store(path, fsync=True):
-    """The store at path: a HostStore where one was made, else a DirStore (made if need be)."""
+def open_store(path, fsync=True, create=True):
+    """The store at path: a HostStore where one was made, else a DirStore (made if need be,
+    unless create is False: reading an image never makes a store)."""
     path = os.path.abspath(os.fspath(path))
     if not is_host_store(path):
-        return DirStore(path, fsync=fsync)
+        return DirStore(path, fsync=fsync, create=create)
     with _open_mu:
         store = _open_stores.get(path)
         if store is None or not store.is_current():        # made again since: a new mapping

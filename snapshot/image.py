@@ -171,7 +171,8 @@ def _check_header(key, blob_len, head, expected_len, max_len):
         raise ImageError(f"chunk {key} is truncated: {blob_len} bytes, shorter than its {HEADER_SIZE}-byte header")
     magic, version, comp, raw_len, stored_len, fp = HEADER.unpack_from(head)
     if magic != CHUNK_MAGIC:
-        raise ImageError(f"chunk {key} is not a phos chunk: magic {bytes(magic)!r}, expected {CHUNK_MAGIC!r}")
+        # the file's own bytes are never quoted: a chunk may be anything someone put there
+        raise ImageError(f"chunk {key} is not a phos chunk: it does not start with the magic {CHUNK_MAGIC!r}")
     if version != CHUNK_VERSION:
         raise ImageError(f"chunk {key} has unsupported chunk format version {version} "
                          f"(this reader supports {CHUNK_VERSION})")
@@ -308,7 +309,7 @@ def manifest_digest(data, key=None):
 def _check_digest(name, data, digest, key):
     m = re.fullmatch(rb"(blake2b-256|blake2b-256-keyed):([0-9a-f]{64})\n?", bytes(digest))
     if not m:
-        raise ImageError(f"image {name!r}: digest file is malformed ({bytes(digest[:80])!r})")
+        raise ImageError(f"image {name!r}: digest file is malformed (not an algorithm and a hex digest)")
     algo = m.group(1)
     if algo == DIGEST_KEYED and key is None:
         raise ImageError(f"image {name!r} is signed with a server key; give the key to verify it")

@@ -26,6 +26,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import tempfile
 import threading
 
@@ -225,14 +226,28 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _read_bounded(path, max_bytes, what):
+def open_regular(path, what):
+    """A read-only descriptor of path, which must be a regular file of its own: a symbolic link
+    could lead anywhere (another tenant's image, /etc/passwd) and a FIFO or device would block
+    or never end. None if it is missing."""
     try:
-        f = open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    except OSError as e:          # a directory in its place, or no permission
-        raise ImageError(f"{what} cannot be read ({path}): {e.strerror}") from None
-    with f:
+    except OSError as e:          # ELOOP: a symbolic link; a directory in its place; no permission
+        why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise ImageError(f"{what} cannot be read ({path}): {why}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ImageError(f"{what} cannot be read ({path}): it is not a regular file")
+    return fd
+
+
+def _read_bounded(path, max_bytes, what):
+    fd = open_regular(path, what)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as f:
         try:
             if max_bytes is not None:
                 size = os.fstat(f.fileno()).st_size
@@ -265,11 +280,14 @@ class DirStore:
     into place after its digest, and it is what makes an image visible.
     """
 
-    def __init__(self, path, fsync=True):
+    def __init__(self, path, fsync=True, create=True):
+        """create=False: the store must be there already (what reads an image never makes one)."""
         self.path = os.path.abspath(os.fspath(path))
         self.fsync = fsync
         self._images = os.path.join(self.path, "images")
         self._chunks = os.path.join(self.path, "chunks")
+        if not create and not os.path.isdir(self._images):
+            raise ImageError(f"no image store at {self.path}")
         os.makedirs(self._images, exist_ok=True)
         os.makedirs(self._chunks, exist_ok=True)
         self._lockfile = os.path.join(self.path, ".lock")
@@ -338,12 +356,9 @@ class DirStore:
     def get_chunk_into(self, key, head, body):
         """Read the chunk file's start into head and what follows into body, in one call and
         no copy in between; returns the file's length (the caller checks it against the header)."""
-        try:
-            fd = os.open(self._chunk_path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            raise ImageError(f"chunk {key} is missing from the store {self.path}") from None
-        except OSError as e:
-            raise ImageError(f"chunk {key} cannot be read from the store {self.path}: {e.strerror}") from None
+        fd = open_regular(self._chunk_path(key), f"chunk {key} of the store {self.path}")
+        if fd is None:
+            raise ImageError(f"chunk {key} is missing from the store {self.path}")
         try:
             size = os.fstat(fd).st_size
             got = os.readv(fd, [head, body])

@@ -791,3 +791,23 @@ def test_a_damaged_host_store_is_refused_clearly_and_the_context_lives_on(server
         assert "not a phos host store index" in e.value.details(), (what, e.value.details())
     assert app.get(ptr, 4 * MiB, np.uint8).tobytes() == data.tobytes()
     assert checkpoint(one, app.id, tmp_path / "dir")["bytes"] >= 4 * MiB
+
+
+def test_reading_a_store_that_is_not_there_makes_no_directory(server, tmp_path):
+    """Restore and DeleteImage of a path that holds no store fail, and leave no store behind."""
+    missing = tmp_path / "missing"
+    for name in ("", "img"):
+        with pytest.raises(grpc.RpcError):
+            restore(server, missing, name=name)
+    with pytest.raises(grpc.RpcError):
+        stub(server.address).DeleteImage(pb.DeleteImageRequest(store=str(missing), name="img"))
+    assert not missing.exists()
+
+
+def test_the_cli_names_a_store_from_where_it_runs(server, tmp_path):
+    """A relative path means the caller's directory, not the server's."""
+    (tmp_path / "here").mkdir()
+    r = subprocess.run([sys.executable, "-m", "phos.cli", "restore", "rel/store", "--name", "img", "--server", server.address],
+                       capture_output=True, text=True, timeout=60, cwd=tmp_path / "here")
+    assert r.returncode != 0 and str(tmp_path / "here" / "rel" / "store") in r.stderr, r.stderr
+    assert not (tmp_path / "here" / "rel").exists()

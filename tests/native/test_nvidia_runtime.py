@@ -214,3 +214,26 @@ def test_verbose_2_names_each_call_the_runtime_makes_with_its_result(pinned_apps
                        env=stub_env(server.address, PHOS_VERBOSE="2"))
     assert r.returncode == 0, r.stderr
     assert "phos: call cuLibraryGetKernel -> 0" in r.stderr and "phos: call cuLaunchKernel -> 0" in r.stderr
+
+
+CALL_SLOT = """
+import ctypes, sys
+cuda = ctypes.CDLL(sys.argv[1])
+table = ctypes.c_void_p()
+assert cuda.cuGetExportTable(ctypes.byref(table), ctypes.c_char_p(bytes.fromhex(sys.argv[2]))) == 0
+slot = ctypes.c_void_p.from_address(table.value + 8 * int(sys.argv[3])).value
+print(0 if not slot else ctypes.CFUNCTYPE(ctypes.c_int)(slot)())
+"""
+
+
+@pytest.mark.parametrize("verbose", ["1", "2"])
+def test_slots_only_the_driver_fills_name_themselves_when_tracing(stub, verbose):
+    """Slot 3 of the runtime interface is filled by NVIDIA's driver, and its meaning is not
+    public: empty here, unless PHOS_VERBOSE=2 asks that a call to it be named."""
+    r = subprocess.run([sys.executable, "-c", CALL_SLOT, LIBCUDA, RUNTIME_INTERFACE.hex(), "3"], capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, PHOS_VERBOSE=verbose))
+    assert r.returncode == 0, r.stderr
+    if verbose == "1":
+        assert r.stdout.strip() == "0"
+    else:
+        assert r.stdout.strip() == "801" and "export table call: runtime interface, slot 3" in r.stderr

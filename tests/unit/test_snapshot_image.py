@@ -3,6 +3,7 @@ import json
 import os
 import random
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -751,3 +752,53 @@ def test_a_delta_is_encoded_and_checked_in_one_place():
         decode_delta("{", "b")
     with pytest.raises(ImageError, match="cut_seq is not a count"):
         decode_delta(json.dumps(dict(good, cut_seq=-1)), "b")
+
+
+def catch(call):
+    try:
+        call()
+    except Exception as e:
+        return e
+    return None
+
+
+@pytest.mark.parametrize("replace", ["symlink", "fifo", "directory"])
+def test_a_chunk_file_that_is_not_a_regular_file_is_refused_without_waiting(tmp_path, replace):
+    """A symbolic link could lead to any file (its bytes must not reach an error message), a
+    FIFO would block the reader, a directory is no chunk."""
+    store = DirStore(tmp_path / "store")
+    man, _ = write_image(store, "img", make_contents())
+    key = man.allocations[0]["chunks"][0]
+    path = store._chunk_path(key)
+    os.unlink(path)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s3cr3t-contents:x:0:0\n" * 100)
+    {"symlink": lambda: os.symlink(secret, path), "fifo": lambda: os.mkfifo(path), "directory": lambda: os.mkdir(path)}[replace]()
+    for read in (lambda: store.get_chunk(key), lambda: store.get_chunk_into(key, bytearray(HEADER_SIZE), bytearray(64))):
+        outcome = []
+        reader = threading.Thread(target=lambda: outcome.append(catch(read)), daemon=True)
+        reader.start()
+        reader.join(10)
+        if reader.is_alive():     # a FIFO opened for reading waits for a writer: be one, then fail
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join()
+            pytest.fail("reading the chunk blocked")
+        [error] = outcome
+        assert isinstance(error, ImageError), error
+        assert "s3cr" not in str(error) and (replace != "symlink" or "symbolic link" in str(error))
+
+
+def test_a_chunk_of_foreign_bytes_is_refused_without_quoting_them(tmp_path):
+    store = DirStore(tmp_path / "store")
+    man, _ = write_image(store, "img", make_contents())
+    key = man.allocations[0]["chunks"][0]
+    set_chunk_blob(store, key, b"s3cr3t-contents:x:0:0\n" * 100)
+    with pytest.raises(ImageError) as e:
+        read_region(store, man.allocations[0])
+    assert "s3cr" not in str(e.value) and "magic" in str(e.value)
+
+
+def test_reading_a_store_that_is_not_there_makes_none(tmp_path):
+    with pytest.raises(ImageError, match="no image store"):
+        DirStore(tmp_path / "nothing", create=False)
+    assert not (tmp_path / "nothing").exists()
