@@ -12,9 +12,11 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "driver_state.h"
 #include "md2.h"
@@ -65,7 +67,7 @@ CUresult primary_context(CUcontext* pctx, CUdevice dev) {
 void runtime_notice(size_t value) { log_verbose("cuGetExportTable: runtime notice %zu", value); }
 CUresult load_compilers() { return CUDA_SUCCESS; }
 
-const Table kRuntimeInterface[13] = {
+Table kRuntimeInterface[13] = {
     size_of(13), fn(module_from_fatbin_wrapper), fn(primary_context), nullptr, nullptr, nullptr,
     fn(module_from_fatbin_wrapper_ext), fn(runtime_notice), fn(module_from_fatbin), nullptr, nullptr, nullptr,
     fn(load_compilers),
@@ -172,7 +174,26 @@ unsigned context_check_2() {
     log_verbose("cuGetExportTable: context check 2");
     return 0;
 }
-const Table kContextChecks[15] = {size_of(15), nullptr, fn(context_check), fn(context_check_2)};
+Table kContextChecks[15] = {size_of(15), nullptr, fn(context_check), fn(context_check_2)};
+
+// -- slots the H200's driver fills and phos leaves empty --------------------------------------
+// What they do is not public. With PHOS_VERBOSE=2 each is filled with a function that names
+// its table and slot when called, and fails: a library that needs one then says which,
+// instead of finding the slot empty (perf/probe_context_storage.py lists the driver's slots).
+
+const char* const kUnknownSlotTables[] = {"runtime interface", "device extended", "context checks"};
+
+template <int kTable, int kSlot>
+CUresult unknown_slot() {
+    static std::atomic<bool> said{false};
+    if (!said.exchange(true)) log_error("unsupported CUDA export table call: %s, slot %d", kUnknownSlotTables[kTable], kSlot);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+template <int kTable, size_t... kSlot>
+void fill_unknown(Table* table, size_t filled_by_driver, std::index_sequence<kSlot...>) {
+    ((kSlot > 0 && kSlot < filled_by_driver && !table[kSlot] ? table[kSlot] = fn(unknown_slot<kTable, int(kSlot)>) : nullptr), ...);
+}
 
 // -- the runtime's integrity check ---------------------------------------------------------
 // The runtime passes its version and the time, and compares the answer with an HMAC-MD2 it
@@ -284,6 +305,12 @@ PHOS_EXPORT CUresult cuGetExportTable(const void** table, const CUuuid* id) {
         kDeviceExtended[0] = size_of(31);
         kDeviceExtended[5] = fn(device_attribute_ext);
         kDeviceExtended[13] = fn(device_flag);
+        if (settings().trace) {     // slots 1-9 and 11-12; 1-29; 1-14 (slot 10 of the first stays empty there too)
+            fill_unknown<0>(kRuntimeInterface, 10, std::make_index_sequence<13>());
+            kRuntimeInterface[11] = kRuntimeInterface[11] ? kRuntimeInterface[11] : fn(unknown_slot<0, 11>);
+            fill_unknown<1>(kDeviceExtended, 30, std::make_index_sequence<31>());
+            fill_unknown<2>(kContextChecks, 15, std::make_index_sequence<15>());
+        }
         return true;
     }();
     (void)device_extended_filled;
