@@ -356,7 +356,7 @@ class DirStore:
     def get_chunk_into(self, key, head, body):
         """Read the chunk file's start into head and what follows into body, in one call and
         no copy in between; returns the file's length (the caller checks it against the header)."""
-        fd = open_regular(self._chunk_path(key), f"chunk {key} of the store {self.path}")
+        fd = open_regular(self._chunk_path(key), f"chunk {key}")
         if fd is None:
             raise ImageError(f"chunk {key} is missing from the store {self.path}")
         try:
