@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
-from phos.schema.wire import LAUNCH_CONFIG, TENSOR_MAP_IM2COL, TENSOR_MAP_TILED, WireError, read_launch_batch
+from phos.schema.wire import LAUNCH_CONFIG, TENSOR_MAP_IM2COL, TENSOR_MAP_TILED, WireError, phos_capnp, read_launch_batch
 from phos.snapshot import engine
 
 STEP_AFTER = 0.0005    # seconds into a wait for the device before a running checkpoint takes its steps
@@ -308,7 +308,9 @@ def func_set_attribute(s, a, p):
     fn.set_attributes[a.attribute] = a.value       # a restore sets them again (engine)
 
 
-OCCUPANCY_QUERIES = ("maxActiveBlocks", "availableDynamicShared", "maxPotentialBlockSize", "maxActiveClusters")
+# FuncOccupancy.Query (phos.capnp), by number
+_QUERY_NUMBERS = phos_capnp.FuncOccupancy.Query.schema.enumerants
+OCCUPANCY_QUERIES = tuple(sorted(_QUERY_NUMBERS, key=_QUERY_NUMBERS.get))
 
 
 def func_occupancy(s, a, p):

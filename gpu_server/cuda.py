@@ -384,15 +384,14 @@ class CudaBackend:
 
     def tensor_map_encode(self, im2col, values):
         out = (ctypes.c_uint64 * 16)()
+        dtype, rank, address, *rest = values
         if im2col:
-            (dtype, rank, address, *rest) = values
             dims, strides, lower, upper = rest[0:5], rest[5:9], rest[9:12], rest[12:15]
             channels, pixels, elem, (interleave, swizzle, l2, oob) = rest[15], rest[16], rest[17:22], rest[22:26]
             err = _cuTensorMapEncodeIm2col(out, dtype, rank, address, (_U64 * 5)(*dims), (_U64 * 4)(*strides),
                                            (ctypes.c_int * 3)(*lower), (ctypes.c_int * 3)(*upper), channels, pixels,
                                            (ctypes.c_uint * 5)(*elem), interleave, swizzle, l2, oob)
         else:
-            (dtype, rank, address, *rest) = values
             dims, strides, box, elem, (interleave, swizzle, l2, oob) = rest[0:5], rest[5:9], rest[9:14], rest[14:19], rest[19:23]
             err = _cuTensorMapEncodeTiled(out, dtype, rank, address, (_U64 * 5)(*dims), (_U64 * 4)(*strides),
                                           (ctypes.c_uint * 5)(*box), (ctypes.c_uint * 5)(*elem), interleave, swizzle, l2, oob)

@@ -1,7 +1,5 @@
 // Driver API: context-independent loading (cuLibrary*, cuKernel*), which NVIDIA's runtime
 // uses for every fatbin a program or library registers.
-#include <cstring>
-
 #include "driver_state.h"
 
 namespace phos::driver {

@@ -540,11 +540,6 @@ CUmemPoolHandle_st* default_pool(int device) {
     }
     return p;
 }
-
-std::map<CUdeviceptr, CUmemoryPool>& pool_of_allocation() {
-    static std::map<CUdeviceptr, CUmemoryPool> m;
-    return m;
-}
 }  // namespace
 
 PHOS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* dptr, size_t bytesize, CUmemoryPool pool, CUstream stream) {
@@ -553,7 +548,7 @@ PHOS_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr* dptr, size_t bytesize,
     CUresult err = refuse_in_capture(stream);    // graphs hold no allocation nodes here
     if (err == CUDA_SUCCESS) err = cuMemAlloc_v2(dptr, bytesize);
     if (err != CUDA_SUCCESS) return err;
-    pool_of_allocation()[*dptr] = pool;
+    state().allocations[*dptr].pool = pool;
     pool->used += bytesize;
     pool->used_high = std::max(pool->used_high, pool->used);
     return CUDA_SUCCESS;
@@ -572,13 +567,9 @@ PHOS_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
     CUresult err = refuse_in_capture(stream);
     if (err != CUDA_SUCCESS) return err;
     auto range = state().allocations.find(dptr);
-    size_t size = range == state().allocations.end() ? 0 : range->second.size;
+    const DeviceRange freed = range == state().allocations.end() ? DeviceRange{} : range->second;
     if ((err = cuMemFree_v2(dptr)) != CUDA_SUCCESS) return err;
-    auto it = pool_of_allocation().find(dptr);
-    if (it != pool_of_allocation().end()) {
-        it->second->used -= std::min<uint64_t>(it->second->used, size);
-        pool_of_allocation().erase(it);
-    }
+    if (freed.pool) freed.pool->used -= std::min<uint64_t>(freed.pool->used, freed.size);
     return CUDA_SUCCESS;
 }
 

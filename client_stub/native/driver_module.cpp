@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "driver_state.h"
+#include "phos.capnp.h"   // generated at build time by `capnp compile -oc++`
 
 namespace phos::driver {
 
@@ -182,7 +183,11 @@ static CUresult occupancy(CUfunction f, int query, uint64_t a, uint64_t b, uint3
     return CUDA_SUCCESS;
 }
 
-enum OccupancyQuery { kMaxActiveBlocks, kAvailableDynamicShared, kMaxPotentialBlockSize, kMaxActiveClusters };
+// FuncOccupancy.Query (phos.capnp), by number.
+constexpr int kMaxActiveBlocks = static_cast<int>(::FuncOccupancy::Query::MAX_ACTIVE_BLOCKS);
+constexpr int kAvailableDynamicShared = static_cast<int>(::FuncOccupancy::Query::AVAILABLE_DYNAMIC_SHARED);
+constexpr int kMaxPotentialBlockSize = static_cast<int>(::FuncOccupancy::Query::MAX_POTENTIAL_BLOCK_SIZE);
+constexpr int kMaxActiveClusters = static_cast<int>(::FuncOccupancy::Query::MAX_ACTIVE_CLUSTERS);
 
 }  // namespace phos::driver
 
@@ -394,6 +399,14 @@ PHOS_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int 
     return launch(f, grid, block, shared_bytes, stream, kernel_params, extra);
 }
 
+// A cluster-dimension attribute as Launch.config's options carry it (phos.capnp).
+static CUresult cluster_option(const CUlaunchAttribute& a, uint32_t* options) {
+    const auto& c = a.value.clusterDim;
+    if (c.x > 0xFF || c.y > 0xFF || c.z > 0xFF) return CUDA_ERROR_INVALID_CLUSTER_SIZE;
+    *options = (*options & ~0xFFFFFFu) | c.x | (c.y << 8) | (c.z << 16);
+    return CUDA_SUCCESS;
+}
+
 PHOS_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** kernel_params, void** extra) {
     if (!config || (config->numAttrs && !config->attrs)) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
@@ -401,12 +414,9 @@ PHOS_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f
     for (unsigned i = 0; i < config->numAttrs; i++) {
         const CUlaunchAttribute& a = config->attrs[i];
         switch (a.id) {
-        case CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: {
-            const auto& c = a.value.clusterDim;
-            if (c.x > 0xFF || c.y > 0xFF || c.z > 0xFF) return CUDA_ERROR_INVALID_CLUSTER_SIZE;
-            options |= c.x | (c.y << 8) | (c.z << 16);
+        case CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
+            if (CUresult err = cluster_option(a, &options); err != CUDA_SUCCESS) return err;
             break;
-        }
         case CU_LAUNCH_ATTRIBUTE_COOPERATIVE:
             if (a.value.cooperative) options |= kLaunchCooperative;
             break;
@@ -494,9 +504,7 @@ PHOS_EXPORT CUresult cuOccupancyMaxActiveClusters(int* clusters, CUfunction f, c
     uint32_t cluster = 0;
     for (unsigned i = 0; i < config->numAttrs; i++) {
         if (config->attrs[i].id != CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) continue;
-        const auto& c = config->attrs[i].value.clusterDim;
-        if (c.x > 0xFF || c.y > 0xFF || c.z > 0xFF) return CUDA_ERROR_INVALID_CLUSTER_SIZE;
-        cluster = c.x | (c.y << 8) | (c.z << 16);
+        if (CUresult err = cluster_option(config->attrs[i], &cluster); err != CUDA_SUCCESS) return err;
     }
     auto packed = [](unsigned x, unsigned y, unsigned z) { return uint64_t(x) | (uint64_t(y) << 21) | (uint64_t(z) << 42); };
     std::vector<uint64_t> r;

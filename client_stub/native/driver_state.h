@@ -115,6 +115,7 @@ enum class HandleKind : uint8_t { context, module, function, stream, event, libr
 struct DeviceRange {           // a device allocation or a module global
     size_t size = 0;
     CUctx_st* ctx = nullptr;
+    CUmemoryPool pool = nullptr;  // the pool a stream-ordered allocation came from
 };
 
 struct HostRange {             // page-locked ("pinned") host memory, as the application sees it
