@@ -125,6 +125,13 @@ class Backend(Protocol):
         """cuFuncSetAttribute: a CUfunction_attribute the application may set (dynamic shared
         memory, carveout, cluster sizes)."""
 
+    def get_limit(self, limit) -> int:
+        """cuCtxGetLimit: a CUlimit's value; CudaError(CUDA_ERROR_UNSUPPORTED_LIMIT) for a limit
+        the device does not have."""
+
+    def set_limit(self, limit, value) -> None:
+        """cuCtxSetLimit, with the driver's errors for a limit it lacks or a value it refuses."""
+
     def occupancy(self, function, query, a, b, flags, grid=0) -> tuple:
         """A cuOccupancy* answer for function: query, a, b and flags as FuncOccupancy
         (phos.capnp) names them; the u64s of the Result."""

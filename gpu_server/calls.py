@@ -308,6 +308,13 @@ def func_set_attribute(s, a, p):
     fn.set_attributes[a.attribute] = a.value       # a restore sets them again (engine)
 
 
+def ctx_limit(s, a, p):
+    if a.set:
+        s.backend.set_limit(a.limit, a.value)
+        s.limits[a.limit] = a.value        # a restore sets them again (Session.adopt)
+    return {"u64s": [s.backend.get_limit(a.limit)]}
+
+
 # FuncOccupancy.Query (phos.capnp), by number
 _QUERY_NUMBERS = phos_capnp.FuncOccupancy.Query.schema.enumerants
 OCCUPANCY_QUERIES = tuple(sorted(_QUERY_NUMBERS, key=_QUERY_NUMBERS.get))
@@ -356,4 +363,5 @@ WORKER_CALLS = {
     "tensorMapEncode": tensor_map_encode,
     "funcOccupancy": func_occupancy,
     "funcSetAttribute": func_set_attribute,
+    "ctxLimit": ctx_limit,
 }

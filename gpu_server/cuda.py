@@ -40,6 +40,14 @@ def ok(result, what):
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
 
 
+def _limit(number):
+    """A CUlimit by number; one this cuda-python does not know is unsupported, as the driver says."""
+    try:
+        return cu.CUlimit(number)
+    except ValueError:
+        raise CudaError(CUresult.CUDA_ERROR_UNSUPPORTED_LIMIT, f"no CUlimit {number}") from None
+
+
 def _error_string(err):
     """The driver's words for an error: a ctypes call gives a bare int, cuda-python wants its enum."""
     try:
@@ -363,6 +371,12 @@ class CudaBackend:
 
     def set_function_attribute(self, function, attribute, value):
         ok(cu.cuFuncSetAttribute(function.handle, cu.CUfunction_attribute(attribute), value), f"cuFuncSetAttribute({function.name})")
+
+    def get_limit(self, limit):
+        return ok(cu.cuCtxGetLimit(_limit(limit)), f"cuCtxGetLimit({limit})")
+
+    def set_limit(self, limit, value):
+        ok(cu.cuCtxSetLimit(_limit(limit), value), f"cuCtxSetLimit({limit}, {value})")
 
     def occupancy(self, function, query, a, b, flags, grid=0):
         fn = function.handle

@@ -17,6 +17,21 @@ from phos.schema.wire import launch_cluster
 from phos.snapshot.fingerprint import fingerprint
 
 MAX_DYNAMIC_SHARED = 8      # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+# CUlimit -> (a context's first value, whether the application may set it), as a
+# compute-capability-9.0 device has them; a limit missing here (device-runtime sync depth,
+# which such a device lacks) is unsupported.
+EMU_LIMITS = {
+    0: (1024, True),            # stack size
+    1: (1 << 20, True),         # printf FIFO size
+    2: (8 << 20, True),         # malloc heap size
+    4: (2048, True),            # device-runtime pending launches
+    5: (64, True),              # L2 fetch granularity
+    6: (0, True),               # persisting L2 cache size (emu has no L2 to persist in)
+    7: (EMU_ATTRIBUTES[97], False),   # shared memory size
+    8: (0, False),              # CIG enabled: phos's contexts are no CUDA-in-graphics ones
+    9: (0, False),              # CIG shared memory fallback
+}
 EMU_MEMORY = settings.emu_memory()
 
 
@@ -41,6 +56,7 @@ class EmuBackend:
         self.space = self.mem.space
         self.output = []
         self.snap = EmuSnapshotOps(self.mem)
+        self.limits = {limit: value for limit, (value, _) in EMU_LIMITS.items()}
 
     def device_info(self):
         return self.devices()[0]
@@ -122,6 +138,20 @@ class EmuBackend:
             module, name = function.handle
             module.kernels[name].max_dynamic_shared = value
         # the others (carveout, cluster sizes) change nothing the interpreter does
+
+    def get_limit(self, limit):
+        if limit not in self.limits:
+            raise CudaError(CUresult.CUDA_ERROR_UNSUPPORTED_LIMIT, f"cuCtxGetLimit: emu has no limit {limit}")
+        return self.limits[limit]
+
+    def set_limit(self, limit, value):
+        if limit not in self.limits:
+            raise CudaError(CUresult.CUDA_ERROR_UNSUPPORTED_LIMIT, f"cuCtxSetLimit: emu has no limit {limit}")
+        if not EMU_LIMITS[limit][1] and value != self.limits[limit]:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuCtxSetLimit: limit {limit} cannot be changed")
+        if limit == 5 and value not in (0, 32, 64, 128):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuCtxSetLimit: no L2 fetch granularity of {value} bytes")
+        self.limits[limit] = value
 
     def occupancy(self, function, query, a, b, flags, grid=0):
         """What the device's limits allow, with the 32 registers a thread emu reports."""

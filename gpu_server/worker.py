@@ -70,6 +70,7 @@ class Session:
         self.next_id = FIRST_HANDLE
         self.recovery = None       # a gpu_server.recovery.Recovery when the server takes recovery images
         self.globals_noted = {}    # {module id: {name: address}} of a recovery store restored from (module_load)
+        self.limits = {}           # {CUlimit: value} the application set
         self.sticky = None         # (status, message) that fails every later call
         self.deferred = None       # first failure of an asynchronous call since the last reply
         self.closing = False
@@ -170,11 +171,16 @@ class Session:
 
     def state(self):
         status, message = self.sticky or (0, "")
-        return {"ctx": self.ctx_id, "token": self.token_digest, "next_id": self.next_id}, \
-            {"status": int(status), "message": message}
+        session = {"ctx": self.ctx_id, "token": self.token_digest, "next_id": self.next_id}
+        if self.limits:
+            session["limits"] = [[limit, value] for limit, value in sorted(self.limits.items())]
+        return session, {"status": int(status), "message": message}
 
     def adopt(self, session, error):
         self.ctx_id, self.token_digest, self.next_id = session["ctx"], session["token"], session["next_id"]
+        for limit, value in session.get("limits", []):
+            self.backend.set_limit(limit, value)
+            self.limits[limit] = value
         self.sticky = (error["status"], error["message"]) if error["status"] else None
 
     def execute(self, name, args, payloads, last):

@@ -17,6 +17,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_IMAGE = 200
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_NO_BINARY_FOR_GPU = 209
+    CUDA_ERROR_UNSUPPORTED_LIMIT = 215
     CUDA_ERROR_INVALID_PTX = 218
     CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222
     CUDA_ERROR_INVALID_SOURCE = 300
@@ -47,6 +48,7 @@ ERROR_STRINGS = {
     4: "driver shutting down", 100: "no CUDA-capable device is detected",
     101: "invalid device ordinal", 200: "device kernel image is invalid",
     201: "invalid device context", 209: "no kernel image is available for execution on the device",
+    215: "limit is not supported on this architecture",
     218: "a PTX JIT compilation failed", 222: "the provided PTX was compiled with an unsupported toolchain.",
     300: "invalid source", 301: "file not found", 400: "invalid resource handle",
     401: "the operation cannot be performed in the present state", 500: "named symbol not found",

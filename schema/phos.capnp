@@ -205,8 +205,12 @@ struct Call {
     tensorMapEncode @40 :TensorMapEncode;   # Result data: the 128-byte CUtensorMap
     funcOccupancy @41 :FuncOccupancy;       # Result u64s: the answer (see FuncOccupancy)
     funcSetAttribute @42 :FuncAttribute;    # cuFuncSetAttribute: kept with the function, in images too
+    ctxLimit @43 :CtxLimit;                 # cuCtxGetLimit / SetLimit. Result u64s: [the limit's value]
   }
 }
+
+# A CUlimit of the context, read or (set) changed: what was set is kept in images too.
+struct CtxLimit { limit @0 :Int32; value @1 :UInt64; set @2 :Bool; }
 
 struct FuncAttribute { function @0 :UInt64; attribute @1 :Int32; value @2 :Int32; }
 

@@ -670,49 +670,38 @@ PHOS_EXPORT CUresult cuCtxGetCacheConfig(CUfunc_cache* config) {
     return err;
 }
 
-// -- limits: the values a context reports; the server's driver keeps its own defaults ------
+// -- limits: the server's context has them; each is asked once and then known here --------
 
-static size_t* limit_slot(CUctx_st* ctx, CUlimit limit) {
-    auto it = ctx->limits_set.find(limit);
-    if (it != ctx->limits_set.end()) return &it->second;
-    static const std::map<CUlimit, size_t> kDefaults = {
-        {CU_LIMIT_STACK_SIZE, 1024},
-        {CU_LIMIT_PRINTF_FIFO_SIZE, 1 << 20},
-        {CU_LIMIT_MALLOC_HEAP_SIZE, 8 << 20},
-        {CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH, 2},
-        {CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT, 2048},
-        {CU_LIMIT_MAX_L2_FETCH_GRANULARITY, 32},
-        {CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0},
-    };
-    auto d = kDefaults.find(limit);
-    if (d == kDefaults.end()) return nullptr;
-    return &ctx->limits_set.emplace(limit, d->second).first->second;
-}
-
-// The current context's value of a limit.
-static CUresult current_limit(CUlimit limit, size_t** slot) {
+static CUresult context_limit(CUlimit limit, const size_t* set, size_t* value) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
-    *slot = limit_slot(ctx, limit);
-    return *slot ? CUDA_SUCCESS : CUDA_ERROR_UNSUPPORTED_LIMIT;
+    auto known = ctx->limits_set.find(limit);
+    if (!set && known != ctx->limits_set.end()) {
+        *value = known->second;
+        return CUDA_SUCCESS;
+    }
+    wire::Call call = wire::Call::plain(wire::Kind::ctxLimit);
+    call.number = static_cast<int32_t>(limit);
+    call.size = set ? *set : 0;
+    call.flags = set ? 1 : 0;
+    wire::Result r;
+    if ((err = context_call(ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
+    if (r.u64s.empty()) return CUDA_ERROR_UNKNOWN;
+    *value = ctx->limits_set[limit] = static_cast<size_t>(r.u64s[0]);
+    return CUDA_SUCCESS;
 }
 
 PHOS_EXPORT CUresult cuCtxGetLimit(size_t* value, CUlimit limit) {
     if (!value) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    size_t* slot;
-    CUresult err = current_limit(limit, &slot);
-    if (err == CUDA_SUCCESS) *value = *slot;
-    return err;
+    return context_limit(limit, nullptr, value);
 }
 
 PHOS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     Guard g(state().lock);
-    size_t* slot;
-    CUresult err = current_limit(limit, &slot);
-    if (err == CUDA_SUCCESS) *slot = value;
-    return err;
+    size_t now;
+    return context_limit(limit, &value, &now);
 }
 
 // -- peers: each phos context sees its device alone ---------------------------------------

@@ -89,7 +89,13 @@ void tool_buffer_2(void** p, size_t* n) {
     *n = sizeof tool_buffer_small / sizeof tool_buffer_small[0];
 }
 
-const Table kToolsTls[3] = {size_of(3), fn(no_tool), fn(no_tool)};
+// cuBLASLt keys its kernel registry by the context this answers (and by the context's id,
+// below): without it every candidate kernel is dropped and a GEMM is "not supported".
+CUresult tools_current_context(CUcontext* ctx) {
+    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+    return cuCtxGetCurrent(ctx);
+}
+const Table kToolsTls[3] = {size_of(3), fn(no_tool), fn(tools_current_context)};
 const Table kToolsCallbackHooks[7] = {size_of(7),  fn(no_tool), fn(tool_buffer_1), fn(no_tool),
                                       fn(no_tool), fn(no_tool), fn(tool_buffer_2)};
 
@@ -142,6 +148,11 @@ const Table kContextLocalStorage[4] = {fn(storage_put), fn(storage_delete), fn(s
 
 // -- contexts, heaps, device extensions ---------------------------------------------------
 
+// A context's identity: slot 4 is cuCtxGetId (the H200's driver answers the same number). The
+// table is as long as that driver's, 93 slots; the rest stay empty.
+CUresult context_identity(CUcontext ctx, unsigned long long* id) { return cuCtxGetId(ctx, id); }
+Table kContextIdentity[93] = {size_of(93), nullptr, nullptr, nullptr, fn(context_identity)};
+
 CUresult create_context_bypass(CUcontext* pctx, unsigned flags, CUdevice dev) {
     return cuCtxCreate_v4(pctx, nullptr, flags, dev);
 }
@@ -181,7 +192,8 @@ Table kContextChecks[15] = {size_of(15), nullptr, fn(context_check), fn(context_
 // its table and slot when called, and fails: a library that needs one then says which,
 // instead of finding the slot empty (perf/probe_context_storage.py lists the driver's slots).
 
-const char* const kUnknownSlotTables[] = {"runtime interface", "device extended", "context checks"};
+const char* const kUnknownSlotTables[] = {"runtime interface", "device extended", "context checks", "context identity",
+                                          "1734dc26"};
 
 template <int kTable, int kSlot>
 CUresult unknown_slot() {
@@ -194,6 +206,10 @@ template <int kTable, size_t... kSlot>
 void fill_unknown(Table* table, size_t filled_by_driver, std::index_sequence<kSlot...>) {
     ((kSlot > 0 && kSlot < filled_by_driver && !table[kSlot] ? table[kSlot] = fn(unknown_slot<kTable, int(kSlot)>) : nullptr), ...);
 }
+
+// cuBLASLt asks for this table before it uses one of its nvjet kernels, and crashes without
+// it; what its slots do is not public. Each fails, naming itself, so that cuBLASLt says which.
+Table kTable1734dc26[17] = {size_of(17)};
 
 // -- the runtime's integrity check ---------------------------------------------------------
 // The runtime passes its version and the time, and compares the answer with an HMAC-MD2 it
@@ -282,6 +298,10 @@ const ExportTable kTables[] = {
      kIntegrityCheck},
     {"context checks", {0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb, 0xd5, 0x00, 0x6d, 0xfa, 0x7e},
      kContextChecks},
+    {"1734dc26", {0x17, 0x34, 0xdc, 0x26, 0x80, 0x0d, 0x47, 0x45, 0x87, 0x26, 0xc0, 0xf1, 0xe7, 0xdd, 0x8b, 0xca},
+     kTable1734dc26},
+    {"context identity", {0x21, 0x31, 0x8c, 0x60, 0x97, 0x14, 0x32, 0x48, 0x8c, 0xa6, 0x41, 0xff, 0x73, 0x24, 0xc8, 0xf2},
+     kContextIdentity},
 };
 
 std::string uuid_text(const CUuuid& id) {
@@ -305,11 +325,13 @@ PHOS_EXPORT CUresult cuGetExportTable(const void** table, const CUuuid* id) {
         kDeviceExtended[0] = size_of(31);
         kDeviceExtended[5] = fn(device_attribute_ext);
         kDeviceExtended[13] = fn(device_flag);
+        fill_unknown<4>(kTable1734dc26, 17, std::make_index_sequence<17>());
         if (settings().trace) {     // slots 1-9 and 11-12; 1-29; 1-14 (slot 10 of the first stays empty there too)
             fill_unknown<0>(kRuntimeInterface, 10, std::make_index_sequence<13>());
             kRuntimeInterface[11] = kRuntimeInterface[11] ? kRuntimeInterface[11] : fn(unknown_slot<0, 11>);
             fill_unknown<1>(kDeviceExtended, 30, std::make_index_sequence<31>());
             fill_unknown<2>(kContextChecks, 15, std::make_index_sequence<15>());
+            fill_unknown<3>(kContextIdentity, 93, std::make_index_sequence<93>());
         }
         return true;
     }();

@@ -514,10 +514,10 @@ PHOS_EXPORT CUresult cuOccupancyMaxActiveClusters(int* clusters, CUfunction f, c
     return err;
 }
 
-// phos loads every module whole when it is asked to: NVIDIA's runtime then loads its
-// kernels through cuModuleLoadData rather than the lazy cuLibrary path.
+// Lazy, as NVIDIA's driver by default: NVIDIA's runtime then loads a fatbin when one of its
+// kernels is first used, not every fatbin of the process at start (PyTorch registers thousands).
 PHOS_EXPORT CUresult cuModuleGetLoadingMode(CUmoduleLoadingMode* mode) {
     if (!mode) return CUDA_ERROR_INVALID_VALUE;
-    *mode = CU_MODULE_EAGER_LOADING;
+    *mode = CU_MODULE_LAZY_LOADING;
     return CUDA_SUCCESS;
 }

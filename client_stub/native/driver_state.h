@@ -56,7 +56,7 @@ struct CUctx_st {
     std::unordered_set<CUstream_st*> streams;
     std::unordered_set<CUevent_st*> events;
     std::map<void*, LocalValue> local_storage;
-    std::map<CUlimit, size_t> limits_set;     // cuCtxSetLimit / GetLimit, as the context reports them
+    std::map<CUlimit, size_t> limits_set;     // cuCtxGetLimit / SetLimit: the server's answers
 };
 
 struct CUfunc_st {

@@ -24,7 +24,7 @@ const char* kind_name(Kind kind) {
         "moduleLoad", "moduleUnload", "moduleGetFunction", "moduleGetGlobal", "launch",
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
-        "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy", "funcSetAttribute",
+        "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy", "funcSetAttribute", "ctxLimit",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -379,6 +379,13 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
         a.setFunction(c.id);
         a.setAttribute(c.number);
         a.setValue(static_cast<int32_t>(c.flags));
+        break;
+    }
+    case Kind::ctxLimit: {
+        auto l = out.initCtxLimit();
+        l.setLimit(c.number);
+        l.setValue(c.size);
+        l.setSet(c.flags != 0);
         break;
     }
     case Kind::funcOccupancy: {

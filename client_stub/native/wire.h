@@ -23,7 +23,7 @@ enum class Kind : uint8_t {
     moduleLoad, moduleUnload, moduleGetFunction, moduleGetGlobal, launch,
     streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
     eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
-    launchBatch, reattach, logFull, tensorMapEncode, funcOccupancy, funcSetAttribute,
+    launchBatch, reattach, logFull, tensorMapEncode, funcOccupancy, funcSetAttribute, ctxLimit,
 };
 const char* kind_name(Kind kind);
 

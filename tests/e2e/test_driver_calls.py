@@ -1,7 +1,8 @@
 """The worker's side of the driver calls NVIDIA's runtime and libraries make beyond plain
 launches: each kernel's own figures, cuFuncSetAttribute (kept with the function, and in
-images, so a restored context keeps it), occupancy answered by the device, and tensor maps
-(which the emulated device has none of, and says so)."""
+images, so a restored context keeps it), occupancy answered by the device, tensor maps
+(which the emulated device has none of, and says so) and the context's limits (kept in
+images too)."""
 import struct
 from types import SimpleNamespace as Args
 
@@ -110,3 +111,39 @@ def test_only_settable_attributes_are_set():
             calls.func_set_attribute(s, Args(function=fn, attribute=attribute, value=value), [])
         assert e.value.status == CUresult.CUDA_ERROR_INVALID_VALUE
     assert not s.handle("function", fn).set_attributes
+
+
+STACK_SIZE, MALLOC_HEAP_SIZE, DEV_RUNTIME_SYNC_DEPTH, SHMEM_SIZE, CIG_ENABLED = 0, 2, 3, 7, 8    # CUlimit
+
+
+def limit(s, which, value=None):
+    return calls.ctx_limit(s, Args(limit=which, value=value or 0, set=value is not None), [])["u64s"][0]
+
+
+def test_limits_are_the_devices_and_a_set_one_survives_a_restore(tmp_path):
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    assert limit(s, STACK_SIZE) == 1024 and limit(s, CIG_ENABLED) == 0     # cuBLAS asks for the second
+    assert limit(s, MALLOC_HEAP_SIZE, 64 << 20) == 64 << 20
+    assert limit(s, MALLOC_HEAP_SIZE) == 64 << 20
+    cp = Checkpoint(s, DirStore(tmp_path), "a", paused=True, chunk_size=1 << 20)
+    cp.cut(1, paused=True)
+    cp.finish(1)
+    assert read_image(DirStore(tmp_path), "a").session["limits"] == [[MALLOC_HEAP_SIZE, 64 << 20]]
+    fresh = Session(EmuBackend(), 0, b"t" * 16)
+    Restore(fresh, DirStore(tmp_path), "a").recreate()
+    assert limit(fresh, MALLOC_HEAP_SIZE) == 64 << 20 and limit(fresh, STACK_SIZE) == 1024
+
+
+@pytest.mark.parametrize("which, value, status", [
+    (DEV_RUNTIME_SYNC_DEPTH, None, CUresult.CUDA_ERROR_UNSUPPORTED_LIMIT),    # a 9.0 device has none
+    (99, None, CUresult.CUDA_ERROR_UNSUPPORTED_LIMIT),
+    (99, 1, CUresult.CUDA_ERROR_UNSUPPORTED_LIMIT),
+    (CIG_ENABLED, 1, CUresult.CUDA_ERROR_INVALID_VALUE),
+    (SHMEM_SIZE, 1, CUresult.CUDA_ERROR_INVALID_VALUE),
+])
+def test_a_limit_the_device_lacks_or_cannot_change_is_refused(which, value, status):
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    with pytest.raises(CudaError) as e:
+        limit(s, which, value)
+    assert e.value.status == status
+    assert s.limits == {}

@@ -237,3 +237,51 @@ def test_slots_only_the_driver_fills_name_themselves_when_tracing(stub, verbose)
         assert r.stdout.strip() == "0"
     else:
         assert r.stdout.strip() == "801" and "export table call: runtime interface, slot 3" in r.stderr
+
+
+# -- the context's identity, by which cuBLASLt keys its kernels ------------------------------
+
+TOOLS_TLS = bytes.fromhex("42d85a8123f6cb478298f6e78a3aecdc")
+CONTEXT_IDENTITY = bytes.fromhex("21318c6097143248 8ca641ff7324c8f2".replace(" ", ""))
+TABLE_1734DC26 = bytes.fromhex("1734dc26800d47458726c0f1e7dd8bca")
+
+IDENTITY = """
+import ctypes, sys
+cuda = ctypes.CDLL(sys.argv[1])
+def table(uuid):
+    t = ctypes.c_void_p()
+    assert cuda.cuGetExportTable(ctypes.byref(t), ctypes.c_char_p(bytes.fromhex(uuid))) == 0
+    return t.value
+assert cuda.cuInit(0) == 0
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+tls, identity = table(sys.argv[2]), table(sys.argv[3])
+current = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(ctypes.c_void_p.from_address(tls + 16).value)
+context_id = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(ctypes.c_void_p.from_address(identity + 32).value)
+seen = ctypes.c_void_p()
+print("current, none:", current(ctypes.byref(seen)), seen.value)
+assert cuda.cuCtxSetCurrent(ctx) == 0
+print("current:", current(ctypes.byref(seen)), seen.value == ctx.value)
+ours, theirs = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+assert cuda.cuCtxGetId(ctx, ctypes.byref(theirs)) == 0
+print("id:", context_id(ctx, ctypes.byref(ours)), ours.value == theirs.value)
+print("size:", ctypes.c_size_t.from_address(identity).value)
+"""
+
+
+def test_the_tools_table_names_the_current_context_and_the_identity_table_its_id(stub, server):
+    """As the H200's driver answers them (perf/probe_export_tables.c and a traced cuBLASLt):
+    tools TLS slot 2 writes the current context, context identity slot 4 is cuCtxGetId."""
+    r = subprocess.run([sys.executable, "-c", IDENTITY, LIBCUDA, TOOLS_TLS.hex(), CONTEXT_IDENTITY.hex()],
+                       capture_output=True, text=True, timeout=60, env=stub_env(server.address))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["current, none: 0 None", "current: 0 True", "id: 0 True", f"size: {93 * 8}"]
+
+
+def test_the_table_cublaslt_needs_for_nvjet_kernels_fails_each_call_by_name(stub):
+    """cuBLASLt crashes when 1734dc26 is missing, and takes another kernel when its calls fail."""
+    r = subprocess.run([sys.executable, "-c", CALL_SLOT, LIBCUDA, TABLE_1734DC26.hex(), "4"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "801" and "export table call: 1734dc26, slot 4" in r.stderr

@@ -704,6 +704,8 @@ def test_a_manifests_mode_and_session_are_read_without_parsing_it():
     ({"ctx": 7, "token": "ab" * 32}, r"session\.next_id: missing"),
     ({"ctx": 7, "token": "ab" * 32, "next_id": 1 << 64}, r"session\.next_id: .* is out of range"),
     ({"ctx": 7, "token": "ab" * 32, "next_id": 1.5}, r"session\.next_id: expected an integer, found float"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "limits": [[2, -1]]}, r"session\.limits\[0\]: expected \[CUlimit, value\]"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "limits": 5}, r"session\.limits\[0\]: expected \[CUlimit, value\]"),
 ])
 def test_a_bad_session_is_refused(store, bad, says):
     """A manifest's session is optional, and checked when it is there: as read, as validated,
