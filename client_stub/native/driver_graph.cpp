@@ -8,8 +8,14 @@
 // Program order is a valid order of the captured work, so a replay runs it in that order
 // on one stream: the same results, with the concurrency of one stream.
 #include <algorithm>
+#include <memory>
 
 #include "driver_state.h"
+
+// cuda.h names the CUDA 12.3 forms by the plain names; phos exports both.
+#undef cuGraphGetEdges
+#undef cuGraphNodeGetDependencies
+#undef cuGraphNodeGetDependentNodes
 
 namespace phos::driver {
 
@@ -21,6 +27,12 @@ struct GraphNode {
 
 }  // namespace phos::driver
 
+// A node as the application sees it (cuGraphGetNodes): made when first asked for.
+struct CUgraphNode_st {
+    CUgraph_st* graph = nullptr;
+    size_t index = 0;
+};
+
 struct CUgraph_st {
     CUctx_st* ctx = nullptr;
     uint64_t capture_id = 0;
@@ -28,6 +40,7 @@ struct CUgraph_st {
     std::vector<CUstream_st*> joined;          // streams that joined that capture
     bool invalidated = false;                  // a call the capture cannot record was made
     std::vector<phos::driver::GraphNode> nodes;
+    std::vector<std::unique_ptr<CUgraphNode_st>> handles;   // handles[i] names nodes[i]
 };
 
 struct CUgraphExec_st {
@@ -135,6 +148,8 @@ PHOS_EXPORT CUresult cuGraphDestroy(CUgraph graph) {
     if (!is_handle(graph, HandleKind::graph)) return CUDA_ERROR_INVALID_VALUE;
     if (graph->origin && is_handle(graph->origin, HandleKind::stream) && graph->origin->capturing == graph)
         return CUDA_ERROR_ILLEGAL_STATE;    // still being captured
+    for (const auto& node : graph->handles)
+        if (node) state().handles.erase(node.get());
     state().handles.erase(graph);
     delete graph;
     return CUDA_SUCCESS;
@@ -240,4 +255,116 @@ PHOS_EXPORT CUresult cuStreamAddCallback(CUstream stream, CUstreamCallback fn, v
     CUresult err = cuLaunchHostFunc(stream, call_stream_callback, cb);
     if (err != CUDA_SUCCESS) delete cb;
     return err;
+}
+
+// -- a graph's nodes, as the application may inspect them ------------------------------------
+// A graph runs its nodes in the order they were captured (see the top of this file), so its
+// edges are that chain: node i before node i + 1.
+
+static CUgraphNode node_handle(CUgraph graph, size_t i) {
+    if (graph->handles.size() < graph->nodes.size()) graph->handles.resize(graph->nodes.size());
+    auto& h = graph->handles[i];
+    if (!h) {
+        h = std::make_unique<CUgraphNode_st>(CUgraphNode_st{graph, i});
+        state().handles[h.get()] = HandleKind::graph_node;
+    }
+    return h.get();
+}
+
+// Fill out[0..*count) from first..last (out null: only the count), as the driver does: NULL
+// after the last, and *count the number there are, or the number written when out is smaller.
+static CUresult node_list(CUgraph graph, size_t first, size_t last, CUgraphNode* out, size_t* count) {
+    if (!count) return CUDA_ERROR_INVALID_VALUE;
+    size_t n = last > first ? last - first : 0;
+    if (!out) {
+        *count = n;
+        return CUDA_SUCCESS;
+    }
+    for (size_t i = 0; i < *count; i++) out[i] = i < n ? node_handle(graph, first + i) : nullptr;
+    *count = std::min(*count, n);
+    return CUDA_SUCCESS;
+}
+
+static CUresult check_graph(CUgraph graph) { return is_handle(graph, HandleKind::graph) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
+static CUresult check_node(CUgraphNode node) { return is_handle(node, HandleKind::graph_node) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
+
+PHOS_EXPORT CUresult cuGraphGetNodes(CUgraph graph, CUgraphNode* nodes, size_t* count) {
+    Guard g(state().lock);
+    CUresult err = check_graph(graph);
+    return err != CUDA_SUCCESS ? err : node_list(graph, 0, graph->nodes.size(), nodes, count);
+}
+
+PHOS_EXPORT CUresult cuGraphGetRootNodes(CUgraph graph, CUgraphNode* nodes, size_t* count) {
+    Guard g(state().lock);
+    CUresult err = check_graph(graph);
+    return err != CUDA_SUCCESS ? err : node_list(graph, 0, std::min<size_t>(1, graph->nodes.size()), nodes, count);
+}
+
+PHOS_EXPORT CUresult cuGraphNodeGetType(CUgraphNode node, CUgraphNodeType* type) {
+    if (!type) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = check_node(node);
+    if (err != CUDA_SUCCESS) return err;
+    const GraphNode& n = node->graph->nodes[node->index];
+    if (n.host) {
+        *type = CU_GRAPH_NODE_TYPE_HOST;
+        return CUDA_SUCCESS;
+    }
+    switch (n.call.kind) {
+    case wire::Kind::launch: *type = CU_GRAPH_NODE_TYPE_KERNEL; break;
+    case wire::Kind::memcpyHtoD: case wire::Kind::memcpyDtoH: case wire::Kind::memcpyDtoD: *type = CU_GRAPH_NODE_TYPE_MEMCPY; break;
+    case wire::Kind::memset: *type = CU_GRAPH_NODE_TYPE_MEMSET; break;
+    case wire::Kind::eventRecord: *type = CU_GRAPH_NODE_TYPE_EVENT_RECORD; break;
+    case wire::Kind::streamWaitEvent: *type = CU_GRAPH_NODE_TYPE_WAIT_EVENT; break;
+    default: *type = CU_GRAPH_NODE_TYPE_EMPTY; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuGraphGetEdges_v2(CUgraph graph, CUgraphNode* from, CUgraphNode* to, CUgraphEdgeData* data, size_t* count) {
+    if (!count || (!from != !to)) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    CUresult err = check_graph(graph);
+    if (err != CUDA_SUCCESS) return err;
+    size_t edges = graph->nodes.empty() ? 0 : graph->nodes.size() - 1;
+    if (!from) {
+        *count = edges;
+        return CUDA_SUCCESS;
+    }
+    for (size_t i = 0; i < *count; i++) {
+        from[i] = i < edges ? node_handle(graph, i) : nullptr;
+        to[i] = i < edges ? node_handle(graph, i + 1) : nullptr;
+        if (data) data[i] = CUgraphEdgeData{};
+    }
+    *count = std::min(*count, edges);
+    return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuGraphGetEdges(CUgraph graph, CUgraphNode* from, CUgraphNode* to, size_t* count) {
+    return cuGraphGetEdges_v2(graph, from, to, nullptr, count);
+}
+
+// The node before this one, and the node after it.
+static CUresult neighbour(CUgraphNode node, bool after, CUgraphNode* out, CUgraphEdgeData* data, size_t* count) {
+    Guard g(state().lock);
+    CUresult err = check_node(node);
+    if (err != CUDA_SUCCESS) return err;
+    size_t i = node->index, n = node->graph->nodes.size();
+    size_t first = after ? i + 1 : (i ? i - 1 : 0), last = after ? std::min(i + 2, n) : i;
+    if (out && data)
+        for (size_t k = 0; k < *count; k++) data[k] = CUgraphEdgeData{};
+    return node_list(node->graph, first, last, out, count);
+}
+
+PHOS_EXPORT CUresult cuGraphNodeGetDependencies_v2(CUgraphNode node, CUgraphNode* deps, CUgraphEdgeData* data, size_t* count) {
+    return neighbour(node, false, deps, data, count);
+}
+PHOS_EXPORT CUresult cuGraphNodeGetDependencies(CUgraphNode node, CUgraphNode* deps, size_t* count) {
+    return neighbour(node, false, deps, nullptr, count);
+}
+PHOS_EXPORT CUresult cuGraphNodeGetDependentNodes_v2(CUgraphNode node, CUgraphNode* deps, CUgraphEdgeData* data, size_t* count) {
+    return neighbour(node, true, deps, data, count);
+}
+PHOS_EXPORT CUresult cuGraphNodeGetDependentNodes(CUgraphNode node, CUgraphNode* deps, size_t* count) {
+    return neighbour(node, true, deps, nullptr, count);
 }

@@ -110,7 +110,7 @@ struct CUevent_st {
 
 namespace phos::driver {
 
-enum class HandleKind : uint8_t { context, module, function, stream, event, library, kernel, graph, graph_exec, mem_pool };
+enum class HandleKind : uint8_t { context, module, function, stream, event, library, kernel, graph, graph_node, graph_exec, mem_pool };
 
 struct DeviceRange {           // a device allocation or a module global
     size_t size = 0;

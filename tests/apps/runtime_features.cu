@@ -107,13 +107,24 @@ int main() {
     add<<<blocks, threads, 0, s>>>(x, 1.0f, n);
     CHECK(cudaLaunchHostFunc(s, host_step, &replays));
     CHECK(cudaStreamEndCapture(s, &graph));
+    // Its nodes, as PyTorch inspects a captured graph: two kernels, then the host function.
+    size_t nodes = 0;
+    CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+    std::vector<cudaGraphNode_t> node(nodes > 0 ? nodes : 1);
+    CHECK(cudaGraphGetNodes(graph, node.data(), &nodes));
+    cudaGraphNodeType first = cudaGraphNodeTypeEmpty, last = cudaGraphNodeTypeEmpty;
+    if (nodes) {
+        CHECK(cudaGraphNodeGetType(node[0], &first));
+        CHECK(cudaGraphNodeGetType(node[nodes - 1], &last));
+    }
+    int node_types_wrong = nodes != 3 || first != cudaGraphNodeTypeKernel || last != cudaGraphNodeTypeHost;
     cudaGraphExec_t exec;
     CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int i = 0; i < 3; i++) CHECK(cudaGraphLaunch(exec, s));
     CHECK(cudaStreamSynchronize(s));
     bad = count_not(x, 15.0f);   // 1 -> 3 -> 7 -> 15
-    printf("graph: capturing=%d wrong=%d replays=%d\n", (int)capture, bad, replays);
-    wrong += bad + (capture != cudaStreamCaptureStatusActive) + (replays != 3);
+    printf("graph: capturing=%d wrong=%d replays=%d nodes=%zu\n", (int)capture, bad, replays, nodes);
+    wrong += bad + (capture != cudaStreamCaptureStatusActive) + (replays != 3) + node_types_wrong;
     CHECK(cudaGraphExecDestroy(exec));
     CHECK(cudaGraphDestroy(graph));
 
