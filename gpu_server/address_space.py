@@ -26,12 +26,19 @@ class AddressSpace:
         # address (app), calls reach the new one (device). Few: one per moved global.
         self.moved = {}             # app base -> device base
         self.app_of = {}            # device base -> app base
+        # Ranges cuMemAddressReserve took: out of the holes, and only cuMemMap places
+        # allocations in them (alloc with `at` there); an allocation's leaving gives nothing back.
+        self.reserved = {}          # base -> length
+        self.mapped = set()         # bases of allocations inside them
 
     def alloc(self, nbytes, at=None):
-        """Reserve nbytes (rounded up to the alignment); `at` places it at a given address."""
+        """Reserve nbytes (rounded up to the alignment); `at` places it at a given address, a
+        free one or one inside a reserved range (a mapping)."""
         if nbytes <= 0:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "allocation size must be positive")
         length = -(-nbytes // self.align) * self.align
+        if at is not None and self.reservation_of(at, length) is not None:
+            return self._map(at, nbytes, length)
         for i, (start, hole) in enumerate(self.free):
             want = start if at is None else at
             if start <= want and want + length <= start + hole:
@@ -108,7 +115,13 @@ class AddressSpace:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{ptr:#x} is not an allocation of this context")
         nbytes = self.sizes.pop(ptr)
         self.bases.remove(ptr)
-        length = -(-nbytes // self.align) * self.align
+        if ptr in self.mapped:           # its range stays reserved
+            self.mapped.discard(ptr)
+            return nbytes
+        self._give_back(ptr, -(-nbytes // self.align) * self.align)
+        return nbytes
+
+    def _give_back(self, ptr, length):
         bisect.insort(self.free, (ptr, length))
         merged = []
         for start, hole in self.free:
@@ -117,7 +130,72 @@ class AddressSpace:
             else:
                 merged.append((start, hole))
         self.free = merged
-        return nbytes
+
+    # -- reserved ranges (cuMemAddressReserve) and the mappings in them --------------------
+    def reserve(self, nbytes, alignment=0, at=0):
+        """Take a free range of nbytes (rounded up to the alignment) for mappings alone: at
+        `at` if it is free there, else wherever one fits, aligned to `alignment`."""
+        if nbytes <= 0 or (alignment & (alignment - 1)):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cannot reserve {nbytes} bytes aligned to {alignment}")
+        align = max(alignment, self.align)
+        length = -(-nbytes // self.align) * self.align
+        for want in ([at] if at and at % align == 0 else []) + [None]:
+            for i, (start, hole) in enumerate(self.free):
+                base = want if want is not None else -(-start // align) * align
+                if start <= base and base + length <= start + hole:
+                    pieces = [(start, base - start), (base + length, start + hole - base - length)]
+                    self.free[i:i + 1] = [p for p in pieces if p[1]]
+                    self.reserved[base] = length
+                    return base
+        raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"no room to reserve {nbytes} bytes")
+
+    def unreserve(self, base):
+        """Give a reserved range back; nothing may be mapped in it."""
+        length = self.reserved.get(base)
+        if length is None:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{base:#x} is not the start of a reserved range")
+        inside = [b for b in self.mapped if base <= b < base + length]
+        if inside:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE,
+                            f"the range at {base:#x} still has {len(inside)} mapping(s): unmap them first")
+        del self.reserved[base]
+        self._give_back(base, length)
+
+    def reservation_of(self, ptr, nbytes):
+        """The base of the reserved range holding [ptr, ptr+nbytes), or None."""
+        for base, length in self.reserved.items():
+            if base <= ptr and ptr + nbytes <= base + length:
+                return base
+        return None
+
+    def adopt_reservation(self, base, length):
+        """A restored context's reserved range again, around the mappings already placed in it."""
+        if length <= 0 or base % self.align or length % self.align or any(
+                b < base + length and base < b + n for b, n in self.reserved.items()):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cannot reserve {length} bytes at {base:#x} again")
+        free, end = [], base + length
+        for start, hole in self.free:     # the parts of the holes outside the range stay holes
+            if start + hole <= base or start >= end:
+                free.append((start, hole))
+                continue
+            if start < base:
+                free.append((start, base - start))
+            if start + hole > end:
+                free.append((end, start + hole - end))
+        self.free = free
+        self.mapped |= {b for b in self.bases if base <= b < base + length and b not in self.external}
+        self.reserved[base] = length
+
+    def _map(self, at, nbytes, length):
+        if at % self.align:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a mapping at {at:#x} is not aligned to {self.align} bytes")
+        i = bisect.bisect_left(self.bases, at)
+        if self.find(at) is not None or (i < len(self.bases) and self.bases[i] < at + length):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{at:#x}+{nbytes} overlaps a mapping already there")
+        self.bases.insert(i, at)
+        self.sizes[at] = nbytes
+        self.mapped.add(at)
+        return at
 
     def find(self, ptr):
         """(base, size) of the allocation holding ptr, or None."""
@@ -129,12 +207,17 @@ class AddressSpace:
         return None
 
     def check(self, ptr, nbytes, what="pointer"):
-        """Raise unless [ptr, ptr+nbytes) lies inside one allocation."""
+        """Raise unless [ptr, ptr+nbytes) lies inside one allocation (or mappings side by side)."""
         hit = self.find(ptr)
         if hit is None:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{what} {ptr:#x} is outside this context's allocations")
         base, size = hit
-        if ptr + nbytes > base + size:
+        end = base + size
+        while ptr + nbytes > end and base in self.mapped and end in self.mapped:
+            base = end                    # mappings side by side in a reserved range are one range, as in CUDA
+            end = base + self.sizes[base]
+        base, size = hit
+        if ptr + nbytes > end:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE,
                             f"{what} {ptr:#x}+{nbytes} runs past the end of the {size}-byte allocation at {base:#x}")
 

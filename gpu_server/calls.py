@@ -53,7 +53,17 @@ def _before_blocking_copy(s, stream):
 
 
 def mem_alloc(s, a, p):
-    return {"u64s": [s.backend.alloc(a.size)]}
+    if a.at and s.space.reservation_of(a.at, a.size) is None:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuMemMap: {a.at:#x}+{a.size} is not inside a reserved range")
+    return {"u64s": [s.backend.alloc(a.size, at=a.at or None)]}
+
+
+def mem_reserve(s, a, p):
+    return {"u64s": [s.space.reserve(a.size, a.alignment, a.at)]}
+
+
+def mem_unreserve(s, a, p):
+    s.space.unreserve(a.ptr)
 
 
 def mem_free(s, a, p):
@@ -335,6 +345,8 @@ WORKER_CALLS = {
     "ctxDestroy": ctx_destroy,
     "ctxSynchronize": ctx_synchronize,
     "memAlloc": mem_alloc,
+    "memReserve": mem_reserve,
+    "memUnreserve": mem_unreserve,
     "memFree": mem_free,
     "memGetInfo": mem_get_info,
     "memGetAddressRange": mem_get_address_range,

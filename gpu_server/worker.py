@@ -174,10 +174,14 @@ class Session:
         session = {"ctx": self.ctx_id, "token": self.token_digest, "next_id": self.next_id}
         if self.limits:
             session["limits"] = [[limit, value] for limit, value in sorted(self.limits.items())]
+        if self.space.reserved:
+            session["reserved"] = [[base, length] for base, length in sorted(self.space.reserved.items())]
         return session, {"status": int(status), "message": message}
 
     def adopt(self, session, error):
         self.ctx_id, self.token_digest, self.next_id = session["ctx"], session["token"], session["next_id"]
+        for base, length in session.get("reserved", []):     # around the mappings recreated in them
+            self.space.adopt_reservation(base, length)
         for limit, value in session.get("limits", []):
             self.backend.set_limit(limit, value)
             self.limits[limit] = value

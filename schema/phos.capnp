@@ -206,6 +206,8 @@ struct Call {
     funcOccupancy @41 :FuncOccupancy;       # Result u64s: the answer (see FuncOccupancy)
     funcSetAttribute @42 :FuncAttribute;    # cuFuncSetAttribute: kept with the function, in images too
     ctxLimit @43 :CtxLimit;                 # cuCtxGetLimit / SetLimit. Result u64s: [the limit's value]
+    memReserve @44 :MemReserve;             # Result u64s: [base]; kept in images
+    memUnreserve @45 :Pointer;              # cuMemAddressFree: every mapping in it must be gone
   }
 }
 
@@ -264,7 +266,12 @@ struct DeviceAttribute { attribute @0 :Int32; device @1 :Int32; }
 struct Handle { id @0 :UInt64; }       # module, function, stream or event id; stream 0 = default
 struct Pointer { ptr @0 :UInt64; }
 struct Flags { flags @0 :UInt32; }
-struct MemAlloc { size @0 :UInt64; }
+# at: 0 to let the context place it, else the address of a mapping inside a range memReserve
+# gave (cuMemMap)
+struct MemAlloc { size @0 :UInt64; at @1 :UInt64; }
+# cuMemAddressReserve: a range of the context's addresses that allocations are only mapped
+# into (MemAlloc.at), as PyTorch's expandable segments grow. at: a wish, 0 for none.
+struct MemReserve { size @0 :UInt64; alignment @1 :UInt64; at @2 :UInt64; }
 # A copy split into chunks names the whole copy too (chunkOffset into it, totalSize), so
 # the worker checks the whole range with every chunk: a bad copy fails entirely, as in CUDA.
 struct MemcpyHtoD {

@@ -687,7 +687,7 @@ def same_objects(m):
     """What must not change for Restore.advance: every object with its id, place and shape."""
     pick = lambda entries, *keys: [tuple(str(e.get(k)) for k in keys) for e in entries]    # noqa: E731
     sess = getattr(m, "session", {})
-    return (m.backend, sess.get("ctx"), sess.get("token"), str(sess.get("limits", [])),
+    return (m.backend, sess.get("ctx"), sess.get("token"), str(sess.get("limits", [])), str(sess.get("reserved", [])),
             pick(m.modules, "id", "image"), pick(m.functions, "id", "module", "name"),
             pick(m.streams, "id", "flags", "priority"), pick(m.events, "id", "flags"),
             pick(region_entries(m), "address", "size", "chunk_size", "module", "name"))

@@ -33,7 +33,10 @@ Layout in a store (see store.py):
        "allocations": [{"address", "size", "chunk_size", "chunks": [key]}],
        "error":       {"status", "message"},
        "session":     {"ctx", "token", "next_id",
-                       "limits"?: [[CUlimit, value], ...] (what the application set)}   (optional)
+                       "limits"?: [[CUlimit, value], ...] (what the application set),
+                       "reserved"?: [[base, length], ...] (cuMemAddressReserve's ranges;
+                                    the allocations mapped in them are among "allocations")}
+                                                                  (optional)
        "metadata":    {...}    e.g. {"mode": "concurrent", "paused": false, "pause_ms": 0.4,
                                       "recopied_chunks": 0}}
 
@@ -411,11 +414,12 @@ class _V:
             if not _TOKEN_RE.fullmatch(token):
                 self.fail("session.token", f"expected a token digest (64 lowercase hex digits), found {token!r:.80}")
             self.int(sess, "next_id", "session")
-            limits = sess.get("limits", [])
-            for k, lv in enumerate(limits if isinstance(limits, list) else [None]):
-                if (not isinstance(lv, list) or len(lv) != 2
-                        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < U64 for x in lv)):
-                    self.fail(f"session.limits[{k}]", f"expected [CUlimit, value], found {lv!r:.80}")
+            for field, what in (("limits", "[CUlimit, value]"), ("reserved", "[base, length]")):
+                pairs = sess.get(field, [])
+                for k, pair in enumerate(pairs if isinstance(pairs, list) else [None]):
+                    if (not isinstance(pair, list) or len(pair) != 2
+                            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < U64 for x in pair)):
+                        self.fail(f"session.{field}[{k}]", f"expected {what}, found {pair!r:.80}")
         return sess
 
     def region(self, e, p):

@@ -38,7 +38,16 @@ const DeviceRange* find_device_range(uint64_t ptr, uint64_t* base) {
 bool device_range_ok(uint64_t ptr, size_t n) {
     uint64_t base = 0;
     const DeviceRange* r = find_device_range(ptr, &base);
-    return r && ptr + n <= base + r->size && ptr + n >= ptr;
+    if (!r || ptr + n < ptr) return false;
+    uint64_t end = base + r->size;
+    // cuMemMap's mappings side by side are one range, as in CUDA (a tensor spans them)
+    for (auto next = state().allocations.find(end); ptr + n > end && r->physical && next != state().allocations.end() &&
+                                                    next->second.physical;
+         next = state().allocations.find(end)) {
+        r = &next->second;
+        end += r->size;
+    }
+    return ptr + n <= end;
 }
 
 const HostRange* find_host_range(const void* p, uintptr_t* base) {
@@ -200,7 +209,7 @@ PHOS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     if (err != CUDA_SUCCESS) return err;
     if (dptr == 0) return CUDA_SUCCESS;      // as the driver: NVIDIA's runtime frees NULL to start a context
     auto it = s.allocations.find(dptr);
-    if (it == s.allocations.end()) return CUDA_ERROR_INVALID_VALUE;
+    if (it == s.allocations.end() || it->second.physical) return CUDA_ERROR_INVALID_VALUE;   // cuMemUnmap's to free
     CUctx_st* owner = it->second.ctx;
     s.allocations.erase(it);
     owner->conn->post(wire::Call::mem_free(dptr));

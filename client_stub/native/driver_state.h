@@ -116,6 +116,21 @@ struct DeviceRange {           // a device allocation or a module global
     size_t size = 0;
     CUctx_st* ctx = nullptr;
     CUmemoryPool pool = nullptr;  // the pool a stream-ordered allocation came from
+    CUmemGenericAllocationHandle physical = 0;   // the cuMemCreate allocation mapped here (cuMemMap)
+};
+
+// cuMemCreate's physical memory: the server allocates it where it is first mapped
+// (driver_vmm.cpp), so it exists in this process as a size and properties until then.
+struct PhysicalAllocation {
+    size_t size = 0;
+    CUmemAllocationProp prop{};
+    CUdeviceptr mapped_at = 0;
+    int references = 1;           // cuMemCreate's, and one per cuMemRetainAllocationHandle
+};
+
+struct Reservation {          // cuMemAddressReserve's range, in one context's addresses
+    size_t size = 0;
+    CUctx_st* ctx = nullptr;
 };
 
 struct HostRange {             // page-locked ("pinned") host memory, as the application sees it
@@ -143,6 +158,8 @@ struct State {
     std::map<uint64_t, DeviceRange> allocations;       // base -> range
     std::map<uint64_t, DeviceRange> globals;           // module globals, for pointer checks
     std::map<uintptr_t, HostRange> host;               // base -> pinned range
+    std::map<CUdeviceptr, Reservation> reserved;       // base -> cuMemAddressReserve's range
+    std::map<CUmemGenericAllocationHandle, std::unique_ptr<PhysicalAllocation>> physical;
     uint64_t next_uid = 1;
 };
 

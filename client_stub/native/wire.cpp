@@ -25,6 +25,7 @@ const char* kind_name(Kind kind) {
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
         "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy", "funcSetAttribute", "ctxLimit",
+        "memReserve", "memUnreserve",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -83,9 +84,10 @@ Call Call::device_attribute(int attribute, int device) {
     c.device = device;
     return c;
 }
-Call Call::mem_alloc(uint64_t size) {
+Call Call::mem_alloc(uint64_t size, uint64_t at) {
     Call c = plain(Kind::memAlloc);
     c.size = size;
+    c.address = at;
     return c;
 }
 Call Call::mem_free(uint64_t ptr) {
@@ -268,7 +270,20 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     case Kind::deviceComputeCapability: out.initDeviceComputeCapability().setDevice(c.device); break;
     case Kind::ctxDestroy: out.setCtxDestroy(); break;
     case Kind::ctxSynchronize: out.setCtxSynchronize(); break;
-    case Kind::memAlloc: out.initMemAlloc().setSize(c.size); break;
+    case Kind::memAlloc: {
+        auto m = out.initMemAlloc();
+        m.setSize(c.size);
+        m.setAt(c.address);
+        break;
+    }
+    case Kind::memReserve: {     // size, alignment (address2), the address wished for
+        auto m = out.initMemReserve();
+        m.setSize(c.size);
+        m.setAlignment(c.address2);
+        m.setAt(c.address);
+        break;
+    }
+    case Kind::memUnreserve: out.initMemUnreserve().setPtr(c.address); break;
     case Kind::memFree: out.initMemFree().setPtr(c.address); break;
     case Kind::memGetInfo: out.setMemGetInfo(); break;
     case Kind::memGetAddressRange: out.initMemGetAddressRange().setPtr(c.address); break;

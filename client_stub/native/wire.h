@@ -24,6 +24,7 @@ enum class Kind : uint8_t {
     streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
     eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
     launchBatch, reattach, logFull, tensorMapEncode, funcOccupancy, funcSetAttribute, ctxLimit,
+    memReserve, memUnreserve,
 };
 const char* kind_name(Kind kind);
 
@@ -85,7 +86,7 @@ struct Call {
     static Call attach_with_staging(uint64_t ctx, std::string token, std::string shm_path, std::string shm_cookie,
                                     uint64_t shm_size);
     static Call device_attribute(int attribute, int device);
-    static Call mem_alloc(uint64_t size);
+    static Call mem_alloc(uint64_t size, uint64_t at = 0);   // at: a mapping's address (cuMemMap)
     static Call mem_free(uint64_t ptr);
     static Call memcpy_htod(uint64_t dst, uint64_t stream, Payload bytes);
     static Call memcpy_dtoh(uint64_t src, uint64_t size, uint64_t stream);

@@ -147,3 +147,40 @@ def test_a_limit_the_device_lacks_or_cannot_change_is_refused(which, value, stat
         limit(s, which, value)
     assert e.value.status == status
     assert s.limits == {}
+
+
+# -- reserved ranges and the mappings in them (cuMemAddressReserve, cuMemMap) ---------------
+
+def test_a_mapping_in_a_reserved_range_survives_a_restore_with_its_range(tmp_path):
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    base = calls.mem_reserve(s, Args(size=32 << 20, alignment=0, at=0), [])["u64s"][0]
+    at = base + (4 << 20)
+    assert calls.mem_alloc(s, Args(size=2 << 20, at=at), [])["u64s"][0] == at
+    s.backend.htod(at, b"phos" * 1024, None)
+    cp = Checkpoint(s, DirStore(tmp_path), "a", paused=True, chunk_size=1 << 20)
+    cp.cut(1, paused=True)
+    cp.finish(1)
+    assert read_image(DirStore(tmp_path), "a").session["reserved"] == [[base, 32 << 20]]
+    fresh = Session(EmuBackend(), 0, b"t" * 16)
+    r = Restore(fresh, DirStore(tmp_path), "a")
+    r.recreate()
+    r.start(full=True)
+    r.wait()
+    out = np.empty(4096, np.uint8)
+    fresh.backend.dtoh(at, out, None)
+    assert out.tobytes() == b"phos" * 1024
+    assert calls.mem_alloc(fresh, Args(size=2 << 20, at=base), [])["u64s"][0] == base    # the range grows on
+    with pytest.raises(CudaError, match="still has 2 mapping"):
+        calls.mem_unreserve(fresh, Args(ptr=base), [])
+    calls.mem_free(fresh, Args(ptr=base), [])
+    calls.mem_free(fresh, Args(ptr=at), [])
+    calls.mem_unreserve(fresh, Args(ptr=base), [])
+    assert fresh.space.reserved == {}
+
+
+def test_a_mapping_outside_a_reserved_range_is_refused():
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    free_address = s.space.free[0][0]
+    with pytest.raises(CudaError, match="not inside a reserved range"):
+        calls.mem_alloc(s, Args(size=2 << 20, at=free_address), [])
+    assert s.space.allocations() == []

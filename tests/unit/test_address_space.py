@@ -3,7 +3,7 @@ placed the global elsewhere (the driver does, in each process), the application 
 import numpy as np
 import pytest
 
-from phos.gpu_server.address_space import AddressSpace
+from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.schema.cuda_types import CudaError
 
 OLD, NEW = 0x7E0000000100, 0x7F0000000100     # a 16-byte global: where it was, where it is now
@@ -46,3 +46,48 @@ def test_a_launchs_words_into_a_moved_global_are_moved_and_nothing_else():
     out = space.translate_words(words.tobytes() + tail)
     assert np.frombuffer(out[:40], np.uint64).tolist() == [NEW, NEW + 8, OLD + 16, 5, space.base]
     assert out[40:] == tail
+
+
+# -- reserved ranges: what cuMemAddressReserve takes and cuMemMap places allocations in -----
+
+MIB2 = 2 << 20
+
+
+def test_a_reserved_range_takes_only_mappings_and_keeps_its_addresses():
+    space = AddressSpace(64 * MIB2, MIB2, base=BASE)
+    r = space.reserve(8 * MIB2)
+    assert space.reservation_of(r, 8 * MIB2) == r
+    a = space.alloc(MIB2)                                # plain allocations go elsewhere
+    assert not r <= a < r + 8 * MIB2
+    assert space.alloc(2 * MIB2, at=r + MIB2) == r + MIB2    # a mapping, where asked
+    assert space.find(r + MIB2 + 5) == (r + MIB2, 2 * MIB2)
+    with pytest.raises(CudaError, match="overlaps"):
+        space.alloc(2 * MIB2, at=r + 2 * MIB2)
+    with pytest.raises(CudaError, match="still has 1 mapping"):
+        space.unreserve(r)
+    space.release(r + MIB2)                              # unmapped: the range stays reserved
+    assert space.reservation_of(r, 8 * MIB2) == r
+    assert all(not (r <= s < r + 8 * MIB2) for s, _ in space.free)
+    space.unreserve(r)
+    assert space.reservation_of(r, 1) is None
+    assert space.reserve(8 * MIB2, at=r) == r            # the range is free again: the wish is met
+
+
+def test_a_restored_reservation_surrounds_the_mappings_recreated_in_it():
+    space = AddressSpace(64 * MIB2, MIB2, base=BASE)
+    r = BASE + 16 * MIB2
+    space.alloc(MIB2, at=r + 3 * MIB2)                   # as a restore recreates allocations first
+    space.adopt_reservation(r, 8 * MIB2)
+    assert space.mapped == {r + 3 * MIB2}
+    assert all(s + n <= r or s >= r + 8 * MIB2 for s, n in space.free)
+    assert sum(n for _, n in space.free) == 64 * MIB2 - 8 * MIB2
+    with pytest.raises(CudaError):
+        space.adopt_reservation(r + MIB2, MIB2)          # it overlaps a reservation
+
+
+@pytest.mark.parametrize("size, alignment", [(0, 0), (MIB2, 3 * MIB2), (1 << 40, 0)])
+def test_a_reservation_that_cannot_be_made_is_refused(size, alignment):
+    space = AddressSpace(64 * MIB2, MIB2, base=BASE)
+    with pytest.raises(CudaError):
+        space.reserve(size, alignment)
+    assert space.free == [(BASE, 64 * MIB2)] and space.reserved == {}
