@@ -6,7 +6,7 @@
 // (memReserve), and a mapping is an allocation the server places at that address inside it
 // (memAlloc with `at`): checkpoints, restores and handoffs keep both where they were. A
 // physical allocation exists here only as its size until it is mapped, and is mapped whole
-// and once; what phos does not model (partial or shared mappings, shareable handles) is
+// and once; what phos does not model (partial or shared mappings, exported handles) is
 // refused by name.
 #include "driver_state.h"
 
@@ -29,10 +29,8 @@ PhysicalAllocation* physical(CUmemGenericAllocationHandle handle) {
 CUresult check_properties(const CUmemAllocationProp* prop) {
     if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return CUDA_ERROR_INVALID_VALUE;
-    if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
-        log_error("cuMemCreate: shareable handles (types %d) are not supported", static_cast<int>(prop->requestedHandleTypes));
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
+    // Shareable handle types may be asked for (PyTorch asks, in case it shares memory between
+    // processes later); exporting one is what phos refuses, by name (cuMemExportToShareableHandle).
     return check_device(prop->location.id);
 }
 

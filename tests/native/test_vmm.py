@@ -62,6 +62,11 @@ print("address free while mapped:", cuda.cuMemAddressFree(ctypes.c_uint64(base.v
 ok("cuMemUnmap", ctypes.c_uint64(base.value), ctypes.c_size_t(2 * MIB2))
 print("released handle:", cuda.cuMemRelease(handles[0]))
 ok("cuMemAddressFree", ctypes.c_uint64(base.value), ctypes.c_size_t(4 * MIB2))
+shareable = Prop(type=1, requestedHandleTypes=1, location=Location(type=1, id=0))   # a POSIX fd, as PyTorch asks
+ok("cuMemCreate", ctypes.byref(handles[0]), ctypes.c_size_t(MIB2), ctypes.byref(shareable), ctypes.c_ulonglong(0))
+fd = ctypes.c_int()
+print("export:", cuda.cuMemExportToShareableHandle(ctypes.byref(fd), handles[0], 1, ctypes.c_ulonglong(0)))
+ok("cuMemRelease", handles[0])
 ok("cuCtxSynchronize")
 print("done")
 """
@@ -79,5 +84,7 @@ def test_a_range_grows_by_mappings_holds_data_across_them_and_is_given_back(stub
         "map outside the range: 400",         # the handle is released: CUDA_ERROR_INVALID_HANDLE
         "address free while mapped: 1",
         "released handle: 1",                 # both handles went with their mappings
+        "export: 801",                        # asked for, but sharing it is not supported
         "done",
     ], r.stderr
+    assert "cuMemExportToShareableHandle" in r.stderr
