@@ -16,6 +16,7 @@ from cuda.bindings import driver as cu
 from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
+from phos.gpu_server.staging_layout import copy_runs, stage_offsets
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import LAUNCH_COOPERATIVE, launch_cluster
 from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES
@@ -498,34 +499,15 @@ def _event_done(event):
     return _ready(_cuEventQuery(int(event)), "cuEventQuery")
 
 
-def _stage_offsets(chunks):
-    """Where each chunk of a batch goes in a staging buffer, and the bytes used: each at a
-    16-byte boundary, so that the hash kernel reads it two words at a time (after a module's
-    4-byte global it would read the next chunks a byte at a time)."""
-    offsets, off = [], 0
-    for _, size in chunks:
-        offsets.append(off)
-        off = -(-(off + size) // 16) * 16
-    return offsets, (offsets[-1] + chunks[-1][1] if chunks else 0)
-
-
-def _runs(chunks, offsets):
-    """[(address, offset in the batch, bytes)] of the runs of chunks that follow each other in
-    memory and in the batch."""
-    out = []
-    for (addr, size), off in zip(chunks, offsets):
-        if out and out[-1][0] + out[-1][2] == addr and out[-1][1] + out[-1][2] == off:
-            out[-1][2] += size
-        else:
-            out.append([addr, off, size])
-    return out
-
-
 def _copies(one, dsts, srcs, sizes, stream, what):
     """Enqueue copies on stream: one(dst, src, size, stream) each (a cuMemcpy*Async)."""
     dsts, srcs, sizes = (np.ascontiguousarray(a, np.uint64) for a in (dsts, srcs, sizes))
     for dst, src, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
-        _check(one(dst, src, n, stream), what)
+        err = one(dst, src, n, stream)
+        if err:      # which copy, and the ranges the driver knows its ends in
+            ranges = [cu.cuMemGetAddressRange(p) for p in (src, src + n - 1, dst, dst + n - 1)]
+            known = ", ".join(f"{int(b):#x}+{int(size)}" if not int(e) else "none" for e, b, size in ranges)
+            ok((err,), f"{what}({dst:#x}, {src:#x}, {n}; driver's ranges of the ends: {known})")
 
 
 _char = ctypes.c_char
@@ -702,7 +684,7 @@ class CudaSnapshotOps:
 
     def _buffer_size(self, key, at_least):
         """A stream's copy buffers: BUFFER[key] and a MiB (room for a batch's chunks at 16-byte
-        boundaries, _stage_offsets), or at_least rounded up to a MiB if bigger."""
+        boundaries, stage_offsets), or at_least rounded up to a MiB if bigger."""
         return max(self.BUFFER[key] + (1 << 20), -(-at_least // (1 << 20)) << 20)
 
     def _buffers(self, key, at_least):
@@ -769,10 +751,11 @@ class CudaSnapshotOps:
 
     def _copy_out(self, key, stream, turn, chunks, into, tag):
         """Enqueue one batch's copies into buffer `turn`: (views, tag, wait for fingerprints)."""
-        offsets, used = _stage_offsets(chunks)
+        offsets, used = stage_offsets(chunks)
         stage, capacity = self._device_buffers(key, used)
         stage = stage[turn]
-        runs = _runs(chunks, offsets)        # neighbouring chunks (one allocation's): one copy
+        find = self.backend.space.find
+        runs = copy_runs(chunks, offsets, [find(addr) for addr, _ in chunks])   # neighbouring chunks of one region: one copy
         _copies(_cuMemcpyDtoDAsync, [stage + off for _, off, _ in runs], [addr for addr, _, _ in runs], [n for _, _, n in runs],
                 stream, "cuMemcpyDtoDAsync")
         spans = np.array([(stage + off, size) for (_, size), off in zip(chunks, offsets)], np.uint64).reshape(-1, 2)

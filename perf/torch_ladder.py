@@ -63,6 +63,8 @@ def train(torch, model, batch, steps):
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        if SAY_STEPS:          # perf/torch_recovery.py acts at a given step
+            print(f"step {len(losses)}", file=sys.stderr, flush=True)
     return losses
 
 
@@ -74,8 +76,13 @@ def step_cnn(torch, steps):
     g = torch.Generator(device="cuda").manual_seed(1)
     batch = lambda: (torch.randn(32, 3, 32, 32, device="cuda", generator=g),
                      torch.randint(0, 10, (32,), device="cuda", generator=g))
-    losses = train(torch, model, batch, steps)
-    return {"losses": losses[:: max(1, steps // 10)], "final": losses[-1]}
+    return curve(train(torch, model, batch, steps))
+
+
+def curve(losses):
+    """A training step's result: ten of its losses, the last, and a digest of them all."""
+    every = hashlib.sha256(repr(losses).encode()).hexdigest()[:16]
+    return {"losses": losses[:: max(1, len(losses) // 10)], "final": losses[-1], "all": every}
 
 
 def step_transformer(torch, steps):
@@ -87,8 +94,7 @@ def step_transformer(torch, steps):
     g = torch.Generator(device="cuda").manual_seed(2)
     batch = lambda: (torch.randint(0, 100, (16, 16), device="cuda", generator=g),
                      torch.randint(0, 100, (16,), device="cuda", generator=g))
-    losses = train(torch, model, batch, steps)
-    return {"losses": losses[:: max(1, steps // 10)], "final": losses[-1]}
+    return curve(train(torch, model, batch, steps))
 
 
 def step_autocast(torch):
@@ -140,6 +146,7 @@ def step_expandable(torch):
     return {"sum": out.stdout.strip()}
 
 
+SAY_STEPS = False     # --say-steps: name each training step on stderr as it ends
 STEPS = ["tensors", "matmul", "conv", "autocast", "cnn", "transformer", "graph", "compile", "expandable"]
 
 
@@ -195,12 +202,15 @@ def main():
     p.add_argument("--json")
     p.add_argument("--compare", nargs=2, metavar=("NATIVE", "PHOS"))
     p.add_argument("--one", help=argparse.SUPPRESS)     # run one step here, print its result
+    p.add_argument("--say-steps", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--step-timeout", type=float, default=600)
     args = p.parse_args()
     if args.compare:
         compare(*args.compare)
         return
     if args.one:
+        global SAY_STEPS
+        SAY_STEPS = args.say_steps
         try:
             print(json.dumps(run_step(args.one, args.train_steps)))
         except Exception as e:

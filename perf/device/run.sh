@@ -15,7 +15,8 @@
 # bench (the other perf/* benchmarks),
 # locust (perf/locustfile.py, 5 minutes),
 # torch (perf/torch_ladder.py natively, then through phos's libcuda.so.1 under NVIDIA's own runtime;
-# PHOS_TORCH_STEPS picks steps, PHOS_TORCH_TRAIN_STEPS the training steps).
+# PHOS_TORCH_STEPS picks steps, PHOS_TORCH_TRAIN_STEPS the training steps; then perf/torch_recovery.py,
+# alone as torch-recovery).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
 mkdir -p "$OUT"
@@ -124,6 +125,12 @@ if want torch; then
         timeout "${PHOS_TORCH_TIMEOUT:-300}" $ladder --json "$OUT/torch-phos.json"
     step torch-compare python3 perf/torch_ladder.py --compare "$OUT/torch-native.json" "$OUT/torch-phos.json"
     kill "$torch_server"; wait "$torch_server"
+fi
+if want torch || want torch-recovery; then
+    # the CNN's training through a SIGKILLed server (recovery images, a standby) and through a
+    # live handoff, each at step PHOS_TORCH_AT of PHOS_TORCH_TRAIN_STEPS: the loss curve must equal native
+    step torch-recovery env PHOS_STUB_DIR="$PWD/phos/stub" python3 perf/torch_recovery.py --steps "${PHOS_TORCH_TRAIN_STEPS:-200}" \
+        --at "${PHOS_TORCH_AT:-100}" --json "$OUT/torch-recovery.json"
 fi
 if want bench; then
     step transport-floor python3 perf/transport_floor.py
