@@ -285,3 +285,37 @@ def test_the_table_cublaslt_needs_for_nvjet_kernels_fails_each_call_by_name(stub
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "801" and "export table call: 1734dc26, slot 4" in r.stderr
+
+
+# -- a context of NVIDIA's runtime moves: its library modules, context storage and all -------
+
+@pytest.fixture(scope="module")
+def pinned_iterate(stub, tmp_path_factory):
+    """tests/apps/iterate.cu with NVIDIA's runtime pinned by RPATH."""
+    from test_stub_reattach import APP
+    runtime = nvidia_runtime_dir()
+    if runtime is None or not os.path.exists(NVCC):
+        pytest.skip("NVIDIA's libcudart.so.13 or nvcc not found")
+    out = tmp_path_factory.mktemp("pinned-iterate") / "iterate"
+    r = subprocess.run([NVCC, "-cudart", "shared", "-gencode", "arch=compute_90,code=compute_90", "-gencode",
+                        "arch=compute_90,code=sm_90", "-Xlinker", "--disable-new-dtags", "-Xlinker", f"-rpath={runtime}",
+                        "-o", str(out), APP],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return str(out)
+
+
+def test_a_program_on_nvidias_runtime_is_handed_off_at_a_pause(pinned_iterate, servers):
+    from phos.admin_cli import stub as admin
+    from phos.schema import admin_pb2 as pb
+    from test_stub_reattach import PAUSE, Program, context_of, reference
+    one, two = servers("one"), servers("two")
+    expected = reference(pinned_iterate, one, PAUSE)
+    prog = Program(pinned_iterate, one, PAUSE, PHOS_VERBOSE="1")
+    prog.until_ready()
+    ctx = context_of(one)
+    admin(one.address).Handoff(pb.HandoffRequest(ctx=ctx, to=two.address))
+    prog.go_on()
+    code, out, err = prog.finish()
+    assert code == 0 and out == expected, f"{out}\n{err}\n{two.output()[-4000:]}"
+    assert "cuGetExportTable: runtime interface" in err and f"context {ctx} re-attached" in err, err
