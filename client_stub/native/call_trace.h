@@ -1,5 +1,5 @@
 // A trampoline around a driver entry point that reports each call and its result, for
-// PHOS_VERBOSE=2 in the stub and for perf/driver_trace (the same over NVIDIA's driver), so
+// PHOS_VERBOSE=2 in the stub and for perf/driver_trace (the same over any driver), so
 // that the calls NVIDIA's libraries make can be compared between the two.
 //
 // It passes the six argument registers and ten stack arguments on (cuTensorMapEncodeIm2col,

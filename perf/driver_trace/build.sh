@@ -1,17 +1,19 @@
 #!/bin/sh
-# Builds OUTDIR/libcuda.so.1, NVIDIA's driver with its calls reported (trace_shim.cpp):
-#   sh perf/driver_trace/build.sh OUTDIR
-#   REAL_LIBCUDA=$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}') LD_LIBRARY_PATH=OUTDIR python3 app.py
-# Run it on the GPU machine: it reads that driver's exports to forward them.
+# Builds OUTDIR/libcuda.so.1, a driver with its calls reported (trace_shim.cpp), over REAL:
+# NVIDIA's driver (the default) or phos's stub, to set the two side by side:
+#   sh perf/driver_trace/build.sh OUTDIR [REAL]
+#   REAL_LIBCUDA=REAL LD_LIBRARY_PATH=OUTDIR python3 app.py 2> trace.txt
+# Every export of REAL not defined in trace_shim.cpp is forwarded as it is.
 set -eu
 out=$1
 here=$(cd "$(dirname "$0")" && pwd)
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-real=${REAL_LIBCUDA:-$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')}
+real=${2:-$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')}
 mkdir -p "$out"
-# One jump per export, through a pointer filled from the real driver at load.
+defined=$(grep -o '^CUresult cu[A-Za-z_0-9]*(' "$here/trace_shim.cpp" | sed 's/^CUresult //; s/($//' | sort -u | tr '\n' '|')
+# One jump per export, through a pointer filled from REAL at load.
 nm -D --defined-only "$real" | awk '$2 == "T" && $3 ~ /^cu/ {sub(/@.*/, "", $3); print $3}' | sort -u |
-    grep -vx 'cuGetProcAddress\|cuGetProcAddress_v2' | awk '
+    grep -vxE "cuGetProcAddress|cuGetProcAddress_v2|${defined%|}" | awk '
     { names[NR] = $1 }
     END {
         print "#include <dlfcn.h>"
