@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from phos.gpu_server.module_cache import image_digest
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.schema.wire import LAUNCH_CONFIG, TENSOR_MAP_IM2COL, TENSOR_MAP_TILED, WireError, phos_capnp, read_launch_batch
 from phos.snapshot import engine
@@ -138,11 +139,30 @@ def memset(s, a, p):
     s.backend.memset(s.space.to_device(a.dst), a.value, a.elemSize, a.count, _stream(s, a.stream))
 
 
-def module_load(s, a, p):
+def module_image(s, a, p):
+    """The image a ModuleLoad names: its payload (kept by the server's cache when a digest comes
+    with it), or the cached image with that digest."""
+    digest = bytes(a.digest)
+    if a.payload == 0 and digest:
+        image = s.modules.get(digest) if s.modules else None
+        if image is None:
+            raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"module image {digest.hex()[:16]} is not kept by this server")
+        return image
     if not 1 <= a.payload <= len(p):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"module image frame {a.payload} is missing")
-    module = s.backend.load_module(p[a.payload - 1])
-    mid = s.add("module", module, image=bytes(p[a.payload - 1]))
+    image = bytes(p[a.payload - 1])
+    if digest:
+        if image_digest(image) != digest:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "the module image does not match its digest")
+        if s.modules:
+            s.modules.put(digest, image)
+    return image
+
+
+def module_load(s, a, p):
+    image = module_image(s, a, p)
+    module = s.backend.load_module(image)
+    mid = s.add("module", module, image=image)
     places = s.globals_noted.get(mid) or {}
     # asked of the backend only when needed: a replay's reload, or a recovery store to note them in
     globals_ = s.backend.module_globals(module) if places or s.recovery is not None else ()

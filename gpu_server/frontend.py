@@ -21,7 +21,7 @@ import zmq.asyncio
 from phos import settings
 from phos.gpu_server.backend import load_backend
 from phos.schema import wire
-from phos.schema.control import admin_socket, private_directory
+from phos.schema.control import admin_socket, module_cache_dir, private_directory
 from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import CudaError, CUresult
 
@@ -292,6 +292,18 @@ class FrontEnd:
             self.filling -= 1
         self.fill_pool()
 
+    def open_module_cache(self):
+        """The directory of the module images clients sent (gpu_server/module_cache.py), or None."""
+        if settings.module_cache_bytes() <= 0:
+            return None
+        path = module_cache_dir(self.listen)
+        try:
+            private_directory(path, create=True)
+        except (ValueError, OSError) as e:
+            log.warning("module images are not kept: %s", e)
+            return None
+        return path
+
     async def start_worker(self, device, flags, standby=False):
         ctx_id = self.new_ctx_id()
         token, ctl_token = secrets.token_bytes(16), secrets.token_bytes(16)
@@ -302,6 +314,7 @@ class FrontEnd:
             "--device", str(device), "--flags", str(flags), *(["--standby"] if standby else []),
             *(self.recovery.worker_args() if self.recovery else []),
             *(["--host-store", self.host_store] if self.host_store and standby else []),
+            *(["--module-cache", self.module_cache] if self.module_cache else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         secret = self.curve[1].decode() if self.curve else ""
         try:
@@ -549,6 +562,7 @@ class FrontEnd:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        self.module_cache = self.open_module_cache()
         admin_server = await admin.start(self, admin_socket(self.listen))     # before we say we listen
         log.warning("phos server (%s backend, %d device(s)) listening on %s", self.backend_name, len(self.devices), self.listen)
         self.fill_pool()

@@ -27,6 +27,7 @@ import zmq.utils.monitor
 from phos.gpu_server.backend import load_backend
 from phos import settings
 from phos.gpu_server.calls import WORKER_CALLS
+from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
 from phos.schema import wire
@@ -71,6 +72,7 @@ class Session:
         self.recovery = None       # a gpu_server.recovery.Recovery when the server takes recovery images
         self.globals_noted = {}    # {module id: {name: address}} of a recovery store restored from (module_load)
         self.limits = {}           # {CUlimit: value} the application set
+        self.modules = None        # the server's ModuleCache, if it keeps module images
         self.sticky = None         # (status, message) that fails every later call
         self.deferred = None       # first failure of an asynchronous call since the last reply
         self.closing = False
@@ -758,6 +760,7 @@ def main(argv=None):
     ap.add_argument("--checkpoint-calls", type=int, default=0, help="calls between recovery images")
     ap.add_argument("--standby-server", default="", help="the server that restores the context if this one dies")
     ap.add_argument("--host-store", help="a HostStore whose memory to pin, for copies straight to and from it")
+    ap.add_argument("--module-cache", help="the server's module images by digest (gpu_server/module_cache.py)")
     opts = ap.parse_args(argv)
     logging.basicConfig(level=settings.log_level(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     _die_with_parent()
@@ -805,6 +808,8 @@ def main(argv=None):
     if not opts.standby:
         backend.device_info()
     session = Session(backend, opts.ctx, token)
+    if opts.module_cache:
+        session.modules = ModuleCache(opts.module_cache, settings.module_cache_bytes())
     recovery = (opts.recovery_dir, opts.checkpoint_every, opts.checkpoint_calls) if opts.recovery_dir else None
     ended = False          # destroyed, or its client is gone (not killed): nobody will restore it
     try:

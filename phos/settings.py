@@ -161,6 +161,9 @@ profile_dir = _declare("PHOS_PROFILE_DIR", str, None, SERVER,
                        "each worker writes a cProfile file per checkpoint into this directory")
 trace_seconds = _declare("PHOS_TRACE_SECONDS", float, 0.03, SERVER,
                          "a checkpoint traces its steps this many seconds from the cut (1: its whole copy)")
+module_cache_bytes = _declare("PHOS_MODULE_CACHE_BYTES", int, 8 << 30, SERVER,
+                              "the module images a server keeps for its clients, at most (0: none kept)",
+                              shown="8589934592 (8 GiB)")
 emu_memory = _declare("PHOS_EMU_MEMORY", int, 16 << 30, SERVER, "the emu backend's device memory in bytes",
                         shown="17179869184 (16 GiB)")
 

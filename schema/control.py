@@ -22,6 +22,16 @@ def admin_socket(server):
     raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
 
 
+def module_cache_dir(server):
+    """Where the server listening on `server` keeps its clients' module images (gpu_server/module_cache.py)."""
+    url = urllib.parse.urlparse(server)
+    if url.scheme == "ipc":
+        return f"{server[len('ipc://'):]}.modules"
+    if url.scheme == "tcp":
+        return f"/tmp/phos/modules-{url.port}"
+    raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
 def private_directory(path, create=False):
     """Check that the directory holding a server's sockets is this user's own and that nobody
     else may write in it (else another user could put a socket of theirs in place of the

@@ -284,7 +284,10 @@ struct MemcpyDtoH {
 }
 struct MemcpyDtoD { dst @0 :UInt64; src @1 :UInt64; size @2 :UInt64; stream @3 :UInt64; }
 struct Memset { dst @0 :UInt64; value @1 :UInt32; elemSize @2 :UInt8; count @3 :UInt64; stream @4 :UInt64; }
-struct ModuleLoad { payload @0 :UInt32; }                 # the image: PTX, cubin or fatbin
+# The image (PTX, cubin or fatbin) in payload; or, with payload 0, the image whose BLAKE2b-256
+# digest is `digest`, which the server keeps from an earlier load (CUDA_ERROR_NOT_FOUND if it
+# does not). A payload with its digest is kept for later loads, once the digest is checked.
+struct ModuleLoad { payload @0 :UInt32; digest @1 :Data; }
 struct ModuleSymbol { module @0 :UInt64; name @1 :Text; }
 struct Launch {
   function @0 :UInt64;

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "blake2b.h"
 #include "driver_state.h"
 #include "phos.capnp.h"   // generated at build time by `capnp compile -oc++`
 
@@ -65,12 +66,25 @@ bool image_bytes(const void* image, const void** data, size_t* size) {
     return *size > 0;
 }
 
+// Images this big are named by their digest first: the server may keep them from an earlier
+// load (cuBLAS's and cuDNN's libraries are megabytes each, loaded by every process).
+constexpr size_t kByDigestMin = 256 << 10;
+
 static CUresult load_module(CUmodule* module, wire::Payload image) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     wire::Result r;
-    err = context_call(ctx, wire::Call::module_load(std::move(image)), &r);
+    std::string digest;
+    if (image.size >= kByDigestMin) {
+        digest = blake2b::digest256(image.data(), image.size);
+        wire::Call call = wire::Call::module_load(image, digest);
+        call.flags |= wire::Call::kByDigest;
+        r = ctx->conn->call(std::move(call));    // not kept there: no error, the image follows
+        if (r.status != CUDA_SUCCESS && r.status != CUDA_ERROR_NOT_FOUND) return status_of(r, wire::Kind::moduleLoad);
+    }
+    if (digest.empty() || r.status == CUDA_ERROR_NOT_FOUND)
+        err = context_call(ctx, wire::Call::module_load(std::move(image), std::move(digest)), &r);
     if (err != CUDA_SUCCESS) return err;
     auto* m = new CUmod_st();
     m->ctx = ctx;

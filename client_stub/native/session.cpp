@@ -230,6 +230,8 @@ static size_t held_bytes(const wire::Call& c) {
 // Keeps a sent call for replay. With recovery the log outlives acknowledgements, so a call
 // keeps its own bytes: caller memory may change and a staging slot is reused once answered.
 void Connection::log_call(wire::Call c) {
+    // A replay may go to a server that never kept the image: it carries the image again.
+    if (c.kind == wire::Kind::moduleLoad) c.flags &= ~wire::Call::kByDigest;
     if (recovery_) {
         if (c.kind == wire::Kind::memcpyHtoD && c.via_shm()) unstage(c, shm_);
         else if (c.payload.borrowed) c.payload = wire::Payload::copy_of(c.payload.borrowed, c.payload.size);

@@ -148,9 +148,10 @@ Call Call::memset(uint64_t dst, uint32_t value, int elem_size, uint64_t count, u
     c.stream = stream;
     return c;
 }
-Call Call::module_load(Payload image) {
+Call Call::module_load(Payload image, std::string digest) {
     Call c = plain(Kind::moduleLoad);
     c.payload = std::move(image);
+    c.text = std::move(digest);
     return c;
 }
 Call Call::module_symbol(Kind kind, uint64_t module, std::string name) {
@@ -332,7 +333,12 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
         m.setStream(c.stream);
         break;
     }
-    case Kind::moduleLoad: out.initModuleLoad().setPayload(payload_index); break;
+    case Kind::moduleLoad: {
+        auto m = out.initModuleLoad();
+        m.setPayload(payload_index);
+        if (!c.text.empty()) m.setDigest(as_data(c.text));
+        break;
+    }
     case Kind::moduleUnload: out.initModuleUnload().setId(c.id); break;
     case Kind::moduleGetFunction: {
         auto s = out.initModuleGetFunction();

@@ -67,8 +67,12 @@ struct Call {
     bool ends = false;        // sent last in a Request: a resend ends one there too (frames stay small)
 
     static constexpr uint32_t kViaShm = 1;   // a copy whose bytes lie in the shared staging area
+    // a moduleLoad sent by its digest (text) alone: the server keeps the image from before
+    static constexpr uint32_t kByDigest = 2;
     bool via_shm() const { return (kind == Kind::memcpyHtoD || kind == Kind::memcpyDtoH) && (flags & kViaShm); }
-    bool has_payload() const { return (kind == Kind::memcpyHtoD && !(flags & kViaShm)) || kind == Kind::moduleLoad; }
+    bool has_payload() const {
+        return (kind == Kind::memcpyHtoD && !(flags & kViaShm)) || (kind == Kind::moduleLoad && !(flags & kByDigest));
+    }
     // Its Result comes with a payload frame (so its Reply cannot travel through the mailbox).
     bool answered_by_frames() const { return kind == Kind::memcpyDtoH && !(flags & kViaShm); }
     // How many API calls it stands for: a launchBatch, one per launch; the rest, one.
@@ -98,7 +102,8 @@ struct Call {
                                    uint64_t chunk_offset, uint64_t total_size);
     static Call memcpy_dtod(uint64_t dst, uint64_t src, uint64_t size, uint64_t stream);
     static Call memset(uint64_t dst, uint32_t value, int elem_size, uint64_t count, uint64_t stream);
-    static Call module_load(Payload image);
+    // digest: the image's BLAKE2b-256 (blake2b.h), so the server keeps it; empty: not kept
+    static Call module_load(Payload image, std::string digest = "");
     static Call module_symbol(Kind kind, uint64_t module, std::string name);
     static Call launch(uint64_t function, Dim3 grid, Dim3 block, uint32_t shared_bytes, uint64_t stream,
                        std::string params, uint32_t options = 0);

@@ -3,6 +3,7 @@ launches: each kernel's own figures, cuFuncSetAttribute (kept with the function,
 images, so a restored context keeps it), occupancy answered by the device, tensor maps
 (which the emulated device has none of, and says so) and the context's limits (kept in
 images too)."""
+import os
 import struct
 from types import SimpleNamespace as Args
 
@@ -25,7 +26,7 @@ PER_BLOCK = 20 << 10          # floats a block reverses: 80 KiB of dynamic share
 
 def kernel_session():
     s = Session(EmuBackend(), 7, b"t" * 16)
-    module = calls.module_load(s, Args(payload=1), [compile_ptx("dynshared.cu").encode()])["u64s"][0]
+    module = calls.module_load(s, Args(payload=1, digest=b""), [compile_ptx("dynshared.cu").encode()])["u64s"][0]
     reply = calls.module_get_function(s, Args(module=module, name="reverse_blocks"), [])
     return s, reply["u64s"][0], reply["u64s"][1:]
 
@@ -184,3 +185,31 @@ def test_a_mapping_outside_a_reserved_range_is_refused():
     with pytest.raises(CudaError, match="not inside a reserved range"):
         calls.mem_alloc(s, Args(size=2 << 20, at=free_address), [])
     assert s.space.allocations() == []
+
+
+# -- module images kept by the server, by digest ------------------------------------------
+
+def test_a_module_image_sent_with_its_digest_is_loaded_by_it_later(tmp_path):
+    from phos.gpu_server.module_cache import ModuleCache, image_digest
+    cache = ModuleCache(str(tmp_path), 1 << 30)
+    image = compile_ptx("dynshared.cu").encode()
+    digest = image_digest(image)
+    first, second = Session(EmuBackend(), 7, b"t" * 16), Session(EmuBackend(), 8, b"t" * 16)
+    first.modules = second.modules = cache             # two contexts of one server
+    with pytest.raises(CudaError) as e:
+        calls.module_load(second, Args(payload=0, digest=digest), [])
+    assert e.value.status == CUresult.CUDA_ERROR_NOT_FOUND
+    calls.module_load(first, Args(payload=1, digest=digest), [image])
+    module = calls.module_load(second, Args(payload=0, digest=digest), [])["u64s"][0]
+    assert calls.module_get_function(second, Args(module=module, name="reverse_blocks"), [])["u64s"][0]
+
+
+def test_a_module_image_that_does_not_match_its_digest_is_refused_and_not_kept(tmp_path):
+    from phos.gpu_server.module_cache import ModuleCache, image_digest
+    s = Session(EmuBackend(), 7, b"t" * 16)
+    s.modules = ModuleCache(str(tmp_path), 1 << 30)
+    image = compile_ptx("dynshared.cu").encode()
+    wrong = image_digest(b"another image")
+    with pytest.raises(CudaError, match="does not match its digest"):
+        calls.module_load(s, Args(payload=1, digest=wrong), [image])
+    assert os.listdir(tmp_path) == []
