@@ -12,6 +12,7 @@ import itertools
 import logging
 import mmap
 import os
+import struct
 import sys
 import threading
 import time
@@ -158,6 +159,10 @@ class Connection:
     # -- sending ---------------------------------------------------------------------------
     def post(self, name, args=None, payload=None, on_bytes=None, want_reply=False, via_box=False):
         """Queue a call (sent at once if want_reply); returns its seq."""
+        try:
+            wire.check_args(name, args)      # here, not when its batch is encoded with later calls
+        except ValueError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
         if self.log_full():
             self.make_room()
         self.seq += 1
@@ -181,7 +186,10 @@ class Connection:
 
         The entry's seq becomes this launch's, so it stays the seq of its last launch, and
         each launch takes one seq as if sent alone (phos.capnp, "Launch batches")."""
-        record = wire.launch_record(function, config, params)    # may raise: before taking a seq
+        try:
+            record = wire.launch_record(function, config, params)    # before taking a seq
+        except struct.error as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch: a dimension or size does not fit ({e})") from None
         if self.log_full():
             self.make_room()
         self.seq += 1
@@ -559,6 +567,8 @@ def log_size(call):
 
 def host_bytes_writable(dst, nbytes):
     """A writable view of a host buffer or int address."""
+    if nbytes < 0:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a copy of {nbytes} bytes")
     if isinstance(dst, int):
         return (ctypes.c_char * nbytes).from_address(dst)
     view = memoryview(dst).cast("B")
@@ -569,6 +579,8 @@ def host_bytes_writable(dst, nbytes):
 
 def host_bytes(src, nbytes):
     """The first nbytes of a host buffer (bytes-like, NumPy array or int address), without copying buffers."""
+    if nbytes < 0:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a copy of {nbytes} bytes")
     if isinstance(src, int):
         return ctypes.string_at(src, nbytes)
     view = memoryview(src).cast("B")

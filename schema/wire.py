@@ -129,6 +129,34 @@ def decode(struct, frame):
         raise WireError(f"malformed frame: {describe(e)}") from None
 
 
+_INT_RANGES = {f"{sign}int{bits}": (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if sign == "" else (0, (1 << bits) - 1)
+               for sign in ("", "u") for bits in (8, 16, 32, 64)}
+_FIELD_RANGES = {}
+
+
+def _field_ranges(name):
+    """{field: (least, most)} of the integer fields of the Call member `name` (its struct's)."""
+    ranges = _FIELD_RANGES.get(name)
+    if ranges is None:
+        member = phos_capnp.Call.schema.fields[name]
+        fields = member.schema.fields if member.proto.slot.type.which == "struct" else {}
+        ranges = _FIELD_RANGES[name] = {f: _INT_RANGES[str(fs.proto.slot.type.which)] for f, fs in fields.items()
+                                        if str(fs.proto.slot.type.which) in _INT_RANGES}
+    return ranges
+
+
+def check_args(name, args):
+    """Raise ValueError, naming the field, when an integer argument of call `name` does not fit
+    its field: Cap'n Proto would refuse it only when the batch holding it is encoded."""
+    if not isinstance(args, dict):
+        return
+    ranges = _field_ranges(name)
+    for key, value in args.items():
+        bounds = ranges.get(key)
+        if bounds is not None and isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
+            raise ValueError(f"{name}: {key} = {value} is outside [{bounds[0]}, {bounds[1]}]")
+
+
 def encode_request(calls, want_reply=True, version=PROTOCOL_VERSION):
     """[Request frame, payload frames...] of calls (seq, name, args, payload). args: None (a Void
     member), a dict of the member's fields, or a value (Data members; a bytearray is frozen).

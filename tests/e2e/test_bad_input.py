@@ -206,3 +206,22 @@ def test_peer_vanishes_mid_call(server, cu):
     assert wait_until(lambda: not (set(server.workers()) & mine), timeout=8), "worker outlived its dead client"
     err, p = cu.cuMemAlloc(16)
     assert err == 0 and cu.cuCtxSynchronize() == (0,)
+
+
+def test_arguments_out_of_range_fail_the_call_that_made_them_and_nothing_after(cu):
+    """The Python client checks each call's integers against its fields as it queues it: an
+    out-of-range one fails that call with CUDA_ERROR_INVALID_VALUE, naming the field, instead
+    of raising from Cap'n Proto when the batch holding it is sent (which failed every later
+    call too). A negative copy size fails too."""
+    err, ptr = cu.cuMemAlloc(4096)
+    assert err == 0
+    bad = CUresult.CUDA_ERROR_INVALID_VALUE
+    assert cu.cuMemAlloc(-1)[0] == bad and "memAlloc: size = -1" in cu.last_error
+    assert cu.cuMemsetD8(ptr, 0, -1) == (bad,) and "memset: count = -1" in cu.last_error
+    assert cu.cuMemFree(-1) == (bad,) and "memFree: ptr = -1" in cu.last_error
+    assert cu.cuMemcpyHtoD(ptr, bytes(16), -1) == (bad,) and "a copy of -1 bytes" in cu.last_error
+    # everything after works
+    assert cu.cuMemsetD8(ptr, 9, 4096) == (0,)
+    out = np.zeros(4096, np.uint8)
+    assert cu.cuMemcpyDtoH(out, ptr, 4096) == (0,) and (out == 9).all()
+    assert cu.cuCtxSynchronize() == (0,)

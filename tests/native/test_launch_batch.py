@@ -137,7 +137,7 @@ def _call(s, name, args, last=True, payloads=()):
 
 
 def _setup(s, kernel_file, kernel):
-    status, _, fields = _call(s, "moduleLoad", {"payload": 1}, payloads=[compile_ptx(kernel_file).encode()])
+    status, _, fields = _call(s, "moduleLoad", {"payload": 1, "digest": b""}, payloads=[compile_ptx(kernel_file).encode()])
     assert status == OK
     status, _, fields = _call(s, "moduleGetFunction", {"module": fields["u64s"][0], "name": kernel})
     assert status == OK
