@@ -464,6 +464,8 @@ class FrontEnd:
     async def answer(self, sock, peer, body):
         try:
             with wire.decode(wire.Request, body) as req:
+                if (why := wire.too_many_calls(req)) is not None:
+                    return await sock.send_multipart([peer, *error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, why)])
                 results = []
                 for call in req.calls:
                     name = call.which()

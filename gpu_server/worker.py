@@ -261,6 +261,8 @@ class Worker:
                                      f"protocol version {req.version}; this server speaks {wire.PROTOCOL_VERSION}"))
                 if req.doorbell:
                     return self.serve_box(by_socket=True) if peer in self.attached else False
+                if (why := wire.too_many_calls(req)) is not None:
+                    return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, why))
                 self.run_calls(peer, req, payloads, frames[0])
         except wire.MALFORMED as e:
             log.warning("malformed frame from a client: %s", wire.describe(e))

@@ -132,7 +132,8 @@ debug = _declare("PHOS_DEBUG", present, False, STUB, "as PHOS_VERBOSE (a non-zer
 mailbox = _declare("PHOS_MAILBOX", tristate, None, STUB,
                    "synchronous calls through the staging area's mailbox: `1` always, `0` never, unset: while "
                    "the stub spins and the worker is awake", shown="unset (automatic)")
-batch_calls = _declare("PHOS_BATCH_CALLS", int, 64, STUB, "send a batch of asynchronous calls at this many calls")
+batch_calls = _declare("PHOS_BATCH_CALLS", int, 64, STUB,
+                       "send a batch of asynchronous calls at this many calls (at most phos.capnp's maxRequestCalls, 4096)")
 batch_bytes = _declare("PHOS_BATCH_BYTES", int, 1 << 20, STUB, "... or this many payload bytes",
                           shown="1048576 (1 MiB)")
 batch_age_us = _declare("PHOS_BATCH_AGE_US", int, 1000, STUB, "... or when its first call is this many microseconds old")
@@ -161,9 +162,9 @@ profile_dir = _declare("PHOS_PROFILE_DIR", str, None, SERVER,
                        "each worker writes a cProfile file per checkpoint into this directory")
 trace_seconds = _declare("PHOS_TRACE_SECONDS", float, 0.03, SERVER,
                          "a checkpoint traces its steps this many seconds from the cut (1: its whole copy)")
-module_cache_bytes = _declare("PHOS_MODULE_CACHE_BYTES", int, 8 << 30, SERVER,
-                              "the module images a server keeps for its clients, at most (0: none kept)",
-                              shown="8589934592 (8 GiB)")
+module_cache_bytes = _declare("PHOS_MODULE_CACHE_BYTES", int, 4 << 30, SERVER,
+                              "the bytes of module images a server keeps on disk for its clients, beside its "
+                              "socket (0: none kept)", shown="4294967296 (4 GiB)")
 emu_memory = _declare("PHOS_EMU_MEMORY", int, 16 << 30, SERVER, "the emu backend's device memory in bytes",
                         shown="17179869184 (16 GiB)")
 

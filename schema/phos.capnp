@@ -97,6 +97,10 @@ const protocolVersion :UInt32 = 3;   # 3: snapshot calls left Call for the contr
 # Where a client looks for the server when PHOS_SERVER is unset (phos/settings.py, the stub's
 # settings.cpp) and where `phos server` listens by default.
 const defaultServer :Text = "ipc:///tmp/phos/phos.sock";
+# A Request holding more calls than this is refused whole, before any of them runs: one
+# message must not hold a worker, or the front end every client shares, for long. Clients
+# batch fewer (PHOS_BATCH_CALLS is clamped to it).
+const maxRequestCalls :UInt32 = 4096;
 
 # The shared staging area's layout (header comment), in bytes. Constants hold no arithmetic:
 # stagingSlotsOffset = stagingBoxOffset + 2 * stagingBoxSize (tests/unit/test_settings.py checks).

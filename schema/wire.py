@@ -48,6 +48,7 @@ SLOTS_OFFSET = phos_capnp.stagingSlotsOffset
 SLOT_SIZE = phos_capnp.stagingSlotSize          # clients' two bulk slots
 MIN_COPY = phos_capnp.stagingMinCopy            # clients' smallest staged copy
 DEFAULT_SERVER = phos_capnp.defaultServer       # phos/settings.py reads the same constant
+MAX_REQUEST_CALLS = phos_capnp.maxRequestCalls
 
 Request = phos_capnp.Request
 Reply = phos_capnp.Reply
@@ -155,6 +156,12 @@ def check_args(name, args):
         bounds = ranges.get(key)
         if bounds is not None and isinstance(value, int) and not bounds[0] <= value <= bounds[1]:
             raise ValueError(f"{name}: {key} = {value} is outside [{bounds[0]}, {bounds[1]}]")
+
+
+def too_many_calls(req):
+    """Why a Request is refused whole for its number of calls, or None."""
+    n = len(req.calls)
+    return f"a request of {n} calls: at most {MAX_REQUEST_CALLS} run in one" if n > MAX_REQUEST_CALLS else None
 
 
 def encode_request(calls, want_reply=True, version=PROTOCOL_VERSION):

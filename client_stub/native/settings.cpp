@@ -66,7 +66,7 @@ const Settings& settings() {
         t.trace = env_long("PHOS_VERBOSE", 0) >= 2;
         t.server_key = getenv("PHOS_SERVER_KEY") != nullptr;
         t.exit_timeout = env_seconds("PHOS_EXIT_TIMEOUT", 10.0);
-        if (t.batch_calls < 1) t.batch_calls = 1;
+        t.batch_calls = std::clamp(t.batch_calls, 1L, static_cast<long>(::MAX_REQUEST_CALLS));   // a server refuses more
         return t;
     }();
     return s;

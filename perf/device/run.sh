@@ -46,7 +46,8 @@ if want core; then
         tests/native/test_launch_batch.py tests/e2e/test_isolation.py tests/e2e/test_fuzz.py tests/e2e/test_client_death.py
 fi
 if want stub; then
-    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/native/test_stub.py tests/native/test_stub_reattach.py tests/native/test_vmm.py \
+    step stub-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/native/test_stub.py tests/native/test_stub_reattach.py tests/native/test_vmm.py tests/native/test_nvml.py \
+        tests/native/test_module_digest_loads.py \
         tests/native/test_stub_recovery.py
     step stub-apps sh tests/apps/run_native_vs_stub.sh
 fi

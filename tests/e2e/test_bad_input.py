@@ -225,3 +225,25 @@ def test_arguments_out_of_range_fail_the_call_that_made_them_and_nothing_after(c
     out = np.zeros(4096, np.uint8)
     assert cu.cuMemcpyDtoH(out, ptr, 4096) == (0,) and (out == 9).all()
     assert cu.cuCtxSynchronize() == (0,)
+
+
+def test_a_request_of_too_many_calls_is_refused_before_any_runs(raw):
+    """The front end and a worker refuse a Request of more than maxRequestCalls (phos.capnp)
+    calls whole: none of them runs, so one message cannot hold a server for long."""
+    too_many = wire.MAX_REQUEST_CALLS + 1
+    raw.send(request(*[("deviceGetCount", None)] * too_many))
+    [(status, message)] = results(raw)
+    assert status == CUresult.CUDA_ERROR_INVALID_VALUE and f"a request of {too_many} calls" in message
+    assert_server_healthy(raw)
+    sock, ctx, token, _ = open_worker(raw)
+    sock.send(request(("attach", {"ctx": ctx, "token": token})))
+    assert results(sock)[0][0] == 0
+    sock.send(encode([("memAlloc", {"size": 1 << 20})] * too_many, range(2, too_many + 2), True, wire.PROTOCOL_VERSION))
+    [(status, message)] = results(sock)
+    assert status == CUresult.CUDA_ERROR_INVALID_VALUE and "at most" in message
+    sock.send(encode([("memGetInfo", None)], [too_many + 2], True, wire.PROTOCOL_VERSION))
+    [(status, _)] = results(sock)
+    assert status == 0
+    sock.send(encode([("memGetAddressRange", {"ptr": 0x600000000000})], [too_many + 3], True, wire.PROTOCOL_VERSION))
+    assert results(sock)[0][0] == CUresult.CUDA_ERROR_NOT_FOUND        # nothing was allocated
+    sock.close()
