@@ -154,6 +154,7 @@ class FrontEnd:
         self.workers = {}           # ctx id -> WorkerProc
         self.pool = []              # started workers no context has claimed yet
         self.filling = 0            # pool workers being started
+        self.creating = 0           # contexts clients asked for whose workers are not yet theirs
         self.pool_size = POOL_SIZE
         self.counts = {"checkpoints": 0, "restores": 0, "handoffs": 0}
         self.moved = {}             # ctx id -> (data endpoint of the worker a handoff gave it to, its server's standby)
@@ -200,7 +201,16 @@ class FrontEnd:
 
     async def ctx_create(self, a):
         self.device(a.device)
-        worker = await self.take_worker(a.device, a.flags)
+        most = settings.max_contexts()
+        held = sum(1 for w in self.workers.values() if alive(w.proc)) + self.creating
+        if most > 0 and held >= most:
+            raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY,
+                            f"this server holds {held} contexts, as many as it takes (PHOS_MAX_CONTEXTS={most})")
+        self.creating += 1       # counted while its worker starts: concurrent creations see it
+        try:
+            worker = await self.take_worker(a.device, a.flags)
+        finally:
+            self.creating -= 1
         return {"u64s": [worker.ctx_id], "text": worker.endpoint, "data": worker.token}
 
     async def reattach(self, a):

@@ -145,6 +145,9 @@ exit_timeout = _declare("PHOS_EXIT_TIMEOUT", float, 10.0, STUB,
 # -- the server ---------------------------------------------------------------------------------
 pool = _declare("PHOS_POOL", int, 1, f"{SERVER}, {CLI}",
                 "workers kept started, ready for a new context or a restore (`phos server --pool`'s default)")
+max_contexts = _declare("PHOS_MAX_CONTEXTS", int, 64, SERVER,
+                        "contexts a server holds at once: a cuCtxCreate beyond fails with CUDA_ERROR_OUT_OF_MEMORY "
+                        "(each is a worker process; 0: no limit)")
 worker_start_timeout = _declare("PHOS_WORKER_START_TIMEOUT", float, 60.0, SERVER,
                                 "seconds the front end waits for a worker to start")
 attach_timeout = _declare("PHOS_ATTACH_TIMEOUT", float, 30.0, SERVER,

@@ -247,3 +247,25 @@ def test_a_request_of_too_many_calls_is_refused_before_any_runs(raw):
     sock.send(encode([("memGetAddressRange", {"ptr": 0x600000000000})], [too_many + 3], True, wire.PROTOCOL_VERSION))
     assert results(sock)[0][0] == CUresult.CUDA_ERROR_NOT_FOUND        # nothing was allocated
     sock.close()
+
+
+def test_contexts_past_the_servers_limit_are_refused(servers, monkeypatch):
+    """Each context is a worker process: a client asking for more than PHOS_MAX_CONTEXTS gets
+    CUDA_ERROR_OUT_OF_MEMORY, and the server and its contexts carry on."""
+    monkeypatch.setenv("PHOS_MAX_CONTEXTS", "2")
+    srv = servers("limited")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30000)
+    sock.connect(srv.address)
+    try:
+        made = []
+        for _ in range(3):
+            sock.send(request(("ctxCreate", {"device": 0, "flags": 0})))
+            made += results(sock)
+        assert [s for s, _ in made] == [0, 0, CUresult.CUDA_ERROR_OUT_OF_MEMORY]
+        assert "PHOS_MAX_CONTEXTS=2" in made[2][1]
+        assert len(srv.workers()) == 2 + 1          # the two contexts and the pre-started worker
+        assert_server_healthy(sock)
+    finally:
+        sock.close()
