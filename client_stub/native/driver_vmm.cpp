@@ -44,6 +44,12 @@ Reservation* reservation_holding(CUdeviceptr ptr, size_t size, CUctx_st* ctx) {
     return r.ctx == ctx && ptr + size <= it->first + r.size ? &r : nullptr;
 }
 
+// The cuMemMap mapping that holds ptr, or null.
+const DeviceRange* mapping_holding(CUdeviceptr ptr) {
+    const DeviceRange* r = find_device_range(ptr, nullptr);
+    return r && r->physical ? r : nullptr;
+}
+
 // The memory goes once it is neither mapped nor referenced.
 void drop_if_unused(CUmemGenericAllocationHandle handle) {
     PhysicalAllocation* p = physical(handle);
@@ -184,10 +190,7 @@ PHOS_EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAcc
 PHOS_EXPORT CUresult cuMemGetAccess(unsigned long long* flags, const CUmemLocation* location, CUdeviceptr ptr) {
     if (!flags || !location) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    auto& allocations = state().allocations;
-    auto it = allocations.upper_bound(ptr);
-    if (it == allocations.begin() || !(--it)->second.physical || ptr >= it->first + it->second.size)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (!mapping_holding(ptr)) return CUDA_ERROR_INVALID_VALUE;
     *flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     return CUDA_SUCCESS;
 }
@@ -204,12 +207,9 @@ PHOS_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp*
 PHOS_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle* handle, void* addr) {
     if (!handle) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    auto ptr = reinterpret_cast<CUdeviceptr>(addr);
-    auto& allocations = state().allocations;
-    auto it = allocations.upper_bound(ptr);
-    if (it == allocations.begin() || !(--it)->second.physical || ptr >= it->first + it->second.size)
-        return CUDA_ERROR_INVALID_VALUE;
-    physical(it->second.physical)->references++;
-    *handle = it->second.physical;
+    const DeviceRange* mapping = mapping_holding(reinterpret_cast<CUdeviceptr>(addr));
+    if (!mapping) return CUDA_ERROR_INVALID_VALUE;
+    physical(mapping->physical)->references++;
+    *handle = mapping->physical;
     return CUDA_SUCCESS;
 }

@@ -56,6 +56,12 @@ out = ctypes.create_string_buffer(len(data))
 ok("cuMemcpyDtoH_v2", out, ctypes.c_uint64(at), ctypes.c_size_t(len(data)))
 print("data across mappings:", out.raw == data[:-16] + bytes([7]) * 16)
 print("past the range:", cuda.cuMemsetD8_v2(ctypes.c_uint64(base.value + 2 * MIB2 - 16), ctypes.c_ubyte(7), ctypes.c_size_t(32)))
+flags = ctypes.c_ulonglong()
+ok("cuMemGetAccess", ctypes.byref(flags), ctypes.byref(Location(type=1, id=0)), ctypes.c_uint64(base.value + 100))
+retained = ctypes.c_uint64()
+ok("cuMemRetainAllocationHandle", ctypes.byref(retained), ctypes.c_void_p(base.value + MIB2 + 5))
+print("access:", flags.value, "retained the second:", retained.value == handles[1].value)
+ok("cuMemRelease", retained)
 print("free a mapping:", cuda.cuMemFree_v2(ctypes.c_uint64(base.value)))
 print("map outside the range:", cuda.cuMemMap(ctypes.c_uint64(base.value + 8 * MIB2), ctypes.c_size_t(MIB2), ctypes.c_size_t(0), handles[0], ctypes.c_ulonglong(0)))
 print("address free while mapped:", cuda.cuMemAddressFree(ctypes.c_uint64(base.value), ctypes.c_size_t(4 * MIB2)))
@@ -80,6 +86,7 @@ def test_a_range_grows_by_mappings_holds_data_across_them_and_is_given_back(stub
         f"granularity: {2 << 20}",
         "data across mappings: True",         # side by side, they are one range, as in CUDA
         "past the range: 1",
+        "access: 3 retained the second: True",   # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         "free a mapping: 1",                  # CUDA_ERROR_INVALID_VALUE: cuMemUnmap frees it
         "map outside the range: 400",         # the handle is released: CUDA_ERROR_INVALID_HANDLE
         "address free while mapped: 1",
