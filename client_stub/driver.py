@@ -7,6 +7,7 @@ a program switches to phos by changing its import line:
 
 PHOS_SERVER names the server (default ipc:///tmp/phos/phos.sock).
 """
+import bisect
 import ctypes
 import os
 import threading
@@ -71,8 +72,58 @@ _front = None                 # Connection to the front end, made by cuInit
 _contexts = {}                # ctx id -> Connection to its worker
 _primary = {}                 # device -> [ctx id, refcount]
 _params = {}                  # (ctx id, function id) -> [(offset, size)]
+_known = {}                   # ctx id -> _Ranges: the device ranges its calls have named
 _tls = _State()
 last_error = ""               # the server's explanation of the last failure, for people
+
+
+class _Ranges:
+    """The device ranges a context's client knows: the allocations and globals it was given, and
+    those its worker named. A call naming a pointer outside them asks the worker first
+    (memGetAddressRange), so a bad pointer fails its own call, as with CUDA, not the next
+    synchronising one; a known one costs no round trip."""
+
+    def __init__(self):
+        self.bases, self.sizes, self.allocated = [], {}, set()
+
+    def add(self, base, size, allocated=False):
+        if base not in self.sizes:
+            bisect.insort(self.bases, base)
+        self.sizes[base] = size
+        if allocated:
+            self.allocated.add(base)
+
+    def drop(self, base):
+        if base in self.sizes:
+            self.bases.remove(base)
+            del self.sizes[base]
+            self.allocated.discard(base)
+
+    def forget_globals(self):
+        for base in [b for b in self.bases if b not in self.allocated]:
+            self.drop(base)
+
+    def holding(self, ptr):
+        i = bisect.bisect_right(self.bases, ptr) - 1
+        return self.bases[i] if i >= 0 and ptr < self.bases[i] + self.sizes[self.bases[i]] else None
+
+
+def _device_range(ptr, nbytes, what):
+    """The base of the current context's range that holds [ptr, ptr + nbytes); CudaError
+    (CUDA_ERROR_INVALID_VALUE) when none does."""
+    ctx, conn = _current()
+    known = _known[ctx]
+    base = known.holding(ptr)
+    if base is None:
+        res = conn.call("memGetAddressRange", {"ptr": ptr})
+        if res.status == CUresult.CUDA_ERROR_NOT_FOUND:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{what} {ptr:#x} is outside this context's allocations")
+        base, size = _check(res).u64s      # an earlier call's failure comes out here, as from any synchronising call
+        known.add(base, size)
+    if ptr + nbytes > base + known.sizes[base]:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE,
+                        f"{what} {ptr:#x}+{nbytes} runs past the end of the {known.sizes[base]}-byte allocation at {base:#x}")
+    return base
 
 
 def _stack():
@@ -227,6 +278,7 @@ def _open_context(dev, flags):
         raise
     conn.find_again = _finder(conn, ctx_id, token)
     _contexts[ctx_id] = conn
+    _known[ctx_id] = _Ranges()
     return ctx_id
 
 
@@ -273,6 +325,7 @@ def _finder(conn, ctx_id, token):
 
 def _close_context(ctx_id):
     conn = _contexts.pop(ctx_id)
+    _known.pop(ctx_id, None)
     try:
         _check(conn.call("ctxDestroy"))
     finally:
@@ -373,12 +426,23 @@ def cuDevicePrimaryCtxRelease(dev):
 # -- memory -----------------------------------------------------------------------------
 @_api(1)
 def cuMemAlloc(bytesize):
-    return CUdeviceptr(_ctx_call("memAlloc", {"size": int(bytesize)}).u64s[0])
+    with _lock:
+        ptr = _ctx_call("memAlloc", {"size": int(bytesize)}).u64s[0]
+        _known[_current()[0]].add(ptr, int(bytesize), allocated=True)
+        return CUdeviceptr(ptr)
 
 
 @_api(0)
 def cuMemFree(dptr):
-    _ctx_post("memFree", {"ptr": int(dptr)})
+    ptr = int(dptr)
+    if ptr == 0:
+        return              # as the driver: nothing to free
+    with _lock:
+        known = _known[_current()[0]]
+        if ptr not in known.allocated and _device_range(ptr, 0, "cuMemFree:") != ptr:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuMemFree: {ptr:#x} is not the start of an allocation")
+        known.drop(ptr)
+        _ctx_post("memFree", {"ptr": ptr})
 
 
 @_api(2)
@@ -394,11 +458,15 @@ def cuMemGetAddressRange(dptr):
 
 def _htod(dst, src, n, stream):
     with _lock:
+        if int(n) > 0:
+            _device_range(int(dst), int(n), "destination")
         _current()[1].copy_to_device(int(dst), src, int(n), stream)
 
 
 def _dtoh(dst, src, n, stream, wait):
     with _lock:
+        if int(n) > 0:
+            _device_range(int(src), int(n), "source")
         conn = _current()[1]
         if wait:
             failure = conn.copy_from_device(dst, int(src), int(n), stream)
@@ -429,18 +497,29 @@ def cuMemcpyDtoHAsync(dstHost, srcDevice, ByteCount, hStream):
     _dtoh(dstHost, srcDevice, ByteCount, _stream_id(hStream), wait=False)
 
 
+def _dtod(dst, src, n, stream):
+    with _lock:
+        if int(n) > 0:
+            _device_range(int(dst), int(n), "destination")
+            _device_range(int(src), int(n), "source")
+        _ctx_post("memcpyDtoD", {"dst": int(dst), "src": int(src), "size": int(n), "stream": stream})
+
+
 @_api(0)
 def cuMemcpyDtoD(dstDevice, srcDevice, ByteCount):
-    _ctx_post("memcpyDtoD", {"dst": int(dstDevice), "src": int(srcDevice), "size": int(ByteCount)})
+    _dtod(dstDevice, srcDevice, ByteCount, 0)
 
 
 @_api(0)
 def cuMemcpyDtoDAsync(dstDevice, srcDevice, ByteCount, hStream):
-    _ctx_post("memcpyDtoD", {"dst": int(dstDevice), "src": int(srcDevice), "size": int(ByteCount), "stream": _stream_id(hStream)})
+    _dtod(dstDevice, srcDevice, ByteCount, _stream_id(hStream))
 
 
 def _memset(dst, value, elem, n, stream):
-    _ctx_post("memset", {"dst": int(dst), "value": int(value), "elemSize": elem, "count": int(n), "stream": stream})
+    with _lock:
+        if int(n) > 0:
+            _device_range(int(dst), int(n) * elem, "memset")
+        _ctx_post("memset", {"dst": int(dst), "value": int(value), "elemSize": elem, "count": int(n), "stream": stream})
 
 
 @_api(0)
@@ -505,7 +584,9 @@ def cuModuleLoad(fname):
 
 @_api(0)
 def cuModuleUnload(hmod):
-    _ctx_post("moduleUnload", {"id": int(hmod)})
+    with _lock:
+        _known[_current()[0]].forget_globals()      # that module's among them: the worker names the others again
+        _ctx_post("moduleUnload", {"id": int(hmod)})
 
 
 @_api(1)
@@ -519,8 +600,10 @@ def cuModuleGetFunction(hmod, name):
 @_api(2)
 def cuModuleGetGlobal(hmod, name):
     name = name.decode() if isinstance(name, bytes) else name
-    ptr, size = _ctx_call("moduleGetGlobal", {"module": int(hmod), "name": name}).u64s
-    return CUdeviceptr(ptr), size
+    with _lock:
+        ptr, size = _ctx_call("moduleGetGlobal", {"module": int(hmod), "name": name}).u64s
+        _known[_current()[0]].add(ptr, size)
+        return CUdeviceptr(ptr), size
 
 
 def _layout(func):

@@ -218,7 +218,7 @@ def test_arguments_out_of_range_fail_the_call_that_made_them_and_nothing_after(c
     bad = CUresult.CUDA_ERROR_INVALID_VALUE
     assert cu.cuMemAlloc(-1)[0] == bad and "memAlloc: size = -1" in cu.last_error
     assert cu.cuMemsetD8(ptr, 0, -1) == (bad,) and "memset: count = -1" in cu.last_error
-    assert cu.cuMemFree(-1) == (bad,) and "memFree: ptr = -1" in cu.last_error
+    assert cu.cuMemFree(-1) == (bad,) and "ptr = -1 is outside" in cu.last_error
     assert cu.cuMemcpyHtoD(ptr, bytes(16), -1) == (bad,) and "a copy of -1 bytes" in cu.last_error
     # everything after works
     assert cu.cuMemsetD8(ptr, 9, 4096) == (0,)
@@ -269,3 +269,23 @@ def test_contexts_past_the_servers_limit_are_refused(servers, monkeypatch):
         assert_server_healthy(sock)
     finally:
         sock.close()
+
+
+def test_a_bad_pointer_fails_its_own_call_at_once(cu):
+    """The client answers what it knows at once, as CUDA's driver does: a memset where nothing
+    is allocated, a copy to freed memory and a second cuMemFree fail their own call, and the
+    next call is unaffected (they failed the next synchronising call before)."""
+    bad = CUresult.CUDA_ERROR_INVALID_VALUE
+    err, ptr = cu.cuMemAlloc(4096)
+    assert cu.cuMemsetD8(0x10, 1, 16) == (bad,) and "outside this context's allocations" in cu.last_error
+    assert cu.cuMemsetD8(ptr, 1, 4097) == (bad,) and "runs past the end" in cu.last_error
+    assert cu.cuMemFree(ptr) == (0,)
+    assert cu.cuMemcpyHtoD(ptr, bytes(16), 16) == (bad,)
+    assert cu.cuMemFree(ptr) == (bad,)
+    assert cu.cuMemFree(0) == (0,)
+    err, other = cu.cuMemAlloc(64)
+    assert cu.cuMemsetD8(other, 3, 64) == (0,) and cu.cuCtxSynchronize() == (0,)
+    out = np.zeros(64, np.uint8)
+    assert cu.cuMemcpyDtoH(out, other, 64) == (0,) and (out == 3).all()
+    assert cu.cuMemcpyDtoD(other, int(other) + 32, 64) == (bad,)
+    assert cu.cuMemFree(other) == (0,)

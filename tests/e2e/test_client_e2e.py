@@ -110,10 +110,9 @@ def test_async_copies_on_streams_and_events(cu):
     assert cu.cuCtxSynchronize() == (OK,)
 
 
-def test_bad_pointer_is_reported_at_next_sync_and_not_sticky(cu):
+def test_bad_pointer_fails_its_own_call_and_is_not_sticky(cu):
     err, ptr = cu.cuMemAlloc(1024)
-    assert cu.cuMemsetD8(int(ptr) + 1000, 1, 100) == (OK,)          # asynchronous: error comes later
-    assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
+    assert cu.cuMemsetD8(int(ptr) + 1000, 1, 100)[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE   # at once, as CUDA's driver
     assert "past the end" in cu.last_error
     assert cu.cuCtxSynchronize() == (OK,)                             # not sticky, as in CUDA
     buf = np.zeros(16, np.uint8)
@@ -128,8 +127,8 @@ def test_unknown_handles_are_refused(cu):
     err, s = cu.cuStreamCreate(0)
     assert cu.cuEventRecord(cu.CUevent(int(s)), 0) == (OK,)         # a stream id used as an event...
     assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_HANDLE   # ...is refused
-    assert cu.cuMemFree(BASE + 7) == (OK,)
-    assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
+    assert cu.cuMemFree(BASE + 7)[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE    # at once
+    assert cu.cuCtxSynchronize() == (OK,)
 
 
 def test_module_load_errors_are_clear(cu):
@@ -194,8 +193,10 @@ def test_large_copies_through_the_staging_area(cu):
     out = np.zeros(n, np.uint8)
     assert cu.cuMemcpyDtoH(out, ptr, n) == (OK,)
     assert np.array_equal(out, data)
-    # a staged copy past the end fails at the next synchronizing call, and nothing is lost after
-    assert cu.cuMemcpyHtoD(int(ptr) + 4096, data, n) == (OK,)
+    # a copy past the end fails at once in the client; sent anyway, the worker fails the staged
+    # copy at the next synchronizing call, and nothing is lost after
+    assert cu.cuMemcpyHtoD(int(ptr) + 4096, data, n)[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
+    conn.copy_to_device(int(ptr) + 4096, data, n, 0)
     assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
     assert cu.cuMemcpyDtoH(out, int(ptr) + 4096, n)[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
     assert cu.cuMemcpyDtoH(out, ptr, n) == (OK,) and np.array_equal(out, data)

@@ -35,8 +35,11 @@ def test_sync_calls_through_the_mailbox(backend, tmp_path, monkeypatch):
             cu.cuMemcpyHtoDAsync(p, small, small.nbytes, s)
             cu.cuMemcpyDtoHAsync(got, p, got.nbytes, s)     # its bytes come as a frame: the reply uses the socket
             assert cu.cuStreamSynchronize(s) == (0,) and (got == small).all()
-            assert cu.cuMemsetD8(int(p) + (1 << 20) - 1, 0, 2) == (0,)
-            assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE   # deferred, through the box
+            # past the end: the client refuses it at once; sent anyway, the worker's error is
+            # deferred to the next synchronising call, through the box
+            assert cu.cuMemsetD8(int(p) + (1 << 20) - 1, 0, 2)[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
+            conn.post("memset", {{"dst": int(p) + (1 << 20) - 1, "value": 0, "elemSize": 1, "count": 2, "stream": 0}})
+            assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
             assert cu.cuCtxSynchronize() == (0,)
             print("asleep for the last", int(conn.box.asleep[0]) == conn.box_seq)
             print("box requests", conn.box_seq)
