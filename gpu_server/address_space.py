@@ -39,14 +39,12 @@ class AddressSpace:
         length = -(-nbytes // self.align) * self.align
         if at is not None and self.reservation_of(at, length) is not None:
             return self._map(at, nbytes, length)
-        for i, (start, hole) in enumerate(self.free):
-            want = start if at is None else at
-            if start <= want and want + length <= start + hole:
-                pieces = [(start, want - start), (want + length, start + hole - want - length)]
-                self.free[i:i + 1] = [p for p in pieces if p[1]]
-                bisect.insort(self.bases, want)
-                self.sizes[want] = nbytes
-                return want
+        want = self._fit(length, at)
+        if want is not None:
+            self._take(want, length)
+            bisect.insort(self.bases, want)
+            self.sizes[want] = nbytes
+            return want
         where = "" if at is None else f" at {at:#x}"
         raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"no room for {nbytes} bytes{where}")
 
@@ -139,15 +137,14 @@ class AddressSpace:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cannot reserve {nbytes} bytes aligned to {alignment}")
         align = max(alignment, self.align)
         length = -(-nbytes // self.align) * self.align
-        for want in ([at] if at and at % align == 0 else []) + [None]:
-            for i, (start, hole) in enumerate(self.free):
-                base = want if want is not None else -(-start // align) * align
-                if start <= base and base + length <= start + hole:
-                    pieces = [(start, base - start), (base + length, start + hole - base - length)]
-                    self.free[i:i + 1] = [p for p in pieces if p[1]]
-                    self.reserved[base] = length
-                    return base
-        raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"no room to reserve {nbytes} bytes")
+        base = self._fit(length, at, align) if at and at % align == 0 else None
+        if base is None:
+            base = self._fit(length, None, align)
+        if base is None:
+            raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"no room to reserve {nbytes} bytes")
+        self._take(base, length)
+        self.reserved[base] = length
+        return base
 
     def unreserve(self, base):
         """Give a reserved range back; nothing may be mapped in it."""
@@ -173,8 +170,24 @@ class AddressSpace:
         if length <= 0 or base % self.align or length % self.align or any(
                 b < base + length and base < b + n for b, n in self.reserved.items()):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cannot reserve {length} bytes at {base:#x} again")
+        self._take(base, length)
+        self.mapped |= {b for b in self.bases if base <= b < base + length and b not in self.external}
+        self.reserved[base] = length
+
+    def _fit(self, length, at=None, align=None):
+        """The base of a free range of length bytes: at `at` if it is free there, else the first
+        one aligned to align (the space's own by default); None when there is none."""
+        align = align or self.align
+        for start, hole in self.free:
+            base = at if at is not None else -(-start // align) * align
+            if start <= base and base + length <= start + hole:
+                return base
+        return None
+
+    def _take(self, base, length):
+        """Take [base, base + length) out of the holes; the parts of them outside it stay holes."""
         free, end = [], base + length
-        for start, hole in self.free:     # the parts of the holes outside the range stay holes
+        for start, hole in self.free:
             if start + hole <= base or start >= end:
                 free.append((start, hole))
                 continue
@@ -183,8 +196,6 @@ class AddressSpace:
             if start + hole > end:
                 free.append((end, start + hole - end))
         self.free = free
-        self.mapped |= {b for b in self.bases if base <= b < base + length and b not in self.external}
-        self.reserved[base] = length
 
     def _map(self, at, nbytes, length):
         if at % self.align:

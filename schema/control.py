@@ -12,24 +12,25 @@ CHECKPOINT_SCALARS = ("name", "bytes", "copied_bytes", "stored_bytes", "new_chun
                       "paused", "pause_ms", "recopied_chunks", "cut_seq", "manifest_bytes")
 
 
-def admin_socket(server):
-    """The admin socket of the server listening on `server` (ipc://PATH or tcp://HOST:PORT)."""
+def _beside(server, ipc_suffix, tcp_name):
+    """A path of the server listening on `server`: its ipc socket's path with ipc_suffix, or, for
+    tcp://HOST:PORT, tcp_name (which names {port}) in /tmp/phos."""
     url = urllib.parse.urlparse(server)
     if url.scheme == "ipc":
-        return f"unix:{server[len('ipc://'):]}.admin"
+        return server[len("ipc://"):] + ipc_suffix
     if url.scheme == "tcp":
-        return f"unix:/tmp/phos/admin-{url.port}.sock"
+        return "/tmp/phos/" + tcp_name.format(port=url.port)
     raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def admin_socket(server):
+    """The admin socket of the server listening on `server` (ipc://PATH or tcp://HOST:PORT)."""
+    return "unix:" + _beside(server, ".admin", "admin-{port}.sock")
 
 
 def module_cache_dir(server):
     """Where the server listening on `server` keeps its clients' module images (gpu_server/module_cache.py)."""
-    url = urllib.parse.urlparse(server)
-    if url.scheme == "ipc":
-        return f"{server[len('ipc://'):]}.modules"
-    if url.scheme == "tcp":
-        return f"/tmp/phos/modules-{url.port}"
-    raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
+    return _beside(server, ".modules", "modules-{port}")
 
 
 def private_directory(path, create=False):
