@@ -64,7 +64,8 @@ def train(torch, model, batch, steps):
         opt.step()
         losses.append(loss.item())
         if SAY_STEPS:          # perf/torch_recovery.py acts at a given step
-            print(f"step {len(losses)}", file=sys.stderr, flush=True)
+            print(f"step {len(losses)} {time.time():.6f}", file=sys.stderr, flush=True)
+        time.sleep(STEP_PAUSE)
     return losses
 
 
@@ -147,6 +148,7 @@ def step_expandable(torch):
 
 
 SAY_STEPS = False     # --say-steps: name each training step on stderr as it ends
+STEP_PAUSE = 0.0      # --step-pause-ms: a pause after each training step (the results are the same)
 STEPS = ["tensors", "matmul", "conv", "autocast", "cnn", "transformer", "graph", "compile", "expandable"]
 
 
@@ -203,14 +205,15 @@ def main():
     p.add_argument("--compare", nargs=2, metavar=("NATIVE", "PHOS"))
     p.add_argument("--one", help=argparse.SUPPRESS)     # run one step here, print its result
     p.add_argument("--say-steps", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--step-pause-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--step-timeout", type=float, default=600)
     args = p.parse_args()
     if args.compare:
         compare(*args.compare)
         return
     if args.one:
-        global SAY_STEPS
-        SAY_STEPS = args.say_steps
+        global SAY_STEPS, STEP_PAUSE
+        SAY_STEPS, STEP_PAUSE = args.say_steps, args.step_pause_ms / 1e3
         try:
             print(json.dumps(run_step(args.one, args.train_steps)))
         except Exception as e:

@@ -7,7 +7,10 @@ twice, each time interrupted at step --at while it trains:
             the context every --every seconds into a directory it shares with a standby;
             the stub re-attaches there, the standby restores the context from the latest
             image and the stub replays the calls after its cut.
-  handoff   the context is handed off live to a second server (admin Handoff).
+  handoff   the context is handed off live to a second server (admin Handoff); each step
+            pauses --handoff-pace-ms, so that the training goes on through the handoff.
+
+Each run reports where its time went: to step --at, the gap after it, and the steps after.
 
 Each loss curve (every step's loss, by digest) must equal the native one.
 
@@ -19,6 +22,7 @@ It needs phos's stub (PHOS_STUB_DIR, else phos/stub) and, with --backend cuda, a
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,8 +38,10 @@ class Server:
         self.address = f"ipc://{directory}/{name}.sock"
         self.log_path = os.path.join(directory, f"{name}.log")
         with open(self.log_path, "w") as log:
+            # INFO: its workers' exits and restores, for a report of what went wrong
             self.proc = subprocess.Popen([sys.executable, "-m", "phos.cli", "server", "--backend", backend,
-                                          "--listen", self.address, *args], stdout=log, stderr=subprocess.STDOUT)
+                                          "--listen", self.address, *args], stdout=log, stderr=subprocess.STDOUT,
+                                         env={"PHOS_LOG": "INFO", **os.environ})
         deadline = time.monotonic() + 120
         while "listening on" not in self.log():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -72,39 +78,59 @@ def the_context(server):
 
 
 def handoff(server, to):
+    """Hand the server's one context off to `to`; returns what the handoff took."""
     from phos.admin_cli import stub as admin
     from phos.schema import admin_pb2 as pb
-    admin(server.address).Handoff(pb.HandoffRequest(ctx=the_context(server), to=to.address))
+    r = admin(server.address).Handoff(pb.HandoffRequest(ctx=the_context(server), to=to.address))
+    return {"handoff_s": round(r.seconds, 3), "downtime_ms": round(r.downtime_ms, 1), "round_bytes": list(r.round_bytes)}
 
 
-def train(steps, at=None, act=None, env=None):
-    """The ladder's CNN for `steps` steps; act() is called when step `at` has ended, while the
-    training goes on. Returns (result, seconds, the stderr's tail)."""
+def train(steps, at=None, act=None, env=None, pace_ms=0.0, stderr_path=None):
+    """The ladder's CNN for `steps` steps, pausing pace_ms after each; act() is called when step
+    `at` has ended, while the training goes on. Returns (result, seconds, the stderr's tail, when
+    each step ended, what act returned); the whole stderr goes to stderr_path."""
     t0 = time.perf_counter()
-    child = subprocess.Popen([sys.executable, LADDER, "--one", "cnn", "--train-steps", str(steps), "--say-steps"],
+    child = subprocess.Popen([sys.executable, LADDER, "--one", "cnn", "--train-steps", str(steps), "--say-steps",
+                              "--step-pause-ms", str(pace_ms)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    tail = []
+    tail, ended, acted = [], [], None      # ended: the child's wall time at the end of each step
+    whole = open(stderr_path or os.devnull, "w")
     for line in child.stderr:
-        if line.strip() == f"step {at}" and act:
-            try:
-                act()
-            except Exception as e:        # the training goes on where it was: say why, and wait for it
-                tail.append(f"at step {at}: {type(e).__name__}: {str(e)[:1500]}\n")
-        elif not line.startswith("step "):
+        whole.write(line)
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "step":
+            ended.append(float(parts[2]))
+            if int(parts[1]) == at and act:
+                try:
+                    acted = act()
+                except Exception as e:        # the training goes on where it was: say why, and wait for it
+                    tail.append(f"at step {at}: {type(e).__name__}: {str(e)[:1500]}\n")
+        elif "occupancy of" not in line:      # PHOS_VERBOSE's occupancy queries: thousands of lines
             tail = (tail + [line])[-60:]
+    whole.close()
     out = child.stdout.read()
     child.wait()
     try:
         result = json.loads(out.strip().splitlines()[-1])
     except (IndexError, ValueError):
         result = {"ok": False, "error": f"exit {child.returncode}"}
-    return result, round(time.perf_counter() - t0, 2), "".join(tail)
+    return result, round(time.perf_counter() - t0, 2), "".join(tail), ended, acted
 
 
-def through_phos(server, steps, at, act):
+def step_times(ended, at):
+    """Where a run's time went: seconds to step `at` from the first step's end, the gap from
+    step `at` to the next (the interruption), and the steps after it."""
+    if len(ended) <= at:
+        return {}
+    return {"to_at_s": round(ended[at - 1] - ended[0], 3), "gap_s": round(ended[at] - ended[at - 1], 3),
+            "after_s": round(ended[-1] - ended[at], 3)}
+
+
+def through_phos(server, args, act, pace_ms=0.0):
     stub = os.environ.get("PHOS_STUB_DIR") or os.path.join(HERE, "..", "phos", "stub")
     env = dict(os.environ, LD_LIBRARY_PATH=stub, PHOS_SERVER=server.address, PHOS_VERBOSE="1")
-    return train(steps, at, act, env)
+    stderr_path = os.path.join(args.logs, f"torch-{args.mode}-stderr.log") if args.logs else None
+    return train(args.steps, args.at, act, env, pace_ms, stderr_path)
 
 
 def run_recover(directory, args):
@@ -112,22 +138,26 @@ def run_recover(directory, args):
     recovering = ("--recovery-dir", images, "--checkpoint-every", str(args.every))
     standby = Server(directory, "standby", args.backend, *recovering)
     first = Server(directory, "first", args.backend, *recovering, "--standby", standby.address)
-    try:
-        result, seconds, err = through_phos(first, args.steps, args.at, first.kill)
-        return result, seconds, err + server_logs(first, standby), "re-attached" in err
-    finally:
-        first.stop()
-        standby.stop()
+    return run_through(args, [first, standby], first.kill)
 
 
 def run_handoff(directory, args):
+    # paced: the training goes on through the whole handoff, which takes seconds (the target
+    # loads every module the context loaded), while 100 steps of this CNN take 0.2 s
     first, second = Server(directory, "first", args.backend), Server(directory, "second", args.backend)
+    return run_through(args, [first, second], lambda: handoff(first, second), args.handoff_pace_ms)
+
+
+def run_through(args, servers, act, pace_ms=0.0):
+    """Train through servers[0], act at step --at; the servers' whole logs are kept in --logs."""
     try:
-        result, seconds, err = through_phos(first, args.steps, args.at, lambda: handoff(first, second))
-        return result, seconds, err + server_logs(first, second), "re-attached" in err
+        result, seconds, err, ended, acted = through_phos(servers[0], args, act, pace_ms)
+        return result, seconds, err + server_logs(*servers), "re-attached" in err, ended, acted
     finally:
-        first.stop()
-        second.stop()
+        for server in servers:
+            server.stop()
+            if args.logs:
+                shutil.copy(server.log_path, os.path.join(args.logs, f"torch-{args.mode}-{os.path.basename(server.log_path)}"))
 
 
 def main():
@@ -138,22 +168,27 @@ def main():
     p.add_argument("--backend", default="cuda")
     p.add_argument("--modes", default="recover,handoff")
     p.add_argument("--json")
+    p.add_argument("--logs", help="a directory to keep the servers' logs and the runs' stderr in")
+    p.add_argument("--handoff-pace-ms", type=float, default=100.0, help="a pause after each step of the handoff run")
     args = p.parse_args()
-    native, native_s, err = train(args.steps)
+    native, native_s, err, ended, _ = train(args.steps, args.at)
     if not native.get("ok"):
         raise SystemExit(f"the native run failed: {native}\n{err}")
-    print(f"native    {native_s:7.2f} s  final loss {native['result']['final']:.6f}", flush=True)
-    report, failed = {"native": {"seconds": native_s, **native}}, False
+    times = step_times(ended, args.at)
+    print(f"native    {native_s:7.2f} s  final loss {native['result']['final']:.6f}  {times}", flush=True)
+    report, failed = {"native": {"seconds": native_s, **times, **native}}, False
     for mode in args.modes.split(","):
+        args.mode = mode
         with tempfile.TemporaryDirectory(prefix=f"phos-torch-{mode}-") as directory:
-            result, seconds, err, reattached = {"recover": run_recover, "handoff": run_handoff}[mode](directory, args)
+            result, seconds, err, reattached, ended, acted = {"recover": run_recover, "handoff": run_handoff}[mode](directory, args)
         same = bool(result.get("ok")) and result["result"] == native["result"]
         failed |= not (same and reattached)
+        times = {**step_times(ended, args.at), **(acted or {})}
         print(f"{mode:9s} {seconds:7.2f} s  loss curve {'equal to native' if same else 'DIFFERENT'}, "
-              f"{'re-attached' if reattached else 'never re-attached'}", flush=True)
+              f"{'re-attached' if reattached else 'never re-attached'}  {times}", flush=True)
         if not same or not reattached:
             print(f"  {json.dumps(result)[:600]}\n  stderr, then the servers' logs:\n{err[-8000:]}", flush=True)
-        report[mode] = {"seconds": seconds, "same": same, "reattached": reattached, **result}
+        report[mode] = {"seconds": seconds, "same": same, "reattached": reattached, **times, **result}
     if args.json:
         json.dump(report, open(args.json, "w"), indent=1)
     sys.exit(1 if failed else 0)

@@ -16,7 +16,7 @@
 # locust (perf/locustfile.py, 5 minutes),
 # torch (perf/torch_ladder.py natively, then through phos's libcuda.so.1 under NVIDIA's own runtime;
 # PHOS_TORCH_STEPS picks steps, PHOS_TORCH_TRAIN_STEPS the training steps; then perf/torch_recovery.py,
-# alone as torch-recovery).
+# alone as torch-recovery, PHOS_TORCH_MODES its runs), bench-torch (perf/bench_torch.py, also in torch).
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
 mkdir -p "$OUT"
@@ -131,7 +131,13 @@ if want torch || want torch-recovery; then
     # the CNN's training through a SIGKILLed server (recovery images, a standby) and through a
     # live handoff, each at step PHOS_TORCH_AT of PHOS_TORCH_TRAIN_STEPS: the loss curve must equal native
     step torch-recovery env PHOS_STUB_DIR="$PWD/phos/stub" python3 perf/torch_recovery.py --steps "${PHOS_TORCH_TRAIN_STEPS:-200}" \
-        --at "${PHOS_TORCH_AT:-100}" --json "$OUT/torch-recovery.json"
+        --at "${PHOS_TORCH_AT:-100}" --modes "${PHOS_TORCH_MODES:-recover,handoff}" --json "$OUT/torch-recovery.json" --logs "$OUT"
+fi
+if want torch || want bench-torch; then
+    # GPT-2-small training and inference, a launch-bound MLP, a 4 GiB load: native and through
+    # phos; then a checkpoint of the training context while it trains (PHOS_BENCH_TORCH: workloads)
+    step bench-torch python3 perf/bench_torch.py --only "${PHOS_BENCH_TORCH:-gpt2_train,gpt2_infer,mlp_train,load_4gib,checkpoint}" \
+        --json "$OUT/bench-torch.json"
 fi
 if want bench; then
     step transport-floor python3 perf/transport_floor.py
