@@ -111,6 +111,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
         self.described = {}        # ctx id -> its last description (ListContexts)
 
     async def fail(self, context, e):
+        log.info("admin call failed: %s (CUresult %d)", e.message, int(e.status))
         await context.abort(GRPC_CODE.get(e.status, grpc.StatusCode.INTERNAL), f"{e.message} (CUresult {int(e.status)})")
 
     def worker(self, ctx_id):

@@ -452,8 +452,11 @@ class FrontEnd:
                 waiters = list(worker.ctl_waiters.values()) if seq == 0 else [worker.ctl_waiters.get(seq)]
                 for queue in filter(None, waiters):
                     queue.put_nowait((kind, value))
-        except zmq.ZMQError:
-            pass                   # the socket was closed under us
+        except zmq.ZMQError as e:
+            if worker.proc.returncode is None and not worker.ctl.closed:
+                log.warning("context %d: its control socket failed: %s", worker.ctx_id, e)
+        except Exception:      # a bug of ours: the calls waiting fail as if the worker had gone, said why here
+            log.exception("context %d: reading its worker's control replies failed", worker.ctx_id)
         finally:
             for queue in list(worker.ctl_waiters.values()):
                 queue.put_nowait(None)

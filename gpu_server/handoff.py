@@ -93,7 +93,8 @@ class Handoff:
             self.source.counts["handoffs"] += 1
             return HandoffResult(self.ctx, self.to, rounds, round_ms, downtime * 1e3, time.perf_counter() - t0, phases,
                                  self.chunk, *((store.path, name) if store.recovery else ("", "")), cleanup=cleanup)
-        except CudaError:
+        except CudaError as e:
+            log.warning("context %d: the handoff to %s failed, the context stays here: %s", self.ctx, self.to, e.message)
             if warm:
                 await self.target.drop_warm()
             if self.store is not None:      # gone before the caller hears of the failure
@@ -117,6 +118,7 @@ class Handoff:
             for i in range(max(2, self.max_rounds)):
                 name, parent = self.store.round_name(i), name
                 copied, _, ms = await self.round(name, parent, final=False)
+                log.info("context %d: handoff pre-copy round %d: %d bytes in %.1f ms", self.ctx, i, copied, ms)
                 rounds.append(copied)
                 round_ms.append(ms)
                 if warming is not None:

@@ -602,6 +602,10 @@ class Worker:
                 self.profiler.dump_stats(os.path.join(PROFILE_DIR, f"checkpoint-{os.getpid()}-{time.monotonic_ns()}.prof"))
                 self.profiler = None
             if self.recovering:
+                if result:
+                    log.info("context %d: recovery image %s at call %d: %d of %d bytes copied in %.1f ms, paused %.1f ms",
+                             s.ctx_id, result["name"], result["cut_seq"], result["copied_bytes"], result["bytes"],
+                             result["seconds"] * 1e3, result["pause_ms"])
                 s.recovery.committed(result["cut_seq"]) if result else s.recovery.failed(answer[1][1])
                 queued, self.queued_checkpoint = self.queued_checkpoint, None
                 if queued:

@@ -80,10 +80,15 @@ static CUresult load_module(CUmodule* module, wire::Payload image) {
         digest = blake2b::digest256(image.data(), image.size);
         wire::Call call = wire::Call::module_load(image, digest);
         call.flags |= wire::Call::kByDigest;
+        const uint64_t before = ctx->conn->last_seq();
         r = ctx->conn->call(std::move(call));    // not kept there: no error, the image follows
-        if (r.status != CUDA_SUCCESS && r.status != CUDA_ERROR_NOT_FOUND) return status_of(r, wire::Kind::moduleLoad);
+        const bool missed = r.status == CUDA_ERROR_NOT_FOUND && ctx->conn->last_seq() == before + 1;
+        if (r.status != CUDA_SUCCESS && !missed) return status_of(r, wire::Kind::moduleLoad);   // or an earlier call's
+        // The log keeps it as a load with the image (a replay's server may not keep it). One
+        // that missed must not load it again there, before the call that sends the image.
+        if (missed) ctx->conn->replay_as_nothing(before + 1);
     }
-    if (digest.empty() || r.status == CUDA_ERROR_NOT_FOUND)
+    if (digest.empty() || r.status != CUDA_SUCCESS)
         err = context_call(ctx, wire::Call::module_load(std::move(image), std::move(digest)), &r);
     if (err != CUDA_SUCCESS) return err;
     auto* m = new CUmod_st();

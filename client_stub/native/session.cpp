@@ -242,6 +242,21 @@ void Connection::log_call(wire::Call c) {
     unacked_.push_back(std::move(c));
 }
 
+void Connection::replay_as_nothing(uint64_t seq) {
+    for (auto it = unacked_.rbegin(); it != unacked_.rend(); ++it) {
+        if (it->seq != seq) continue;
+        log_bytes_ -= held_bytes(*it);
+        if (it->payload.borrowed) borrowed_unacked_--;
+        // memGetInfo reads and changes nothing; its Result was delivered, so a resend drops it
+        wire::Call nothing = wire::Call::plain(wire::Kind::memGetInfo);
+        nothing.seq = it->seq;
+        nothing.ends = it->ends;
+        nothing.wanted = it->wanted;
+        *it = std::move(nothing);
+        return;
+    }
+}
+
 bool Connection::log_full() const {
     const Settings& s = settings();
     return unacked_calls_ >= static_cast<size_t>(s.log_calls) || log_bytes_ >= static_cast<size_t>(s.log_bytes);

@@ -74,6 +74,12 @@ public:
     // Sends the batch if its first call has waited longer than PHOS_BATCH_AGE_US.
     void flush_if_stale();
 
+    // The seq of the call sent last (a synchronous call's, right after it returns).
+    uint64_t last_seq() const { return next_seq_ - 1; }
+    // A logged call that must change nothing when the log is replayed: a module image named
+    // by its digest that the server did not keep (the image followed in a call of its own).
+    void replay_as_nothing(uint64_t seq);
+
     bool has_pending() const { return !batch_.empty() || !write_backs_.empty() || borrowed_unacked_ > 0; }
     size_t unacked() const { return unacked_calls_; }
     // "N requests through the mailbox, M over the socket, ..." (for PHOS_VERBOSE).
