@@ -382,6 +382,8 @@ class Connection:
             try:
                 endpoint, args = self.find_again(passed_over)
             except CudaError as e:
+                if e.status == CUresult.CUDA_ERROR_NOT_PERMITTED:
+                    raise
                 why, passed_over = e.message, False
             else:
                 found = time.perf_counter()

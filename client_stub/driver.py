@@ -312,6 +312,8 @@ def _finder(conn, ctx_id, token):
                 res, why = None, e.message
             finally:
                 front.close()
+            if res is not None and res.status == CUresult.CUDA_ERROR_NOT_PERMITTED:
+                raise CudaError(res.status, res.message)      # our key was revoked: final, no use waiting
             if res is not None and res.status == 0:
                 order.remove(server)
                 order.insert(0, server)

@@ -6,6 +6,7 @@ calls on its workers' control sockets (gpu_server/frontend.py) or a Handoff
 (gpu_server/handoff.py), and their results or CudaErrors become replies or gRPC statuses.
 """
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
@@ -18,8 +19,8 @@ from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
 from phos.schema.control import admin_socket, checkpoint_message, private_directory
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.snapshot import ImageError, latest_image, open_store
-from phos.snapshot.store import images_in
+from phos.snapshot import ImageError, delete_image, latest_image, open_store
+from phos.snapshot.store import ImageInUse, images_in
 
 GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
     CUresult.CUDA_ERROR_INVALID_VALUE: grpc.StatusCode.INVALID_ARGUMENT,
@@ -35,6 +36,7 @@ GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
 HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
 HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 DESCRIBE_TIMEOUT = 5.0           # seconds a worker may take to describe its context (ListContexts)
+DROP_WAIT = 3.0                  # seconds DropWarm waits for the killed worker to be gone
 
 log = logging.getLogger("phos.admin")
 
@@ -121,7 +123,17 @@ class Admin(admin_pb2_grpc.AdminServicer):
         return w
 
     async def describe(self, w):
-        st = await self.front.ctx_stats(w)
+        try:
+            st = await self.front.ctx_stats(w)
+        except CudaError as e:
+            if e.status != CUresult.CUDA_ERROR_ILLEGAL_STATE:
+                raise
+            # a chunk of the image it was restored from was damaged: its calls fail (Worker.ctx_stats)
+            log.info("context %d: %s", w.ctx_id, e.message)
+            c = pb.Context()
+            c.CopyFrom(self.described.get(w.ctx_id) or pb.Context(id=w.ctx_id, pid=w.proc.pid))
+            c.state = "failed"
+            return c
         state = "checkpointing" if st["checkpoint"] else "restoring" if st["restoring"] else w.state
         return pb.Context(id=w.ctx_id, bytes=st["bytes"], allocations=st["allocations"], last_seq=st["last_seq"],
                           pid=w.proc.pid, state=state, first_call_loaded=st["first_call_loaded"] or 0)
@@ -224,12 +236,26 @@ class Admin(admin_pb2_grpc.AdminServicer):
         if w is None or w.state != "warming":
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no warm copy of context {request.ctx} on this server")
         self.front.discard(request.ctx)
+        # answered once it is gone: until then it holds the image it loads (Restore.hold), and the
+        # source, told the copy is dropped, removes the handoff's rounds
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(w.proc.wait(), DROP_WAIT)
         return pb.DropWarmReply()
 
-    async def DeleteImage(self, request, context):
-        from phos.snapshot import delete_image
+    async def KillContext(self, request, context):
         try:
-            freed = await asyncio.to_thread(lambda: delete_image(open_store(request.store, create=False), request.name, None, True))
+            self.front.kill(request.ctx)
+        except CudaError as e:
+            await self.fail(context, e)
+        return pb.KillContextReply()
+
+    async def DeleteImage(self, request, context):
+        """Refused while a context of any server still loads the image on demand (ImageInUse)."""
+        try:
+            freed = await asyncio.to_thread(lambda: delete_image(open_store(request.store, create=False), request.name,
+                                                                 verify=True))
+        except ImageInUse as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ImageError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except OSError as e:

@@ -1,8 +1,9 @@
 """The emu backend: an emulated device on the CPU.
 
-Memory is one arena at the fixed base (emu_memory.py); kernels run in the PTX
-interpreter (ptx/). Calls run in arrival order, which is one valid schedule of the
-streams, so stream and event ordering holds; events record the time they ran.
+Memory is one arena at the fixed base (emu_memory.py), whose bytes the device's other
+contexts share through the server's DeviceLedger; kernels run in the PTX interpreter (ptx/),
+each launch for at most PHOS_EMU_LAUNCH_TIMEOUT seconds. Calls run in arrival order, which is
+one valid schedule of the streams, so stream and event ordering holds; events record the time they ran.
 """
 import time
 import uuid
@@ -11,7 +12,7 @@ from phos import settings
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
-from phos.gpu_server.emu_memory import EmuMemory
+from phos.gpu_server.emu_memory import DeviceLedger, EmuMemory
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import launch_cluster
 from phos.snapshot.fingerprint import fingerprint
@@ -33,6 +34,8 @@ EMU_LIMITS = {
     9: (0, False),              # CIG shared memory fallback
 }
 EMU_MEMORY = settings.emu_memory()
+CONTEXT_QUOTA = settings.emu_context_quota()
+LAUNCH_TIMEOUT = settings.emu_launch_timeout()
 
 
 class EmuBackend:
@@ -49,10 +52,12 @@ class EmuBackend:
     def driver_version():
         return 13000        # the CUDA version whose PTX the interpreter follows
 
-    def __init__(self, device=0):
+    def __init__(self, device=0, ledger=None):
+        """ledger: the directory of the server's DeviceLedger (schema/control.py emu_ledger_dir), which
+        its contexts share; None: this context has the device to itself."""
         if device != 0:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"emu has one device, not {device}")
-        self.mem = EmuMemory(EMU_MEMORY)
+        self.mem = EmuMemory(EMU_MEMORY, DeviceLedger(EMU_MEMORY, ledger, CONTEXT_QUOTA))
         self.space = self.mem.space
         self.output = []
         self.snap = EmuSnapshotOps(self.mem)
@@ -69,7 +74,7 @@ class EmuBackend:
         self.mem.free(ptr)
 
     def mem_info(self):
-        return EMU_MEMORY - self.mem.used(), EMU_MEMORY
+        return self.mem.mem_info()
 
     def htod(self, dst, data, stream):
         self.mem.view(dst, len(data))[:] = memoryview(data).cast("B")
@@ -93,12 +98,16 @@ class EmuBackend:
         from phos.gpu_server.fatbin import extract_ptx
         module = parse_module(extract_ptx(bytes(image)))
         module.allocations = []
-        for name, var in module.globals.items():
-            ptr = self.mem.alloc_global(max(var.size, 1))
-            self.mem.view(ptr, len(var.init))[:] = memoryview(var.init)
-            module.bind_global(name, ptr)
-            module.allocations.append((name, ptr, var.size))
-        module.relocate(self.mem)      # pointer initialisers now, as the driver does at load
+        try:
+            for name, var in module.globals.items():
+                ptr = self.mem.alloc_global(max(var.size, 1), f"module global {name!r}")
+                module.allocations.append((name, ptr, var.size))
+                self.mem.view(ptr, len(var.data))[:] = memoryview(var.data)   # the rest reads as zeros
+                module.bind_global(name, ptr)
+            module.relocate(self.mem)      # pointer initialisers now, as the driver does at load
+        except BaseException:
+            self.unload_module(module)     # a module that failed to load holds no memory
+            raise
         return module
 
     def unload_module(self, module):
@@ -131,7 +140,7 @@ class EmuBackend:
         # A cooperative launch needs every block resident at once: emu runs a grid's blocks
         # together, so it is a plain launch here.
         module, name = function.handle
-        module.launch(name, self.mem, grid, block, shared_bytes, bytes(params), self.output.append)
+        module.launch(name, self.mem, grid, block, shared_bytes, bytes(params), self.output.append, LAUNCH_TIMEOUT)
 
     def set_function_attribute(self, function, attribute, value):
         if attribute == MAX_DYNAMIC_SHARED:
@@ -225,7 +234,7 @@ class EmuBackend:
         return True
 
     def close(self):
-        pass
+        self.mem.close()
 
 
 class EmuSnapshotOps:

@@ -4,6 +4,7 @@ It runs on uvloop and never sits on the hot path: after ctxCreate the client tal
 to its worker directly. It watches every worker, and on SIGTERM stops them all.
 """
 import asyncio
+import contextvars
 import ipaddress
 import logging
 import os
@@ -11,6 +12,8 @@ import re
 import secrets
 import shutil
 import signal
+import socket
+import struct
 import sys
 import urllib.parse
 from dataclasses import dataclass
@@ -20,8 +23,9 @@ import zmq.asyncio
 
 from phos import settings
 from phos.gpu_server.backend import load_backend
+from phos.gpu_server.client_keys import ClientKeys, frame_user_id
 from phos.schema import wire
-from phos.schema.control import admin_socket, module_cache_dir, private_directory
+from phos.schema.control import admin_socket, emu_ledger_dir, module_cache_dir, private_directory
 from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import CudaError, CUresult
 
@@ -47,13 +51,19 @@ class WorkerProc:
     ctl_seq: int = 0
     ctl_waiters: dict = None     # seq -> asyncio.Queue of its replies, (kind, value)
     state: str = "running"
+    client: str = ""             # who created its context (ASKER), for PHOS_MAX_CONTEXTS_PER_CLIENT
 
 
-def check_listen(address, curve_secret):
-    """Refuse a listener reachable from other hosts unless CURVE authentication is on."""
+def check_listen(address, curve_secret, insecure=False):
+    """Refuse a listener that others could reach without CURVE authentication: other hosts
+    (tcp:// off loopback: always refused without keys), or other users of this host (loopback
+    tcp://, abstract ipc://@NAME: refused unless `insecure`; then returns the warning to log).
+    A socket path is the user's alone: run() checks its directory."""
     url = urllib.parse.urlparse(address)
     if url.scheme == "ipc":
-        return
+        if address.startswith("ipc://@"):
+            return local_without_keys(address, "an abstract socket: any local user may connect", curve_secret, insecure)
+        return None
     if url.scheme != "tcp":
         raise ValueError(f"listen address {address!r}: use ipc://PATH or tcp://HOST:PORT")
     # ZeroMQ reads "HOST:PORT@..." and "...;..." otherwise than a URL parser would: the host
@@ -68,6 +78,33 @@ def check_listen(address, curve_secret):
     if not loopback and not curve_secret:
         raise ValueError(f"refusing to listen on {address}: it is reachable from other hosts; "
                          "configure CURVE keys with --auth-dir (see `phos keygen`) or listen on 127.0.0.1")
+    return local_without_keys(address, "loopback TCP: any local user may connect", curve_secret, insecure) \
+        if loopback else None
+
+
+ASKER = contextvars.ContextVar("asker", default="")    # the client a front-end call serves (answer)
+
+
+def local_user(frame):
+    """The local user a message came from, by its ipc connection's peer credentials ("uid N"),
+    or "" (a TCP connection without keys)."""
+    try:
+        with socket.socket(fileno=os.dup(frame.get(zmq.SRCFD))) as conn:
+            if conn.family != socket.AF_UNIX:
+                return ""
+            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            return f"uid {uid}"
+    except (OSError, zmq.ZMQError):
+        return ""
+
+
+def local_without_keys(address, why, curve_secret, insecure):
+    if curve_secret:
+        return None
+    if not insecure:
+        raise ValueError(f"refusing to listen on {address} without CURVE keys ({why}); configure --auth-dir "
+                         "(see `phos keygen`), listen on ipc://PATH, or pass --insecure")
+    return f"listening on {address} without CURVE keys (--insecure): {why}"
 
 
 def worker_endpoint(listen, ctx_id):
@@ -154,8 +191,11 @@ class FrontEnd:
         self.workers = {}           # ctx id -> WorkerProc
         self.pool = []              # started workers no context has claimed yet
         self.filling = 0            # pool workers being started
-        self.creating = 0           # contexts clients asked for whose workers are not yet theirs
+        self.creating = []          # the clients of contexts asked for whose workers are not yet theirs
         self.pool_size = POOL_SIZE
+        self.insecure = False       # --insecure: keyless listeners other local users can reach
+        self.client_keys = None     # with CURVE: the admitted clients (gpu_server/client_keys.py)
+        self.killed = set()         # contexts the operator ended: never restored for their clients
         self.counts = {"checkpoints": 0, "restores": 0, "handoffs": 0}
         self.moved = {}             # ctx id -> (data endpoint of the worker a handoff gave it to, its server's standby)
         self.recovery = recovery    # RecoveryOptions, or None
@@ -202,18 +242,26 @@ class FrontEnd:
     async def ctx_create(self, a):
         self.device(a.device)
         most = settings.max_contexts()
-        held = sum(1 for w in self.workers.values() if alive(w.proc)) + self.creating
+        held = sum(1 for w in self.workers.values() if alive(w.proc)) + len(self.creating)
         if most > 0 and held >= most:
             raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY,
                             f"this server holds {held} contexts, as many as it takes (PHOS_MAX_CONTEXTS={most})")
-        self.creating += 1       # counted while its worker starts: concurrent creations see it
+        client, most = ASKER.get(), settings.max_contexts_per_client()
+        mine = sum(1 for w in self.workers.values() if w.client == client and alive(w.proc)) + self.creating.count(client)
+        if most > 0 and mine >= most:
+            raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"this client holds {mine} contexts on this server, as "
+                            f"many as one client may (PHOS_MAX_CONTEXTS_PER_CLIENT={most})")
+        self.creating.append(client)     # counted while its worker starts: concurrent creations see it
         try:
             worker = await self.take_worker(a.device, a.flags)
         finally:
-            self.creating -= 1
+            self.creating.remove(client)
+        worker.client = client
         return {"u64s": [worker.ctx_id], "text": worker.endpoint, "data": worker.token}
 
     async def reattach(self, a):
+        if a.ctx in self.killed:      # final: its client stops looking
+            raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, f"context {a.ctx} was ended by the server's operator")
         if a.ctx in self.moved:      # handed off: its worker is elsewhere, and whom to ask if that died
             endpoint, standby = self.moved[a.ctx]
             return {"u64s": [a.ctx], "text": endpoint, "data": standby.encode()}
@@ -325,6 +373,8 @@ class FrontEnd:
             *(self.recovery.worker_args() if self.recovery else []),
             *(["--host-store", self.host_store] if self.host_store and standby else []),
             *(["--module-cache", self.module_cache] if self.module_cache else []),
+            *(["--emu-ledger", emu_ledger_dir(self.listen)] if self.backend_name == "emu" else []),
+            *(["--client-keys", self.curve[2]] if self.curve else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         secret = self.curve[1].decode() if self.curve else ""
         try:
@@ -359,6 +409,12 @@ class FrontEnd:
             self.pool.remove(worker)
         if worker.ctl is not None:
             worker.ctl.close(linger=0)
+        for endpoint in (worker.endpoint, worker.ctl_endpoint):    # a killed worker leaves its socket files
+            if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+                try:
+                    os.unlink(endpoint[len("ipc://"):])
+                except OSError:
+                    pass
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
 
     # -- the workers' control sockets (ControlRequest, ControlReply; schema/wire.py) ----------
@@ -474,7 +530,8 @@ class FrontEnd:
                 await w.proc.wait()
 
     # -- the socket loop -------------------------------------------------------------------
-    async def answer(self, sock, peer, body):
+    async def answer(self, sock, peer, body, client=""):
+        ASKER.set(client)        # this task's own: handlers that await do not mix up their askers
         try:
             with wire.decode(wire.Request, body) as req:
                 if (why := wire.too_many_calls(req)) is not None:
@@ -527,6 +584,19 @@ class FrontEnd:
         self.counts["restores"] += 1
         return worker, res
 
+    def kill(self, ctx):
+        """End context ctx now (`phos ctx kill`), even mid-kernel: its worker is killed, and the
+        context is forgotten (its recovery images go, and its client is refused a restore)."""
+        worker = self.workers.get(ctx)
+        if worker is None or worker.state == "warming":
+            raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no context {ctx} on this server")
+        self.killed.add(ctx)
+        self.discard(ctx)
+        if self.recovery is not None:
+            from phos.gpu_server.recovery import context_store
+            shutil.rmtree(context_store(self.recovery.directory, ctx), ignore_errors=True)
+        log.warning("context %d: killed by the operator", ctx)
+
     def discard(self, ctx):
         """Take context ctx's worker out of the table and kill it if it still runs."""
         worker = self.workers.pop(ctx, None)
@@ -569,11 +639,14 @@ class FrontEnd:
             from zmq.auth.asyncio import AsyncioAuthenticator
             auth = AsyncioAuthenticator(zctx)
             auth.start()
-            auth.configure_curve(domain="*", location=self.curve[2])
+            self.client_keys = ClientKeys(self.curve[2])
+            auth.configure_curve_callback(domain="*", credentials_provider=self.client_keys)
             sock.curve_server, sock.curve_secretkey = True, self.curve[1]
         sock.bind(self.listen)
         # what ZeroMQ bound, checked as the address given was (a wildcard port is resolved)
-        check_listen(sock.getsockopt_string(zmq.LAST_ENDPOINT), self.curve)
+        warning = check_listen(sock.getsockopt_string(zmq.LAST_ENDPOINT), self.curve, self.insecure)
+        if warning:
+            log.warning("%s", warning)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -586,7 +659,8 @@ class FrontEnd:
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             while True:
-                recv = asyncio.ensure_future(sock.recv_multipart())
+                # frames, not bytes: they name the key or the connection they came by (the client)
+                recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
                 done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if stop in done:
                     recv.cancel()
@@ -595,7 +669,13 @@ class FrontEnd:
                 if len(frames) < 2:
                     log.warning("dropped a message with no request frame")
                     continue
-                task = loop.create_task(self.answer(sock, frames[0], frames[1]))
+                key = frame_user_id(frames[1])
+                if self.client_keys is not None and not self.client_keys.still_admitted(key or ""):
+                    await sock.send_multipart([frames[0].bytes, *error_reply(
+                        CUresult.CUDA_ERROR_NOT_PERMITTED, "this client's key is no longer admitted")])
+                    continue
+                client = f"key {key}" if key else local_user(frames[1])
+                task = loop.create_task(self.answer(sock, frames[0].bytes, frames[1].bytes, client))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         finally:
@@ -616,14 +696,14 @@ class FrontEnd:
 _CONTEXT_CALLS = frozenset(n for n in wire.phos_capnp.Call.schema.union_fields) - set(FrontEnd.CALLS) - {"attach"}
 
 
-def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None, host_store=None):
+def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None, host_store=None, insecure=False):
     # We start workers with fork+exec while gRPC's threads run; its fork handlers would run in
     # the child before exec (and can crash it), and we need none of them.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     import uvloop
-    check_listen(listen, curve)
-    if listen.startswith("ipc://"):
+    check_listen(listen, curve, insecure)
+    if listen.startswith("ipc://") and not listen.startswith("ipc://@"):
         private_directory(os.path.dirname(os.path.abspath(listen[len("ipc://"):])), create=True)
     front = FrontEnd(backend, listen, curve, recovery, host_store)
-    front.pool_size = pool
+    front.pool_size, front.insecure = pool, insecure
     uvloop.run(front.serve())

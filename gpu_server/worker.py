@@ -10,10 +10,12 @@ session token (and CURVE secret, if any) from stdin, binds, then prints
 not be created.
 """
 import argparse
+import collections
 import ctypes
 import logging
 import mmap
 import os
+import select
 import signal
 import stat
 import sys
@@ -23,10 +25,12 @@ import time
 import numpy as np
 import zmq
 import zmq.utils.monitor
+from zmq.auth.thread import ThreadAuthenticator
 
 from phos.gpu_server.backend import load_backend
 from phos import settings
 from phos.gpu_server.calls import WORKER_CALLS
+from phos.gpu_server.client_keys import ClientKeys, frame_user_id
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
@@ -226,6 +230,11 @@ class Worker:
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
         self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
+        self.client_keys = None    # with CURVE: the admitted clients (gpu_server/client_keys.py)
+        self.peer_keys = {}        # ... and the key each attached routing id came with
+        self.keys_checked = 0.0    # when the attached clients' keys were last checked
+        self.backlog = collections.deque()   # (peer, frames) of replies waiting for room in the client's queue
+        self.busy_since = None     # when the calls running now began (run_calls), else None
         self.client_fds = set()    # their connections: the context lives while one is open
         self.pending = []          # results waiting for the next reply
         self.ack = 0
@@ -269,6 +278,13 @@ class Worker:
             self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
 
     def run_calls(self, peer, req, payloads, peer_frame=None):
+        self.busy_since = time.monotonic()       # ClientWatch: a call that runs long, and whose client left
+        try:
+            self._run_calls(peer, req, payloads, peer_frame)
+        finally:
+            self.busy_since = None
+
+    def _run_calls(self, peer, req, payloads, peer_frame):
         calls = req.calls
         if peer is not BOX and peer not in self.attached:
             if not (len(calls) and calls[0].which() == "attach" and self.check_attach(calls[0].attach)):
@@ -277,6 +293,8 @@ class Worker:
             self.attached.add(peer)
             if isinstance(peer_frame, zmq.Frame):
                 self.client_fds.add(peer_frame.get(zmq.SRCFD))    # the connection it came by (monitor events name it)
+                if self.client_keys is not None:
+                    self.peer_keys[peer] = frame_user_id(peer_frame) or ""
         n, want_reply = len(calls), req.wantReply
         execute = self.session.execute
         attached = None        # (when the attach began, ms mapping its staging area took)
@@ -320,7 +338,11 @@ class Worker:
 
     def run_bare(self, peer, name, seq):
         """A synchronous call with no arguments, read without capnp (wire.BARE_CALLS)."""
-        status, message, fields = self.session.execute(name, None, [], True)
+        self.busy_since = time.monotonic()
+        try:
+            status, message, fields = self.session.execute(name, None, [], True)
+        finally:
+            self.busy_since = None
         self.ack = seq
         results, self.pending = self.pending + [(seq, status, message, fields)], []
         self.send(peer, build_reply(seq, results, self.session.backend.take_output(), self.news()))
@@ -341,6 +363,14 @@ class Worker:
         self.serving[1] += now - since
         if self.session.checkpoint is not None:
             self.session.checkpoint.step("calls", since)
+
+    def revoked(self):
+        """Whether an attached client's key was revoked (its file removed): it ends the context."""
+        self.keys_checked = time.monotonic() + 1.0
+        gone = [peer for peer, key in self.peer_keys.items() if not self.client_keys.still_admitted(key)]
+        if gone:
+            log.warning("context %d: its client's key is no longer admitted: ending the context", self.session.ctx_id)
+        return bool(gone)
 
     def call_waiting(self):
         return self.box_ready() or bool(self.sock.getsockopt(EVENTS) & POLLIN)
@@ -382,10 +412,40 @@ class Worker:
             box = self.session.box
             if not self.box_by_socket and len(frames) == 1 and box.asleep[0] != self.box_seen and box.put(1, self.box_seen, frames[0]):
                 if box.asleep[0] == self.box_seen:      # it fell asleep as we answered: wake it
-                    self.sock.send_multipart([self.box_peer, *build_reply(self.ack, [])], copy=False)
+                    self.send_to(self.box_peer, build_reply(self.ack, []))
                 return
             peer = self.box_peer
-        self.sock.send_multipart([peer, *frames], copy=False)
+        self.send_to(peer, frames)
+
+    def send_to(self, peer, frames):
+        """A message to one client. The socket routes mandatorily: where the client's queue is
+        full (it sends without reading), the reply waits in our backlog, and we read nothing
+        more from the client until it has room (the loop: wait_for_room), so that its sends
+        block instead of its replies being dropped; a client that is gone loses them."""
+        self.backlog.append((peer, frames))
+        self.flush_backlog()
+
+    def flush_backlog(self):
+        """Send what the backlog holds, oldest first, while there is room; True when it is empty."""
+        while self.backlog:
+            peer, frames = self.backlog[0]
+            try:
+                self.sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+            self.backlog.popleft()
+        return True
+
+    def wait_for_room(self, room):
+        """The backlog waits for the client's queue: serve the front end meanwhile, not the client."""
+        ready = dict(room.poll(50))
+        if self.ctl is not None and self.ctl in ready:
+            self.handle_control(self.ctl.recv_multipart(copy=False))
+        elif self.sock in ready and not self.flush_backlog():
+            time.sleep(0.001)       # room for another peer's queue, not this one's
 
     # -- the control socket: the front end's checkpoint, restore and stats ------------------
     # (ControlRequest and ControlReply in schema/phos.capnp; read and written by schema/wire.py)
@@ -555,11 +615,14 @@ class Worker:
         if a.endpoint:
             moved = build_reply(self.ack, [], moved=(a.endpoint, a.standby))
             for client in self.attached:
-                self.sock.send_multipart([client, *moved], copy=False)
+                self.send_to(client, moved)
         return "done", None
 
     def ctx_stats(self, peer, seq, a):
         s = self.session
+        if self.warm is not None and self.warm.failure is not None:
+            # its image was damaged: the admin API lists it as "failed" on this status
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"the context failed: {self.warm.error().message}")
         job = s.checkpoint or s.restoring
         return "stats", {"bytes": s.space.used(), "allocations": len(s.space.allocations()), "last_seq": self.ack,
                          "checkpoint": s.checkpoint is not None, "restoring": s.restoring is not None,
@@ -626,10 +689,13 @@ class Worker:
                 r.start_loader()
         if r is not None and r.first_touch is not None and self.first_call_loaded is None:
             self.first_call_loaded = r.first_touch
+        if r is not None and r.failure is not None and s.sticky is None:
+            e = r.error()                  # a chunk failed its check: the context cannot go on, from the next call
+            s.sticky = (e.status, e.message)
         if r is not None and not r.running:
             try:
                 r.wait()
-            except CudaError as e:         # a chunk failed its check: the context cannot go on
+            except CudaError as e:
                 s.sticky = (e.status, e.message)
             s.restoring = None
         s.snapshotting = s.checkpoint is not None or s.restoring is not None
@@ -649,7 +715,16 @@ class Worker:
         if self.ctl is not None:
             held.register(self.ctl, zmq.POLLIN)
         recovery_check = 0.0
+        room = zmq.Poller()      # while replies wait in the backlog: room for them, and the front end
+        room.register(self.sock, zmq.POLLOUT)
+        if self.ctl is not None:
+            room.register(self.ctl, zmq.POLLIN)
         while not self.session.closing:
+            if self.client_keys is not None and time.monotonic() > self.keys_checked and self.revoked():
+                return
+            if self.backlog and not self.flush_backlog():
+                self.wait_for_room(room)
+                continue
             if self.session.snapshotting:
                 self.tick()
             elif self.session.recovery is not None and not self.frozen and time.perf_counter() > recovery_check:
@@ -665,6 +740,8 @@ class Worker:
             box = self.session.box
             if box is not None and hot != awake:
                 box.awake[0] = awake = hot      # clients ring the doorbell only while we sleep
+                if not awake:
+                    store_load_barrier()        # before box_ready() below: a request posted now rang
             if self.ctl is not None and self.ctl.getsockopt(EVENTS) & POLLIN:
                 # a busy client must not starve it: with a request always waiting in the mailbox,
                 # the loop would never reach its poll (on machines of 4 cores or fewer: no spin)
@@ -682,8 +759,7 @@ class Worker:
                     if self.handle(self.sock.recv_multipart(copy=False)) is not False:
                         self.served(t)
                 continue
-            # with a mailbox, wake now and then: a doorbell can cross our going to sleep
-            timeout = 10 if box is not None else 20 if self.session.snapshotting else 250
+            timeout = 20 if self.session.snapshotting else 250
             if self.session.checkpoint is not None and self.session.checkpoint.running:
                 timeout = 0                # its next step is ours to take
             if self.session.restoring is not None and self.session.restoring.loader_held:
@@ -717,6 +793,50 @@ CONTROL_CALLS = {
     "thaw": Worker.thaw,
     "retireTo": Worker.retire,
 }
+
+
+class ClientWatch(threading.Thread):
+    """Ends the worker when every connection of its client has hung up while one call runs
+    long (a kernel that never ends, a synchronize behind it): the serve loop, which frees a
+    context whose client is gone, is not running then."""
+
+    def __init__(self, worker):
+        super().__init__(name="client-watch", daemon=True)
+        self.worker = worker
+
+    def run(self):
+        w = self.worker
+        while True:
+            time.sleep(0.5)
+            since, fds = w.busy_since, list(w.client_fds)
+            if since is None or time.monotonic() - since < 1.0 or not fds or not all(map(hung_up, fds)):
+                continue
+            log.warning("context %d: its client is gone while a call runs: ending the context", w.session.ctx_id)
+            if w.session.recovery is not None:
+                w.session.recovery.discard()       # nobody will restore it
+            os._exit(0)                # the device frees the context with the process, kernel and all
+
+
+def hung_up(fd):
+    """Whether the peer of a connection (a client's, by its descriptor) has closed it."""
+    p = select.poll()
+    p.register(fd, select.POLLRDHUP | select.POLLHUP)
+    try:
+        return bool(p.poll(0))
+    except OSError:
+        return True
+
+
+_BARRIER = threading.Lock()
+
+
+def store_load_barrier():
+    """Our store of the mailbox's `awake` word must be seen before we read its request word,
+    as the client fences between its two (Dekker's pattern): otherwise each may miss the other's
+    and a request waits for our next wake-up. An uncontended lock's acquire is a locked
+    instruction, a full barrier on x86-64."""
+    with _BARRIER:
+        pass
 
 
 def _die_with_parent():
@@ -767,6 +887,8 @@ def main(argv=None):
     ap.add_argument("--standby-server", default="", help="the server that restores the context if this one dies")
     ap.add_argument("--host-store", help="a HostStore whose memory to pin, for copies straight to and from it")
     ap.add_argument("--module-cache", help="the server's module images by digest (gpu_server/module_cache.py)")
+    ap.add_argument("--emu-ledger", help="emu: the device memory the server's contexts hold (gpu_server/emu_memory.py)")
+    ap.add_argument("--client-keys", help="CURVE: the directory of admitted client keys (gpu_server/client_keys.py)")
     opts = ap.parse_args(argv)
     logging.basicConfig(level=settings.log_level(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
     _die_with_parent()
@@ -777,7 +899,7 @@ def main(argv=None):
     curve_secret = sys.stdin.readline().strip().encode()
     control_token = bytes.fromhex(sys.stdin.readline().strip())
     try:
-        backend = load_backend(opts.backend)(opts.device)
+        backend = load_backend(opts.backend)(opts.device, **({"ledger": opts.emu_ledger} if opts.emu_ledger else {}))
     except CudaError as e:
         print(f"ERROR {int(e.status)} {e.message}", flush=True)
         return 1
@@ -790,7 +912,14 @@ def main(argv=None):
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)      # find peers that vanished without closing
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # a reply that cannot be queued waits (Worker.send_to)
+    client_keys = None
     if curve_secret:
+        # the front end's allowlist, here too: a client may reach a worker without it
+        client_keys = ClientKeys(opts.client_keys or "")
+        auth = ThreadAuthenticator(zctx)
+        auth.start()
+        auth.configure_curve_callback(domain="*", credentials_provider=client_keys)
         sock.curve_server, sock.curve_secretkey = True, curve_secret
     monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
     sock.bind(opts.endpoint)
@@ -819,7 +948,10 @@ def main(argv=None):
     recovery = (opts.recovery_dir, opts.checkpoint_every, opts.checkpoint_calls) if opts.recovery_dir else None
     ended = False          # destroyed, or its client is gone (not killed): nobody will restore it
     try:
-        Worker(session, sock, ctl, control_token, recovery, opts.standby_server).serve(monitor, standby=opts.standby)
+        worker = Worker(session, sock, ctl, control_token, recovery, opts.standby_server)
+        worker.client_keys = client_keys
+        ClientWatch(worker).start()
+        worker.serve(monitor, standby=opts.standby)
         ended = True
     finally:
         if session.checkpoint is not None:

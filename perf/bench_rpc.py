@@ -87,7 +87,9 @@ def measure(cu, launches, sizes, rounds):
 
 
 def start_server(backend, listen):
-    proc = subprocess.Popen([sys.executable, "-m", "phos.cli", "server", "--backend", backend, "--listen", listen],
+    # --insecure: a keyless loopback listener, for the transport's cost alone
+    insecure = ["--insecure"] if listen.startswith("tcp://") else []
+    proc = subprocess.Popen([sys.executable, "-m", "phos.cli", "server", "--backend", backend, "--listen", listen, *insecure],
                             stdout=subprocess.PIPE, text=True)
     if "listening" not in proc.stdout.readline():
         raise RuntimeError("server did not start")

@@ -11,7 +11,7 @@ as in CUDA.
 
 Headless, 64 users for 5 minutes against one server:
 
-    phos server --backend emu --listen ipc:///tmp/phos-load/phos.sock &
+    PHOS_MAX_CONTEXTS_PER_CLIENT=0 phos server --backend emu --listen ipc:///tmp/phos-load/phos.sock &
     PHOS_SERVER=ipc:///tmp/phos-load/phos.sock locust -f perf/locustfile.py --headless \\
         -u 64 -r 4 -t 5m --stop-timeout 30 --csv /tmp/phos-load/locust --only-summary
 

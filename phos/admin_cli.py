@@ -1,4 +1,4 @@
-"""`phos ctx list`, `phos checkpoint`, `phos restore`, `phos image inspect`: clients of the admin API.
+"""`phos ctx list`, `phos ctx kill`, `phos checkpoint`, `phos restore`, `phos image inspect`: clients of the admin API.
 
 Loads no server code (phos.gpu_server, phos.snapshot) at import: only the admin API's schema."""
 import json
@@ -150,6 +150,12 @@ def image_inspect(opts):
     return 0
 
 
+def ctx_kill(opts):
+    call(stub(opts.server).KillContext, pb.KillContextRequest(ctx=opts.ctx))
+    print(json.dumps({"killed": opts.ctx}) if opts.json else f"context {opts.ctx} killed")
+    return 0
+
+
 def add_commands(sub, default_server):
     def common(p):
         p.add_argument("--server", default=default_server(), help="the server's address (default $PHOS_SERVER)")
@@ -160,6 +166,11 @@ def add_commands(sub, default_server):
     p = ctx_sub.add_parser("list", help="list the contexts")
     common(p)
     p.set_defaults(func=ctx_list)
+
+    p = ctx_sub.add_parser("kill", help="end a context now, even mid-kernel; it is not restored")
+    p.add_argument("ctx", type=int)
+    common(p)
+    p.set_defaults(func=ctx_kill)
 
     p = sub.add_parser("checkpoint", help="checkpoint a context into an image store directory")
     p.add_argument("ctx", type=int)

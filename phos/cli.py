@@ -35,11 +35,27 @@ def cmd_server(opts):
     if opts.checkpoint_every < 0 or opts.checkpoint_calls < 0:
         raise SystemExit("phos server: --checkpoint-every and --checkpoint-calls must not be negative")
     host_store = host_store_option(opts)
+    image_key_option(opts)
     try:
-        frontend.run(opts.backend, opts.listen, curve, pool=opts.pool, recovery=recovery, host_store=host_store)
+        frontend.run(opts.backend, opts.listen, curve, pool=opts.pool, recovery=recovery, host_store=host_store,
+                     insecure=opts.insecure)
     except ValueError as e:
         raise SystemExit(f"phos server: {e}")
     return 0
+
+
+def image_key_option(opts):
+    """--image-key FILE: the key this server signs and checks images with, read (or, the user's
+    default one, made) now, so that a bad one stops the server before it serves. Its workers
+    find it where the front end does: PHOS_IMAGE_KEY, which they inherit."""
+    from phos.snapshot import ImageError
+    from phos.snapshot.image_key import image_key
+    if opts.image_key:
+        os.environ[settings.image_key.name] = os.path.abspath(opts.image_key)
+    try:
+        image_key()
+    except ImageError as e:
+        raise SystemExit(f"phos server: {e}")
 
 
 def host_store_option(opts):
@@ -89,7 +105,9 @@ def main(argv=None):
     p = sub.add_parser("server", help="run a GPU server")
     p.add_argument("--backend", choices=["cuda", "emu"], default="emu")
     p.add_argument("--listen", default=default_server(), help="ipc://PATH or tcp://127.0.0.1:PORT")
-    p.add_argument("--auth-dir", help="CURVE keys made by `phos keygen`; required for non-loopback tcp")
+    p.add_argument("--auth-dir", help="CURVE keys made by `phos keygen`; required for tcp and abstract ipc://@NAME")
+    p.add_argument("--insecure", action="store_true", help="allow a keyless listener other local users can reach "
+                   "(tcp://127.0.0.1:PORT, ipc://@NAME); logged as a warning")
     p.add_argument("--pool", type=int, default=settings.pool(),
                    help="workers kept started with an initialized device, ready for a new context or a restore")
     p.add_argument("--recovery-dir", help="take recovery images of every context here, so that a context whose "
@@ -102,6 +120,10 @@ def main(argv=None):
     p.add_argument("--host-store", metavar="DIR", help="an image store in shared host memory that pre-started workers "
                    "pin, so checkpoints and restores into it run at the host link's speed")
     p.add_argument("--host-memory", metavar="SIZE", help="make the --host-store this big (e.g. 40G) if it does not exist")
+    p.add_argument("--image-key", metavar="FILE", default=settings.image_key.raw(),
+                   help="the key this server signs its images with and checks them by (HMAC-SHA256): servers "
+                   "given the same file restore each other's images; default: PHOS_IMAGE_KEY, else the user's own "
+                   "key, made on first use (~/.config/phos/image.key)")
     p.add_argument("--log-level", default=settings.log_level())
     p.set_defaults(func=cmd_server)
 

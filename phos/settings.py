@@ -20,23 +20,43 @@ from typing import Any, Callable, NamedTuple
 CLIENT, STUB, SERVER, CLI = "client", "stub", "server", "cli"
 
 
-@functools.lru_cache(maxsize=None)
-def default_server():
-    """The server address when PHOS_SERVER is unset: schema/phos.capnp's `defaultServer`.
+def socket_directory():
+    """The user's own directory for a server's sockets: /run/phos for root, else
+    $XDG_RUNTIME_DIR/phos, else /tmp/phos-UID (schema/phos.capnp, `defaultSocket`; the stub's
+    settings.cpp follows the same rule). The server makes it 0700 and refuses one another user owns."""
+    if os.geteuid() == 0:
+        return "/run/phos"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(runtime, "phos") if runtime else f"/tmp/phos-{os.geteuid()}"
 
-    Read from the schema's text (not through pycapnp, which this module does not import),
-    as the native stub reads it through the generated header: one definition for both."""
+
+@functools.lru_cache(maxsize=None)
+def default_socket():
+    """schema/phos.capnp's `defaultSocket`, read from the schema's text (not through pycapnp,
+    which this module does not import), as the native stub reads it through the generated header."""
     from importlib.resources import files
     text = files("phos.schema").joinpath("phos.capnp").read_text()
-    m = re.search(r'^const defaultServer :Text = "([^"]*)";', text, re.M)
+    m = re.search(r'^const defaultSocket :Text = "([^"]*)";', text, re.M)
     if m is None:
-        raise RuntimeError("schema/phos.capnp declares no `const defaultServer :Text`")
+        raise RuntimeError("schema/phos.capnp declares no `const defaultSocket :Text`")
     return m.group(1)
+
+
+def default_server():
+    """The server address when PHOS_SERVER is unset: `defaultSocket` in socket_directory()."""
+    return f"ipc://{socket_directory()}/{default_socket()}"
 
 
 def _spin_default():
     # Spinning beats a wake-up where cores are plentiful; on small machines it starves the peer.
     return 1000.0 if (os.cpu_count() or 1) > 4 else 0.0
+
+
+def _image_key_default():
+    """The user's image key: in $XDG_CONFIG_HOME/phos, else ~/.config/phos, kept across reboots
+    (a runtime directory is not), so that the user's servers restore each other's images."""
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(config, "phos", "image.key")
 
 
 def _stub_dir_default():
@@ -95,7 +115,8 @@ def _declare(name, type, default, readers, meaning, shown=""):
 server = _declare("PHOS_SERVER", str, default_server, f"{CLIENT}, {STUB}, {CLI}",
                   "the front end's address; clients read it again when they look for a lost context; "
                   "`phos server --listen` and the admin commands default to it (`phos run`: else a local server); "
-                  "the default is schema/phos.capnp's `defaultServer`")
+                  "the default is `phos.sock` in the user's socket directory: /run/phos for root, else "
+                  "$XDG_RUNTIME_DIR/phos, else /tmp/phos-UID", shown="ipc:///run/phos/phos.sock (root)")
 standby = _declare("PHOS_STANDBY", str, "", f"{CLIENT}, {STUB}",
                    "the server to ask for a lost context after PHOS_SERVER (default: the standby attach named)",
                    shown="unset")
@@ -148,6 +169,10 @@ pool = _declare("PHOS_POOL", int, 1, f"{SERVER}, {CLI}",
 max_contexts = _declare("PHOS_MAX_CONTEXTS", int, 64, SERVER,
                         "contexts a server holds at once: a cuCtxCreate beyond fails with CUDA_ERROR_OUT_OF_MEMORY "
                         "(each is a worker process; 0: no limit)")
+max_contexts_per_client = _declare("PHOS_MAX_CONTEXTS_PER_CLIENT", int, 32, SERVER,
+                                   "contexts one client holds at once on a server, a client being a CURVE key, "
+                                   "else the local user of an ipc:// connection: a cuCtxCreate beyond fails with "
+                                   "CUDA_ERROR_OUT_OF_MEMORY (0: no limit)")
 worker_start_timeout = _declare("PHOS_WORKER_START_TIMEOUT", float, 60.0, SERVER,
                                 "seconds the front end waits for a worker to start")
 attach_timeout = _declare("PHOS_ATTACH_TIMEOUT", float, 30.0, SERVER,
@@ -168,8 +193,19 @@ trace_seconds = _declare("PHOS_TRACE_SECONDS", float, 0.03, SERVER,
 module_cache_bytes = _declare("PHOS_MODULE_CACHE_BYTES", int, 4 << 30, SERVER,
                               "the bytes of module images a server keeps on disk for its clients, beside its "
                               "socket (0: none kept)", shown="4294967296 (4 GiB)")
+image_key = _declare("PHOS_IMAGE_KEY", str, _image_key_default, f"{SERVER}, {CLI}",
+                     "the file of the key that signs every image's manifest (HMAC-SHA256) and that a restore "
+                     "checks it with (`phos server --image-key`'s default; `phos image inspect` reads with it): "
+                     "servers sharing it restore each other's images; the default one is made (mode 0600) on first use",
+                     shown="$XDG_CONFIG_HOME/phos/image.key, else ~/.config/phos/image.key")
 emu_memory = _declare("PHOS_EMU_MEMORY", int, 16 << 30, SERVER, "the emu backend's device memory in bytes",
                         shown="17179869184 (16 GiB)")
+emu_context_quota = _declare("PHOS_EMU_CONTEXT_QUOTA", int, 0, SERVER,
+                             "the bytes of emu device memory one context may hold (PHOS_EMU_MEMORY's bytes are "
+                             "shared by all the contexts of a server; 0: no quota of its own)")
+emu_launch_timeout = _declare("PHOS_EMU_LAUNCH_TIMEOUT", float, 60.0, SERVER,
+                              "seconds an emu kernel may run: a launch running longer is stopped and fails with "
+                              "CUDA_ERROR_LAUNCH_TIMEOUT (0: no limit)")
 
 
 # -- the `phos` command line --------------------------------------------------------------------

@@ -69,6 +69,11 @@ class AdminStub:
                 request_serializer=admin__pb2.DropWarmRequest.SerializeToString,
                 response_deserializer=admin__pb2.DropWarmReply.FromString,
                 _registered_method=True)
+        self.KillContext = channel.unary_unary(
+                '/phos.admin.v1.Admin/KillContext',
+                request_serializer=admin__pb2.KillContextRequest.SerializeToString,
+                response_deserializer=admin__pb2.KillContextReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -121,6 +126,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KillContext(self, request, context):
+        """End a context now, even mid-kernel (its worker is killed), and forget it: its client's
+        calls fail, and it is not restored from its recovery images, which go.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +171,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DropWarm,
                     request_deserializer=admin__pb2.DropWarmRequest.FromString,
                     response_serializer=admin__pb2.DropWarmReply.SerializeToString,
+            ),
+            'KillContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.KillContext,
+                    request_deserializer=admin__pb2.KillContextRequest.FromString,
+                    response_serializer=admin__pb2.KillContextReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +367,33 @@ class Admin:
             '/phos.admin.v1.Admin/DropWarm',
             admin__pb2.DropWarmRequest.SerializeToString,
             admin__pb2.DropWarmReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KillContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phos.admin.v1.Admin/KillContext',
+            admin__pb2.KillContextRequest.SerializeToString,
+            admin__pb2.KillContextReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,8 @@ import os
 import stat
 import urllib.parse
 
+from phos import settings
+
 # a checkpoint's result: its dict's scalar keys, the same in CheckpointResult (admin.proto)
 CHECKPOINT_SCALARS = ("name", "bytes", "copied_bytes", "stored_bytes", "new_chunks", "reused_chunks", "seconds", "mode",
                       "paused", "pause_ms", "recopied_chunks", "cut_seq", "manifest_bytes")
@@ -14,12 +16,12 @@ CHECKPOINT_SCALARS = ("name", "bytes", "copied_bytes", "stored_bytes", "new_chun
 
 def _beside(server, ipc_suffix, tcp_name):
     """A path of the server listening on `server`: its ipc socket's path with ipc_suffix, or, for
-    tcp://HOST:PORT, tcp_name (which names {port}) in /tmp/phos."""
+    tcp://HOST:PORT, tcp_name (which names {port}) in the user's socket directory."""
     url = urllib.parse.urlparse(server)
     if url.scheme == "ipc":
         return server[len("ipc://"):] + ipc_suffix
     if url.scheme == "tcp":
-        return "/tmp/phos/" + tcp_name.format(port=url.port)
+        return os.path.join(settings.socket_directory(), tcp_name.format(port=url.port))
     raise ValueError(f"server address {server!r}: use ipc://PATH or tcp://HOST:PORT")
 
 
@@ -33,23 +35,30 @@ def module_cache_dir(server):
     return _beside(server, ".modules", "modules-{port}")
 
 
-def private_directory(path, create=False):
-    """Check that the directory holding a server's sockets is this user's own and that nobody
-    else may write in it (else another user could put a socket of theirs in place of the
-    server's); with create, make it (mode 0700) when it is missing. Raises ValueError."""
+def emu_ledger_dir(server):
+    """Where the emu workers of the server listening on `server` account its device memory
+    together (gpu_server/emu_memory.py DeviceLedger)."""
+    return _beside(server, ".emu-memory", "emu-memory-{port}")
+
+
+def private_directory(path, create=False, what="socket directory"):
+    """Check that the directory holding a server's sockets (or another private file of the
+    user's, such as the image key: `what` names it) is this user's own and that nobody else may
+    write in it (else another user could put a socket of theirs in place of the server's);
+    with create, make it (mode 0700) when it is missing. Raises ValueError."""
     if create:
         os.makedirs(path, mode=0o700, exist_ok=True)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise ValueError(f"socket directory {path} does not exist") from None
+        raise ValueError(f"{what} {path} does not exist") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"socket directory {path} is not a directory")
+        raise ValueError(f"{what} {path} is not a directory")
     if st.st_uid != os.geteuid():
-        raise ValueError(f"socket directory {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
-                         "another user could replace the sockets in it")
+        raise ValueError(f"{what} {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): "
+                         "another user could replace the files in it")
     if st.st_mode & 0o022:
-        raise ValueError(f"socket directory {path} is writable by others (mode {st.st_mode & 0o777:o})")
+        raise ValueError(f"{what} {path} is writable by others (mode {st.st_mode & 0o777:o})")
 
 
 def checkpoint_message(result):

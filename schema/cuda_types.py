@@ -63,7 +63,7 @@ ERROR_STRINGS = {
 }
 
 # Errors after which the context is unusable, as on a GPU: every later call returns them.
-STICKY = frozenset({700, 710, 714, 715, 716, 717, 718, 719})
+STICKY = frozenset({700, 702, 710, 714, 715, 716, 717, 718, 719})
 
 
 class CudaError(Exception):

@@ -94,9 +94,11 @@
 
 const protocolVersion :UInt32 = 3;   # 3: snapshot calls left Call for the control plane (ControlRequest)
 
-# Where a client looks for the server when PHOS_SERVER is unset (phos/settings.py, the stub's
-# settings.cpp) and where `phos server` listens by default.
-const defaultServer :Text = "ipc:///tmp/phos/phos.sock";
+# Where a client looks for the server when PHOS_SERVER is unset, and where `phos server`
+# listens by default: ipc://DIR/defaultSocket in the user's own socket directory DIR, which
+# is /run/phos for root, else $XDG_RUNTIME_DIR/phos, else /tmp/phos-UID (phos/settings.py
+# socket_directory, the stub's settings.cpp); a directory another user owns is refused.
+const defaultSocket :Text = "phos.sock";
 # A Request holding more calls than this is refused whole, before any of them runs: one
 # message must not hold a worker, or the front end every client shares, for long. Clients
 # batch fewer (PHOS_BATCH_CALLS is clamped to it).

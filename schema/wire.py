@@ -47,7 +47,6 @@ BOX_SIZE = phos_capnp.stagingBoxSize
 SLOTS_OFFSET = phos_capnp.stagingSlotsOffset
 SLOT_SIZE = phos_capnp.stagingSlotSize          # clients' two bulk slots
 MIN_COPY = phos_capnp.stagingMinCopy            # clients' smallest staged copy
-DEFAULT_SERVER = phos_capnp.defaultServer       # phos/settings.py reads the same constant
 MAX_REQUEST_CALLS = phos_capnp.maxRequestCalls
 
 Request = phos_capnp.Request

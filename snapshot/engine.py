@@ -19,9 +19,18 @@ cut, copying only the chunks the store does not hold yet. Chunks are content-add
 unchanged chunk is never copied twice: that is what makes checkpoints incremental.
 
 Restore: objects come back with their ids and addresses; contents load in a background
-thread, and a call touching a chunk not yet loaded loads it first (`before_access`).
+thread, and a call touching a chunk not yet loaded loads it first (`before_access`). Before
+the restore says it succeeded, the manifest's signature and every chunk's presence and header
+are checked; each chunk's contents are checked on the device as they load, and a damaged one
+fails the context (`damaged`). Until its last chunk is in, the restore holds the store's
+session (garbage collection removes nothing) and its image's reader lock (deleting the image
+is refused, naming it): `hold`.
+
+Both sign and check images with this server's image key (snapshot/image_key.py) unless given
+another.
 """
 import bisect
+import contextlib
 # The executor's module is imported lazily by concurrent.futures: on a worker's first
 # checkpoint that took 1 ms, with the application held by the cut.
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +47,10 @@ import numpy as np
 from phos import settings
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
-from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, chunk_count, chunk_payload,
-                                 encode_delta, read_chunk, read_chunk_into, read_image, read_latest_image, validate_delta)
+from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, check_chunks, chunk_count,
+                                 chunk_payload, encode_delta, read_chunk, read_chunk_into, read_image, read_latest_image,
+                                 validate_delta)
+from phos.snapshot.image_key import image_key
 from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTES
 from phos.snapshot.store import keys_of
 
@@ -309,7 +320,8 @@ class Checkpoint(ChunkJob):
         known: the parent's chunk keys, when the caller holds them (ImageWriter).
         prior: the parent's (regions, chunk keys in Chunks order), when the caller holds them: a
         paused checkpoint of the same regions then asks the store only about the chunks whose
-        fingerprints changed (a handoff's last round, where 99% are the parent's)."""
+        fingerprints changed (a handoff's last round, where 99% are the parent's).
+        key: the image key to sign its manifest with (default: this server's)."""
         if chunk_size <= 0 or chunk_size % 8 or chunk_size > MAX_CHUNK_BYTES:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk size {chunk_size} must be a multiple of 8 up to {MAX_CHUNK_BYTES}")
         if chunk_size > getattr(store, "capacity", chunk_size):
@@ -323,7 +335,8 @@ class Checkpoint(ChunkJob):
         self.level = 1 if compress else None
         self.chunk_size = chunk_size
         try:
-            self.writer = ImageWriter(store, name, parent=parent, key=key, level=self.level, known=known)
+            self.writer = ImageWriter(store, name, parent=parent, key=image_key() if key is None else key,
+                                      level=self.level, known=known)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
         super().__init__()
@@ -714,17 +727,22 @@ class Restore(ChunkJob):
 
     def __init__(self, session, store, name, key=None):
         """name: the image, or None for the store's latest (found here: the manifest is then
-        read and checked once)."""
+        read and checked once). key: the image key its manifest must be signed with (default:
+        this server's)."""
+        super().__init__()
         self.session, self.store = session, store
+        self.held = None             # what keeps the image's chunks in the store while they load (hold)
         t0 = time.perf_counter()
         try:
-            self.manifest = read_image(store, name, key=key) if name else read_latest_image(store, key=key)
+            self.key = image_key() if key is None else key
+            self.manifest = read_image(store, name, key=self.key) if name else read_latest_image(store, key=self.key)
+            if self.manifest is not None:
+                self.hold(self.manifest.name)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
         if self.manifest is None:
             raise CudaError(CUresult.CUDA_ERROR_NOT_FOUND, f"no readable image in {getattr(store, 'path', store)}")
         self.name = self.manifest.name
-        super().__init__()
         self.thread = None           # the background loader
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
         self.relocations = []        # (old start, old end, new start) of the module globals that moved
@@ -739,6 +757,53 @@ class Restore(ChunkJob):
 
     def refuse(self, why):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"image {self.name!r}: {why}")
+
+    def hold(self, name, committed=True):
+        """Keep the chunks of image `name` in the store until they are all loaded
+        (release_store): the store's session, so that garbage collection removes none of them,
+        and, for a committed image, its reader lock, so that deleting it is refused with an error
+        that names it (a delta's image may not be committed yet: its writer's session, then its
+        manifest, keep its chunks). Replaces what held an earlier image."""
+        held = contextlib.ExitStack()
+        try:
+            held.enter_context(self.store.session())
+            if committed:
+                held.enter_context(self.store.reading(name))
+        except BaseException:
+            held.close()
+            raise
+        self.release_store()
+        self.held = held
+
+    def release_store(self):
+        with self.cv:       # the loader and a call may both load the last chunk
+            held, self.held = self.held, None
+        if held is not None:
+            held.close()
+
+    def release_when_loaded(self):
+        if self.bytes_done >= self.bytes_total:
+            self.release_store()
+
+    def fail(self, e):
+        """A chunk failed to load: the context cannot go on, and what is not loaded never will be."""
+        super().fail(e)
+        self.release_store()
+
+    def error(self):
+        """The failure as the CudaError that the context's calls get from now on."""
+        if isinstance(self.failure, CudaError):
+            return self.failure
+        return CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"restore of image {self.name!r} failed: {self.failure}")
+
+    def damaged(self, c, why):
+        """The error of chunk c, found damaged as it loaded. The restore said it succeeded (its
+        header was sound), so the context fails: every later call gets this error."""
+        r = bisect.bisect_right(self.chunks.first, c) - 1
+        base = self.chunks.regions[r][0]
+        return CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
+                         f"image {self.name!r} is damaged: its chunk {c - self.chunks.first[r]} of the memory at {base:#x} "
+                         f"({self.keys[c]}) {why}; the context restored from it cannot go on")
 
     def recreate(self):
         """Recreate modules, functions, streams, events and allocations with their ids and addresses."""
@@ -825,7 +890,7 @@ class Restore(ChunkJob):
             session, error, cut_seq = dict(self.manifest.session, next_id=delta["next_id"]), delta["error"], delta["cut_seq"]
         else:
             try:     # the chunks of the image it advances from were checked when it was read
-                m = read_image(self.store, name, check_chunks=False)
+                m = read_image(self.store, name, key=self.key, check_chunks=False)
             except ImageError as e:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
             if same_objects(self.manifest) != same_objects(m):
@@ -834,10 +899,14 @@ class Restore(ChunkJob):
             keys = [k for base, _, _ in self.chunks.regions for k in by_base[base]]
             session, error, cut_seq = m.session, m.error, m.cut_seq
             changed = differing(self.keys, keys)
-        # only the changed chunks load again: the store must hold them
-        missing = min(self.store.missing({keys[c] for c in changed}), default=None)
-        if missing:
-            self.refuse(f"chunk {missing} is missing from the store")
+        # only the changed chunks load again: the store must hold them, whole, from now until they are in
+        try:
+            self.hold(name, committed=m is not None)
+            bad = check_chunks(self.store, [keys[c] for c in changed], self.chunks.sizes[changed])
+        except ImageError as e:
+            self.refuse(str(e))
+        if bad:
+            self.refuse(f"chunk {keys[changed[bad[0]]]} {bad[1]}")
         self.stopping = True          # the loader stops between batches; what it holds, it finishes
         if self.thread is not None:
             self.thread.join()
@@ -879,17 +948,19 @@ class Restore(ChunkJob):
         try:     # every header field is checked here; the contents' fingerprint on the device
             read_chunk_into(self.store, self.keys[c], out, check=False)
         except ImageError as e:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
+            raise self.damaged(c, f"cannot be loaded: {e}") from None
 
     def sources(self, idx):
         """Where the store keeps chunks idx, header checked, for the device to copy from; None
         when it has no such place for them all (they are read into a copy buffer instead)."""
         if not self.direct:
             return None
-        try:
-            out = [chunk_payload(self.store, self.keys[c], int(self.chunks.sizes[c])) for c in idx]
-        except ImageError as e:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(e)) from None
+        out = []
+        for c in idx:
+            try:
+                out.append(chunk_payload(self.store, self.keys[c], int(self.chunks.sizes[c])))
+            except ImageError as e:
+                raise self.damaged(c, f"cannot be loaded: {e}") from None
         return None if any(p is None for p in out) else out
 
     def load(self, idx, urgent=False):
@@ -898,12 +969,12 @@ class Restore(ChunkJob):
                                               self.sources(idx))
         for c, fp in zip(idx, fps):
             if fp.hex() != self.keys[c]:
-                raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE,
-                                f"image {self.name!r}: chunk {self.keys[c]} is corrupt: its contents fingerprint to {fp.hex()}")
+                raise self.damaged(c, f"is corrupt: its contents fingerprint to {fp.hex()}")
         globals_here = [c for c in idx if c in self.global_chunks] if self.global_chunks else ()
         if globals_here:
             self.look_into_globals(globals_here)
         self.mark_done(idx)
+        self.release_when_loaded()
 
     def look_into_globals(self, idx):
         """Read module globals as they load (small, and before a kernel of theirs runs):
@@ -939,11 +1010,16 @@ class Restore(ChunkJob):
         deferred, once start_loader() is called: the worker serves its client's re-attach
         and first calls before the loader competes with them for the interpreter."""
         if full:
-            self.load_all()
+            try:
+                self.load_all()
+            except BaseException as e:
+                self.fail(e)
+                raise
         elif deferred:
             self.loader_held = True
         else:
             self.start_loader()
+        self.release_when_loaded()       # nothing (more) to load
 
     def start_loader(self):
         self.loader_held = False
@@ -958,6 +1034,9 @@ class Restore(ChunkJob):
     def run(self):
         try:
             self.load_all()
+        except CudaError as e:
+            log.warning("restore of %s failed: %s", self.name, e.message)
+            self.fail(e)
         except BaseException as e:
             log.exception("restore of %s failed", self.name)
             self.fail(e)
@@ -965,8 +1044,7 @@ class Restore(ChunkJob):
     def before_access(self, ptr, nbytes, whole=False):
         """Load the chunks a call touches now, ahead of the background queue."""
         if self.failure is not None:
-            raise self.failure if isinstance(self.failure, CudaError) else \
-                CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"restore of {self.name!r} failed: {self.failure}")
+            raise self.error()
         if self.first_touch is None:
             self.first_touch = self.bytes_done
         idx = self.not_done(ptr, nbytes, whole)
@@ -974,8 +1052,14 @@ class Restore(ChunkJob):
             return
         mine = self.claim(idx)
         if mine:
-            self.load(mine, urgent=True)
+            try:
+                self.load(mine, urgent=True)
+            except BaseException as e:      # the context fails, and whoever waits for these chunks stops
+                self.fail(e)
+                raise self.error() from None
         self.wait_done(idx)
+        if self.failure is not None:        # the loader failed on some of them
+            raise self.error()
 
     def wait(self):
         """Block until every chunk is loaded (a synchronous full restore, or shutdown)."""
@@ -984,5 +1068,4 @@ class Restore(ChunkJob):
         if self.thread is not None:
             self.thread.join()
         if self.failure is not None:
-            raise self.failure if isinstance(self.failure, CudaError) else \
-                CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"restore of {self.name!r} failed: {self.failure}")
+            raise self.error()

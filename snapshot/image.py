@@ -3,7 +3,8 @@
 Layout in a store (see store.py):
 
 - **Chunks.** A chunk's key is the hex of its pfp1 fingerprint (fingerprint.py). Its
-  stored blob is a 40-byte little-endian header, then the payload:
+  stored blob is a 40-byte little-endian header, then the payload (a restore checks every
+  chunk's presence and header up front, check_chunks; its contents as it loads them):
 
       offset size field
       0      4    magic b"PHCK"
@@ -49,10 +50,12 @@ Layout in a store (see store.py):
   chunk j holds bytes [j*chunk_size, min(size, (j+1)*chunk_size)). Entries may carry
   extra fields; the ones above are required and type-checked.
 
-  Beside it, a digest line: b"blake2b-256:<hex>\\n", or b"blake2b-256-keyed:<hex>\\n"
-  when the writer had a server secret (BLAKE2b in keyed mode, person
-  b"phos-manifest-v1", over the manifest's exact bytes). A reader given a key refuses
-  unkeyed images, so the digest cannot be stripped and recomputed.
+  Beside it, its signature line: b"hmac-sha256:<hex>\\n", HMAC-SHA256 under the image key of
+  the server that wrote it (image_key.py) of b"phos-manifest-v1" and the manifest's exact
+  bytes. A restore checks it under its own server's key and refuses anything else, so a
+  manifest edited by hand cannot be given a digest that passes. (b"blake2b-256:<hex>\\n", a
+  plain BLAKE2b digest, person b"phos-manifest-v1": an unsigned image, as tools and tests write
+  them without a key; servers never restore one.)
 
 - **Deltas.** A handoff's last round sends its image to the warm target as a delta of the
   parent image the target holds, before the manifest is committed (encode_delta; checked by
@@ -82,9 +85,11 @@ import struct
 import threading
 import time
 
+import numpy as np
 import zstandard
 
 from .fingerprint import fingerprint
+from .image_key import image_key
 from .store import DirStore, ImageError, MemoryStore, all_keys, check_key, check_name, keys_of  # noqa: F401 (re-exported)
 
 FORMAT = "phos-image"
@@ -105,7 +110,11 @@ U64 = 1 << 64
 
 DIGEST_PERSON = b"phos-manifest-v1"
 DIGEST_PLAIN = b"blake2b-256"
-DIGEST_KEYED = b"blake2b-256-keyed"
+DIGEST_KEYED = b"hmac-sha256"
+_DIGEST_RE = re.compile(rb"(blake2b-256|hmac-sha256):([0-9a-f]{64})\n?")
+# a chunk header's fields (HEADER) as an array type: a restore checks thousands at once
+_HEADS = np.dtype([("magic", "S4"), ("version", "<u2"), ("comp", "<u2"), ("raw", "<u8"), ("stored", "<u8"),
+                   ("fp", "u1", 16)])
 _QUOTED_KEY_RE = re.compile(rb'"([0-9a-f]{32})"')
 _HEX_RE = re.compile(r"(?:[0-9a-f]{2}){0,64}")
 _CONTAINERS = itertools.repeat((dict, list))
@@ -226,6 +235,44 @@ def decode_chunk(blob, key, expected_len=None, max_len=MAX_CHUNK_BYTES, check=Tr
     return data
 
 
+def check_chunks(store, keys, lengths):
+    """(i, why) of the first chunk of `keys` that the store lacks or holds wrongly, or None:
+    each must be there, a regular file of its own in a DirStore, with a header that fits its
+    key and raw length (lengths[i]) and a blob of the length the header says. One stat and one
+    header read a chunk file (a HostStore's headers: a few array steps); no contents are read:
+    their fingerprints are checked as they load. Raises ImageError for a chunk that cannot be
+    read at all (a link, a FIFO)."""
+    if not len(keys):
+        return None
+    unique = list(dict.fromkeys(keys))          # a chunk of zeros may be thousands of a region's
+    if len(unique) == len(keys):
+        ix = slice(None)
+    else:
+        at = dict(zip(unique, range(len(unique))))
+        ix = np.fromiter(map(at.__getitem__, keys), np.int64, len(keys))
+    heads, blob_lens = store.heads(unique, HEADER_SIZE)
+    blob_lens = np.asarray(blob_lens, np.int64)[ix]
+    missing = np.flatnonzero(blob_lens < 0)
+    if len(missing):
+        return int(missing[0]), "is missing from the store"
+    h = np.frombuffer(heads, _HEADS)[ix]
+    fps = np.frombuffer(bytes.fromhex("".join(unique)), np.uint8).reshape(-1, 16)[ix]
+    raw = h["raw"]
+    ok = ((blob_lens >= HEADER_SIZE) & (h["magic"] == CHUNK_MAGIC) & (h["version"] == CHUNK_VERSION)
+          & np.isin(h["comp"], list(COMPRESSIONS)) & (raw == np.asarray(lengths, np.uint64))
+          & (h["stored"] == blob_lens.astype(np.uint64) - np.uint64(HEADER_SIZE))
+          & ((h["comp"] != COMP_RAW) | (h["stored"] == raw)) & (h["fp"] == fps).all(axis=1))
+    bad = np.flatnonzero(~ok)
+    if not len(bad):
+        return None
+    i = int(bad[0])
+    try:        # says what is wrong with it, as a read would
+        _check_header(keys[i], int(blob_lens[i]), h[i:i + 1].tobytes(), int(lengths[i]), MAX_CHUNK_BYTES)
+    except ImageError as e:
+        return i, str(e).removeprefix(f"chunk {keys[i]} ")
+    return i, "has a damaged header"
+
+
 def read_chunk(store, key, expected_len=None, max_len=MAX_CHUNK_BYTES, check=True):
     """The verified contents of chunk `key` in `store` (check: see decode_chunk)."""
     check_key(key)
@@ -292,38 +339,48 @@ def canonical_json(obj):
         raise ImageError(f"manifest cannot be written as canonical JSON: {e}") from None
 
 
-def _digest_key(key):
+def _signature(data, key):
+    """The hex HMAC-SHA256 of a manifest's bytes under an image key."""
     if isinstance(key, str):
         key = key.encode()
-    key = bytes(key)
     if not key:
-        raise ImageError("the manifest key is empty")
-    return key if len(key) <= 64 else hashlib.blake2b(key, digest_size=64).digest()
+        raise ImageError("the image key is empty")
+    h = hmac.new(bytes(key), DIGEST_PERSON, hashlib.sha256)
+    h.update(data)
+    return h.hexdigest().encode()
 
 
 def manifest_digest(data, key=None):
-    """The digest line stored beside a manifest."""
+    """The line stored beside a manifest: its signature under key, or without one a plain digest
+    (an unsigned image, which no server restores)."""
     if key is None:
         h = hashlib.blake2b(data, digest_size=32, person=DIGEST_PERSON)
         return DIGEST_PLAIN + b":" + h.hexdigest().encode() + b"\n"
-    h = hashlib.blake2b(data, digest_size=32, person=DIGEST_PERSON, key=_digest_key(key))
-    return DIGEST_KEYED + b":" + h.hexdigest().encode() + b"\n"
+    return DIGEST_KEYED + b":" + _signature(data, key) + b"\n"
 
 
 def _check_digest(name, data, digest, key):
-    m = re.fullmatch(rb"(blake2b-256|blake2b-256-keyed):([0-9a-f]{64})\n?", bytes(digest))
+    """Check a manifest against its digest line. key: the image key it must be signed with (a
+    server's restore), an unsigned one refused; None: a signed one is checked under this
+    process's image key (image_key.py), an unsigned one against its plain digest (a tool that
+    reads images). A failure never says what the signature should be: that would sign a forgery."""
+    m = _DIGEST_RE.fullmatch(bytes(digest))
     if not m:
         raise ImageError(f"image {name!r}: digest file is malformed (not an algorithm and a hex digest)")
-    algo = m.group(1)
-    if algo == DIGEST_KEYED and key is None:
-        raise ImageError(f"image {name!r} is signed with a server key; give the key to verify it")
-    if algo == DIGEST_PLAIN and key is not None:
-        raise ImageError(f"image {name!r} is not signed, but a key was given: refusing an unsigned manifest")
-    expected = manifest_digest(data, key).strip().split(b":")[1]
+    if m.group(1) == DIGEST_KEYED:
+        if not hmac.compare_digest(_signature(data, image_key() if key is None else key), m.group(2)):
+            raise ImageError(f"image {name!r}: its manifest's signature does not match this server's image key "
+                             "(manifest digest mismatch: the manifest was modified, or the key is wrong: the image "
+                             "is signed with a server key other than this one)")
+        return
+    if key is not None:
+        raise ImageError(f"image {name!r}: its manifest is not signed: refusing an unsigned manifest (this server "
+                         "restores images signed with its image key only)")
+    expected = manifest_digest(data).strip().split(b":")[1]
     if not hmac.compare_digest(expected, m.group(2)):
         raise ImageError(f"image {name!r}: manifest digest mismatch: the digest file says "
                          f"{m.group(2).decode()}, the manifest hashes to {expected.decode()} "
-                         "(the manifest was modified or corrupted" + (", or the key is wrong)" if key else ")"))
+                         "(the manifest was modified or corrupted)")
 
 
 def _depth_ok(obj, limit=MAX_JSON_DEPTH):
@@ -597,6 +654,32 @@ class Manifest:
     def chunk_keys(self):
         return set(self._keys())
 
+    def chunk_lengths(self):
+        """The raw length of each chunk, in _keys()' order (a region's last chunk may be short)."""
+        d, parts = self._data, []
+        parts.append(np.array([e["size"] for e in d["modules"]], np.int64))
+        for kind in ("globals", "allocations"):
+            for e in d[kind]:
+                n, cs = len(e["chunks"]), e["chunk_size"]
+                lens = np.full(n, cs, np.int64)
+                if n:
+                    lens[-1] = e["size"] - (n - 1) * cs
+                parts.append(lens)
+        return np.concatenate(parts)
+
+    def bad_chunk(self, store):
+        """ImageError's message for the first chunk that the store lacks or holds wrongly
+        (check_chunks), or None."""
+        keys = list(self._keys())
+        try:
+            found = check_chunks(store, keys, self.chunk_lengths())
+        except ImageError as e:
+            return f"image {self.name!r}: {e}"
+        if found is None:
+            return None
+        i, why = found
+        return f"image {self.name!r}: chunk {keys[i]} ({self.chunk_refs()[i][1]}) {why}"
+
     def missing_chunk(self, store, present=frozenset()):
         """(key, where) of a chunk neither in `present` nor in the store, or None."""
         # a writer's `present` holds nearly all: no set of them all is built
@@ -634,7 +717,8 @@ def _parse_manifest(name, raw):
 
 
 def read_image(store, name, key=None, check_chunks=True):
-    """The verified Manifest of image `name`: format, version, digest, fields and chunks present."""
+    """The verified Manifest of image `name`: format, version, signature (_check_digest: key),
+    fields, and its chunks present with sound headers (check_chunks)."""
     check_name(name)
     raw, digest = store.get_manifest(name, max_bytes=MAX_MANIFEST_BYTES)
     _check_digest(name, raw, digest, key)
@@ -644,8 +728,12 @@ def read_image(store, name, key=None, check_chunks=True):
 def read_latest_image(store, key=None):
     """The verified Manifest of latest_image(store), or None: each manifest is read once, and
     the chosen one's digest checked once (an on-demand restore's path, where reading it again
-    took 3.2 ms at 32 GiB on the H200). Refuses the chosen one as read_image would."""
-    found = _latest(store, key=key)        # its digest checked
+    took 3.2 ms at 32 GiB on the H200). Refuses the chosen one as read_image would, and, when
+    none qualifies, says why the newest was refused (a store of images another key signed)."""
+    refused = []
+    found = _latest(store, key=key, refused=refused)        # its digest checked
+    if found is None and refused:       # say why the newest could not be had, not merely that none could
+        raise ImageError(refused[0])
     return None if found is None else _verified(store, found[0], found[1], True)
 
 
@@ -655,9 +743,9 @@ def _verified(store, name, raw, check_chunks):
     validate_manifest(data, name, depth_checked=True)
     man = Manifest(data, bytes(raw))
     if check_chunks:
-        missing = man.missing_chunk(store)
-        if missing:
-            raise ImageError(f"image {name!r}: chunk {missing[0]} ({missing[1]}) is missing from the store")
+        bad = man.bad_chunk(store)
+        if bad:
+            raise ImageError(bad)
     return man
 
 
@@ -930,8 +1018,9 @@ def latest_image(store, ctx=None, token=None):
     return None if found is None else found[0]
 
 
-def _latest(store, ctx=None, token=None, key=None):
-    """latest_image's (name, manifest bytes, digest bytes); its digest checked with key."""
+def _latest(store, ctx=None, token=None, key=None, refused=None):
+    """latest_image's (name, manifest bytes, digest bytes); its digest checked with key.
+    refused: a list that gets why each image newer than the one found was refused."""
     # Newest first by a glance at the text, then its digest checked until one qualifies. The
     # full check is left to whoever restores it (Restore reads it anyway): parsing and checking
     # a 32 GiB context's manifest costs the front end 3.2-4.3 ms of an on-demand restore on the H200.
@@ -946,7 +1035,9 @@ def _latest(store, ctx=None, token=None, key=None):
         try:
             _check_digest(name, raw, digest, key)
             mode, session = _glance(raw, name)
-        except Exception:
+        except Exception as e:
+            if refused is not None:
+                refused.append(str(e))
             continue
         if mode == "precopy":
             continue

@@ -12,9 +12,13 @@ Both stores have the same interface:
     list_chunks() -> [key]       delete_chunk(key)
     put_manifest(name, manifest, digest)                    get_manifest(name, max_bytes) -> (manifest, digest)
     list_images() -> [name]      has_image(name)            delete_image(name)
+    heads(keys, nbytes) -> (the first nbytes of each chunk's blob, zero-padded, joined;
+                            [blob length, -1 where missing]): what a restore checks up front
     stats() -> {"bytes", "chunks", "images"}
     session()                    a context manager held while writing an image or streaming its
                                  chunks (shared; across processes for DirStore, via flock)
+    reading(name)                a context manager held while a restore loads image `name` on
+                                 demand: delete_image(name) refuses it meanwhile (ImageInUse)
     try_gc_lock()                a context manager yielding True when no session is active
                                  (exclusive, never waits); garbage collection runs under it
 
@@ -36,6 +40,16 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
 
 class ImageError(Exception):
     """An image or chunk is missing, corrupt, truncated, tampered with or unsupported."""
+
+
+class ImageInUse(ImageError):
+    """An image that a restore still loads on demand: deleting it would take the chunks its
+    context has yet to load."""
+
+
+def _in_use(name):
+    return ImageInUse(f"image {name!r} is being restored on demand: a context still loads its chunks from it; "
+                      "delete it once that restore has loaded everything")
 
 
 def all_keys(keys):
@@ -118,6 +132,7 @@ class MemoryStore:
         self._mu = threading.Lock()
         self._chunks = {}
         self._images = {}
+        self._readers = {}          # name -> restores loading it on demand (reading)
         self._lock = _SharedExclusive()
 
     # chunks
@@ -156,6 +171,12 @@ class MemoryStore:
         body[:len(rest)] = rest
         return len(blob)
 
+    def heads(self, keys, nbytes):
+        check_keys(keys)
+        blobs = [self._chunks.get(k) for k in keys]
+        return (b"".join(bytes(b[:nbytes]).ljust(nbytes, b"\0") if b is not None else bytes(nbytes) for b in blobs),
+                [len(b) if b is not None else -1 for b in blobs])
+
     def list_chunks(self):
         with self._mu:
             return sorted(self._chunks)
@@ -192,8 +213,25 @@ class MemoryStore:
     def delete_image(self, name):
         check_name(name)
         with self._mu:
+            if self._readers.get(name):
+                raise _in_use(name)
             if self._images.pop(name, None) is None:
                 raise ImageError(f"image {name!r} is not in the store")
+
+    @contextlib.contextmanager
+    def reading(self, name):
+        check_name(name)
+        with self._mu:
+            if name not in self._images:
+                raise ImageError(f"image {name!r} is not in the store")
+            self._readers[name] = self._readers.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._readers[name] -= 1
+                if not self._readers[name]:
+                    del self._readers[name]
 
     def stats(self):
         with self._mu:
@@ -226,10 +264,11 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def open_regular(path, what):
+def open_regular(path, what, with_stat=False):
     """A read-only descriptor of path, which must be a regular file of its own: a symbolic link
     could lead anywhere (another tenant's image, /etc/passwd) and a FIFO or device would block
-    or never end. None if it is missing."""
+    or never end. None if it is missing. with_stat: (descriptor, its os.stat_result), which the
+    check took anyway (a restore's check of thousands of chunks saves a system call each)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -237,10 +276,11 @@ def open_regular(path, what):
     except OSError as e:          # ELOOP: a symbolic link; a directory in its place; no permission
         why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
         raise ImageError(f"{what} cannot be read ({path}): {why}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise ImageError(f"{what} cannot be read ({path}): it is not a regular file")
-    return fd
+    return (fd, st) if with_stat else fd
 
 
 def _read_bounded(path, max_bytes, what):
@@ -297,7 +337,7 @@ class DirStore:
         return self._chunk_file(check_key(key))
 
     def _chunk_file(self, key):          # a key already checked
-        return os.path.join(self._chunks, key[:2], key)
+        return f"{self._chunks}/{key[:2]}/{key}"
 
     def _write_atomic(self, path, data):
         d = os.path.dirname(path)
@@ -370,6 +410,25 @@ class DirStore:
             raise ImageError(f"chunk {key} changed while it was read ({got} of {size} bytes)")
         return size
 
+    def heads(self, keys, nbytes):
+        """A stat and one read of nbytes of each chunk file, each a regular file of its own
+        (open_regular): no contents are read."""
+        check_keys(keys)
+        heads, lengths = bytearray(nbytes * len(keys)), [-1] * len(keys)
+        for i, key in enumerate(keys):
+            got = open_regular(self._chunk_file(key), f"chunk {key}", with_stat=True)
+            if got is None:
+                continue
+            fd, lengths[i] = got[0], got[1].st_size
+            try:
+                head = os.pread(fd, nbytes, 0)
+            except OSError as e:
+                raise ImageError(f"chunk {key} cannot be read from the store {self.path}: {e.strerror}") from None
+            finally:
+                os.close(fd)
+            heads[i * nbytes:i * nbytes + len(head)] = head
+        return bytes(heads), lengths
+
     def list_chunks(self):
         out = []
         for sub in sorted(os.listdir(self._chunks)):
@@ -413,14 +472,49 @@ class DirStore:
 
     def delete_image(self, name):
         mpath, dpath = self._image_paths(name)
-        try:
-            os.unlink(mpath)
-        except FileNotFoundError:
-            raise ImageError(f"image {name!r} is not in the store {self.path}") from None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(dpath)
+        with self._unread(mpath, name):
+            try:
+                os.unlink(mpath)
+            except FileNotFoundError:
+                raise ImageError(f"image {name!r} is not in the store {self.path}") from None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dpath)
         if self.fsync:
             _fsync_dir(self._images)
+
+    # A restore on demand holds a shared flock of its image's manifest until its last chunk
+    # is in; a deletion takes it exclusively, or is refused. Across processes, and a process
+    # that dies lets go of it with no file left behind.
+    @contextlib.contextmanager
+    def reading(self, name):
+        mpath, _ = self._image_paths(name)
+        fd = open_regular(mpath, f"manifest of image {name!r}")
+        if fd is None:
+            raise ImageError(f"image {name!r} is not in the store {self.path}")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if os.fstat(fd).st_nlink == 0:
+                raise ImageError(f"image {name!r} was deleted from the store {self.path} as it was being restored")
+            yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _unread(self, mpath, name):
+        """The manifest mpath locked for its deletion; ImageInUse while a restore reads it."""
+        try:
+            fd = os.open(mpath, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:          # missing, or a link: no restore reads it (unlink says which)
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _in_use(name) from None
+            yield
+        finally:
+            os.close(fd)
 
     def stats(self):
         chunk_bytes, chunks = self._chunk_stats()
@@ -445,12 +539,27 @@ class DirStore:
     @contextlib.contextmanager
     def session(self):
         with self._local.shared():
-            fd = os.open(self._lockfile, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_lock_shared()
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
                 yield
             finally:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
+
+    def _open_lock_shared(self):
+        """The lock file, for a session; None in a store this user may only read, and that has
+        none: nobody collects garbage there (a restore from it holds a session too)."""
+        try:
+            return os.open(self._lockfile, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+        try:
+            return os.open(self._lockfile, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
 
     @contextlib.contextmanager
     def try_gc_lock(self):

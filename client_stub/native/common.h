@@ -48,7 +48,7 @@ struct Settings {
 const Settings& settings();
 
 // Read at call time, not once: a lost context may have moved to another server.
-std::string server_now();                                  // PHOS_SERVER, else schema's defaultServer
+std::string server_now();                                  // PHOS_SERVER, else the default (settings.cpp)
 std::string standby_now(const std::string& fallback);      // PHOS_STANDBY, else `fallback`
 
 }  // namespace phos

@@ -35,6 +35,7 @@ using Clock = std::chrono::steady_clock;
 // CUresult values this file produces on its own.
 constexpr uint32_t kNoDevice = 100;            // CUDA_ERROR_NO_DEVICE
 constexpr uint32_t kContextIsDestroyed = 709;  // CUDA_ERROR_CONTEXT_IS_DESTROYED
+constexpr uint32_t kNotPermitted = 800;        // CUDA_ERROR_NOT_PERMITTED
 constexpr uint32_t kUnknown = 999;             // CUDA_ERROR_UNKNOWN
 
 // Keep a Request frame well under the server's 1 MiB limit on control frames.
@@ -722,7 +723,7 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
             if (attached) break;
             passed_over_ = found_at_;   // it handed the context to a server that died since, say
         }
-        if (seconds_since(start) >= limit) break;
+        if (seconds_since(start) >= limit || refused_) break;   // refused: the operator ended it
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     if (!attached) {
@@ -810,6 +811,7 @@ std::string Connection::ask_front_end(const std::string& server, double timeout,
         if (!r.data.empty()) standby_ = r.data;   // handed off: the standby of the server it went to
         return r.text;
     }
+    if (r.status == kNotPermitted) refused_ = true;   // killed (`phos ctx kill`): no use waiting
     why = r.message.empty() ? "the front end at " + server + " sent no worker endpoint" : r.message;
     return "";
 }

@@ -144,6 +144,7 @@ private:
     uint64_t answered_ = 0;                             // acked_ when the worker went away: the Results
                                                         // of resent calls up to it are dropped
     bool reattaching_ = false;
+    bool refused_ = false;          // a front end refused to find the context for good (it was killed)
     // Recovery (schema/phos.capnp, "Recovery"), as the last attach said.
     bool recovery_ = false;
     uint64_t durable_ = 0;                              // calls up to it are in the latest image

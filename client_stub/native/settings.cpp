@@ -1,6 +1,6 @@
 // The stub's settings: every PHOS_* variable it reads, and nowhere else (phos/settings.py
 // declares them with the Python side's, for README.md's table). Part of the driver library,
-// which links the generated schema: the default server is schema/phos.capnp's defaultServer.
+// which links the generated schema: the default server's socket is schema/phos.capnp's defaultSocket.
 #include "common.h"
 
 #include <cstdarg>
@@ -41,12 +41,22 @@ static int env_tristate(const char* name) {
     return v == "0" ? 0 : v == "1" ? 1 : -1;
 }
 
-static const char* default_server() { return ::DEFAULT_SERVER.get().cStr(); }
+// schema/phos.capnp's defaultSocket in the user's own socket directory, by the rule
+// phos/settings.py's socket_directory() follows: /run/phos for root, else
+// $XDG_RUNTIME_DIR/phos, else /tmp/phos-UID.
+static std::string default_server() {
+    std::string dir;
+    const char* runtime = getenv("XDG_RUNTIME_DIR");
+    if (geteuid() == 0) dir = "/run/phos";
+    else if (runtime && *runtime) dir = std::string(runtime) + "/phos";
+    else dir = "/tmp/phos-" + std::to_string(geteuid());
+    return "ipc://" + dir + "/" + ::DEFAULT_SOCKET.get().cStr();
+}
 
 const Settings& settings() {
     static const Settings s = [] {
         Settings t;
-        t.server = env_string("PHOS_SERVER", default_server());
+        t.server = env_string("PHOS_SERVER", default_server().c_str());
         t.connect_timeout = env_seconds("PHOS_CONNECT_TIMEOUT", 5.0);
         t.gone_timeout = env_seconds("PHOS_GONE_TIMEOUT", 10.0);
         t.batch_calls = env_long("PHOS_BATCH_CALLS", 64);
@@ -72,7 +82,7 @@ const Settings& settings() {
     return s;
 }
 
-std::string server_now() { return env_string("PHOS_SERVER", default_server()); }
+std::string server_now() { return env_string("PHOS_SERVER", default_server().c_str()); }
 
 std::string standby_now(const std::string& fallback) { return env_string("PHOS_STANDBY", fallback.c_str()); }
 

@@ -12,6 +12,8 @@ addresses of shared, local and kernel-param memory live in their own 4 GiB windo
 below it (decode.py), so generic ld/st/atom dispatch by range. Shared memory is per block
 (one slice per block of the batch); local memory is per lane.
 """
+import time
+
 import numpy as np
 
 from phos.gpu_server.address_space import BASE
@@ -33,6 +35,22 @@ NUM_SMS = 132
 BATCH_BYTES = 512 << 20         # rough memory budget of one batch (registers, local, shared)
 BIG = 1 << 62
 _clock = [0]                    # %clock64 keeps counting across batches and launches
+
+
+class Deadline:
+    """When a launch must have ended (timeout seconds from its start; 0: never). The interpreter
+    checks it between batches and wherever a kernel can loop (backward jumps, regrouping), so
+    neither a kernel that never ends nor a grid of trillions of blocks holds a core for good."""
+
+    def __init__(self, kname, timeout=0):
+        self.kname, self.timeout = kname, timeout
+        self.at = time.monotonic() + timeout if timeout > 0 else float('inf')
+
+    def check(self):
+        if time.monotonic() > self.at:
+            raise err(CUresult.CUDA_ERROR_LAUNCH_TIMEOUT,
+                      f"kernel '{self.kname}': stopped after {self.timeout:g} s, the emu's launch time limit "
+                      "(PHOS_EMU_LAUNCH_TIMEOUT)")
 
 
 class Regs(dict):
@@ -60,9 +78,10 @@ class PBufs(dict):
 class State:
     """One batch of blocks in flight."""
 
-    def __init__(self, K, symbols, mem, kparams, printf, grid, block, dyn, b0, nb):
+    def __init__(self, K, symbols, mem, kparams, printf, grid, block, dyn, b0, nb, deadline=None):
         nt = block[0] * block[1] * block[2]
         self.kname, self.mem, self.printf, self.kparams = K.name, mem, printf, kparams
+        self.deadline = deadline or Deadline(K.name)
         self.N = N = nt * nb
         self.nt, self.nb = nt, nb
         self.R = Regs(N, K.reg_dtypes)
@@ -400,6 +419,7 @@ def execute(S, code):
     m, pc, cnt, lim, spins = None, 0, N, BIG, 0
     while True:
         if cnt == 0 or pc >= lim:                  # regroup at the lowest PC
+            S.deadline.check()
             if cnt:
                 if m is None:
                     pcs[:] = pc
@@ -448,16 +468,18 @@ def execute(S, code):
                         pcs[~p if m is None else m & ~p] = pc + 1
                         cnt = 0
                         continue
-            if a <= pc and lim != BIG:              # looping while other lanes wait: a spin on them?
-                spins += 1
-                if (spins < 4 or spins % SPIN_EVERY == 0) and S.stuck(a, pc, m):
-                    if m is None:
-                        pcs[:] = a
-                    else:
-                        pcs[m] = a
-                    S.suspend(m)                    # yield to the parked lanes (legal under Volta+ scheduling)
-                    cnt = 0
-                    continue
+            if a <= pc:                             # a loop: it may never end
+                S.deadline.check()
+                if lim != BIG:                      # looping while other lanes wait: a spin on them?
+                    spins += 1
+                    if (spins < 4 or spins % SPIN_EVERY == 0) and S.stuck(a, pc, m):
+                        if m is None:
+                            pcs[:] = a
+                        else:
+                            pcs[m] = a
+                        S.suspend(m)                # yield to the parked lanes (legal under Volta+ scheduling)
+                        cnt = 0
+                        continue
             pc = a
             continue
         if g is not None:                           # guarded control instruction: split off the lanes it skips
@@ -529,6 +551,7 @@ def execute(S, code):
             S.dep[li] = d + 1
             pc = target
         elif kind == BRX:
+            S.deadline.check()
             gi, targets = a
             idx = np.broadcast_to(np.asarray(gi(S)).astype(np.int64), (N,))
             li = S.lanes(m)
@@ -549,10 +572,18 @@ def execute(S, code):
 
 # ---------------------------------------------------------------- module and kernels
 class Global:
-    """A module-scope .global/.const variable: the backend allocates it, writes init, then bind_global()s it."""
+    """A module-scope .global/.const variable: the backend allocates it, writes its data, then bind_global()s it.
 
-    def __init__(self, size, align, init, space):
-        self.size, self.align, self.init, self.space = size, align, init, space
+    data: the bytes its initialiser gives, from its start (the rest is zeros), so that a big
+    global costs nothing before the backend has found room for it."""
+
+    def __init__(self, size, align, data, space):
+        self.size, self.align, self.data, self.space = size, align, data, space
+
+    @property
+    def init(self):
+        """All its size bytes, zeros after the initialiser's."""
+        return self.data + bytes(self.size - len(self.data))
 
     def __repr__(self):
         return f"Global(size={self.size}, align={self.align}, space={self.space!r})"
@@ -648,6 +679,9 @@ class Kernel:
         local += [v for n, v in tree.vars.items() if v.space == 'local' and n in used]
         lo, lsize = _layout(local)
         self.local_size = -(-lsize // 16) * 16
+        if self.local_size > P.MAX_ARRAY_BYTES['local']:        # each function's fit; all of them together may not
+            errors.append(f"its functions declare {self.local_size} bytes of local memory a thread, more than the cap "
+                          f"of {P.MAX_ARRAY_BYTES['local']} (MAX_ARRAY_BYTES['local'])")
         syms = dict(sh)
         syms.update(lo)
         syms.update({self.name + '|' + p: off for p, (off, _) in zip(self.param_names, self.params)})
@@ -698,7 +732,7 @@ class PtxModule:
 
     def __init__(self, tree):
         self.tree = tree
-        self.globals = {n: Global(v.size, v.align, v.init if v.init is not None else bytes(v.size), v.space)
+        self.globals = {n: Global(v.size, v.align, v.init or b"", v.space)
                         for n, v in tree.vars.items() if v.space in ('global', 'const') and not v.extern}
         self.addrs = {}
         self._patched = set()
@@ -728,8 +762,11 @@ class PtxModule:
                 mem.view(self.addrs[name] + off, width)[:] = np.frombuffer(val.to_bytes(width, 'little'), u8)
             self._patched.add((name, self.addrs[name]))
 
-    def launch(self, name, mem, grid, block, shared_bytes, params, printf):
-        """Run the whole grid on EmuMemory `mem`; device printf text goes to printf(str), thread by thread."""
+    def launch(self, name, mem, grid, block, shared_bytes, params, printf, timeout=0):
+        """Run the whole grid on EmuMemory `mem`; device printf text goes to printf(str), thread by thread.
+
+        A launch running longer than timeout seconds (0: no limit) fails with CUDA_ERROR_LAUNCH_TIMEOUT."""
+        deadline = Deadline(name, timeout)
         K = self.kernels.get(name)
         if K is None:
             raise err(CUresult.CUDA_ERROR_NOT_FOUND, f"no kernel '{name}' in this module")
@@ -750,7 +787,9 @@ class PtxModule:
         nb = max(1, min(nblocks, LANES // nt, BATCH_BYTES // per_block))
         with np.errstate(all='ignore'):
             for b0 in range(0, nblocks, nb):
-                S = State(K, symbols, mem, params, printf, grid, block, shared_bytes, b0, min(nb, nblocks - b0))
+                deadline.check()
+                S = State(K, symbols, mem, params, printf, grid, block, shared_bytes, b0, min(nb, nblocks - b0),
+                          deadline)
                 try:
                     execute(S, code)
                 finally:

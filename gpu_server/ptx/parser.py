@@ -4,6 +4,7 @@ Only syntax is checked here (CUDA_ERROR_INVALID_PTX); what an instruction means 
 decided by interp.py, which fails at launch on anything it does not know.
 Registers and variables declared in nested `{ }` scopes are renamed `name#k` so that
 every name in a function is unique (inline asm re-declares `%tmp` with other types).
+What a module declares is held to the caps below as it is read, before anything is expanded.
 """
 import re
 import struct
@@ -18,6 +19,19 @@ TYPE_SIZE = {
     'texref': 8, 'samplerref': 8, 'surfref': 8,
 }
 SPACES = ('global', 'const', 'shared', 'local', 'param', 'reg', 'tex')
+
+# Caps on what a module declares, checked before a declaration is expanded or sized: a few bytes
+# of text (`.reg .b32 %r<5000000>;`) must not cost the server gigabytes and minutes. Generous for
+# real PTX: nvcc declares at most tens of thousands of registers in a kernel.
+MAX_FUNCTION_NAMES = 1 << 17        # registers and variables one function declares
+MAX_MODULE_NAMES = 1 << 19          # ... that a whole module declares (each costs ~3 us and ~400 bytes)
+MAX_ARRAY_BYTES = {                 # one declaration's bytes, by state space
+    'shared': 227 << 10,            # a block's shared memory with the opt-in (H100/H200)
+    'local': 512 << 10,             # a thread's local memory (CUDA's limit)
+    'param': 512 << 10,
+}
+MAX_GLOBAL_BYTES = 1 << 40          # any other space: beyond any device (the emu also counts globals as device memory)
+MAX_INITIALIZER_VALUES = 1 << 24    # values in one initialiser
 
 
 # ---- operands ----
@@ -117,6 +131,11 @@ def syntax_error(line, msg):
     return CudaError(CUresult.CUDA_ERROR_INVALID_PTX, f"PTX syntax error at line {line}: {msg}")
 
 
+def cap_error(line, what, value, cap, name):
+    return CudaError(CUresult.CUDA_ERROR_INVALID_PTX,
+                     f"PTX refused at line {line}: {what} is {value}, more than the cap of {cap} ({name})")
+
+
 # ---- lexing ----
 _TOKEN = re.compile(r'''
     (?P<nl>\n) | (?P<ws>[ \t\r\f\v]+) |
@@ -186,6 +205,32 @@ class Parser:
         self.mod = Module()
         self.toks = tokenize(text, self.mod)
         self.i = 0
+        self.module_names = 0
+        self.function_names = None       # in a function body: the names it declared so far
+
+    def count_names(self, n, line):
+        """Hold n more registers or variables to the caps, before they are made."""
+        if n < 0:
+            raise syntax_error(line, f"a negative count of registers ({n})")
+        if self.function_names is not None:
+            self.function_names += n
+            if self.function_names > MAX_FUNCTION_NAMES:
+                raise cap_error(line, f"the count of registers and variables function {self.fn.name} declares",
+                                self.function_names, MAX_FUNCTION_NAMES, "MAX_FUNCTION_NAMES")
+        self.module_names += n
+        if self.module_names > MAX_MODULE_NAMES:
+            raise cap_error(line, "the count of registers and variables the module declares", self.module_names,
+                            MAX_MODULE_NAMES, "MAX_MODULE_NAMES")
+
+    @staticmethod
+    def check_size(space, name, size, line):
+        """Hold one declaration's bytes to its space's cap (a negative size is no size at all)."""
+        cap = MAX_ARRAY_BYTES.get(space, MAX_GLOBAL_BYTES)
+        if size < 0:
+            raise syntax_error(line, f"the .{space} variable {name} has a negative size ({size} bytes)")
+        if size > cap:
+            cap_name = f"MAX_ARRAY_BYTES[{space!r}]" if space in MAX_ARRAY_BYTES else "MAX_GLOBAL_BYTES"
+            raise cap_error(line, f"the size in bytes of .{space} variable {name}", size, cap, cap_name)
 
     # -- token helpers --
     def peek(self, k=0):
@@ -303,14 +348,17 @@ class Parser:
                 self.next()
                 n = self.intval()
                 self.expect('>')
+                self.count_names(n, nline)
                 out += [Var(f"{name}{k}", space, typ, elem, align or elem, line=line) for k in range(n)]
             else:
+                self.count_names(1, nline)
                 while self.accept('['):
                     if self.accept(']'):
                         unsized = True
                         continue
                     count *= self.intval()
                     self.expect(']')
+                self.check_size(space, name, 0 if unsized else elem * count, nline)
                 v = Var(name, space, typ, 0 if unsized else elem * count, align or TYPE_SIZE[typ] * vec,
                         attrs=tuple(attrs), line=line)
                 if self.accept('='):
@@ -355,12 +403,16 @@ class Parser:
                 if neg:
                     imm.value = -imm.value
                 vals.append(imm)
+            if len(vals) > MAX_INITIALIZER_VALUES:
+                raise cap_error(line, f"the count of values initialising {v.name}", len(vals),
+                                MAX_INITIALIZER_VALUES, "MAX_INITIALIZER_VALUES")
         item()
         if v.size and len(vals) * esize > v.size:
             raise syntax_error(v.line, f"too many initializers for {v.name}")
         if not v.size:
             v.size = len(vals) * esize
-        buf = bytearray(v.size)
+            self.check_size(v.space, v.name, v.size, v.line)
+        buf = bytearray(len(vals) * esize)     # the bytes initialised; the rest of the variable is zeros
         for k, x in enumerate(vals):
             off = k * esize
             if isinstance(x, Sym):
@@ -421,6 +473,7 @@ class Parser:
                 count *= self.intval()
                 self.expect(']')
             size = TYPE_SIZE[typ] * count
+            self.check_size(space, name, size, line)
             out.append(Var(name, space, typ, size, align or TYPE_SIZE[typ], line=line))
             if self.accept(')'):
                 return out
@@ -464,6 +517,7 @@ class Parser:
     # -- function bodies --
     def body(self, fn):
         self.fn = fn
+        self.function_names = 0
         fn.body = []
         declared = {p.name for p in fn.params + fn.rets}
         scopes = [{}]
@@ -496,6 +550,7 @@ class Parser:
                 depth -= 1
                 scopes.pop()
                 if depth == 0:
+                    self.function_names = None
                     return
             elif kind == 'eof':
                 raise syntax_error(line, f"missing '}}' at the end of {fn.name}")
@@ -619,5 +674,5 @@ def parse(text):
     try:
         p = Parser(text)
         return p.parse()
-    except (ValueError, KeyError, OverflowError, struct.error) as e:    # e.g. a malformed number
+    except (ValueError, KeyError, OverflowError, RecursionError, struct.error) as e:    # e.g. a malformed number
         raise syntax_error(p.peek()[2] if p else 0, f"{type(e).__name__}: {e}") from None

@@ -89,7 +89,8 @@ if want locust; then
     # dependencies in .whl/ (README, "On a GPU"). The table: $OUT/locust-summary.md; it fails on a leak.
     rm -rf /tmp/phos-locust && mkdir -p /tmp/phos-locust
     # PHOS_LOCUST_POOL: pre-started workers (--pool); 64 made every user's calls slower (RESULTS.md)
-    python3 -m phos.cli server --backend cuda --listen ipc:///tmp/phos-locust/phos.sock --pool "${PHOS_LOCUST_POOL:-1}" \
+    # the 64 users are one local user: one client to the per-client limit
+    PHOS_MAX_CONTEXTS_PER_CLIENT=0 python3 -m phos.cli server --backend cuda --listen ipc:///tmp/phos-locust/phos.sock --pool "${PHOS_LOCUST_POOL:-1}" \
         > "$OUT/locust-server.log" 2>&1 &
     locust_server=$!
     for _ in $(seq 300); do grep -q "listening on" "$OUT/locust-server.log" && break; sleep 0.2; done

@@ -271,6 +271,31 @@ def test_contexts_past_the_servers_limit_are_refused(servers, monkeypatch):
         sock.close()
 
 
+def test_contexts_past_a_clients_limit_are_refused_to_that_client_alone(servers, monkeypatch):
+    """One client (here, a local user: every connection of this test's uid) may hold
+    PHOS_MAX_CONTEXTS_PER_CLIENT contexts, however many connections it opens."""
+    monkeypatch.setenv("PHOS_MAX_CONTEXTS_PER_CLIENT", "2")
+    srv = servers("per-client")
+    socks = []
+    for _ in range(2):      # two connections of one user are one client
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 30000)
+        sock.connect(srv.address)
+        socks.append(sock)
+    try:
+        made = []
+        for sock in (socks[0], socks[1], socks[1]):
+            sock.send(request(("ctxCreate", {"device": 0, "flags": 0})))
+            made += results(sock)
+        assert [s for s, _ in made] == [0, 0, CUresult.CUDA_ERROR_OUT_OF_MEMORY], made
+        assert "PHOS_MAX_CONTEXTS_PER_CLIENT=2" in made[2][1]
+        assert_server_healthy(socks[0])
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def test_a_bad_pointer_fails_its_own_call_at_once(cu):
     """The client answers what it knows at once, as CUDA's driver does: a memset where nothing
     is allocated, a copy to freed memory and a second cuMemFree fail their own call, and the

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -76,11 +77,25 @@ def test_non_loopback_listener_needs_auth(address):
     check_listen(address, ("pub", "secret", "dir"))
 
 
-def test_loopback_and_ipc_listeners_are_fine():
-    for address in ["tcp://127.0.0.1:5555", "tcp://localhost:1", "ipc:///tmp/x.sock", "tcp://[::1]:5"]:
-        check_listen(address, None)
+def test_a_socket_path_needs_no_keys():
+    assert check_listen("ipc:///tmp/x.sock", None) is None
     with pytest.raises(ValueError):
         check_listen("udp://127.0.0.1:5", None)
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "tcp://localhost:1", "tcp://[::1]:5", "ipc://@phos-test"])
+def test_a_keyless_listener_other_local_users_reach_needs_insecure(address):
+    """Loopback TCP and abstract sockets have no owner: any user of the host may connect."""
+    with pytest.raises(ValueError, match="--insecure"):
+        check_listen(address, None)
+    assert "without CURVE keys" in check_listen(address, None, insecure=True)
+    assert check_listen(address, ("pub", "secret", "dir")) is None
+
+
+def test_server_refuses_a_keyless_loopback_listener_from_cli():
+    out = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", "tcp://127.0.0.1:45112"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--insecure" in out.stderr
 
 
 @pytest.mark.parametrize("address", ["tcp://127.0.0.2:5595@0.0.0.0", "tcp://0.0.0.0:5595@127.0.0.1",
@@ -196,3 +211,223 @@ def test_a_socket_directory_others_may_write_is_refused(tmp_path):
     server = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", f"ipc://{open_dir}/phos.sock"],
                             capture_output=True, text=True, timeout=60)
     assert server.returncode != 0 and "writable by others" in server.stderr
+
+
+def test_workers_admit_the_front_ends_clients_alone_and_a_revoked_key_ends_its_context(backend, tmp_path):
+    """A client reaches its context's worker directly: the worker checks its key as the front end
+    does (a key the server never admitted fails the handshake there too), and removing an admitted
+    key's file ends the contexts it opened."""
+    import socket
+    import zmq
+    import zmq.auth
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "phos.cli", "keygen", str(keys)], check=True, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = ServerProc(backend, tmp_path, listen=f"tcp://127.0.0.1:{port}", extra=["--auth-dir", str(keys)])
+    env = (f'os.environ["PHOS_SERVER_KEY"] = "{keys}/server.key"; os.environ["PHOS_CLIENT_KEY"] = "{keys}/client.key_secret"; '
+           'os.environ["PHOS_REATTACH_TIMEOUT"] = "3"')     # a revoked key's handshakes fail silently
+    body = """
+        assert cu.cuInit(0)[0] == 0
+        err, ctx = cu.cuCtxCreate(None, 0, 0)
+        assert err == 0
+        print(cu._contexts[int(ctx)].endpoint, flush=True)
+        input()
+        print(int(cu.cuCtxSynchronize()[0]), flush=True)
+    """
+    child = subprocess.Popen([sys.executable, "-c", client_script(srv.address, body, env)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    zctx = zmq.Context()
+    try:
+        endpoint = child.stdout.readline().strip()
+        assert endpoint.startswith("tcp://"), child.stderr.read()
+        stranger = zctx.socket(zmq.DEALER)
+        stranger.linger = 0
+        stranger.curve_publickey, stranger.curve_secretkey = zmq.curve_keypair()
+        stranger.curve_serverkey = zmq.auth.load_certificate(str(keys / "server.key"))[0]
+        stranger.connect(endpoint)
+        stranger.send(b"not even a request")
+        assert not stranger.poll(2000), "a worker answered a client whose key the server never admitted"
+        from phos.admin_cli import stub as admin
+        from phos.schema import admin_pb2 as pb
+        contexts = lambda: admin(srv.address).ListContexts(pb.ListContextsRequest()).contexts
+        assert len(contexts()) == 1
+        (keys / "clients" / "client.key").unlink()
+        # the worker checks its clients' keys every second
+        assert wait_until(lambda: not contexts(), 10), "the revoked key's context lives on"
+        child.stdin.write("\n")
+        child.stdin.flush()
+        out, err = child.communicate(timeout=60)
+        assert out.strip() != "0", err  # its context ended with the key
+    finally:
+        if child.poll() is None:
+            child.kill()
+        zctx.destroy(linger=0)
+        srv.stop()
+
+
+def switches(pid):
+    """The voluntary context switches of all of a process's threads so far."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as f:
+            total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+
+def test_an_idle_worker_sleeps(server):
+    """A worker whose client maps the mailbox and sends nothing wakes a few times a second, not
+    a hundred (200 idle workers filled two cores)."""
+    from phos.admin_cli import stub as admin
+    from phos.schema import admin_pb2 as pb
+    body = """
+        assert cu.cuInit(0)[0] == 0 and cu.cuCtxCreate(None, 0, 0)[0] == 0
+        assert cu.cuCtxSynchronize()[0] == 0
+        print("up", flush=True)
+        input()
+    """
+    child = subprocess.Popen([sys.executable, "-c", client_script(server.address, body, 'os.environ["PHOS_STAGING"] = "1"')],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        [ctx] = admin(server.address).ListContexts(pb.ListContextsRequest()).contexts
+        time.sleep(1.0)              # past the spin after its last call
+        before = switches(ctx.pid)
+        time.sleep(2.0)
+        woke = switches(ctx.pid) - before
+        assert woke < 40, f"an idle worker woke {woke} times in 2 s"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_client_that_reads_late_loses_no_reply(server):
+    """Up to 10,000 requests sent before reading any reply: every one sent is answered. The
+    worker reads no more from a client whose queue of replies is full, so the client's sends
+    are held up (here, refused after 2 s) where ZeroMQ dropped half of the replies silently."""
+    body = """
+        import time, zmq
+        from phos.schema import wire
+        assert cu.cuInit(0)[0] == 0
+        err, ctx = cu.cuCtxCreate(None, 0, 0)
+        sock = cu._contexts[int(ctx)].sock
+        frame = wire.encode_request([(0, "memGetInfo", None, None)])[0]    # seq 0: outside the call stream
+        sock.setsockopt(zmq.SNDTIMEO, 2000)
+        sent = 0
+        try:
+            while sent < 10000:
+                sock.send(frame)
+                sent += 1
+        except zmq.Again:
+            pass
+        time.sleep(1.0)
+        answered = 0
+        while sock.poll(3000):
+            sock.recv_multipart()
+            answered += 1
+        print(sent, answered)
+    """
+    out = subprocess.run([sys.executable, "-c", client_script(server.address, body, 'os.environ["PHOS_STAGING"] = "0"')],
+                         capture_output=True, text=True, timeout=120)
+    sent, answered = out.stdout.split() if out.stdout else (None, None)
+    assert sent is not None and int(sent) > 0 and answered == sent, (out.stdout, out.stderr)
+
+
+def test_phos_ctx_kill_ends_a_context_mid_kernel_for_good(servers, tmp_path):
+    """`phos ctx kill` ends a context whose kernel never ends: its worker goes at once, its
+    client's call fails within seconds, and the server does not restore it from its recovery
+    images."""
+    from test_emu_limits import ENDLESS_PTX
+    from phos.admin_cli import stub as admin
+    from phos.schema import admin_pb2 as pb
+    srv = servers("one", args=["--recovery-dir", str(tmp_path / "rec"), "--checkpoint-every", "600"])
+    body = f"""
+        import time
+        assert cu.cuInit(0)[0] == 0 and cu.cuCtxCreate(None, 0, 0)[0] == 0
+        err, module = cu.cuModuleLoadData({ENDLESS_PTX.encode()!r})
+        err, f = cu.cuModuleGetFunction(module, b"spin")
+        assert cu.cuCtxSynchronize()[0] == 0
+        print("spinning", flush=True)
+        cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, ((), ()), 0)
+        t = time.monotonic()
+        print(int(cu.cuCtxSynchronize()[0]), round(time.monotonic() - t, 1), flush=True)
+    """
+    child = subprocess.Popen([sys.executable, "-c", client_script(srv.address, body)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "spinning", child.stderr.read()
+        [ctx] = admin(srv.address).ListContexts(pb.ListContextsRequest()).contexts
+        time.sleep(0.5)                  # inside the kernel
+        out = subprocess.run([sys.executable, "-m", "phos.cli", "ctx", "kill", str(ctx.id), "--server", srv.address],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and f"context {ctx.id} killed" in out.stdout, out.stderr
+        assert wait_until(lambda: not os.path.exists(f"/proc/{ctx.pid}") or open(f"/proc/{ctx.pid}/stat").read().split()[2] == "Z", 5)
+        status, seconds = child.communicate(timeout=60)[0].split()
+        assert int(status) != 0 and float(seconds) < 10
+        assert not admin(srv.address).ListContexts(pb.ListContextsRequest()).contexts   # not restored
+        again = subprocess.run([sys.executable, "-m", "phos.cli", "ctx", "kill", str(ctx.id), "--server", srv.address],
+                               capture_output=True, text=True, timeout=60)
+        assert again.returncode != 0 and "no context" in again.stderr
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_socket_files_go_with_their_worker_and_server(backend, tmp_path):
+    """A SIGKILLed worker's socket files are removed by its front end, and a stopped server
+    leaves none behind."""
+    import glob
+    import signal
+    from phos.admin_cli import stub as admin
+    from phos.schema import admin_pb2 as pb
+    srv = ServerProc(backend, tmp_path)
+    sockets = lambda: sorted(glob.glob(str(tmp_path / "*.ctx*")) + glob.glob(str(tmp_path / "*.ctl*")))
+    body = """
+        assert cu.cuInit(0)[0] == 0
+        for _ in range(2):
+            assert cu.cuCtxCreate(None, 0, 0)[0] == 0
+        print("up", flush=True)
+        input()
+    """
+    child = subprocess.Popen([sys.executable, "-c", client_script(srv.address, body)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        victim = admin(srv.address).ListContexts(pb.ListContextsRequest()).contexts[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        assert wait_until(lambda: not [p for p in sockets() if f".ctx{victim.id}" in p or f".ctl{victim.id}" in p], 10), sockets()
+        assert sockets()              # the other context's, and the pre-started worker's
+    finally:
+        child.kill()
+        child.wait()
+        srv.stop()
+    assert not sockets()
+
+
+def test_a_worker_whose_client_dies_mid_kernel_stops(servers, monkeypatch):
+    """A kernel that never ends (no launch time limit), and its client killed: the worker ends
+    within seconds instead of computing for nobody."""
+    from test_emu_limits import ENDLESS_PTX
+    from phos.admin_cli import stub as admin
+    from phos.schema import admin_pb2 as pb
+    monkeypatch.setenv("PHOS_EMU_LAUNCH_TIMEOUT", "0")
+    srv = servers("one")
+    body = f"""
+        assert cu.cuInit(0)[0] == 0 and cu.cuCtxCreate(None, 0, 0)[0] == 0
+        err, module = cu.cuModuleLoadData({ENDLESS_PTX.encode()!r})
+        err, f = cu.cuModuleGetFunction(module, b"spin")
+        assert cu.cuCtxSynchronize()[0] == 0
+        print("spinning", flush=True)
+        cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, ((), ()), 0)
+        cu.cuCtxSynchronize()
+    """
+    child = subprocess.Popen([sys.executable, "-c", client_script(srv.address, body)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "spinning"
+        [ctx] = admin(srv.address).ListContexts(pb.ListContextsRequest()).contexts
+        time.sleep(1.0)
+    finally:
+        child.kill()
+        child.wait()
+    assert wait_until(lambda: ctx.pid not in srv.workers(), 10), "the worker computes on for a client that is gone"

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from phos import settings
 from phos.schema import admin_pb2 as pb
 from phos.schema import wire
 from phos.schema.control import admin_socket, checkpoint_message, checkpoint_result
@@ -86,7 +87,7 @@ def test_no_snapshot_calls_on_the_data_plane():
 
 def test_admin_socket():
     assert admin_socket("ipc:///tmp/p/phos.sock") == "unix:/tmp/p/phos.sock.admin"
-    assert admin_socket("tcp://127.0.0.1:5555") == "unix:/tmp/phos/admin-5555.sock"
+    assert admin_socket("tcp://127.0.0.1:5555") == f"unix:{settings.socket_directory()}/admin-5555.sock"
     with pytest.raises(ValueError):
         admin_socket("udp://x")
 

@@ -58,7 +58,7 @@ def test_every_variable_python_names_is_declared():
     for p in product_python():
         named |= set(re.findall(r"\bsettings\.([a-z_]+)(?:\(|\.raw\()", p.read_text()))
     declared = {k for k, v in vars(settings).items() if isinstance(v, settings.Setting)}
-    assert named - {"default_server", "TABLE", "BY_NAME"} <= declared
+    assert named - {"default_server", "socket_directory", "TABLE", "BY_NAME"} <= declared
 
 
 def test_the_stub_reads_its_variables_in_settings_cpp_alone():
@@ -152,11 +152,25 @@ def test_the_stub_layout_is_the_schemas():
 
 
 def test_default_server_is_defined_once():
-    assert settings.default_server() == wire.DEFAULT_SERVER == wire.phos_capnp.defaultServer
-    literal = f'"{settings.default_server()}"'
+    """The socket's name is a schema constant; the directory rule is settings.socket_directory()
+    in Python and the same rule in the stub's settings.cpp: both name the same address."""
+    assert settings.default_server() == f"ipc://{settings.socket_directory()}/{wire.phos_capnp.defaultSocket}"
+    literal = f'"{wire.phos_capnp.defaultSocket}"'
     sources = list(product_python()) + native_sources() + [ROOT / "phos" / "settings.py"]
     assert not [str(p.relative_to(ROOT)) for p in sources if literal in p.read_text()]
-    assert "::DEFAULT_SERVER" in (NATIVE / "settings.cpp").read_text()
+    assert "::DEFAULT_SOCKET" in (NATIVE / "settings.cpp").read_text()
     lib = ROOT / "phos" / "stub" / "libcuda.so.1"
-    if lib.exists():
-        assert settings.default_server().encode() in lib.read_bytes()
+    if not lib.exists():
+        pytest.skip("the native stub is not built")
+    for env in ({}, {"XDG_RUNTIME_DIR": "/nonexistent/run"}):
+        full = {k: v for k, v in os.environ.items() if k not in ("PHOS_SERVER", "XDG_RUNTIME_DIR")}
+        full.update(env, PHOS_CONNECT_TIMEOUT="0.2")
+        code = f"import ctypes; ctypes.CDLL({str(lib)!r}).cuInit(0); from phos import settings; print(settings.default_server())"
+        r = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=60)
+        assert f"no phos server answered at {r.stdout.strip()} " in r.stderr, (r.stdout, r.stderr)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root's socket directory")
+def test_roots_socket_directory_is_fixed(monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/0")
+    assert settings.socket_directory() == "/run/phos"

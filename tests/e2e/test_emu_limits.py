@@ -1,0 +1,205 @@
+"""The emu device's limits hold against any client: its memory is one device's, shared by all
+the contexts of a server (a killed worker's share comes back); a kernel runs for at most
+PHOS_EMU_LAUNCH_TIMEOUT seconds; a module beyond the PTX loader's caps fails to load at once,
+before anything is expanded or allocated."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import wait_until
+from phos.gpu_server.ptx import parser
+from phos.schema.cuda_types import CudaError, CUresult
+
+MiB = 1 << 20
+OOM, INVALID_PTX = CUresult.CUDA_ERROR_OUT_OF_MEMORY, CUresult.CUDA_ERROR_INVALID_PTX
+HEADER = ".version 8.0\n.target sm_90\n.address_size 64\n"
+
+
+@pytest.fixture(autouse=True)
+def emu_only(backend):
+    if backend != "emu":
+        pytest.skip("the emu backend's own limits")
+
+
+def emu_server(servers, monkeypatch, name, **env):
+    """A server whose workers see the PHOS_* settings env gives."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    return servers(name)
+
+
+def ok(res, cu):
+    assert int(res[0]) == 0, (res, cu.last_error)
+    return res[1] if len(res) == 2 else res[1:]
+
+
+def free_bytes(cu):
+    err, free, total = cu.cuMemGetInfo()
+    assert err == 0, cu.last_error
+    return free
+
+
+def load(cu, ptx):
+    """cuModuleLoadData's (status, module, time it took)."""
+    t = time.monotonic()
+    err, module = cu.cuModuleLoadData((HEADER + ptx).encode())
+    return int(err), module, time.monotonic() - t
+
+
+def worker_pid(server, ctx):
+    """The pid of the worker holding context ctx on this server."""
+    for pid in server.workers():
+        with open(f"/proc/{pid}/cmdline") as f:
+            if f"--ctx {int(ctx)} " in f.read().replace("\0", " "):
+                return pid
+    raise AssertionError(f"no worker holds context {int(ctx)}")
+
+
+def gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].startswith("Z")      # dead, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+# -- device memory: one device's, for all the contexts of a server --------------------------------
+def test_the_contexts_of_a_server_share_its_device_memory(servers, monkeypatch, client):
+    cu = client(emu_server(servers, monkeypatch, "shared", PHOS_EMU_MEMORY=64 * MiB))
+    a = ok(cu.cuCtxCreate(None, 0, 0), cu)
+    a_ptr = ok(cu.cuMemAlloc(40 * MiB), cu)
+    assert free_bytes(cu) == 24 * MiB
+    b = ok(cu.cuCtxCreate(None, 0, 0), cu)
+    assert free_bytes(cu) == 24 * MiB                  # B sees what A holds
+    assert cu.cuMemAlloc(40 * MiB)[0] == OOM and "PHOS_EMU_MEMORY" in cu.last_error
+    ok(cu.cuMemAlloc(16 * MiB), cu)
+    assert free_bytes(cu) == 8 * MiB
+    ok(cu.cuCtxSetCurrent(a), cu)
+    assert free_bytes(cu) == 8 * MiB
+    assert cu.cuMemFree(a_ptr) == (0,) and cu.cuCtxSynchronize() == (0,)     # the client sends frees later
+    ok(cu.cuCtxSetCurrent(b), cu)
+    assert free_bytes(cu) == 48 * MiB                  # what A freed, B may take
+    ok(cu.cuMemAlloc(40 * MiB), cu)
+    assert cu.cuCtxDestroy(b) == (0,)                  # a context's end gives back all it held
+    ok(cu.cuCtxSetCurrent(a), cu)
+    assert wait_until(lambda: free_bytes(cu) == 64 * MiB, timeout=5)
+    assert cu.cuCtxDestroy(a) == (0,)
+
+
+def test_a_killed_workers_memory_goes_back_to_the_device(servers, monkeypatch, client):
+    """A worker SIGKILLed never says what it gave back: the ledger finds it gone and takes its share back."""
+    srv = emu_server(servers, monkeypatch, "killed", PHOS_EMU_MEMORY=64 * MiB)
+    cu = client(srv)
+    a = ok(cu.cuCtxCreate(None, 0, 0), cu)
+    ok(cu.cuMemAlloc(48 * MiB), cu)
+    b = ok(cu.cuCtxCreate(None, 0, 0), cu)
+    assert cu.cuMemAlloc(48 * MiB)[0] == OOM
+    pid = worker_pid(srv, a)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: gone(pid), timeout=5)
+    ok(cu.cuMemAlloc(48 * MiB), cu)
+    assert free_bytes(cu) == 16 * MiB
+    assert cu.cuCtxDestroy(b) == (0,)
+
+
+def test_a_context_holds_no_more_than_its_quota(servers, monkeypatch, client):
+    cu = client(emu_server(servers, monkeypatch, "quota", PHOS_EMU_MEMORY=64 * MiB, PHOS_EMU_CONTEXT_QUOTA=16 * MiB))
+    ctx = ok(cu.cuCtxCreate(None, 0, 0), cu)
+    assert free_bytes(cu) == 16 * MiB
+    assert cu.cuMemAlloc(24 * MiB)[0] == OOM and "PHOS_EMU_CONTEXT_QUOTA" in cu.last_error
+    ok(cu.cuMemAlloc(16 * MiB), cu)
+    assert free_bytes(cu) == 0
+    assert cu.cuCtxDestroy(ctx) == (0,)
+
+
+def test_module_globals_are_device_memory(servers, monkeypatch, client):
+    """A module's globals take device memory as allocations do: one that does not fit fails the
+    load with CUDA_ERROR_OUT_OF_MEMORY before anything is allocated, however big it is declared."""
+    cu = client(emu_server(servers, monkeypatch, "globals", PHOS_EMU_MEMORY=64 * MiB))
+    ctx = ok(cu.cuCtxCreate(None, 0, 0), cu)
+    err, _, _ = load(cu, ".global .b8 g[100000000];")
+    assert err == OOM and "module global 'g'" in cu.last_error
+    err, _, took = load(cu, ".global .b8 big[3000000000] = {1};")      # 3 GB, one byte initialised
+    assert err == OOM and took < 2
+    assert free_bytes(cu) == 64 * MiB                 # the failed loads hold nothing
+    err, module, _ = load(cu, ".global .b8 g[33554432] = {7, 8};")
+    assert err == 0, cu.last_error
+    assert free_bytes(cu) == 32 * MiB
+    assert cu.cuModuleUnload(module) == (0,)
+    assert free_bytes(cu) == 64 * MiB
+    assert cu.cuCtxDestroy(ctx) == (0,)
+
+
+# -- the PTX loader's caps -------------------------------------------------------------------------
+@pytest.mark.parametrize("ptx, cap, value", [
+    (".visible .entry k()\n{\n.reg .b32 %r<5000000>;\nret;\n}\n", "MAX_FUNCTION_NAMES", 5000000),
+    (".visible .entry k()\n{\n.local .b8 l[1073741824];\nret;\n}\n", "MAX_ARRAY_BYTES['local']", 1073741824),
+    (".shared .align 4 .b8 s[1073741824];", "MAX_ARRAY_BYTES['shared']", 1073741824),
+    (".global .b8 g[2000000000000] = {1};", "MAX_GLOBAL_BYTES", 2000000000000),
+], ids=["registers", "local", "shared", "global"])
+def test_a_module_beyond_a_cap_fails_to_load_at_once(cu, ptx, cap, value):
+    err, _, took = load(cu, ptx)
+    assert err == INVALID_PTX and cap in cu.last_error and str(value) in cu.last_error, cu.last_error
+    assert took < 2
+    assert cu.cuCtxSynchronize() == (0,)
+
+
+@pytest.mark.parametrize("ptx, cap", [
+    (".global .u32 g[] = {1, 2, 3, 4, 5};", "MAX_INITIALIZER_VALUES"),
+    (".global .u32 a<3>;\n.global .u32 b<3>;", "MAX_MODULE_NAMES"),
+], ids=["initialiser", "module"])
+def test_the_other_caps(monkeypatch, ptx, cap):
+    """Caps too big to reach in a quick test, made small here."""
+    monkeypatch.setattr(parser, cap, 4)
+    with pytest.raises(CudaError) as e:
+        parser.parse(HEADER + ptx)
+    assert e.value.status == INVALID_PTX and cap in e.value.message
+
+
+# -- the launch time limit -------------------------------------------------------------------------
+ENDLESS_PTX = HEADER + """
+.visible .entry spin()
+{
+$L: bra.uni $L;
+}
+.visible .entry nothing()
+{
+ret;
+}
+"""
+TIMEOUT_SCRIPT = """
+import json, time
+from phos.client_stub import driver as cu
+cu.cuInit(0)
+results = {{}}
+for name, grid in (("spin", (1, 1, 1)), ("nothing", (2**31 - 1, 65535, 65535))):
+    err, ctx = cu.cuCtxCreate(None, 0, 0)        # a context each: the timeout is sticky, as on a GPU
+    err, module = cu.cuModuleLoadData({ptx!r})
+    err, f = cu.cuModuleGetFunction(module, name.encode())
+    t = time.monotonic()
+    cu.cuLaunchKernel(f, *grid, 32, 1, 1, 0, 0, ((), ()), 0)
+    status = int(cu.cuCtxSynchronize()[0])
+    results[name] = (status, cu.last_error, time.monotonic() - t)
+    assert int(cu.cuCtxSynchronize()[0]) == status           # and every later call says so
+    cu.cuCtxDestroy(ctx)
+print(json.dumps(results), flush=True)
+"""
+
+
+def test_a_launch_past_its_time_limit_fails(servers, monkeypatch):
+    """A kernel that never ends, and a grid of 9e18 blocks, are stopped after PHOS_EMU_LAUNCH_TIMEOUT
+    seconds with CUDA_ERROR_LAUNCH_TIMEOUT (a child process: without the limit they would never end)."""
+    srv = emu_server(servers, monkeypatch, "timeout", PHOS_EMU_LAUNCH_TIMEOUT=1)
+    script = TIMEOUT_SCRIPT.format(ptx=ENDLESS_PTX.encode())
+    env = dict(os.environ, PHOS_SERVER=srv.address)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, (status, message, took) in results.items():
+        assert status == CUresult.CUDA_ERROR_LAUNCH_TIMEOUT, (name, message)
+        assert "PHOS_EMU_LAUNCH_TIMEOUT" in message and took < 5, (name, message, took)
