@@ -58,7 +58,7 @@ def test_sync_calls_through_the_mailbox(backend, tmp_path, monkeypatch):
 class Sent(list):
     """A worker's socket: what it sent."""
 
-    def send_multipart(self, frames, copy=True):
+    def send_multipart(self, frames, copy=True, flags=0):
         self.append([bytes(f) for f in frames])
 
 
