@@ -91,9 +91,19 @@ class Backend(Protocol):
     def dtoh(self, src, out, stream) -> None:
         """Copy len(out) bytes from device address src into the host buffer out; done on return."""
 
-    def register_host(self, buf) -> None:
+    def register_host(self, buf, whole=False) -> None:
         """A host buffer the worker copies through often (the client's staging area): the
-        backend may pin it."""
+        backend may pin it. whole: memory the application allocated as pinned (a pinned host
+        range, phos.capnp): pinned at once, as one range, since its copies go straight to the
+        device (copy_pinned)."""
+
+    def unregister_host(self, buf) -> None:
+        """A buffer register_host(whole=True) pinned goes away: unpin it (no copy uses it any more)."""
+
+    def copy_pinned(self, device, host, to_device, stream) -> None:
+        """Copy between device address `device` and a host buffer registered whole, len(host)
+        bytes, host->device if to_device, else device->host; queued on stream (None: the default
+        stream) and returning at once: the copy is done once the stream's work before it is."""
 
     def dtod(self, dst, src, nbytes, stream) -> None:
         """Copy nbytes from device address src to dst, in order on stream."""

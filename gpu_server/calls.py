@@ -93,15 +93,21 @@ def _check_copy(s, ptr, a, what):
     s.space.check(ptr, a.size, what)
 
 
+def _before_copy_in(s, dst, nbytes, data):
+    """A copy is about to write nbytes of `data` at dst: a snapshot saves (checkpoint) or loads (restore)
+    what it overwrites first, and a restore follows a pointer written into a module global."""
+    if s.snapshotting:
+        s.touch(dst, nbytes)
+        hit = s.space.find(dst) if s.restoring is not None else None
+        if hit is not None and hit[0] in s.space.external:   # a pointer set in a module global: followed
+            s.restoring.followed.update(engine.kernel_pointers(s, bytes(data)[-(dst - hit[0]) % 8:]))
+
+
 def memcpy_htod(s, a, p):
     data = s.staging(a.shmOffset, a.size) if a.viaShm else _payload(p, a.payload, a.size)
     _check_copy(s, a.dst, a, "destination")
     stream = _stream(s, a.stream)
-    if s.snapshotting:
-        s.touch(a.dst, a.size)
-        hit = s.space.find(a.dst) if s.restoring is not None else None
-        if hit is not None and hit[0] in s.space.external:   # a pointer set in a module global: followed
-            s.restoring.followed.update(engine.kernel_pointers(s, bytes(data)[-(a.dst - hit[0]) % 8:]))
+    _before_copy_in(s, a.dst, a.size, data)
     _before_blocking_copy(s, stream)
     s.backend.htod(s.space.to_device(a.dst), data, stream)
     if a.viaShm and stream is not None:
@@ -117,6 +123,34 @@ def memcpy_dtoh(s, a, p):
     _before_blocking_copy(s, stream)
     s.backend.dtoh(s.space.to_device(a.src), out, stream)
     return None if a.viaShm else {"payload": out}
+
+
+def memcpy_pinned(s, a, p):
+    """A copy between the device and the client's pinned range a.range, which we map: queued on
+    the stream, and waited for when the client waits (schema/phos.capnp, "Pinned host memory")."""
+    host = s.pinned(a.range, a.offset, a.size)
+    stream = _stream(s, a.stream)
+    if a.toDevice:
+        s.space.check(a.device, a.size, "destination")
+        _before_copy_in(s, a.device, a.size, host)
+    else:
+        s.space.check(a.device, a.size, "source")
+        if s.snapshotting:
+            s.touch(a.device, a.size, write=False)
+    s.backend.copy_pinned(s.space.to_device(a.device), host, a.toDevice, stream)
+    if a.wait:
+        wait_device(s, lambda: s.backend.stream_sync(stream), lambda: s.backend.stream_query(stream))
+
+
+def host_map(s, a, p):
+    """The client's pinned host range: mapped if it is theirs and within our bound. u64s: [1] if
+    mapped, else [0] with the reason in text (the client then copies as for any memory)."""
+    why = s.map_host(a.id, a.path, bytes(a.cookie), a.size)
+    return {"u64s": [int(why is None)], "text": why or ""}
+
+
+def host_unmap(s, a, p):
+    s.unmap_host(a.id)
 
 
 def memcpy_dtod(s, a, p):
@@ -360,6 +394,10 @@ def func_occupancy(s, a, p):
     return {"u64s": list(s.backend.occupancy(fn, OCCUPANCY_QUERIES[query], a.a, a.b, a.flags, a.grid))}
 
 
+# Calls about the client's connection, not the context (phos.capnp, "Pinned host memory"): sent
+# alone with seq 0, they never answer with an earlier call's deferred failure.
+CONNECTION_CALLS = frozenset({"hostMap", "hostUnmap"})
+
 # call name -> handler. A call missing here is refused with its name.
 WORKER_CALLS = {
     "ctxDestroy": ctx_destroy,
@@ -373,6 +411,9 @@ WORKER_CALLS = {
     "memcpyHtoD": memcpy_htod,
     "memcpyDtoH": memcpy_dtoh,
     "memcpyDtoD": memcpy_dtod,
+    "memcpyPinned": memcpy_pinned,
+    "hostMap": host_map,
+    "hostUnmap": host_unmap,
     "memset": memset,
     "moduleLoad": module_load,
     "moduleUnload": module_unload,

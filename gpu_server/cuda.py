@@ -181,6 +181,7 @@ class CudaBackend:
         self.handles = {}            # base -> (mapped length, physical handle)
         self.registered = []         # pinned host ranges (the staging area's pieces)
         self.pinned_areas = []       # (start, end) of each staging area
+        self.pinned_ranges = {}      # the client's pinned host ranges pinned whole: address -> bytes
         self.closing = False         # close() began: pinning stops
         self.streams = set()         # the streams we created: a checkpoint's cut fences them
         self.launch_configs = {}     # (grid, block, shared bytes, stream) -> (CUlaunchConfig, its address)
@@ -262,7 +263,7 @@ class CudaBackend:
         if stream is not None:
             ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
-    def register_host(self, buf):
+    def register_host(self, buf, whole=False):
         """Pin the shared staging area, so copies through it run at full link speed.
 
         Pinning holds a driver lock that stalls this process's launches and copies meanwhile:
@@ -271,7 +272,19 @@ class CudaBackend:
         moment apart (a stall of ~1 ms each), and copies through it split where pieces meet
         (a copy runs pinned only within one registration). Until then copies run unpinned.
         It starts PIN_AFTER the attach: a client re-attaching (a handoff, a restore) replays its
-        calls and syncs at once, and a piece pinned meanwhile would hold that sync up."""
+        calls and syncs at once, and a piece pinned meanwhile would hold that sync up.
+
+        A pinned host range (whole) is pinned at once, as one registration, as the application's
+        cuMemHostAlloc would have: its copies go straight to the device from their first. If the
+        driver refuses (locked memory is bounded), its copies run unpinned: slower, still correct."""
+        if whole:
+            err = int(cu.cuMemHostRegister(buf.ctypes.data, buf.nbytes, 0)[0])
+            if err == 0:
+                self.pinned_ranges[buf.ctypes.data] = buf.nbytes
+            else:
+                log.warning("a pinned host range of %d bytes stays unpinned: %s", buf.nbytes, _error_string(err))
+            return
+
         def pin():
             ok(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
             time.sleep(PIN_AFTER)
@@ -283,6 +296,16 @@ class CudaBackend:
         self.pinned_areas.append((buf.ctypes.data, buf.ctypes.data + buf.nbytes))
         self.pinning.append(threading.Thread(target=pin, name="phos-pin", daemon=True))
         self.pinning[-1].start()
+
+    def unregister_host(self, buf):
+        if self.pinned_ranges.pop(buf.ctypes.data, None) is not None:
+            ok(cu.cuMemHostUnregister(buf.ctypes.data), "cuMemHostUnregister")
+
+    def copy_pinned(self, device, host, to_device, stream):
+        if to_device:
+            ok(cu.cuMemcpyHtoDAsync(device, host.ctypes.data, host.nbytes, stream or 0), "cuMemcpyHtoDAsync")
+        else:
+            ok(cu.cuMemcpyDtoHAsync(host.ctypes.data, device, host.nbytes, stream or 0), "cuMemcpyDtoHAsync")
 
     def _pieces(self, host, nbytes):
         """(offset, length) runs of a host range, split where a staging area's pinned pieces meet."""
@@ -476,7 +499,7 @@ class CudaBackend:
         # the GPU shares, and a process pinning meanwhile stalls its own launches behind it. A
         # handoff's target pins its client's staging area just as the retiring source lets go:
         # each 1 GiB piece the source unpinned held that application 14-21 ms on the H200.
-        for addr in self.registered + (self._snap.pieces if self._snap is not None else []):
+        for addr in self.registered + list(self.pinned_ranges) + (self._snap.pieces if self._snap is not None else []):
             cu.cuMemHostUnregister(addr)
             time.sleep(PIN_PAUSE)
         for ptr, (length, handle) in self.handles.items():

@@ -82,8 +82,17 @@ class EmuBackend:
     def dtoh(self, src, out, stream):
         out[:] = self.mem.view(src, len(out))
 
-    def register_host(self, buf):
+    def register_host(self, buf, whole=False):
         pass            # host memory is all the same to the CPU
+
+    def unregister_host(self, buf):
+        pass
+
+    def copy_pinned(self, device, host, to_device, stream):
+        if to_device:
+            self.htod(device, host, stream)
+        else:
+            self.dtoh(device, host, stream)     # calls run as they arrive: done at once
 
     def dtod(self, dst, src, nbytes, stream):
         self.mem.view(dst, nbytes)[:] = self.mem.view(src, nbytes)

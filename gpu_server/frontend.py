@@ -155,7 +155,8 @@ _LEFT_IN_SHM = re.compile(r"phos-(?:handoff-)?(\d+)-[0-9a-z_]+")
 
 def sweep_shm(directory="/dev/shm"):
     """Remove what a killed process left in shared memory: a client's staging file
-    (phos-<pid>-<random>, unlinked as soon as the worker maps it) or a handoff's store
+    (phos-<pid>-<random>, unlinked as soon as the worker maps it), its pinned host memory (named
+    alike, removed when freed or at exit: phos.capnp, "Pinned host memory") or a handoff's store
     (phos-handoff-<pid>-<random>, removed when the handoff ends), once process <pid> is gone.
     (A process in another PID namespace that shares /dev/shm looks gone too: its staging
     file then goes unshared, or its handoff fails and its context stays where it was.)
@@ -416,6 +417,7 @@ class FrontEnd:
                 except OSError:
                     pass
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
+        sweep_shm()       # its client may be gone, killed: its pinned host memory's names with it
 
     # -- the workers' control sockets (ControlRequest, ControlReply; schema/wire.py) ----------
     async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):

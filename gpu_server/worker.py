@@ -29,7 +29,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from phos.gpu_server.backend import load_backend
 from phos import settings
-from phos.gpu_server.calls import WORKER_CALLS
+from phos.gpu_server.calls import CONNECTION_CALLS, WORKER_CALLS
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
@@ -45,6 +45,7 @@ log = logging.getLogger("phos.worker")
 ORPHAN_GRACE = settings.orphan_grace()   # seconds without a client before the context is freed
 ATTACH_TIMEOUT = settings.attach_timeout()
 REATTACH_TIMEOUT = settings.restore_grace()   # a restored context waits this long for its client
+PINNED_HOST_BYTES = settings.pinned_host_bytes()   # the client's pinned host memory a worker maps, at most
 # A restore on demand loads in the background once its client has attached and gone quiet
 # this long (its re-attach and first calls served first: a loader thread would slow them
 # down, competing for the interpreter), or by the deadline, whoever attached.
@@ -82,6 +83,8 @@ class Session:
         self.closing = False
         self.shm = None            # the client's staging area, when it shares our host
         self.box = None            # its mailbox (wire.Mailbox)
+        self.host_ranges = {}      # the client's pinned host ranges we map: hostMap's id -> their bytes
+        self.host_bytes = 0        # ... how many bytes they hold together
 
     def staging(self, offset, nbytes):
         """A range of the shared staging area, checked."""
@@ -92,30 +95,52 @@ class Session:
         return self.shm[offset:offset + nbytes]
 
     def map_staging(self, path, cookie, size):
-        """Map the client's staging file if it is really theirs (same host, same cookie).
-
-        Only a regular file in /dev/shm named phos-*, as clients make them, opened without
-        following links: any other path would let a tenant read and write the server's files."""
-        if os.path.dirname(path) != "/dev/shm" or not os.path.basename(path).startswith("phos-"):
-            return False
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)    # non-blocking: a FIFO must not stall us
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size < size or size < wire.SLOTS_OFFSET:   # room for the mailbox
-                    return False
-                area = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        except (OSError, ValueError):
-            return False
-        if len(cookie) < wire.COOKIE_BYTES or area[:len(cookie)] != cookie:
-            area.close()
+        """Map the client's staging file if it is really theirs (map_client_file)."""
+        area = map_client_file(path, cookie, size) if size >= wire.SLOTS_OFFSET else None   # room for the mailbox
+        if area is None:
             return False
         self.shm = np.frombuffer(area, np.uint8)
         self.box = wire.Mailbox(self.shm)
         self.backend.register_host(self.shm)
         return True
+
+    def map_host(self, rid, path, cookie, size):
+        """Map the client's pinned host range `rid` (phos.capnp, "Pinned host memory"): its file,
+        if it is really theirs (map_client_file), while we map PINNED_HOST_BYTES at most; the
+        backend pins it. None once mapped, else why not."""
+        if not rid or rid in self.host_ranges:
+            return f"pinned host range {rid} is 0 or mapped already"
+        if not 0 < size <= PINNED_HOST_BYTES - self.host_bytes:
+            return (f"{size} more bytes of pinned host memory would pass the {PINNED_HOST_BYTES} a worker maps "
+                    f"(PHOS_PINNED_HOST_BYTES; {self.host_bytes} mapped)")
+        area = map_client_file(path, cookie, wire.PINNED_HEADER + size)
+        if area is None:
+            return f"{path!r} is not a pinned host file of this client's"
+        data = np.frombuffer(area, np.uint8, size, wire.PINNED_HEADER)
+        self.backend.register_host(data, whole=True)
+        self.host_ranges[rid] = data
+        self.host_bytes += size
+        return None
+
+    def unmap_host(self, rid):
+        """The client freed pinned range `rid`: unmapped once the device's work that may use it is done."""
+        data = self.host_ranges.get(rid)
+        if data is None:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"pinned host range {rid} is not mapped for this context")
+        self.backend.synchronize()
+        del self.host_ranges[rid]
+        self.host_bytes -= data.nbytes
+        self.backend.unregister_host(data)       # the mapping goes with the last reference to data
+
+    def pinned(self, rid, offset, nbytes):
+        """Bytes [offset, offset + nbytes) of the client's pinned range `rid`, checked."""
+        data = self.host_ranges.get(rid)
+        if data is None:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"pinned host range {rid} is not mapped for this context")
+        if offset > data.nbytes or nbytes > data.nbytes - offset:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE,
+                            f"pinned range {offset}+{nbytes} exceeds the {data.nbytes} bytes of range {rid}")
+        return data[offset:offset + nbytes]
 
     def add(self, kind, obj, **meta):
         hid, self.next_id = self.next_id, self.next_id + 1
@@ -197,7 +222,7 @@ class Session:
         """Run one call; returns (status, message, fields)."""
         if self.sticky:
             return (*self.sticky, {})
-        if last and self.deferred:
+        if last and self.deferred and name not in CONNECTION_CALLS:
             deferred, self.deferred = self.deferred, None
             return (*deferred, {})
         handler = WORKER_CALLS.get(name)
@@ -215,6 +240,31 @@ class Session:
         elif not last and self.deferred is None:
             self.deferred = (status, message)
         return status, message, {}
+
+
+def map_client_file(path, cookie, size):
+    """Map `size` bytes of a file a client made for us (its staging area, a pinned host range) if
+    it is really theirs: a regular file in /dev/shm named phos-*, as clients make them, opened
+    without following links (any other path would let a tenant read and write the server's
+    files), of `size` bytes or more, that starts with the random cookie the client sent (which
+    only its maker knows). The mmap, or None."""
+    if os.path.dirname(path) != "/dev/shm" or not os.path.basename(path).startswith("phos-"):
+        return None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)    # non-blocking: a FIFO must not stall us
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < size or size <= 0:
+                return None
+            area = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, OverflowError):
+        return None
+    if len(cookie) < wire.COOKIE_BYTES or area[:len(cookie)] != cookie:
+        area.close()
+        return None
+    return area
 
 
 class Worker:

@@ -193,6 +193,11 @@ trace_seconds = _declare("PHOS_TRACE_SECONDS", float, 0.03, SERVER,
 module_cache_bytes = _declare("PHOS_MODULE_CACHE_BYTES", int, 4 << 30, SERVER,
                               "the bytes of module images a server keeps on disk for its clients, beside its "
                               "socket (0: none kept)", shown="4294967296 (4 GiB)")
+pinned_host_bytes = _declare("PHOS_PINNED_HOST_BYTES", int, 32 << 30, SERVER,
+                             "the bytes of its client's pinned host memory a context's worker maps (on one host: "
+                             "copies from and to it then travel as references); past them, the client's pinned "
+                             "memory stays its own and its copies go through the staging area",
+                             shown="34359738368 (32 GiB)")
 image_key = _declare("PHOS_IMAGE_KEY", str, _image_key_default, f"{SERVER}, {CLI}",
                      "the file of the key that signs every image's manifest (HMAC-SHA256) and that a restore "
                      "checks it with (`phos server --image-key`'s default; `phos image inspect` reads with it): "

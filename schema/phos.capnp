@@ -50,6 +50,31 @@
 # sends nothing over the socket until that call is answered (else the worker could run
 # a later socket message before the earlier mailbox request).
 #
+# Pinned host memory (same host only: a client whose worker mapped its staging area). A client
+# may allocate pinned host memory (cuMemHostAlloc) as a shared-memory file of its own, made as
+# the staging file is (/dev/shm/phos-<pid>-<random>, O_EXCL, mode 0600). Its first
+# pinnedHeaderBytes are a header that starts with a random cookie of stagingCookieBytes; the
+# application's bytes follow, and the application never maps the header, so nothing it does
+# or is fed can read or forge the cookie. The file keeps its name while it is allocated, so
+# that any worker of the client's (one re-attached to included) can map it; the client
+# removes it when it frees the memory or exits, and the front end's sweep of /dev/shm (when
+# a worker exits, and at start) removes the names of processes gone.
+# The client announces it with hostMap{id, path, cookie, size} (size: the application's bytes;
+# id: the client's, never 0). The worker maps it with the staging file's checks (a regular
+# file /dev/shm/phos-*, opened without following links, of the size announced or more, whose
+# header starts with the cookie), up to the bytes its server allows a worker
+# (PHOS_PINNED_HOST_BYTES), and pins it; Result u64s = [1] if it did, else [0] and text saying
+# why: copies then travel as for any other memory.
+# A copy whose host side lies in a mapped range is a memcpyPinned naming (range, offset, size):
+# no bytes travel, no staging slot is used; the worker copies between its mapping and the
+# device on the call's stream. With `wait` (a synchronous copy) it answers once the bytes are
+# there; without, the copy is queued and done by the stream's next synchronization, and a
+# failure is an asynchronous call's. hostUnmap{id} waits for the device's work, then unmaps.
+# hostMap and hostUnmap take no place in the call stream: each travels alone with seq 0, like a
+# re-attach's attach, and is never resent. Mappings are the connection's, not the context's:
+# images hold none; a client that re-attached announces its ranges again as it copies, and its
+# log resends a memcpyPinned as a memcpyHtoD with its bytes, or a memcpyDtoH answered in a frame.
+#
 # Launch batches. Launches are the hot path: a worker pays about a microsecond per capnp
 # field it reads, so clients send launches as `launchBatch`, consecutive launches of one
 # Request packed into one Data blob (a lone launch is a batch of one; `launch` stays for
@@ -114,6 +139,9 @@ const stagingBoxSize :UInt64 = 65536;          # each box: UInt64 seq, UInt64 le
 const stagingSlotsOffset :UInt64 = 135168;     # the bulk slots; a worker maps no smaller file
 const stagingSlotSize :UInt64 = 33554432;      # clients use two slots of 32 MiB, in turn
 const stagingMinCopy :UInt64 = 262144;         # clients send smaller copies in frames
+# A pinned file's header ("Pinned host memory"): the cookie, then zeros; the application's
+# bytes start after it, on a page boundary whatever the page size.
+const pinnedHeaderBytes :UInt64 = 65536;
 
 struct Request {
   version @0 :UInt32;          # protocolVersion of the sender; checked on every frame
@@ -214,6 +242,10 @@ struct Call {
     ctxLimit @43 :CtxLimit;                 # cuCtxGetLimit / SetLimit. Result u64s: [the limit's value]
     memReserve @44 :MemReserve;             # Result u64s: [base]; kept in images
     memUnreserve @45 :Pointer;              # cuMemAddressFree: every mapping in it must be gone
+    # pinned host memory ("Pinned host memory"): hostMap and hostUnmap travel alone, with seq 0
+    hostMap @46 :HostMap;                   # Result u64s: [1] mapped, [0] not (text: why)
+    hostUnmap @47 :Handle;                  # id: hostMap's; after the device's work
+    memcpyPinned @48 :MemcpyPinned;         # a copy between the device and a mapped pinned range
   }
 }
 
@@ -289,6 +321,16 @@ struct MemcpyDtoH {
   viaShm @3 :Bool; shmOffset @4 :UInt64; chunkOffset @5 :UInt64; totalSize @6 :UInt64;
 }
 struct MemcpyDtoD { dst @0 :UInt64; src @1 :UInt64; size @2 :UInt64; stream @3 :UInt64; }
+# A client's pinned host range, a file it made in /dev/shm ("Pinned host memory"): id is the
+# client's name for it, size the application's bytes (after the header).
+struct HostMap { id @0 :UInt64; path @1 :Text; cookie @2 :Data; size @3 :UInt64; }
+# A copy between device address `device` and bytes [offset, offset + size) of pinned range
+# `range` (hostMap's id), on `stream`: host->device with toDevice, else device->host. wait:
+# answered once the copy is done (cuMemcpyHtoD/DtoH); else queued (their Async forms).
+struct MemcpyPinned {
+  device @0 :UInt64; range @1 :UInt64; offset @2 :UInt64; size @3 :UInt64; stream @4 :UInt64;
+  toDevice @5 :Bool; wait @6 :Bool;
+}
 struct Memset { dst @0 :UInt64; value @1 :UInt32; elemSize @2 :UInt8; count @3 :UInt64; stream @4 :UInt64; }
 # The image (PTX, cubin or fatbin) in payload; or, with payload 0, the image whose BLAKE2b-256
 # digest is `digest`, which the server keeps from an earlier load (CUDA_ERROR_NOT_FOUND if it

@@ -47,6 +47,7 @@ BOX_SIZE = phos_capnp.stagingBoxSize
 SLOTS_OFFSET = phos_capnp.stagingSlotsOffset
 SLOT_SIZE = phos_capnp.stagingSlotSize          # clients' two bulk slots
 MIN_COPY = phos_capnp.stagingMinCopy            # clients' smallest staged copy
+PINNED_HEADER = phos_capnp.pinnedHeaderBytes    # a pinned host file's header; its bytes follow ("Pinned host memory")
 MAX_REQUEST_CALLS = phos_capnp.maxRequestCalls
 
 Request = phos_capnp.Request

@@ -9,6 +9,9 @@
 //  * device->host: waits for the bytes, except a small async copy into pinned memory, whose
 //    bytes land by the next synchronizing call (they ride on its Reply). With a staging
 //    area, copies of 256 KiB and more come through it, and wait.
+//  * pinned memory the worker maps (host_alloc): either way a reference travels, and the worker
+//    copies in place, on the stream; the synchronous forms wait for it, the Async ones do not
+//    (schema/phos.capnp, "Pinned host memory").
 // Pointers are checked here against the allocations the stub has seen, so a bad pointer
 // fails at once, as it does on a GPU.
 #include <sys/mman.h>
@@ -79,6 +82,25 @@ CUresult stream_id(CUstream stream, CUctx_st* ctx, uint64_t* id) {
 
 // -- copies shared by the entry points -----------------------------------------------------
 
+// The pinned range the worker of `ctx` maps that holds [host, host + n) wholly, with the
+// offset of `host` in it; null if there is none.
+static const SharedHost* mapped_range(CUctx_st* ctx, const void* host, size_t n, uint64_t* offset) {
+    uintptr_t base = 0;
+    const HostRange* r = find_host_range(host, &base);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(host);
+    if (!r || !r->shared || at + n < at || at + n > base + r->size || !ctx->conn->shares_host(*r->shared)) return nullptr;
+    *offset = at - base;
+    return r->shared.get();
+}
+
+// A copy between the device and a pinned range the worker maps: synchronous (kWait) it waits
+// for the worker to have copied, else it is queued like any asynchronous call.
+static CUresult copy_in_place(CUctx_st* ctx, wire::Call call) {
+    if (call.flags & wire::Call::kWait) return context_call(ctx, std::move(call));
+    ctx->conn->post(std::move(call));
+    return CUDA_SUCCESS;
+}
+
 static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool async_api) {
     CUctx_st* ctx;
     CUresult err = refuse_in_capture(stream);    // host memory is not read again when a graph replays
@@ -88,6 +110,9 @@ static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstr
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!src || !device_range_ok(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t offset = 0;
+    if (const SharedHost* h = mapped_range(ctx, src, n, &offset))
+        return copy_in_place(ctx, wire::Call::memcpy_pinned(dst, src, h->id(), offset, n, sid, true, !async_api));
     if (n >= staging::kMinCopy && ctx->conn->staging()) {
         ctx->conn->copy_to_device_staged(dst, src, n, sid);
     } else if (async_api && is_pinned(src, n)) {
@@ -110,6 +135,9 @@ static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stre
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!dst || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t offset = 0;
+    if (const SharedHost* h = mapped_range(ctx, dst, n, &offset))
+        return copy_in_place(ctx, wire::Call::memcpy_pinned(src, dst, h->id(), offset, n, sid, false, !async_api));
     if (n >= staging::kMinCopy && ctx->conn->staging()) {
         // Waits, even for an asynchronous copy into pinned memory: CUDA allows it to
         // complete early, and the bytes are here sooner than through frames.
@@ -168,11 +196,27 @@ static size_t page_round(size_t n) {
     return (n + page - 1) / page * page;
 }
 
+// Pinned memory the current context's worker maps too, when it shares our host (it maps our
+// staging area) and agrees; else null. Smaller allocations than a staged copy stay private:
+// their copies travel in frames about as fast, and a file and a round trip each cost more.
+static std::shared_ptr<SharedHost> share_with_worker(size_t n) {
+    CUctx_st* ctx = nullptr;
+    if (n < staging::kMinCopy || current_context(&ctx) != CUDA_SUCCESS || !ctx->conn->staging()) return nullptr;
+    std::shared_ptr<SharedHost> h = SharedHost::make(n);
+    if (h && !ctx->conn->shares_host(*h)) {
+        ctx->conn->forget_host(*h);
+        h.reset();
+    }
+    return h;
+}
+
 static CUresult host_alloc(void** pp, size_t n, unsigned flags) {
     if (!pp || n == 0) return CUDA_ERROR_INVALID_VALUE;
-    void* p = nullptr;
-    if (posix_memalign(&p, static_cast<size_t>(sysconf(_SC_PAGESIZE)), page_round(n)) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-    state().host[reinterpret_cast<uintptr_t>(p)] = HostRange{n, flags, true};
+    std::shared_ptr<SharedHost> shared = share_with_worker(n);
+    void* p = shared ? shared->data() : nullptr;
+    if (!p && posix_memalign(&p, static_cast<size_t>(sysconf(_SC_PAGESIZE)), page_round(n)) != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    state().host[reinterpret_cast<uintptr_t>(p)] = HostRange{n, flags, true, std::move(shared)};
     *pp = p;
     return CUDA_SUCCESS;
 }
@@ -312,7 +356,8 @@ PHOS_EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int value, size_
     return fill(dst, value, 4, n, stream);
 }
 
-// -- page-locked host memory: ordinary memory the stub tracks as "pinned" ------------------
+// -- page-locked host memory: memory the workers on our host map (host_alloc), else ordinary
+//    memory the stub tracks as "pinned" ------------------------------------------------------
 
 PHOS_EXPORT CUresult cuMemAllocHost_v2(void** pp, size_t bytesize) {
     Guard g(state().lock);
@@ -330,8 +375,13 @@ PHOS_EXPORT CUresult cuMemFreeHost(void* p) {
     auto it = s.host.find(reinterpret_cast<uintptr_t>(p));
     if (it == s.host.end() || !it->second.allocated) return CUDA_ERROR_INVALID_VALUE;
     synchronize_busy_contexts();   // copies may still read or write these bytes
-    s.host.erase(it);
-    free(p);
+    if (const std::shared_ptr<SharedHost>& shared = it->second.shared) {
+        for (CUctx_st* ctx : s.contexts)
+            if (ctx->live && ctx->conn) ctx->conn->forget_host(*shared);
+    } else {
+        free(p);
+    }
+    s.host.erase(it);              // a shared range: its mapping and its file's name go with it
     return CUDA_SUCCESS;
 }
 
@@ -343,7 +393,7 @@ PHOS_EXPORT CUresult cuMemHostRegister_v2(void* p, size_t bytesize, unsigned int
     auto next = s.host.lower_bound(a);
     if (find_host_range(p) || (next != s.host.end() && next->first < a + bytesize))
         return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
-    s.host[a] = HostRange{bytesize, flags, false};
+    s.host[a] = HostRange{bytesize, flags, false, nullptr};
     return CUDA_SUCCESS;
 }
 

@@ -137,6 +137,7 @@ struct HostRange {             // page-locked ("pinned") host memory, as the app
     size_t size = 0;
     unsigned flags = 0;
     bool allocated = false;    // by cuMemAllocHost/cuMemHostAlloc (else cuMemHostRegister)
+    std::shared_ptr<SharedHost> shared;   // allocated as memory workers on our host map (else plain)
 };
 
 struct State {

@@ -383,12 +383,16 @@ PHOS_EXPORT cudaError_t cudaFree(void* ptr) {
     return check(cuMemFree(reinterpret_cast<CUdeviceptr>(ptr)));
 }
 
+// Pinned memory starts the device's context, as CUDA's does: its worker may map the memory
+// (driver_memory.cpp, host_alloc).
 PHOS_EXPORT cudaError_t cudaMallocHost(void** ptr, size_t size) {
     if (!ptr) return record(cudaErrorInvalidValue);
     if (size == 0) {
         *ptr = nullptr;
         return cudaSuccess;
     }
+    cudaError_t e = ensure_context();
+    if (e != cudaSuccess) return record(e);
     return check(cuMemAllocHost(ptr, size));
 }
 
@@ -398,6 +402,8 @@ PHOS_EXPORT cudaError_t cudaHostAlloc(void** ptr, size_t size, unsigned int flag
         *ptr = nullptr;
         return cudaSuccess;
     }
+    cudaError_t e = ensure_context();
+    if (e != cudaSuccess) return record(e);
     return check(cuMemHostAlloc(ptr, size, flags));
 }
 

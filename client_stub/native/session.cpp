@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "common.h"
@@ -29,6 +31,9 @@ constexpr size_t kAreaSize = kSlotsOffset + 2 * kSlotSize;
 const size_t kMinCopy = ::STAGING_MIN_COPY;                 // smaller copies travel in frames
 static_assert(kSlotsOffset == kBoxOffset + 2 * kBoxSize, "schema/phos.capnp: the slots follow the two boxes");
 }  // namespace staging
+
+// A pinned host file's header (schema/phos.capnp, "Pinned host memory"): the cookie, then zeros.
+constexpr size_t kPinnedHeader = ::PINNED_HEADER_BYTES;
 
 using Clock = std::chrono::steady_clock;
 
@@ -66,10 +71,12 @@ wire::Result Connection::failure(uint32_t status, std::string message) {
 }
 
 std::string Connection::stats() const {
-    char text[256];
-    snprintf(text, sizeof text, "%llu requests through the mailbox, %llu over the socket, %llu doorbells, %llu bytes staged",
+    char text[320];
+    snprintf(text, sizeof text,
+             "%llu requests through the mailbox, %llu over the socket, %llu doorbells, %llu bytes staged, "
+             "%llu bytes copied in place (pinned)",
              (unsigned long long)box_requests_, (unsigned long long)socket_requests_, (unsigned long long)doorbells_,
-             (unsigned long long)staged_bytes_);
+             (unsigned long long)staged_bytes_, (unsigned long long)pinned_bytes_);
     return text;
 }
 
@@ -223,6 +230,29 @@ static void unstage(wire::Call& c, const char* area) {
     c.id = c.id2 = c.address2 = 0;
 }
 
+// A copy that named a pinned range travels in frames instead (the worker it goes to may not
+// map the range, and the range's bytes may have changed since): host->device with its bytes,
+// device->host answered in a frame.
+static void unpin(wire::Call& c) {
+    const auto* host = reinterpret_cast<const char*>(c.address2);
+    wire::Call framed = (c.flags & wire::Call::kToDevice)
+                            ? wire::Call::memcpy_htod(c.address, c.stream, wire::Payload::copy_of(host, c.size))
+                            : wire::Call::memcpy_dtoh(c.address, c.size, c.stream);
+    framed.seq = c.seq;
+    framed.ends = c.ends;
+    framed.wanted = c.wanted;
+    c = std::move(framed);
+}
+
+// A call that reads and changes nothing in its place (memGetInfo): a resend of it drops its Result.
+static wire::Call as_nothing(const wire::Call& c) {
+    wire::Call nothing = wire::Call::plain(wire::Kind::memGetInfo);
+    nothing.seq = c.seq;
+    nothing.ends = c.ends;
+    nothing.wanted = c.wanted;
+    return nothing;
+}
+
 // The host bytes a logged call holds: its own payload, a launchBatch's records.
 static size_t held_bytes(const wire::Call& c) {
     return (c.payload.owned ? c.payload.size : 0) + (c.kind == wire::Kind::launchBatch ? c.bytes.size() : 0);
@@ -233,8 +263,13 @@ static size_t held_bytes(const wire::Call& c) {
 void Connection::log_call(wire::Call c) {
     // A replay may go to a server that never kept the image: it carries the image again.
     if (c.kind == wire::Kind::moduleLoad) c.flags &= ~wire::Call::kByDigest;
+    if (c.kind == wire::Kind::memcpyPinned) {
+        pinned_seq_ = c.seq;
+        pinned_bytes_ += c.size;
+    }
     if (recovery_) {
         if (c.kind == wire::Kind::memcpyHtoD && c.via_shm()) unstage(c, shm_);
+        else if (c.kind == wire::Kind::memcpyPinned && (c.flags & wire::Call::kToDevice)) unpin(c);
         else if (c.payload.borrowed) c.payload = wire::Payload::copy_of(c.payload.borrowed, c.payload.size);
     }
     log_bytes_ += held_bytes(c);
@@ -248,12 +283,7 @@ void Connection::replay_as_nothing(uint64_t seq) {
         if (it->seq != seq) continue;
         log_bytes_ -= held_bytes(*it);
         if (it->payload.borrowed) borrowed_unacked_--;
-        // memGetInfo reads and changes nothing; its Result was delivered, so a resend drops it
-        wire::Call nothing = wire::Call::plain(wire::Kind::memGetInfo);
-        nothing.seq = it->seq;
-        nothing.ends = it->ends;
-        nothing.wanted = it->wanted;
-        *it = std::move(nothing);
+        *it = as_nothing(*it);   // its Result was delivered, so a resend drops it
         return;
     }
 }
@@ -461,6 +491,10 @@ bool Connection::wait_for(uint64_t seq, const HostDestination* out, double timeo
             // The worker went away: a server may restore the context from a checkpoint.
             // A call with a timeout (the exit handler's ctxDestroy) looks no longer than that.
             if (!reattach(seq, mine, timeout >= 0 ? std::max(0.0, timeout - seconds_since(start)) : -1)) return false;
+            if (seq == 0) {   // a connection call (connection_call), which is not resent: no answer comes
+                mine = failure(kUnknown, "the worker went away before it answered");
+                return false;
+            }
             round = 0;
             nap = 20e-6;
             continue;
@@ -543,15 +577,24 @@ static bool random_bytes(void* out, size_t n) {
     return true;
 }
 
+// A name in /dev/shm for a file a worker is to open: phos-<pid>-<random>, which the front end's
+// sweep_shm removes if we are killed while it exists.
+static bool shm_name(std::string& path) {
+    unsigned char r[6];
+    if (!random_bytes(r, sizeof r)) return false;
+    char name[64];
+    snprintf(name, sizeof name, "/dev/shm/phos-%d-%02x%02x%02x%02x%02x%02x", static_cast<int>(getpid()), r[0], r[1], r[2],
+             r[3], r[4], r[5]);
+    path = name;
+    return true;
+}
+
 // Creates the staging file: /dev/shm/phos-<pid>-<random>, ours alone (O_EXCL, 0600).
 static char* create_staging(std::string& path, std::string& cookie) {
     unsigned char c[staging::kCookieBytes];
-    if (!random_bytes(c, sizeof c)) return nullptr;
+    if (!random_bytes(c, sizeof c) || !shm_name(path)) return nullptr;
     cookie.assign(reinterpret_cast<char*>(c), sizeof c);
-    char name[64];
-    snprintf(name, sizeof name, "/dev/shm/phos-%d-%02x%02x%02x%02x%02x%02x", static_cast<int>(getpid()), c[0], c[1], c[2],
-             c[3], c[4], c[5]);
-    path = name;
+    const char* name = path.c_str();
     int fd = open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) {
         log_verbose("cannot create a staging area %s: %s", name, strerror(errno));
@@ -597,6 +640,138 @@ wire::Result Connection::attach(uint64_t ctx, std::string token, double timeout)
         }
     }
     return r;
+}
+
+// -- pinned host memory the worker maps (schema/phos.capnp, "Pinned host memory") ---------
+
+// The names of the shared files this process made, removed at its exit (not a forked child's).
+namespace {
+std::mutex names_lock;
+std::set<std::string>& shared_names() {
+    static auto* names = new std::set<std::string>();   // never destroyed: read by the exit handler
+    return *names;
+}
+pid_t names_owner = 0;
+
+void unlink_names_at_exit() {
+    if (getpid() != names_owner) return;
+    std::lock_guard<std::mutex> g(names_lock);
+    for (const std::string& name : shared_names()) unlink(name.c_str());
+}
+
+void keep_name(const std::string& path) {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        names_owner = getpid();
+        atexit(unlink_names_at_exit);
+    });
+    std::lock_guard<std::mutex> g(names_lock);
+    shared_names().insert(path);
+}
+
+void drop_name(const std::string& path) {
+    std::lock_guard<std::mutex> g(names_lock);
+    if (shared_names().erase(path)) unlink(path.c_str());
+}
+}  // namespace
+
+std::unique_ptr<SharedHost> SharedHost::make(size_t n) {
+    static uint64_t next_id = 1;   // under the driver's lock, as every call
+    std::unique_ptr<SharedHost> h(new SharedHost());
+    unsigned char c[staging::kCookieBytes];
+    if (!random_bytes(c, sizeof c) || !shm_name(h->path_)) return nullptr;
+    h->cookie_.assign(reinterpret_cast<char*>(c), sizeof c);
+    const int fd = open(h->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        log_verbose("cannot make %zu bytes of pinned host memory shared (%s: %s): it stays private", n,
+                    h->path_.c_str(), strerror(errno));
+        return nullptr;
+    }
+    keep_name(h->path_);
+    // Its bytes are allocated now: a write into a sparse file /dev/shm cannot hold would kill us.
+    int err = ftruncate(fd, static_cast<off_t>(kPinnedHeader + n)) == 0 ? 0 : errno;
+    if (!err) err = posix_fallocate(fd, static_cast<off_t>(kPinnedHeader), static_cast<off_t>(n));
+    if (!err && pwrite(fd, c, sizeof c, 0) != static_cast<ssize_t>(sizeof c)) err = errno ? errno : EIO;
+    void* data = MAP_FAILED;
+    if (!err) {
+        data = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(kPinnedHeader));
+        if (data == MAP_FAILED) err = errno;
+    }
+    close(fd);
+    if (err) {
+        log_verbose("cannot make %zu bytes of pinned host memory shared (%s): it stays private", n, strerror(err));
+        return nullptr;   // the destructor removes the name
+    }
+    h->data_ = static_cast<char*>(data);
+    h->size_ = n;
+    h->id_ = next_id++;
+    return h;
+}
+
+SharedHost::~SharedHost() {
+    if (data_) munmap(data_, size_);
+    if (!path_.empty()) drop_name(path_);
+}
+
+// A call about this connection rather than the context (hostMap, hostUnmap): after the calls
+// queued before it, alone, with seq 0; it is not logged, and so never resent.
+wire::Result Connection::connection_call(wire::Call c) {
+    if (!dead_.empty()) return failure(kContextIsDestroyed, dead_);
+    send_batch(false);
+    c.seq = 0;
+    const wire::Call* calls[1] = {&c};
+    std::string frame;
+    wire::encode_request(calls, 1, true, frame);
+    socket_requests_++;
+    if (!socket_.send(frame, {})) return failure(kContextIsDestroyed, "cannot send to " + endpoint() + ": " + socket_.error());
+    wire::Result r;
+    wait_for(0, nullptr, -1, r);
+    return r;
+}
+
+bool Connection::shares_host(const SharedHost& h) {
+    if (!shm_) return false;   // a worker that did not map our staging area shares no host with us
+    auto known = host_ranges_.find(h.id());
+    return known != host_ranges_.end() ? known->second : announce_host(h);
+}
+
+// hostMap. The answer is kept (a refusal too: the range's copies then travel as others do);
+// a call that failed (the worker went away as it was asked, say) is asked again at next use.
+bool Connection::announce_host(const SharedHost& h) {
+    wire::Result r = connection_call(wire::Call::host_map(h.id(), h.path(), h.cookie(), h.size()));
+    const bool mapped = r.status == 0 && !r.u64s.empty() && r.u64s[0] == 1;
+    if (r.status == 0) host_ranges_[h.id()] = mapped;
+    if (mapped)
+        log_verbose("%s: the worker mapped pinned host memory %p (%zu bytes): copies from and to it travel as references",
+                    endpoint().c_str(), static_cast<void*>(h.data()), h.size());
+    else
+        log_verbose("%s: the worker did not map pinned host memory %p (%s): copies from and to it travel as others do",
+                    endpoint().c_str(), static_cast<void*>(h.data()), (r.status ? r.message : r.text).c_str());
+    return mapped;
+}
+
+void Connection::forget_host(const SharedHost& h) {
+    auto known = host_ranges_.find(h.id());
+    if (known == host_ranges_.end()) return;
+    const bool mapped = known->second;
+    host_ranges_.erase(known);
+    if (!mapped) return;
+    wire::Result r = connection_call(wire::Call::host_unmap(h.id()));
+    if (r.status != 0) log_verbose("%s: hostUnmap: %s", endpoint().c_str(), r.message.c_str());
+}
+
+// A memcpyPinned resent (resend_after) travels in frames; device->host, it writes its bytes back
+// where the application expects them, unless it was answered before (they were there, and the
+// application may have written since).
+void Connection::resend_unpinned(wire::Call& c) {
+    if (!(c.flags & wire::Call::kToDevice)) {
+        if (c.seq <= answered_) {
+            c = as_nothing(c);
+            return;
+        }
+        write_backs_[c.seq] = HostDestination{reinterpret_cast<void*>(c.address2), c.size};
+    }
+    unpin(c);
 }
 
 // What attach said about recovery (schema/phos.capnp, "Recovery"): u64s[3] = 1 when the
@@ -708,6 +883,7 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     box_seq_ = 0;
     slot_seq_[0] = slot_seq_[1] = 0;
     next_slot_ = 0;
+    host_ranges_.clear();                    // the worker found maps none of them: asked again as they are used
     std::string why = "no answer";
     uint64_t cut = 0;
     bool attached = false, told = false;
@@ -828,6 +1004,8 @@ void Connection::give_up(const std::string& why) {
     unacked_.clear();
     unacked_calls_ = log_bytes_ = borrowed_unacked_ = 0;
     batch_payload_bytes_ = batch_frame_estimate_ = batch_calls_ = 0;
+    host_ranges_.clear();
+    pinned_seq_ = 0;
     socket_.reopen("inproc://phos-context-lost");   // drops what the old socket still queues
 }
 
@@ -870,7 +1048,9 @@ bool Connection::attach_again(const std::string& endpoint, double timeout, uint6
 // Resends the logged calls after `cut` (a launchBatch never straddles it), then the
 // pending batch, each Request ending where one ended before, so every call someone waits
 // for gets its Result; calls answered before (up to answered_) ask for no Reply, and their
-// Results are dropped. Copies that named the old staging area travel in frames.
+// Results are dropped. Copies that named the old staging area or a pinned range travel in
+// frames; a device->host copy into a pinned range answered before is not resent (the
+// application may have written there since).
 void Connection::resend_after(uint64_t cut, char* old_area) {
     trim_log(cut);
     const uint64_t done = std::max(cut, answered_);   // staged chunks no longer awaited
@@ -887,11 +1067,15 @@ void Connection::resend_after(uint64_t cut, char* old_area) {
                 write_backs_[c.seq] = HostDestination{old_area + c.id, c.size};
             unstage(c, old_area);
         }
+        if (c.kind == wire::Kind::memcpyPinned) resend_unpinned(c);
         const bool ends = c.ends, wanted = c.wanted && c.seq > answered_;
         batch_.push_back(std::move(c));
         if (ends) send_batch(wanted);
     }
-    for (auto& c : pending) batch_.push_back(std::move(c));
+    for (auto& c : pending) {
+        if (c.kind == wire::Kind::memcpyPinned) resend_unpinned(c);
+        batch_.push_back(std::move(c));
+    }
     if (!batch_.empty()) send_batch(true);
 }
 

@@ -24,6 +24,35 @@ namespace staging {
 extern const size_t kMinCopy;
 }  // namespace staging
 
+// Pinned host memory shared with the workers on our host (schema/phos.capnp, "Pinned host
+// memory"): a file in /dev/shm, named as the staging file is, which the application's bytes are
+// mapped from and a worker maps too, so that copies from and to it travel as references
+// (memcpyPinned). It keeps its name while it is allocated, so that every worker of ours (one
+// re-attached to included) can map it; the name goes when it is freed, when we exit, and, if we
+// are killed, with the front end's sweep of the names of processes gone (sweep_shm).
+class SharedHost {
+public:
+    // `n` bytes of it, or null (saying why with PHOS_VERBOSE) if /dev/shm cannot hold them.
+    static std::unique_ptr<SharedHost> make(size_t n);
+    ~SharedHost();
+    SharedHost(const SharedHost&) = delete;
+    SharedHost& operator=(const SharedHost&) = delete;
+
+    uint64_t id() const { return id_; }                 // hostMap's: unique in the process, never 0
+    const std::string& path() const { return path_; }
+    const std::string& cookie() const { return cookie_; }
+    char* data() const { return data_; }
+    size_t size() const { return size_; }
+
+private:
+    SharedHost() = default;
+    uint64_t id_ = 0;
+    std::string path_;
+    std::string cookie_;      // the random bytes its header starts with; the application does not map them
+    char* data_ = nullptr;    // the application's bytes, after the header
+    size_t size_ = 0;
+};
+
 // Where the bytes of a device->host copy go once its Result arrives.
 struct HostDestination {
     void* dst = nullptr;
@@ -71,6 +100,13 @@ public:
     void copy_to_device_staged(uint64_t dst, const void* src, size_t n, uint64_t stream);
     wire::Result copy_from_device_staged(void* dst, uint64_t src, size_t n, uint64_t stream);
 
+    // Whether the worker maps pinned range `h`: copies from and to it are then memcpyPinned.
+    // The first time, it is asked (hostMap), if it maps our staging area: one that does not
+    // shares no host with us.
+    bool shares_host(const SharedHost& h);
+    // Range `h` goes away: a worker that maps it unmaps it, after the device's work (hostUnmap).
+    void forget_host(const SharedHost& h);
+
     // Sends the batch if its first call has waited longer than PHOS_BATCH_AGE_US.
     void flush_if_stale();
 
@@ -80,7 +116,9 @@ public:
     // by its digest that the server did not keep (the image followed in a call of its own).
     void replay_as_nothing(uint64_t seq);
 
-    bool has_pending() const { return !batch_.empty() || !write_backs_.empty() || borrowed_unacked_ > 0; }
+    bool has_pending() const {
+        return !batch_.empty() || !write_backs_.empty() || borrowed_unacked_ > 0 || pinned_seq_ > acked_;
+    }
     size_t unacked() const { return unacked_calls_; }
     // "N requests through the mailbox, M over the socket, ..." (for PHOS_VERBOSE).
     std::string stats() const;
@@ -93,6 +131,8 @@ private:
     void post_to_box();
     bool box_answered(const char** frame, size_t* size);
     uint64_t send_now(wire::Call call);
+    wire::Result connection_call(wire::Call call);
+    bool announce_host(const SharedHost& h);
     bool wait_for(uint64_t seq, const HostDestination* out, double timeout, wire::Result& mine);
     bool apply_reply(const void* frame, size_t size, Message* message, uint64_t want_seq, const HostDestination* out,
                      wire::Result& mine);
@@ -110,6 +150,7 @@ private:
     std::string ask_front_end(const std::string& server, double timeout, std::string& why);
     bool attach_again(const std::string& endpoint, double timeout, uint64_t& cut, std::string& why);
     void resend_after(uint64_t cut, char* old_area);
+    void resend_unpinned(wire::Call& c);
     void give_up(const std::string& why);
     bool log_full() const;
     void bound_log();
@@ -165,6 +206,11 @@ private:
     bool box_waiting_ = false;                          // ... whose Reply has not come yet
     std::string bell_;                                  // the doorbell Request, encoded once
     uint64_t box_requests_ = 0, socket_requests_ = 0, doorbells_ = 0, staged_bytes_ = 0;
+
+    // Pinned ranges this worker was asked about (shares_host): id -> whether it maps them.
+    std::unordered_map<uint64_t, bool> host_ranges_;
+    uint64_t pinned_seq_ = 0;                           // the last memcpyPinned sent: pending until acknowledged
+    uint64_t pinned_bytes_ = 0;                         // bytes copied in place (stats)
 };
 
 }  // namespace phos

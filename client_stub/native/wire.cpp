@@ -25,7 +25,7 @@ const char* kind_name(Kind kind) {
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
         "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy", "funcSetAttribute", "ctxLimit",
-        "memReserve", "memUnreserve",
+        "memReserve", "memUnreserve", "hostMap", "hostUnmap", "memcpyPinned",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -137,6 +137,25 @@ Call Call::memcpy_dtod(uint64_t dst, uint64_t src, uint64_t size, uint64_t strea
     c.address2 = src;
     c.size = size;
     c.stream = stream;
+    return c;
+}
+Call Call::host_map(uint64_t id, std::string path, std::string cookie, uint64_t size) {
+    Call c = with_id(Kind::hostMap, id);
+    c.text = std::move(path);
+    c.bytes2 = std::move(cookie);
+    c.size = size;
+    return c;
+}
+Call Call::memcpy_pinned(uint64_t device, const void* host, uint64_t range, uint64_t offset, uint64_t size,
+                         uint64_t stream, bool to_device, bool wait) {
+    Call c = plain(Kind::memcpyPinned);
+    c.address = device;
+    c.address2 = reinterpret_cast<uint64_t>(host);
+    c.id = range;
+    c.id2 = offset;
+    c.size = size;
+    c.stream = stream;
+    c.flags = (to_device ? kToDevice : 0) | (wait ? kWait : 0);
     return c;
 }
 Call Call::memset(uint64_t dst, uint32_t value, int elem_size, uint64_t count, uint64_t stream) {
@@ -286,6 +305,26 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
     }
     case Kind::memUnreserve: out.initMemUnreserve().setPtr(c.address); break;
     case Kind::memFree: out.initMemFree().setPtr(c.address); break;
+    case Kind::hostMap: {
+        auto h = out.initHostMap();
+        h.setId(c.id);
+        h.setPath(c.text.c_str());
+        h.setCookie(as_data(c.bytes2));
+        h.setSize(c.size);
+        break;
+    }
+    case Kind::hostUnmap: out.initHostUnmap().setId(c.id); break;
+    case Kind::memcpyPinned: {
+        auto m = out.initMemcpyPinned();
+        m.setDevice(c.address);
+        m.setRange(c.id);
+        m.setOffset(c.id2);
+        m.setSize(c.size);
+        m.setStream(c.stream);
+        m.setToDevice(c.flags & Call::kToDevice);
+        m.setWait(c.flags & Call::kWait);
+        break;
+    }
     case Kind::memGetInfo: out.setMemGetInfo(); break;
     case Kind::memGetAddressRange: out.initMemGetAddressRange().setPtr(c.address); break;
     case Kind::memcpyHtoD: {

@@ -24,7 +24,7 @@ enum class Kind : uint8_t {
     streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
     eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
     launchBatch, reattach, logFull, tensorMapEncode, funcOccupancy, funcSetAttribute, ctxLimit,
-    memReserve, memUnreserve,
+    memReserve, memUnreserve, hostMap, hostUnmap, memcpyPinned,
 };
 const char* kind_name(Kind kind);
 
@@ -48,18 +48,20 @@ struct Call {
     uint64_t seq = 0;
     Kind kind = Kind::hello;
     uint64_t address = 0;     // dst (memcpyHtoD, memcpyDtoD, memset), src (memcpyDtoH), ptr, ctx (attach)
-    uint64_t address2 = 0;    // src of memcpyDtoD; totalSize of a staged copy
+    uint64_t address2 = 0;    // src of memcpyDtoD; totalSize of a staged copy; the host address of a memcpyPinned
     uint64_t size = 0;        // bytes; element count for memset; shmSize (attach)
     uint64_t stream = 0;      // stream id (0 = default)
-    uint64_t id = 0;          // a Handle's id; module; function; event; start event; shmOffset of a staged copy
-    uint64_t id2 = 0;         // end event; event of streamWaitEvent; chunkOffset of a staged copy
+    uint64_t id = 0;          // a Handle's id; module; function; event; start event; shmOffset of a staged copy;
+                              // a pinned range's (hostMap, memcpyPinned)
+    uint64_t id2 = 0;         // end event; event of streamWaitEvent; chunkOffset of a staged copy; offset
+                              // into a pinned range
     uint32_t flags = 0;       // flags; memset value; launch shared bytes; hello version; kViaShm (copies)
     int32_t device = 0;       // device ordinal
     int32_t number = 0;       // device attribute; stream priority; memset element size
     Dim3 grid, block;
-    std::string text;         // hello client; symbol name; shmPath (attach)
+    std::string text;         // hello client; symbol name; shmPath (attach); path (hostMap)
     std::string bytes;        // attach token; packed launch parameters; launchBatch records
-    std::string bytes2;       // shmCookie (attach)
+    std::string bytes2;       // shmCookie (attach); cookie (hostMap)
     Payload payload;          // memcpyHtoD bytes; moduleLoad image
     uint32_t launches = 0;    // launchBatch: how many records `bytes` holds
     uint32_t options = 0;     // launch: Launch.config's options (cluster, cooperative; phos.capnp)
@@ -69,6 +71,9 @@ struct Call {
     static constexpr uint32_t kViaShm = 1;   // a copy whose bytes lie in the shared staging area
     // a moduleLoad sent by its digest (text) alone: the server keeps the image from before
     static constexpr uint32_t kByDigest = 2;
+    // memcpyPinned: host->device (else device->host); answered once done (a synchronous copy)
+    static constexpr uint32_t kToDevice = 4;
+    static constexpr uint32_t kWait = 8;
     bool via_shm() const { return (kind == Kind::memcpyHtoD || kind == Kind::memcpyDtoH) && (flags & kViaShm); }
     bool has_payload() const {
         return (kind == Kind::memcpyHtoD && !(flags & kViaShm)) || (kind == Kind::moduleLoad && !(flags & kByDigest));
@@ -101,6 +106,13 @@ struct Call {
     static Call memcpy_dtoh_staged(uint64_t src, uint64_t size, uint64_t stream, uint64_t shm_offset,
                                    uint64_t chunk_offset, uint64_t total_size);
     static Call memcpy_dtod(uint64_t dst, uint64_t src, uint64_t size, uint64_t stream);
+    // Pinned host memory the worker maps (schema/phos.capnp, "Pinned host memory"): a range's
+    // announcement, its end, and a copy between the device and `host`, which lies at `offset`
+    // of range `range` (the address stays here: a resend carries the bytes themselves).
+    static Call host_map(uint64_t id, std::string path, std::string cookie, uint64_t size);
+    static Call host_unmap(uint64_t id) { return with_id(Kind::hostUnmap, id); }
+    static Call memcpy_pinned(uint64_t device, const void* host, uint64_t range, uint64_t offset, uint64_t size,
+                              uint64_t stream, bool to_device, bool wait);
     static Call memset(uint64_t dst, uint32_t value, int elem_size, uint64_t count, uint64_t stream);
     // digest: the image's BLAKE2b-256 (blake2b.h), so the server keeps it; empty: not kept
     static Call module_load(Payload image, std::string digest = "");

@@ -1,0 +1,314 @@
+"""Pinned host memory the worker maps (schema/phos.capnp, "Pinned host memory"): on one host,
+cuMemAllocHost's bytes are a file in /dev/shm that the context's worker maps too, and a copy
+from or to them travels as a reference (memcpyPinned), copied in place by the worker.
+
+A Python program drives the native stub through ctypes (no nvcc needed) against an emu server.
+"""
+import mmap
+import re
+import os
+import secrets
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import recovery_images, wait_until
+from phos.admin_cli import stub as admin
+from phos.schema import admin_pb2 as pb
+from phos.schema import wire
+from phos.schema.cuda_types import CUresult
+from test_stub import LIBCUDA, stub, stub_env  # noqa: F401 (stub: a fixture)
+from wire_client import RawSession, decode_reply
+
+pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
+
+PROGRAM = r"""
+import ctypes, os, sys
+import numpy as np
+cuda = ctypes.CDLL(sys.argv[1])
+mode = sys.argv[2]
+N = (4 << 20) + 123                  # above the stub's smallest shared allocation (256 KiB), and odd
+P, U64, SZ = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+
+def ok(status, what):
+    if status != 0:
+        sys.exit(f"{what} failed: {status}")
+
+def shared(addr):
+    # mapped from a file in /dev/shm
+    for line in open("/proc/self/maps"):
+        fields = line.split(None, 5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= addr < hi:
+            return len(fields) > 5 and fields[5].startswith("/dev/shm/")
+    return False
+
+def names_in_shm():
+    return sum(n.startswith(f"phos-{os.getpid()}-") for n in os.listdir("/dev/shm"))
+
+def pinned():
+    p = P()
+    ok(cuda.cuMemAllocHost_v2(ctypes.byref(p), SZ(N)), "cuMemAllocHost")
+    return p.value, np.frombuffer((ctypes.c_ubyte * N).from_address(p.value), np.uint8)
+
+def pattern(n, seed, start=0):
+    return ((np.arange(start, start + n) * 7 + seed) % 251).astype(np.uint8)
+
+def wrong(have, want):
+    return int((have != want).sum())
+
+def wait_for_line(word):
+    print(word, flush=True)
+    sys.stdin.readline()
+
+dev, ctx, stream, d = ctypes.c_int(), P(), P(), U64()
+ok(cuda.cuInit(0), "cuInit")
+ok(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+ok(cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate")
+ok(cuda.cuStreamCreate(ctypes.byref(stream), 0), "cuStreamCreate")
+ok(cuda.cuMemAlloc_v2(ctypes.byref(d), SZ(N)), "cuMemAlloc")
+(ha, a), (hb, b), (hc, c) = pinned(), pinned(), pinned()
+print("shared:", sum(map(shared, (ha, hb, hc))))
+print("names in /dev/shm:", names_in_shm())
+
+if mode == "hold":
+    wait_for_line("READY")
+if mode == "exit":                   # without freeing them
+    print("pid:", os.getpid())
+    sys.exit(0)
+
+if mode == "copies":
+    a[:] = pattern(N, 1)
+    ok(cuda.cuMemcpyHtoD_v2(U64(d.value), P(ha), SZ(N)), "cuMemcpyHtoD")
+    a[:] = 0                         # returned: the device has the bytes, ours may change
+    ok(cuda.cuMemcpyDtoH_v2(P(hb), U64(d.value), SZ(N)), "cuMemcpyDtoH")
+    print("sync wrong:", wrong(b, pattern(N, 1)))
+    # asynchronous, at odd offsets inside the ranges: done by the stream's synchronization
+    off, n = 4097, N - 3 * 4097
+    a[:] = pattern(N, 2)
+    ok(cuda.cuMemcpyHtoDAsync_v2(U64(d.value + off), P(ha + off), SZ(n), stream), "cuMemcpyHtoDAsync")
+    b[:] = 0
+    ok(cuda.cuMemcpyDtoHAsync_v2(P(hb), U64(d.value), SZ(N), stream), "cuMemcpyDtoHAsync")
+    ok(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    want = pattern(N, 1)
+    want[off:off + n] = pattern(n, 2, off)
+    print("async wrong:", wrong(b, want))
+    # unified addressing: cuMemcpy finds the direction from the addresses
+    ok(cuda.cuMemcpy(U64(hc + 5), U64(d.value), SZ(N - 5)), "cuMemcpy")
+    print("cuMemcpy wrong:", wrong(c[5:], want[:N - 5]))
+    # a copy past the device allocation fails at once, as on a GPU; the context goes on
+    print("too large:", cuda.cuMemcpyHtoDAsync_v2(U64(d.value + 1), P(ha), SZ(N), stream))
+    ok(cuda.cuCtxSynchronize(), "cuCtxSynchronize")
+
+if mode == "recovery":
+    wait_for_line("ALLOCATED")       # the test waits for the context's first recovery image
+    a[:] = pattern(N, 3)
+    ok(cuda.cuMemcpyHtoDAsync_v2(U64(d.value), P(ha), SZ(N), stream), "cuMemcpyHtoDAsync")
+    ok(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    a[:] = pattern(N, 4)             # after the copy: its replay must send the bytes it had then
+    ok(cuda.cuMemcpyDtoHAsync_v2(P(hb), U64(d.value), SZ(N), stream), "cuMemcpyDtoHAsync")
+    ok(cuda.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    print("before wrong:", wrong(b, pattern(N, 3)))
+    b[:] = 5                         # answered before the worker is lost: a replay must not write here
+    wait_for_line("COPIED")          # the test kills the worker
+    ok(cuda.cuMemcpyDtoH_v2(P(hc), U64(d.value), SZ(N)), "cuMemcpyDtoH")
+    print("replayed wrong:", wrong(c, pattern(N, 3)))
+    print("answered untouched:", bool((b == 5).all()))
+    ok(cuda.cuMemcpyHtoD_v2(U64(d.value), P(ha), SZ(N)), "cuMemcpyHtoD")
+    ok(cuda.cuMemcpyDtoH_v2(P(hc), U64(d.value), SZ(N)), "cuMemcpyDtoH")
+    print("after wrong:", wrong(c, pattern(N, 4)))
+
+for h in (ha, hb, hc):
+    ok(cuda.cuMemFreeHost(P(h)), "cuMemFreeHost")
+print("freed: shared:", sum(map(shared, (ha, hb, hc))))
+print("names in /dev/shm:", names_in_shm())
+print("PASS")
+"""
+
+COPIES_OUT = ["sync wrong: 0", "async wrong: 0", "cuMemcpy wrong: 0", f"too large: {int(CUresult.CUDA_ERROR_INVALID_VALUE)}",
+              "freed: shared: 0", "names in /dev/shm: 0", "PASS"]
+
+
+def run(address, mode="copies", **env):
+    return subprocess.run([sys.executable, "-c", PROGRAM, LIBCUDA, mode], capture_output=True, text=True, timeout=120,
+                          env=stub_env(address, PHOS_VERBOSE="1", **env))
+
+
+def start(address, mode, **env):
+    return subprocess.Popen([sys.executable, "-c", PROGRAM, LIBCUDA, mode], text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=stub_env(address, PHOS_VERBOSE="1", PHOS_REATTACH_TIMEOUT="60", **env))
+
+
+def stats(stderr):
+    """(bytes staged, bytes copied in place) of the stub's statistics (PHOS_VERBOSE), summed."""
+    found = re.findall(r"(\d+) bytes staged, (\d+) bytes copied in place", stderr)
+    assert found, f"no statistics in the stub's verbose output:\n{stderr}"
+    return tuple(sum(int(f[i]) for f in found) for i in range(2))
+
+
+def test_the_worker_maps_pinned_memory_and_copies_in_place(stub, server):
+    r = run(server.address)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[:2] == ["shared: 3", "names in /dev/shm: 3"] and lines[2:] == COPIES_OUT, \
+        f"{r.stdout}\n{r.stderr}"
+    assert r.stderr.count("the worker mapped pinned host memory") == 3, r.stderr
+    staged, in_place = stats(r.stderr)
+    n = (4 << 20) + 123
+    assert staged == 0 and in_place == 5 * n - 3 * 4097 - 5, r.stderr       # the program's five copies, no more
+
+
+def test_without_a_shared_host_pinned_memory_is_the_stubs_own(stub, server):
+    r = run(server.address, PHOS_STAGING="0")
+    assert r.returncode == 0 and r.stdout.splitlines() == ["shared: 0", "names in /dev/shm: 0", *COPIES_OUT], \
+        f"{r.stdout}\n{r.stderr}"
+    assert "pinned host memory" not in r.stderr and stats(r.stderr) == (0, 0), r.stderr
+
+
+def test_a_worker_that_refuses_leaves_it_the_stubs_own(stub, servers, monkeypatch):
+    """Past PHOS_PINNED_HOST_BYTES a worker maps no more: the allocation falls back to the stub's
+    own memory, whose copies go through the staging area."""
+    monkeypatch.setenv("PHOS_PINNED_HOST_BYTES", str(6 << 20))     # room for one of the three
+    srv = servers("bounded")
+    r = run(srv.address)
+    assert r.returncode == 0 and r.stdout.splitlines() == ["shared: 1", "names in /dev/shm: 1", *COPIES_OUT], \
+        f"{r.stdout}\n{r.stderr}"
+    assert r.stderr.count("the worker mapped pinned host memory") == 1, r.stderr
+    assert r.stderr.count("the worker did not map pinned host memory") == 2 and "PHOS_PINNED_HOST_BYTES" in r.stderr
+    staged, in_place = stats(r.stderr)
+    assert staged > 0 and in_place > 0, r.stderr
+
+
+def names_of(pid):
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"phos-{pid}-")]
+
+
+def test_nothing_is_left_in_dev_shm_when_the_program_exits(stub, server):
+    r = run(server.address, "exit")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[:2] == ["shared: 3", "names in /dev/shm: 3"], f"{r.stdout}\n{r.stderr}"
+    assert not names_of(int(lines[2].split()[1]))
+
+
+def test_nothing_is_left_in_dev_shm_when_the_program_is_killed(stub, server):
+    """The files keep their names while allocated; a program killed leaves them to the front end,
+    which removes the names of processes gone when their worker exits."""
+    prog = start(server.address, "hold")
+    try:
+        assert prog.stdout.readline() == "shared: 3\n", prog.stderr.read()
+        assert prog.stdout.readline() == "names in /dev/shm: 3\n"
+        assert prog.stdout.readline() == "READY\n"
+        prog.kill()
+        prog.wait(30)
+    finally:
+        if prog.poll() is None:
+            prog.kill()
+    assert wait_until(lambda: not names_of(prog.pid), 30), names_of(prog.pid)
+
+
+def test_a_replay_sends_pinned_copies_with_their_bytes(stub, servers, tmp_path):
+    """With recovery images the log keeps a host->device copy from a pinned range with the bytes
+    it had (the range changes after it), and resends nothing into a range that was answered
+    before; the worker found again maps the ranges anew as the program copies."""
+    directory = tmp_path / "rec"
+    one = servers("one", args=["--recovery-dir", str(directory), "--checkpoint-every", "600"])
+    prog = start(one.address, "recovery")
+    try:
+        assert prog.stdout.readline() == "shared: 3\n", prog.stderr.read()
+        assert prog.stdout.readline() == "names in /dev/shm: 3\n"
+        assert prog.stdout.readline() == "ALLOCATED\n"
+        [ctx] = admin(one.address).ListContexts(pb.ListContextsRequest()).contexts
+        assert wait_until(lambda: recovery_images(directory, ctx.id), 20), "no recovery image of the new context"
+        prog.stdin.write("go\n"), prog.stdin.flush()
+        assert prog.stdout.readline() == "before wrong: 0\n"
+        assert prog.stdout.readline() == "COPIED\n"
+        assert len(recovery_images(directory, ctx.id)) == 1      # the replay holds the copies
+        os.kill(ctx.pid, signal.SIGKILL)
+        assert wait_until(lambda: ctx.pid not in one.workers(), 10)
+        prog.stdin.write("go\n"), prog.stdin.flush()
+        out, err = prog.communicate(timeout=120)
+    finally:
+        if prog.poll() is None:
+            prog.kill()
+    assert prog.returncode == 0 and out.splitlines() == [
+        "replayed wrong: 0", "answered untouched: True", "after wrong: 0", "freed: shared: 0", "names in /dev/shm: 0",
+        "PASS"], f"{out}\n{err}\n{one.output()[-4000:]}"
+    assert f"context {ctx.id} re-attached" in err, err
+    assert err.count("the worker mapped pinned host memory") == 5, err     # 3, then 2 again as they are used
+
+
+# -- the worker's side, from a client that bypasses the stub ----------------------------------
+
+def pinned_file(size):
+    """A pinned host file as a client makes it: /dev/shm/phos-<pid>-<random>, the cookie at the start
+    of its header, the bytes after it. (path, cookie, its bytes as this process maps them)."""
+    path = f"/dev/shm/phos-{os.getpid()}-{secrets.token_hex(6)}"
+    cookie = secrets.token_bytes(wire.COOKIE_BYTES)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, wire.PINNED_HEADER + size)
+        os.pwrite(fd, cookie, 0)
+        area = mmap.mmap(fd, wire.PINNED_HEADER + size)
+    finally:
+        os.close(fd)
+    return path, cookie, np.frombuffer(area, np.uint8, size, wire.PINNED_HEADER)
+
+
+def one_call(session, name, args, seq=0, want_reply=True):
+    """The Result (seq, status, message, u64s, payload) of one call sent alone, or None without a reply."""
+    session.sock.send_multipart([wire.encode_request([(seq, name, args, None)], want_reply)[0]])
+    return decode_reply(session.sock.recv_multipart())[-1] if want_reply else None
+
+
+def test_the_worker_checks_what_a_client_says_of_pinned_memory(server):
+    size = 1 << 20
+    path, cookie, data = pinned_file(size)
+    link = f"/dev/shm/phos-{os.getpid()}-{secrets.token_hex(6)}"
+    os.symlink(path, link)
+    s = RawSession(server.address)
+    try:
+        [(_, status, _, [device], _)] = s.call(("memAlloc", {"size": size}))
+        assert status == 0
+
+        def host_map(rid, where=path, secret=cookie, nbytes=size):
+            r = one_call(s, "hostMap", {"id": rid, "path": where, "cookie": secret, "size": nbytes})
+            assert r[1] == 0, r
+            return r[3]
+        for where, secret, nbytes in [("/etc/passwd", cookie, 16), ("/dev/shm/phos-nothing-here", cookie, size),
+                                      (link, cookie, size), (path, bytes(16), size), (path, cookie[:8], size),
+                                      (path, cookie, size + 1), (path, cookie, 0), (path, cookie, 2**64 - 1)]:
+            assert host_map(7, where, secret, nbytes) == [0], (where, secret, nbytes)
+        assert host_map(0) == [0]                       # ids are never 0
+        assert host_map(7) == [1]
+        assert host_map(7) == [0]                       # mapped already
+
+        def copy(**args):
+            fields = {"device": device, "range": 7, "offset": 0, "size": size, "stream": 0, "toDevice": True, "wait": True}
+            r = one_call(s, "memcpyPinned", dict(fields, **args), seq=next(s.seqs))
+            assert "internal error" not in r[2], r
+            return r[1]
+        data[:] = np.arange(size) % 253
+        assert copy() == 0                              # host->device from our bytes, in place
+        assert copy(toDevice=False, offset=4096, size=size - 4096) == 0
+        assert (data[4096:] == np.arange(size - 4096) % 253).all()
+        invalid = int(CUresult.CUDA_ERROR_INVALID_VALUE)
+        assert copy(range=8) == invalid                 # a range this context does not have
+        assert copy(offset=1) == invalid                # past the range's end
+        assert copy(offset=2**64 - 1, size=2) == invalid
+        assert copy(size=2**64 - 1) == invalid
+        assert copy(device=device + 1) == invalid       # past the allocation's end
+
+        # an asynchronous copy's failure waits for the next synchronizing call, not for hostUnmap
+        one_call(s, "memcpyPinned", {"device": device, "range": 9, "size": 1, "toDevice": True}, seq=next(s.seqs),
+                 want_reply=False)
+        assert one_call(s, "hostUnmap", {"id": 7})[1] == 0
+        assert one_call(s, "ctxSynchronize", None, seq=next(s.seqs))[1] == invalid
+        assert one_call(s, "hostUnmap", {"id": 7})[1] == invalid     # unmapped already
+        assert copy() == invalid
+    finally:
+        s.close()
+        os.unlink(link)
+        os.unlink(path)
