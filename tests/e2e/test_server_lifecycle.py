@@ -8,6 +8,7 @@ import time
 import pytest
 
 from conftest import ServerProc, wait_until
+from test_emu_limits import ENDLESS_PTX
 from phos.gpu_server.frontend import check_listen
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
@@ -334,26 +335,29 @@ def test_a_client_that_reads_late_loses_no_reply(server):
     assert sent is not None and int(sent) > 0 and answered == sent, (out.stdout, out.stderr)
 
 
+# A client whose kernel never ends: it says "spinning", then waits for the kernel and prints
+# what its synchronize returned and how long it took.
+SPINNING = f"""
+import time
+assert cu.cuInit(0)[0] == 0 and cu.cuCtxCreate(None, 0, 0)[0] == 0
+err, module = cu.cuModuleLoadData({ENDLESS_PTX.encode()!r})
+err, f = cu.cuModuleGetFunction(module, b"spin")
+assert cu.cuCtxSynchronize()[0] == 0
+print("spinning", flush=True)
+cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, ((), ()), 0)
+t = time.monotonic()
+print(int(cu.cuCtxSynchronize()[0]), round(time.monotonic() - t, 1), flush=True)
+"""
+
+
 def test_phos_ctx_kill_ends_a_context_mid_kernel_for_good(servers, tmp_path):
     """`phos ctx kill` ends a context whose kernel never ends: its worker goes at once, its
     client's call fails within seconds, and the server does not restore it from its recovery
     images."""
-    from test_emu_limits import ENDLESS_PTX
     from phos.admin_cli import stub as admin
     from phos.schema import admin_pb2 as pb
     srv = servers("one", args=["--recovery-dir", str(tmp_path / "rec"), "--checkpoint-every", "600"])
-    body = f"""
-        import time
-        assert cu.cuInit(0)[0] == 0 and cu.cuCtxCreate(None, 0, 0)[0] == 0
-        err, module = cu.cuModuleLoadData({ENDLESS_PTX.encode()!r})
-        err, f = cu.cuModuleGetFunction(module, b"spin")
-        assert cu.cuCtxSynchronize()[0] == 0
-        print("spinning", flush=True)
-        cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, ((), ()), 0)
-        t = time.monotonic()
-        print(int(cu.cuCtxSynchronize()[0]), round(time.monotonic() - t, 1), flush=True)
-    """
-    child = subprocess.Popen([sys.executable, "-c", client_script(srv.address, body)], stdout=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-c", client_script(srv.address, SPINNING)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "spinning", child.stderr.read()
@@ -408,21 +412,11 @@ def test_socket_files_go_with_their_worker_and_server(backend, tmp_path):
 def test_a_worker_whose_client_dies_mid_kernel_stops(servers, monkeypatch):
     """A kernel that never ends (no launch time limit), and its client killed: the worker ends
     within seconds instead of computing for nobody."""
-    from test_emu_limits import ENDLESS_PTX
     from phos.admin_cli import stub as admin
     from phos.schema import admin_pb2 as pb
     monkeypatch.setenv("PHOS_EMU_LAUNCH_TIMEOUT", "0")
     srv = servers("one")
-    body = f"""
-        assert cu.cuInit(0)[0] == 0 and cu.cuCtxCreate(None, 0, 0)[0] == 0
-        err, module = cu.cuModuleLoadData({ENDLESS_PTX.encode()!r})
-        err, f = cu.cuModuleGetFunction(module, b"spin")
-        assert cu.cuCtxSynchronize()[0] == 0
-        print("spinning", flush=True)
-        cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, ((), ()), 0)
-        cu.cuCtxSynchronize()
-    """
-    child = subprocess.Popen([sys.executable, "-c", client_script(srv.address, body)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", client_script(srv.address, SPINNING)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "spinning"
         [ctx] = admin(srv.address).ListContexts(pb.ListContextsRequest()).contexts
