@@ -10,17 +10,19 @@ them into its shared memory and the target's device straight out of it, with no 
 Else they go to a directory in /dev/shm named for this process (frontend.sweep_shm removes
 what a killed one left).
 """
-import contextlib
 import logging
 import os
 import secrets
 import shutil
 import tempfile
+import time
 
 from phos.gpu_server.recovery import context_store
 from phos.snapshot import DirStore, ImageError, gc, open_store
+from phos.snapshot.store import ImageInUse
 
 log = logging.getLogger("phos.admin")
+IN_USE_WAIT = 10.0      # seconds the rounds' removal waits for a dropped warm copy to let go of them
 
 
 class HandoffStore:
@@ -58,10 +60,22 @@ class HandoffStore:
             return
         try:
             store = open_store(self.path)
-            for name in self.rounds:
-                if name != keep:
-                    with contextlib.suppress(ImageError):
+            left, deadline = [name for name in self.rounds if name != keep], time.monotonic() + IN_USE_WAIT
+            while left:
+                in_use = []
+                for name in left:
+                    try:
                         store.delete_image(name)
+                    except ImageInUse:        # a warm copy dropped a moment ago still lets go of it
+                        in_use.append(name)
+                    except ImageError:
+                        pass
+                left = in_use
+                if left and time.monotonic() > deadline:
+                    log.warning("handoff rounds %s stay in %s: a restore still reads them", ", ".join(left), self.path)
+                    break
+                if left:
+                    time.sleep(0.05)
             gc(store)          # None when a recovery image is being written: its next prune collects
             if self.recovery and self.made and keep is None and not store.list_images():
                 shutil.rmtree(self.path, ignore_errors=True)
