@@ -144,6 +144,8 @@ def test_a_server_given_another_image_key_restores_its_own_images_only(servers, 
     own.sync()
     mine = checkpoint(theirs, own.id, tmp_path / "theirs-images")["name"]
     own.ok(own.cu.cuCtxDestroy(own.ctx))
+    # its worker exits a moment after the destroy is answered: a restore waits for that
+    assert wait_until(lambda: not stub(theirs.address).ListContexts(pb.ListContextsRequest()).contexts, 30)
     assert restore(theirs, tmp_path / "theirs-images", name=mine).name == mine
     missing = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", f"ipc://{tmp_path}/x.sock",
                               "--image-key", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=60)
