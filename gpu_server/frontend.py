@@ -25,7 +25,7 @@ from phos import settings
 from phos.gpu_server.backend import load_backend
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id
 from phos.schema import wire
-from phos.schema.control import admin_socket, emu_ledger_dir, module_cache_dir, private_directory
+from phos.schema.control import admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file
 from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import CudaError, CUresult
 
@@ -411,11 +411,7 @@ class FrontEnd:
         if worker.ctl is not None:
             worker.ctl.close(linger=0)
         for endpoint in (worker.endpoint, worker.ctl_endpoint):    # a killed worker leaves its socket files
-            if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
-                try:
-                    os.unlink(endpoint[len("ipc://"):])
-                except OSError:
-                    pass
+            remove_socket_file(endpoint)
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
         sweep_shm()       # its client may be gone, killed: its pinned host memory's names with it
 
@@ -688,11 +684,7 @@ class FrontEnd:
             if auth:
                 auth.stop()
             zctx.destroy(linger=0)     # closes the control sockets too
-            if self.listen.startswith("ipc://"):
-                try:
-                    os.unlink(self.listen[len("ipc://"):])
-                except OSError:
-                    pass
+            remove_socket_file(self.listen)
 
 
 _CONTEXT_CALLS = frozenset(n for n in wire.phos_capnp.Call.schema.union_fields) - set(FrontEnd.CALLS) - {"attach"}

@@ -35,6 +35,7 @@ from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
 from phos.schema import wire
+from phos.schema.control import remove_socket_file
 from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.snapshot import engine
@@ -1018,11 +1019,7 @@ def main(argv=None):
         # when, and how long: freeing a big context may stall the device's other contexts
         log.info("context %d: its device memory freed in %.1f ms", session.ctx_id, (time.perf_counter() - t) * 1e3)
         for ep in (endpoint, ctl_endpoint):
-            if ep.startswith("ipc://"):
-                try:
-                    os.unlink(ep[len("ipc://"):])
-                except OSError:
-                    pass
+            remove_socket_file(ep)
     return 0
 
 

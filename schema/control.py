@@ -41,6 +41,15 @@ def emu_ledger_dir(server):
     return _beside(server, ".emu-memory", "emu-memory-{port}")
 
 
+def remove_socket_file(endpoint):
+    """Remove the file of an ipc:// endpoint whose socket is closed (an abstract one has none)."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        try:
+            os.unlink(endpoint[len("ipc://"):])
+        except OSError:
+            pass
+
+
 def private_directory(path, create=False, what="socket directory"):
     """Check that the directory holding a server's sockets (or another private file of the
     user's, such as the image key: `what` names it) is this user's own and that nobody else may

@@ -589,13 +589,20 @@ static bool shm_name(std::string& path) {
     return true;
 }
 
-// Creates the staging file: /dev/shm/phos-<pid>-<random>, ours alone (O_EXCL, 0600).
-static char* create_staging(std::string& path, std::string& cookie) {
+// A new file a worker is to open (shm_name), ours alone (O_EXCL, 0600), and the random
+// cookie its first bytes are to hold, which shows the worker whose file it is. -1 if it
+// cannot be made (errno says why).
+static int create_shared_file(std::string& path, std::string& cookie) {
     unsigned char c[staging::kCookieBytes];
-    if (!random_bytes(c, sizeof c) || !shm_name(path)) return nullptr;
+    if (!random_bytes(c, sizeof c) || !shm_name(path)) return -1;
     cookie.assign(reinterpret_cast<char*>(c), sizeof c);
+    return open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+}
+
+// Creates the staging file (create_shared_file), mapped, with its cookie at its start.
+static char* create_staging(std::string& path, std::string& cookie) {
+    const int fd = create_shared_file(path, cookie);
     const char* name = path.c_str();
-    int fd = open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) {
         log_verbose("cannot create a staging area %s: %s", name, strerror(errno));
         return nullptr;
@@ -610,7 +617,7 @@ static char* create_staging(std::string& path, std::string& cookie) {
         unlink(name);
         return nullptr;
     }
-    std::memcpy(area, c, sizeof c);
+    std::memcpy(area, cookie.data(), cookie.size());
     return static_cast<char*>(area);
 }
 
@@ -678,10 +685,7 @@ void drop_name(const std::string& path) {
 std::unique_ptr<SharedHost> SharedHost::make(size_t n) {
     static uint64_t next_id = 1;   // under the driver's lock, as every call
     std::unique_ptr<SharedHost> h(new SharedHost());
-    unsigned char c[staging::kCookieBytes];
-    if (!random_bytes(c, sizeof c) || !shm_name(h->path_)) return nullptr;
-    h->cookie_.assign(reinterpret_cast<char*>(c), sizeof c);
-    const int fd = open(h->path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    const int fd = create_shared_file(h->path_, h->cookie_);
     if (fd < 0) {
         log_verbose("cannot make %zu bytes of pinned host memory shared (%s: %s): it stays private", n,
                     h->path_.c_str(), strerror(errno));
@@ -691,7 +695,8 @@ std::unique_ptr<SharedHost> SharedHost::make(size_t n) {
     // Its bytes are allocated now: a write into a sparse file /dev/shm cannot hold would kill us.
     int err = ftruncate(fd, static_cast<off_t>(kPinnedHeader + n)) == 0 ? 0 : errno;
     if (!err) err = posix_fallocate(fd, static_cast<off_t>(kPinnedHeader), static_cast<off_t>(n));
-    if (!err && pwrite(fd, c, sizeof c, 0) != static_cast<ssize_t>(sizeof c)) err = errno ? errno : EIO;
+    const std::string& c = h->cookie_;
+    if (!err && pwrite(fd, c.data(), c.size(), 0) != static_cast<ssize_t>(c.size())) err = errno ? errno : EIO;
     void* data = MAP_FAILED;
     if (!err) {
         data = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(kPinnedHeader));

@@ -1,7 +1,6 @@
 """A big module image crosses the wire once per server: the stub names it by its digest
 first, and sends it only when the server does not keep it (gpu_server/module_cache.py)."""
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
 from ptx_helpers import compile_ptx
 from test_stub import LIBCUDA, stub, stub_env  # noqa: F401 (stub: a fixture)
+from test_stub_recovery import kill_worker
 
 pytestmark = pytest.mark.gpu
 
@@ -101,8 +101,7 @@ def test_a_replay_loads_a_module_the_server_missed_once(stub, servers, tmp_path)
         prog.stdin.write("go\n"), prog.stdin.flush()
         assert prog.stdout.readline() == "LOADED\n", prog.stderr.read()
         assert len(recovery_images(directory, ctx.id)) == 1     # the replay will hold the load
-        os.kill(ctx.pid, signal.SIGKILL)
-        assert wait_until(lambda: ctx.pid not in one.workers(), 10)
+        kill_worker(one, ctx)
         prog.stdin.write("go\n"), prog.stdin.flush()
         out, err = prog.communicate(timeout=120)
     finally:

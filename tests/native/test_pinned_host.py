@@ -8,7 +8,6 @@ import mmap
 import re
 import os
 import secrets
-import signal
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ from phos.schema import admin_pb2 as pb
 from phos.schema import wire
 from phos.schema.cuda_types import CUresult
 from test_stub import LIBCUDA, stub, stub_env  # noqa: F401 (stub: a fixture)
+from test_stub_recovery import kill_worker
 from wire_client import RawSession, decode_reply
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
@@ -226,8 +226,7 @@ def test_a_replay_sends_pinned_copies_with_their_bytes(stub, servers, tmp_path):
         assert prog.stdout.readline() == "before wrong: 0\n"
         assert prog.stdout.readline() == "COPIED\n"
         assert len(recovery_images(directory, ctx.id)) == 1      # the replay holds the copies
-        os.kill(ctx.pid, signal.SIGKILL)
-        assert wait_until(lambda: ctx.pid not in one.workers(), 10)
+        kill_worker(one, ctx)
         prog.stdin.write("go\n"), prog.stdin.flush()
         out, err = prog.communicate(timeout=120)
     finally:
