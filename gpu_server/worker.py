@@ -47,6 +47,7 @@ ORPHAN_GRACE = settings.orphan_grace()   # seconds without a client before the c
 ATTACH_TIMEOUT = settings.attach_timeout()
 REATTACH_TIMEOUT = settings.restore_grace()   # a restored context waits this long for its client
 PINNED_HOST_BYTES = settings.pinned_host_bytes()   # the client's pinned host memory a worker maps, at most
+RECOVERY_PAUSED_BYTES = settings.recovery_paused_bytes()   # a recovery image this small is taken paused
 # A restore on demand loads in the background once its client has attached and gone quiet
 # this long (its re-attach and first calls served first: a loader thread would slow them
 # down, competing for the interpreter), or by the deadline, whoever attached.
@@ -601,9 +602,10 @@ class Worker:
 
     def take_recovery_image(self):
         r = self.session.recovery
-        path, name, parent = r.begin()
+        paused = r.paused(self.session.space.used(), RECOVERY_PAUSED_BYTES)
+        path, name, parent = r.begin(paused)
         try:
-            self.begin_checkpoint(path, name, parent)
+            self.begin_checkpoint(path, name, parent, paused=paused)
         except Exception as e:       # the store is full or gone: the client keeps its log, we try again later
             r.failed(getattr(e, "message", None) or f"{type(e).__name__}: {e}")
 
@@ -720,7 +722,7 @@ class Worker:
                     log.info("context %d: recovery image %s at call %d: %d of %d bytes copied in %.1f ms, paused %.1f ms",
                              s.ctx_id, result["name"], result["cut_seq"], result["copied_bytes"], result["bytes"],
                              result["seconds"] * 1e3, result["pause_ms"])
-                s.recovery.committed(result["cut_seq"]) if result else s.recovery.failed(answer[1][1])
+                s.recovery.committed(result["cut_seq"], result["copied_bytes"], result["pause_ms"]) if result else s.recovery.failed(answer[1][1])
                 queued, self.queued_checkpoint = self.queued_checkpoint, None
                 if queued:
                     try:

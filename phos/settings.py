@@ -186,6 +186,10 @@ log_level = _declare("PHOS_LOG", str, "WARNING", f"{SERVER}, {CLI}",
                      "the server's and its workers' log level (`phos server --log-level`'s default)")
 switch_us = _declare("PHOS_SWITCH_US", float, 200.0, SERVER,
                      "a worker's interpreter switch interval in microseconds (sys.setswitchinterval)")
+recovery_paused_bytes = _declare("PHOS_RECOVERY_PAUSED_BYTES", int, 256 << 20, SERVER,
+                                  "a recovery image is taken with the application paused when it should copy at "
+                                  "most this many bytes (what the previous one copied; the first: the context's "
+                                  "bytes), else concurrently (0: always concurrently)", shown="268435456 (256 MiB)")
 profile_dir = _declare("PHOS_PROFILE_DIR", str, None, SERVER,
                        "each worker writes a cProfile file per checkpoint into this directory")
 trace_seconds = _declare("PHOS_TRACE_SECONDS", float, 0.03, SERVER,

@@ -148,3 +148,47 @@ def test_where_module_globals_were_is_noted_for_a_replay_and_a_bad_note_is_ignor
     with open(os.path.join(first.path, GLOBALS_FILE), "w") as f:
         f.write('{"3": {"counter"')                            # torn
     assert module_globals_noted(first.path) == {}
+
+
+def test_a_recovery_image_is_paused_while_it_copies_little(tmp_path):
+    """Concurrent images make every write of the application wait for its chunks to be saved
+    (PyTorch's training on the H200: 100x slower while one ran): an image that should copy
+    little (what the last one copied, else the whole context) is taken paused, unless a paused
+    image here held the application past the budget."""
+    from phos.gpu_server.recovery import PAUSE_BUDGET_MS, Recovery
+    r = Recovery(str(tmp_path), 1)
+    try:
+        assert r.paused(100 << 20, 256 << 20)                   # the first: the context's bytes
+        assert not r.paused(300 << 20, 256 << 20)
+        assert not r.paused(1, 0)                               # 0: always concurrent
+        r.begin(paused=False)
+        r.committed(10, copied=300 << 20)
+        assert not r.paused(100 << 20, 256 << 20)              # the last one copied too much
+        r.begin(paused=False)
+        r.committed(20, copied=1 << 20)
+        assert r.paused(100 << 20, 256 << 20)
+        r.begin(paused=True)
+        r.committed(30, copied=1 << 20, pause_ms=PAUSE_BUDGET_MS / 2)
+        assert r.paused(100 << 20, 256 << 20)
+        r.begin(paused=True)
+        r.committed(40, copied=1 << 20, pause_ms=PAUSE_BUDGET_MS * 2)
+        assert not r.paused(100 << 20, 256 << 20)              # it held the application too long
+    finally:
+        r.prune_done()              # it prunes each replaced image in a thread
+
+
+@pytest.mark.parametrize("limit, mode", [("268435456", "paused"), ("0", "concurrent")])
+def test_the_server_takes_small_recovery_images_paused(servers, client, tmp_path, monkeypatch, limit, mode):
+    from phos.gpu_server.recovery import context_store
+    from phos.snapshot import DirStore, read_image
+    monkeypatch.setenv("PHOS_RECOVERY_PAUSED_BYTES", limit)
+    directory = tmp_path / "rec"
+    srv = recovering(servers, every="600", directory=directory)    # the new context's image alone
+    cu = client(srv)
+    app = App(cu)
+    app.get(app.put(np.ones(N, np.float32)), 8)
+    assert wait_until(lambda: recovery_images(directory, app.id), 10)
+    store = DirStore(context_store(directory, app.id))
+    modes = {read_image(store, name).metadata["mode"] for name in recovery_images(directory, app.id)}
+    assert modes == {mode}, modes
+    app.ok(cu.cuCtxDestroy(app.ctx))
