@@ -23,7 +23,7 @@ log = logging.getLogger("phos.recovery")
 
 
 GLOBALS_FILE = "module_globals.json"     # beside a context's recovery images (Recovery.note_globals)
-PAUSE_BUDGET_MS = 20.0    # a paused recovery image may hold the application this long (Recovery.paused)
+PAUSE_BUDGET_MS = 50.0    # a paused recovery image may hold the application this long (Recovery.paused)
 
 
 def context_store(directory, ctx_id):
