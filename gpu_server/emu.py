@@ -8,11 +8,14 @@ one valid schedule of the streams, so stream and event ordering holds; events re
 import time
 import uuid
 
+import numpy as np
+
 from phos import settings
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
 from phos.gpu_server.emu_memory import DeviceLedger, EmuMemory
+from phos.gpu_server.staging_layout import FrozenLayout
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import launch_cluster
 from phos.snapshot.fingerprint import fingerprint
@@ -259,6 +262,19 @@ class EmuSnapshotOps:
         fps = [fingerprint(self.view(a, n)) for a, n in chunks]   # calls run in order: the cut is now
         return lambda block=True: fps
 
+    def freeze(self, regions):
+        """The regions copied now, in arrival order (the cut is now): a NumPy copy, not device memory."""
+        layout = FrozenLayout(regions)
+        if not layout.nbytes:
+            return None
+        copy = np.empty(layout.nbytes, np.uint8)
+        for start, off, size in zip(layout.starts.tolist(), layout.offsets.tolist(), layout.sizes.tolist()):
+            copy[off:off + size] = self.view(start, size)
+        return copy, layout
+
+    def release(self, frozen):
+        pass                    # the copy goes with its last reference
+
     def maps(self, host):
         return True             # no copy engines: any host memory will do
 
@@ -268,15 +284,21 @@ class EmuSnapshotOps:
     def prepare(self):
         pass                    # nothing made ahead
 
-    def read(self, batches, urgent=False):
+    def read(self, batches, urgent=False, frozen=None):
+        def source(a, n):
+            if frozen is None:
+                return self.view(a, n)
+            at = int(frozen[1].source(0, [a])[0])
+            return frozen[0][at:at + n]
+
         for chunks, into, tag in batches:
             copied = []
             for i, (a, n) in enumerate(chunks):
                 if copied:
                     yield None          # a chunk at a time, as a device copies beside the calls
-                data = self.view(a, n).copy() if into is None else into[i]
+                data = source(a, n).copy() if into is None else into[i]
                 if into is not None:
-                    data[:] = self.view(a, n)
+                    data[:] = source(a, n)
                 copied.append((data, fingerprint(data)))
             yield tag, copied
 

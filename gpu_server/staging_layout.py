@@ -1,6 +1,8 @@
 """How a batch of chunks is copied out through a staging buffer on the device: where each
 chunk goes in the buffer, and which chunks one copy can take together. Plain arithmetic,
-apart from the driver (gpu_server/cuda.py, CudaSnapshotOps.read)."""
+apart from the driver (gpu_server/cuda.py, CudaSnapshotOps.read), and where a checkpoint's
+copy of the context on the device holds each region (FrozenLayout)."""
+import numpy as np
 
 
 def stage_offsets(chunks):
@@ -27,3 +29,24 @@ def copy_runs(chunks, offsets, regions):
             out.append([addr, off, size])
         last = region
     return out
+
+
+class FrozenLayout:
+    """Where a checkpoint's copy of the context (SnapshotOps.freeze) holds each region: the
+    regions side by side, each at a 256-byte boundary, in the order given. source() finds the
+    copy of any device address inside them."""
+
+    def __init__(self, regions):
+        rows = np.asarray(regions, np.uint64).reshape(-1, 2)
+        self.starts, self.sizes = rows[:, 0], rows[:, 1]
+        aligned = (self.sizes + np.uint64(255)) // np.uint64(256) * np.uint64(256)
+        self.offsets = np.concatenate([np.zeros(1, np.uint64), np.cumsum(aligned, dtype=np.uint64)[:-1]])
+        self.nbytes = int(aligned.sum())
+        self.order = np.argsort(self.starts, kind="stable")     # moved regions break the address order
+        self.sorted_starts = self.starts[self.order]
+
+    def source(self, base, addrs):
+        """The addresses in a copy at `base` of each of addrs (device addresses in the regions)."""
+        a = np.asarray(addrs, np.uint64)
+        r = self.order[np.searchsorted(self.sorted_starts, a, side="right") - 1]
+        return np.uint64(base) + self.offsets[r] + (a - self.starts[r])

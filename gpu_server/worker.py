@@ -178,6 +178,8 @@ class Session:
     def touch_kernel(self, fn, params):
         """A launch may write anywhere in each allocation its parameters point into, and in
         every global of its module (which it names without a pointer)."""
+        if self.restoring is None and (self.checkpoint is None or not self.checkpoint.watches_writes):
+            return                   # saved from the cut's device copy: nothing to do per launch
         for ptr in engine.kernel_pointers(self, params):
             self.touch(ptr, 0, whole=True)
         for _, ptr, size in self.backend.module_globals(self.handle("module", fn.module_id)):

@@ -190,6 +190,10 @@ recovery_paused_bytes = _declare("PHOS_RECOVERY_PAUSED_BYTES", int, 256 << 20, S
                                   "a recovery image is taken with the application paused when it should copy at "
                                   "most this many bytes (what the previous one copied; the first: the context's "
                                   "bytes), else concurrently (0: always concurrently)", shown="268435456 (256 MiB)")
+checkpoint_device_copy = _declare("PHOS_CHECKPOINT_DEVICE_COPY", int, 1, SERVER,
+                                  "a concurrent checkpoint first copies the context on the device, where the device has "
+                                  "room, and saves from that copy: the application waits for that copy only, not for "
+                                  "copy-on-write saves (0: copy-on-write always)")
 profile_dir = _declare("PHOS_PROFILE_DIR", str, None, SERVER,
                        "each worker writes a cProfile file per checkpoint into this directory")
 trace_seconds = _declare("PHOS_TRACE_SECONDS", float, 0.03, SERVER,

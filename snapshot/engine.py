@@ -62,6 +62,7 @@ STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls
 # its whole copy (PHOS_TRACE_SECONDS=1: ~10,000 entries, whose JSON holds the worker's thread
 # for 10-20 ms at the end: a gap the application sees)
 TRACE_SECONDS = settings.trace_seconds()
+DEVICE_COPY = bool(settings.checkpoint_device_copy())   # a concurrent cut copies the context on the device (freeze)
 IO_THREADS = 6                   # chunk files written or read at once
 PENDING, BUSY, DONE = 0, 1, 2
 FEW = 32                         # chunk lists up to this long are walked in Python, longer ones by NumPy
@@ -75,6 +76,7 @@ class Chunks:
 
     def __init__(self, regions, moved=None):
         self.regions = sorted(regions)
+        self.moved = moved or {}
         self.bases = [r[0] for r in self.regions]
         self.first = []              # index of each region's first chunk
         addr, size = [], []          # built by NumPy: a handoff's frozen round makes thousands
@@ -105,6 +107,10 @@ class Chunks:
 
     def spans(self, idx):
         return [(self.addr[c], self.size[c]) for c in idx]
+
+    def device_regions(self):
+        """[(device address, size)] of the regions that hold bytes."""
+        return [(self.moved.get(base, base), size) for base, size, _ in self.regions if size]
 
     def region(self, r):
         return range(self.first[r], self.first[r] + chunk_count(self.regions[r][1], self.regions[r][2]))
@@ -346,6 +352,7 @@ class Checkpoint(ChunkJob):
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
         self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
         self.work = None             # the background copy (run), while it runs
+        self.frozen = None           # the cut's copy of the context on the device (snap.freeze), saved from
         self.spare = []              # store slots reserved for the copy, not yet filled (take_slots)
         self.kept = []               # batches copied before the cut's fingerprints were in (keep)
         self.look_at = 0.0           # advance's next step, not before (perf_counter)
@@ -363,6 +370,13 @@ class Checkpoint(ChunkJob):
         self.chunks, self.settled = Chunks(regions, s.space.moved), set()
         # the pass first: the application's next kernel waits for it (the fence), not for the rest
         t = self.step("cut_describe", t0)
+        self.release_frozen()        # a re-cut's
+        self.copied_on_device = False
+        if DEVICE_COPY and self.concurrent and not self.precopy:
+            # saved from a copy the application cannot write: no call waits for a copy-on-write
+            self.frozen = s.backend.snap.freeze(self.chunks.device_regions())
+            self.copied_on_device = self.frozen is not None
+            t = self.step("cut_freeze", t)
         self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)
         self.step("cut_pass_launch", t)
         self.fps = None
@@ -426,7 +440,7 @@ class Checkpoint(ChunkJob):
                 into = [self.store.payload(slot, n) for slot, (_, n) in zip(slots, spans)] if slots else None
                 self.step("feed", t)         # the thread's own time in each part of a batch's steps
                 yield spans, into, (mine, need, slots)
-        copies = self.session.backend.snap.read(feed(), urgent)
+        copies = self.session.backend.snap.read(feed(), urgent, self.frozen)
         try:
             t = time.perf_counter()
             for got in copies:
@@ -612,9 +626,20 @@ class Checkpoint(ChunkJob):
             raise self.failure or CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"checkpoint {self.name!r} ended before its cut's fingerprints")
         return self.fps
 
+    @property
+    def watches_writes(self):
+        """Whether a call must say what it writes (before_write) before it runs."""
+        return self.running and not self.precopy and self.frozen is None
+
+    def release_frozen(self):
+        frozen, self.frozen = self.frozen, None
+        if frozen is not None:
+            self.session.backend.snap.release(frozen)
+
     def before_write(self, ptr, nbytes, whole=False):
-        """Save the chunks a call is about to write, if the background has not yet."""
-        if not self.running or self.precopy:
+        """Save the chunks a call is about to write, if the background has not yet (saved
+        from the cut's device copy, they need not be)."""
+        if not self.watches_writes:
             return
         idx = self.not_done(ptr, nbytes, whole)
         if idx is None:
@@ -633,6 +658,7 @@ class Checkpoint(ChunkJob):
         while self.running:
             self.advance()
         self.release_spare()
+        self.release_frozen()
         if self.failure is not None:
             self.writer.abort()
             raise self.failure if isinstance(self.failure, CudaError) else \
@@ -654,6 +680,7 @@ class Checkpoint(ChunkJob):
         elapsed = time.perf_counter() - self.started
         fields["cut_seq"] = self.cut_seq
         fields["metadata"] = {"mode": "precopy" if self.precopy else "concurrent" if self.concurrent else "paused",
+                              "device_copy": self.copied_on_device,
                               "paused": fell_back or not self.concurrent, "pause_ms": round(self.pause_s * 1e3, 3),
                               "recopied_chunks": self.mismatched, "seconds": round(elapsed, 6)}
         self.io.shutdown()
@@ -694,6 +721,7 @@ class Checkpoint(ChunkJob):
             self.work.close()         # gives back the slots of its batches under way
             self.work = None
         self.release_spare()
+        self.release_frozen()
         self.io.shutdown()
         self.writer.abort()
 

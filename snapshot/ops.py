@@ -29,14 +29,24 @@ class SnapshotOps(Protocol):
         wait(block=False) gives None until then. fence: later application work waits for
         the fingerprinting, so that none of it can change a chunk before it is read."""
 
-    def read(self, batches: Iterable, urgent=False) -> Iterator[Optional[tuple]]:
+    def freeze(self, regions) -> Optional[object]:
+        """Copy each region [(device address, length)] as the device holds it now (a
+        checkpoint's cut, just before fingerprints(), whose fence then covers this copy too)
+        into memory of the backend's own, where later application work cannot change it.
+        Returns that copy, for read() and release(); None where memory is short for it."""
+
+    def release(self, frozen) -> None:
+        """Free a copy that freeze() made, once no read() from it is under way."""
+
+    def read(self, batches: Iterable, urgent=False, frozen=None) -> Iterator[Optional[tuple]]:
         """Copy batches of chunks to the host. Pulls (chunks, into, tag) from the iterable
         batches as its buffers free up, and yields (tag, [(bytes, fingerprint of what was
         copied)]) per batch, in order, or None while the device is still copying; a batch's
         bytes stay valid until the next item is asked for. into: a host view per chunk to
         copy it to (a HostStore's slots), or None for a buffer of its own. urgent: a call
-        waits for it (a copy-on-write), beside the background copy. Closing the generator
-        waits for the copies under way."""
+        waits for it (a copy-on-write), beside the background copy. frozen: copy the chunks
+        from that copy of freeze()'s instead of from the context. Closing the generator waits
+        for the copies under way."""
 
     def write(self, chunks: Sequence[Chunk], load, pool, urgent=False, sources=None) -> list:
         """Copy chunks to the device: chunk i's bytes from load(i, out), which fills out (a

@@ -81,6 +81,14 @@ def filler(nbytes, seed=0):
     return (np.arange(nbytes // 8, dtype=np.uint64) * 0x9E3779B97F4A7C15 + seed).view(np.uint8)
 
 
+@pytest.fixture
+def copy_on_write(monkeypatch):
+    """Checkpoints save what calls write first (copy-on-write), not from a device copy of the
+    cut (what the device does when it has no room for one)."""
+    from phos.snapshot import engine
+    monkeypatch.setattr(engine, "DEVICE_COPY", False)
+
+
 def emu_session_holding(data):
     """A worker's session on an emulated device, in process, with one allocation holding data."""
     from phos.gpu_server.emu import EmuBackend
@@ -329,7 +337,7 @@ def test_a_precopy_round_holds_no_write_up_and_stores_what_it_copied(tmp_path):
 
 
 @pytest.mark.parametrize("written_behind", [False, True])
-def test_a_copy_on_write_before_the_cuts_fingerprints_is_checked_once_they_are_in(tmp_path, written_behind):
+def test_a_copy_on_write_before_the_cuts_fingerprints_is_checked_once_they_are_in(tmp_path, written_behind, copy_on_write):
     """On a GPU the cut's fingerprint pass takes milliseconds. A call that writes memory right
     after the cut has its chunks copied into store slots, and goes on before the pass is done
     (its kernel waits behind the pass on the device): the copy is checked once the fingerprints
@@ -455,7 +463,7 @@ def slow_cut_fingerprints(session, looks):
 
 
 @pytest.mark.parametrize("behind_our_back", [False, True])
-def test_a_copy_on_write_before_the_cuts_fingerprints_are_in(tmp_path, behind_our_back):
+def test_a_copy_on_write_before_the_cuts_fingerprints_are_in(tmp_path, behind_our_back, copy_on_write):
     """A call right after the cut saves its chunks at once, beside the cut's fingerprint pass,
     and checks them against it when it is done: a chunk the store holds already is taken as
     it is, and one written after the cut behind our back is still caught (the image is then
@@ -555,9 +563,13 @@ def test_a_second_checkpoint_while_one_runs_is_refused_at_once(servers, client, 
     assert done["bytes"] >= 96 * MiB
 
 
-def test_a_write_through_a_loaded_pointer_is_caught(servers, client, tmp_path):
-    """A kernel writes memory no argument names, mid-copy: validation sees the change, the engine
-    pauses and recopies, and the image is the consistent state at the new cut."""
+@pytest.mark.parametrize("device_copy", [False, True])
+def test_a_write_through_a_loaded_pointer_is_caught(servers, client, tmp_path, monkeypatch, device_copy):
+    """A kernel writes memory no argument names, mid-copy. Saved by copy-on-write, validation
+    sees the change, the engine pauses and recopies, and the image is the consistent state at
+    the new cut. Saved from the cut's device copy, the write cannot reach the image: it is the
+    state at the cut, with nothing recopied."""
+    monkeypatch.setenv("PHOS_CHECKPOINT_DEVICE_COPY", str(int(device_copy)))
     one = servers("one")
     app = App(client(one))
     app.put(filler(256 * MiB))                 # copied first: the kernel below runs before `target` is
@@ -570,9 +582,14 @@ def test_a_write_through_a_loaded_pointer_is_caught(servers, client, tmp_path):
     app.write_indirect(table, 7.0, n)
     app.sync()
     t.join()
-    assert done["mode"] == "concurrent" and done["paused"] and done["recopied_chunks"] >= 1
     image = region(DirStore(store), done["name"], int(target)).view(np.float32)
-    assert (image == 7.0).all()
+    assert read_image(DirStore(store), done["name"]).metadata["device_copy"] == device_copy
+    if device_copy:
+        assert done["mode"] == "concurrent" and not done["paused"] and done["recopied_chunks"] == 0
+        assert (image == 1.0).all()
+    else:
+        assert done["mode"] == "concurrent" and done["paused"] and done["recopied_chunks"] >= 1
+        assert (image == 7.0).all()
     assert (app.get(target, n) == 7.0).all()
 
 
@@ -811,3 +828,28 @@ def test_the_cli_names_a_store_from_where_it_runs(server, tmp_path):
                        capture_output=True, text=True, timeout=60, cwd=tmp_path / "here")
     assert r.returncode != 0 and str(tmp_path / "here" / "rel" / "store") in r.stderr, r.stderr
     assert not (tmp_path / "here" / "rel").exists()
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_concurrent_cut_saves_from_a_device_copy_where_the_device_has_room(tmp_path, monkeypatch, room):
+    """The cut copies the context on the device (freeze) and saves from that copy: a call that
+    writes memory before it is saved needs no copy-on-write, and the image holds the cut's
+    bytes. Without room for the copy, calls save what they write first, as before."""
+    from phos.snapshot.engine import Checkpoint
+    at_cut = filler(8 << 20)
+    s, ptr = emu_session_holding(at_cut)
+    if not room:
+        monkeypatch.setattr(s.backend.snap, "freeze", lambda regions: None)
+    saved = []
+    real_save = Checkpoint.save
+    monkeypatch.setattr(Checkpoint, "save", lambda self, idx, urgent=False: (saved.append(urgent), real_save(self, idx, urgent))[1])
+    store = DirStore(tmp_path)
+    cp = Checkpoint(s, store, "a", chunk_size=1 << 20)
+    cp.cut(1, paused=False)
+    s.checkpoint = cp
+    s.touch(ptr, 8 << 20)                                  # a call about to write it all
+    s.backend.htod(ptr, filler(8 << 20, seed=5).tobytes(), None)
+    result = cp.finish(2)
+    assert (True in saved) == (not room), "copy-on-write saves: expected only without room for a device copy"
+    assert read_image(store, "a").metadata["device_copy"] == room and result["bytes"] == 8 << 20
+    assert region(store, "a", ptr).tobytes() == at_cut.tobytes()
