@@ -7,20 +7,19 @@ import sys
 import time
 
 from phos.schema import admin_pb2 as pb
-from phos.schema.control import admin_socket, checkpoint_result, private_directory
+from phos.schema.control import checkpoint_result
 
 GiB = 1 << 30
 
 
 def stub(server):
-    import grpc
-    from phos.schema import admin_pb2_grpc
-    address = admin_socket(server)
-    try:      # a socket someone else could have put there is not the server's
-        private_directory(os.path.dirname(os.path.abspath(address[len("unix:"):])))
+    """The admin API of the server at `server` (open_admin: its Unix socket, or over TCP with
+    PHOS_SERVER_KEY and PHOS_CLIENT_KEY for tcp://HOST:PORT)."""
+    from phos.schema.admin_net import open_admin
+    try:
+        return open_admin(server)
     except ValueError as e:
         raise SystemExit(f"phos: {e}")
-    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(address))
 
 
 def call(fn, *args):
