@@ -106,13 +106,16 @@ class NetAdminConnection:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.curve_serverkey, self.sock.curve_publickey, self.sock.curve_secretkey = server_public, public, secret
         self.sock.setsockopt(zmq.SNDHWM, 0)
-        # a handshake the server refused (our key is not admitted) ends the call at once
+        # a handshake the server refused (our key is not admitted), or a connection lost while a
+        # call waits (the server died: its answer will never come), ends the call at once
         self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
         self.refused = None       # why the server refused our handshake, once it has
+        self.lost = False         # the connection dropped while a call waited
 
     def close(self):
         self.sock.disable_monitor()
@@ -124,6 +127,9 @@ class NetAdminConnection:
         import zmq.utils.monitor
         while self.monitor.poll(0):
             event = zmq.utils.monitor.recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.lost = True
+                continue
             self.refused = (f"the server at {self.address} refused this client's key (CURVE handshake failed: "
                             f"{'not admitted' if event['event'] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else 'event ' + str(event['event'])}"
                             "; is its public key in the server's admins/ directory, and PHOS_SERVER_KEY the server's?)")
@@ -131,6 +137,8 @@ class NetAdminConnection:
     def call(self, method, body, timeout):
         """Yield the serialized answers to one call (one, or a stream's); AdminCallError on failure."""
         with self.lock:
+            self._check_monitor()      # what happened between calls is no news for this one
+            self.lost = False
             rid = next(self.ids).to_bytes(8, "little")
             self.sock.send_multipart([PROTOCOL, rid, method.encode(), body])
             deadline = time.monotonic() + (timeout or DEFAULT_TIMEOUT)
@@ -150,6 +158,9 @@ class NetAdminConnection:
                     self._check_monitor()
                     if self.refused:
                         raise AdminCallError(grpc.StatusCode.UNAUTHENTICATED, self.refused)
+                    if self.lost and not self.sock.poll(0):
+                        raise AdminCallError(grpc.StatusCode.UNAVAILABLE, f"the connection to the admin API at "
+                                             f"{self.address} was lost during {method}")
                 if self.sock not in ready:
                     continue
                 frames = self.sock.recv_multipart()
