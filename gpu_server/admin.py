@@ -17,7 +17,7 @@ import grpc
 from phos.gpu_server.handoff import Handoff
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
-from phos.schema.admin_net import open_admin_async
+from phos.schema.admin_net import is_loopback, open_admin_async
 from phos.schema.control import admin_socket, checkpoint_message, private_directory
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import ImageError, delete_image, latest_image, open_store
@@ -241,17 +241,19 @@ class Admin(admin_pb2_grpc.AdminServicer):
             await self.fail(context, e)
 
     def target(self, request):
-        """The Handoff's target: over its Unix admin socket on this host, or over the network
-        (a tcp:// server: gpu_server/handoff_net.py), authenticated with this server's key pair."""
-        if not request.to.startswith("tcp://"):
+        """The Handoff's target: over its Unix admin socket on this host, or, for a tcp:// server
+        when this one has keys, over the network (gpu_server/handoff_net.py: the rounds stream
+        there, as between hosts), authenticated with this server's key pair."""
+        if not request.to.startswith("tcp://") or (is_loopback(request.to) and not self.front.curve):
+            # on this host: its Unix admin socket (a keyless loopback server has no other)
             try:
                 return TargetServer(admin_socket(request.to), request.ctx, request.to)
             except ValueError as e:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"target server: {e}") from None
         from phos.gpu_server.handoff_net import RemoteTarget
         if not self.front.curve:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a handoff to {request.to} needs this server's CURVE "
-                            "keys (--auth-dir): it authenticates to the target's admin API with them")
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a handoff to {request.to}, on another host, needs "
+                            "this server's CURVE keys (--auth-dir): it authenticates to the target's admin API with them")
         public, secret = self.front.curve[0], self.front.curve[1]
         target_key = request.to_server_key.encode() if request.to_server_key else public
         if len(target_key) != 40:

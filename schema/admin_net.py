@@ -9,7 +9,8 @@ streaming call: several, then an end marker) or an error carrying a gRPC status 
 The same `Admin` servicer (gpu_server/admin.py) serves both transports.
 
 open_admin(server) is the one way to reach any server's admin API: a gRPC stub over the Unix
-socket for ipc:// and unix: addresses, a NetAdminStub for tcp:// ones. Both have a method per
+socket for ipc:// and unix: addresses (and a keyless loopback tcp:// server), a NetAdminStub
+for tcp:// ones. Both have a method per
 Admin call (`stub.ListContexts(request, timeout=...)`; Checkpoint returns an iterator), and
 both raise grpc.RpcError subclasses with .code() and .details().
 
@@ -111,6 +112,7 @@ class NetAdminConnection:
         self.monitor = self.sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_DISCONNECTED)
+        self.monitor.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self.ids = itertools.count(1)
         self.lock = threading.Lock()
@@ -137,8 +139,10 @@ class NetAdminConnection:
     def call(self, method, body, timeout):
         """Yield the serialized answers to one call (one, or a stream's); AdminCallError on failure."""
         with self.lock:
-            self._check_monitor()      # what happened between calls is no news for this one
+            self._check_monitor()      # a drop between calls is no news for this one; a refusal is
             self.lost = False
+            if self.refused:
+                raise AdminCallError(grpc.StatusCode.UNAUTHENTICATED, self.refused)
             rid = next(self.ids).to_bytes(8, "little")
             self.sock.send_multipart([PROTOCOL, rid, method.encode(), body])
             deadline = time.monotonic() + (timeout or DEFAULT_TIMEOUT)
@@ -153,8 +157,8 @@ class NetAdminConnection:
                                          self.refused or f"no answer from the admin API at {self.address} within "
                                          f"{timeout or DEFAULT_TIMEOUT:g} s (is the server up, and does it admit this "
                                          "client's key?)")
-                ready = dict(poller.poll(min(left, 1.0) * 1000))
-                if self.monitor in ready:
+                ready = dict(poller.poll(min(left, 0.2) * 1000))
+                if self.monitor in ready or not ready:
                     self._check_monitor()
                     if self.refused:
                         raise AdminCallError(grpc.StatusCode.UNAUTHENTICATED, self.refused)
@@ -217,16 +221,36 @@ def _parse(reply_type, data):
     return msg
 
 
+def is_loopback(server):
+    """Whether a tcp:// address names this host (a loopback address)."""
+    import ipaddress
+    host = urllib.parse.urlparse(server).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def over_network(server, curve=None):
+    """Whether the admin API of `server` is reached over TCP: a tcp:// server, unless it is on
+    this host (loopback) and no keys are given (curve, or PHOS_SERVER_KEY and PHOS_CLIENT_KEY):
+    then its Unix socket, which a keyless (--insecure) loopback server alone serves."""
+    if not server.startswith("tcp://"):
+        return False
+    return curve is not None or bool(settings.server_key() and settings.client_key()) or not is_loopback(server)
+
+
 def open_admin(server, curve=None):
     """A stub of the admin API of the server listening on `server` (ipc://PATH, unix:PATH, or
-    tcp://HOST:PORT, whose admin API is at PORT+1); curve: (server public key, client public
-    key, client secret key) for tcp://, default PHOS_SERVER_KEY and PHOS_CLIENT_KEY. Close it
-    with close_admin. ValueError for an address or keys it cannot use."""
-    if server.startswith("tcp://"):
+    tcp://HOST:PORT, whose admin API is at PORT+1: see over_network); curve: (server public
+    key, client public key, client secret key) for tcp://, default PHOS_SERVER_KEY and
+    PHOS_CLIENT_KEY. Close it with close_admin. ValueError for an address or keys it cannot use."""
+    if over_network(server, curve):
         return NetAdminStub(admin_address(server), curve)
     from phos.schema import admin_pb2_grpc
     from phos.schema.control import private_directory
-    address = server if server.startswith("unix:") else admin_address(server)
+    from phos.schema.control import admin_socket
+    address = server if server.startswith("unix:") else admin_socket(server)
     # a socket someone else could have put there is not the server's
     private_directory(os.path.dirname(os.path.abspath(address[len("unix:"):])))
     channel = grpc.insecure_channel(address)
@@ -263,10 +287,11 @@ class AsyncNetAdminStub:
 def open_admin_async(server, curve=None):
     """open_admin for asyncio code: a grpc.aio stub for a Unix socket, an AsyncNetAdminStub for
     tcp://. Close it with `await stub.close()`."""
-    if server.startswith("tcp://"):
+    if over_network(server, curve):
         return AsyncNetAdminStub(admin_address(server), curve)
     from phos.schema import admin_pb2_grpc
-    address = server if server.startswith("unix:") else admin_address(server)
+    from phos.schema.control import admin_socket
+    address = server if server.startswith("unix:") else admin_socket(server)
     channel = grpc.aio.insecure_channel(address)
     stub = admin_pb2_grpc.AdminStub(channel)
     stub.close = channel.close

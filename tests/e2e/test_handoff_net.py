@@ -8,71 +8,22 @@ carries on with the same results. A target killed mid-handoff leaves the context
 source. Needs root's `unshare -m` (skipped with the reason where it is not permitted).
 """
 import os
-import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
 
-import grpc
 import numpy as np
 import pytest
 
 from conftest import wait_until
 from phos.schema import admin_pb2 as pb
 from phos.schema.admin_net import close_admin, open_admin, read_key_file
-from phos.stub_run import LocalServer
+from share_nothing import key_pairs, start_isolated, unshare_permitted
 from test_snapshot_engine import App
 from test_stub_reattach import PAUSE, Program, iterate  # noqa: F401 (iterate: a fixture)
 
 N, TOTAL = 1 << 15, 200
-
-# Inside the server's new mount namespace: private tmpfs on /dev/shm, /tmp and /run, its keys
-# copied from the test's directory first (that is on /tmp, hidden afterwards), and an image key
-# of its own; then the server ("$@").
-ISOLATE = """set -e
-mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-mkdir -m 700 /dev/shm/phos-private
-cp -r {keys} /dev/shm/phos-private/keys
-head -c 32 /dev/urandom > /dev/shm/phos-private/image.key
-chmod 600 /dev/shm/phos-private/image.key
-mount -t tmpfs -o mode=1777 tmpfs /tmp
-mount -t tmpfs -o mode=755 tmpfs /run
-exec "$@"
-"""
-PRIVATE = "/dev/shm/phos-private"
-
-
-def unshare_permitted():
-    try:
-        r = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
-    return None if r.returncode == 0 else r.stderr.decode().strip() or f"exit status {r.returncode}"
-
-
-def free_port_pair():
-    """A port whose next port is free too (a tcp:// server's admin API is at its port + 1)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two free consecutive ports")
-
-
-def keygen(directory):
-    subprocess.run(["phos", "keygen", str(directory)], check=True, capture_output=True)
-    return directory
-
 
 @pytest.fixture
 def pair(tmp_path, backend):
@@ -81,17 +32,13 @@ def pair(tmp_path, backend):
     why = unshare_permitted()
     if why:
         pytest.skip(f"mount namespaces are not permitted here (unshare -m: {why})")
-    a_keys, b_keys = keygen(tmp_path / "a-keys"), keygen(tmp_path / "b-keys")
-    for sub in ("clients", "admins"):
-        shutil.copy(a_keys / "clients" / "client.key", b_keys / sub / "test-client.key")
-    shutil.copy(a_keys / "server.key", b_keys / "admins" / "server-a.key")
+    a_keys, b_keys = tmp_path / "a-keys", tmp_path / "b-keys"
+    key_pairs(a_keys, b_keys)
     started = []
 
     def start(name, keys):
         (tmp_path / name).mkdir()
-        wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", ISOLATE.format(keys=shlex.quote(str(keys))), "sh"]
-        srv = LocalServer(backend, tmp_path / name, listen=f"tcp://127.0.0.1:{free_port_pair()}", pool=1, wrap=wrap,
-                          extra=("--auth-dir", f"{PRIVATE}/keys", "--image-key", f"{PRIVATE}/image.key"))
+        srv = start_isolated(backend, tmp_path / name, keys)
         started.append(srv)
         return srv
     a, b = start("a", a_keys), start("b", b_keys)
