@@ -87,13 +87,19 @@ def _green_context():
     return Context()
 
 
-def _configure_curve(sock):
-    """Encrypt and authenticate when the server asks for it (PHOS_SERVER_KEY, PHOS_CLIENT_KEY)."""
-    server_key = settings.server_key()
-    if not server_key:
+# endpoint -> the CURVE public key (z85) of the server behind it, where it is not
+# PHOS_SERVER_KEY's: a context handed off to a server with keys of its own (Reply.moved)
+SERVER_KEYS = {}
+
+
+def _configure_curve(sock, endpoint=""):
+    """Encrypt and authenticate when the server asks for it (PHOS_SERVER_KEY, PHOS_CLIENT_KEY;
+    the server behind `endpoint` by the key it was named with, SERVER_KEYS)."""
+    server_key, learned = settings.server_key(), SERVER_KEYS.get(endpoint)
+    if not server_key and not (learned and settings.client_key()):
         return
     import zmq.auth
-    sock.curve_serverkey, _ = zmq.auth.load_certificate(server_key)
+    sock.curve_serverkey = learned or zmq.auth.load_certificate(server_key)[0]
     client = settings.client_key()
     if not client:
         raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, "PHOS_SERVER_KEY is set but PHOS_CLIENT_KEY is not")
@@ -142,7 +148,7 @@ class Connection:
         self.endpoint = endpoint
         self.sock = zmq_context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        _configure_curve(self.sock)
+        _configure_curve(self.sock, endpoint)
         # a unique name: pyzmq's default reuses the fd number, which a closed socket may still hold
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
                                                     f"inproc://phos-monitor-{next(_monitor_ids)}")
@@ -334,6 +340,8 @@ class Connection:
                 print(reply.output, end="", flush=True)
             if reply._has("moved"):           # handed off: re-attach there (wait)
                 self.moved_to = (reply.moved.endpoint, reply.moved.standby)
+                if reply.moved.serverKey:     # a server with keys of its own: authenticate it by them
+                    SERVER_KEYS[reply.moved.endpoint] = reply.moved.serverKey.encode()
             for r in reply.results:
                 mine = self.route(read_result(r, frames), seq) or mine
         return mine

@@ -17,6 +17,7 @@ import grpc
 from phos.gpu_server.handoff import Handoff
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
+from phos.schema.admin_net import is_loopback, open_admin_async
 from phos.schema.control import admin_socket, checkpoint_message, private_directory
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import ImageError, delete_image, latest_image, open_store
@@ -54,25 +55,31 @@ def has_images(path):
 
 class TargetServer:
     """A handoff's target (gpu_server/handoff.py) over its admin API; use with `async with`.
+    address: its admin API (unix:PATH, or the tcp:// server, with curve: see open_admin).
     Its failures become CudaErrors that say the context stays here."""
 
-    def __init__(self, address, ctx, to):
-        self.address, self.ctx, self.to = address, ctx, to
-        self.channel = None
+    def __init__(self, address, ctx, to, curve=None):
+        self.address, self.ctx, self.to, self.curve = address, ctx, to, curve
+        self.stub = None
 
     async def __aenter__(self):
-        self.channel = grpc.aio.insecure_channel(self.address)
-        self.stub = admin_pb2_grpc.AdminStub(self.channel)
+        self.stub = self.open()
         return self
 
     async def __aexit__(self, *exc):
-        await self.channel.close()
+        await self.stub.close()
+
+    def open(self):
+        try:
+            return open_admin_async(self.address, self.curve)
+        except ValueError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"target server {self.to}: {e}") from None
 
     async def ask(self, call, request, timeout):
         try:
             return await call(request, timeout=timeout)
-        except (grpc.aio.AioRpcError, OSError) as e:
-            why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        except (grpc.RpcError, OSError) as e:
+            why = e.details() if isinstance(e, grpc.RpcError) else str(e)
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
                             f"handoff of context {self.ctx} to {self.to} failed, it stays live here: {why}") from None
 
@@ -84,27 +91,31 @@ class TargetServer:
                               HANDOFF_RESTORE_TIMEOUT)
 
     async def drop_warm(self):
-        """A failed handoff: the target frees its warm copy now (if it still has one, and lives)."""
+        """A failed handoff: the target frees its warm copy now (if it still has one, and lives).
+        Its own connection: the handoff's may be the one that failed."""
+        stub = self.open()
         try:
-            async with grpc.aio.insecure_channel(self.address) as channel:
-                await admin_pb2_grpc.AdminStub(channel).DropWarm(pb.DropWarmRequest(ctx=self.ctx), timeout=5)
-        except grpc.aio.AioRpcError:
+            await stub.DropWarm(pb.DropWarmRequest(ctx=self.ctx), timeout=5)
+        except grpc.RpcError:
             pass
+        finally:
+            await stub.close()
 
     async def wait_loaded(self, timeout):
         """Until the target no longer restores the context (it loads on demand), at most timeout
-        seconds, or until it cannot be asked. Its own channel: the handoff's is closed by then."""
+        seconds, or until it cannot be asked. Its own connection: the handoff's is closed by then."""
         deadline = time.monotonic() + timeout
+        stub = self.open()
         try:
-            async with grpc.aio.insecure_channel(self.address) as channel:
-                stub = admin_pb2_grpc.AdminStub(channel)
-                while time.monotonic() < deadline:
-                    contexts = (await stub.ListContexts(pb.ListContextsRequest(), timeout=10)).contexts
-                    if not any(c.id == self.ctx and c.state == "restoring" for c in contexts):
-                        break
-                    await asyncio.sleep(0.5)
-        except grpc.aio.AioRpcError:
+            while time.monotonic() < deadline:
+                contexts = (await stub.ListContexts(pb.ListContextsRequest(), timeout=10)).contexts
+                if not any(c.id == self.ctx and c.state == "restoring" for c in contexts):
+                    break
+                await asyncio.sleep(0.5)
+        except grpc.RpcError:
             pass
+        finally:
+            await stub.close()
 
 
 class Admin(admin_pb2_grpc.AdminServicer):
@@ -206,6 +217,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
                                                   delta=request.delta)
             else:       # without a name, the worker restores the store's latest image
                 w, res = await self.front.restore(store, request.name, request.full, warm=request.warm)
+            if not request.warm and request.full and self.front.inboxes.is_inbox(store):
+                self.front.inboxes.drop_path(store)     # a handoff's last round, loaded: its inbox has served
             return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res["cut_seq"], name=res["name"], seconds=time.perf_counter() - t0,
                                    bytes=res["bytes"], endpoint=w.endpoint,
                                    phase_ms={**res["phase_ms"], "worker_call": (time.perf_counter() - t0) * 1e3})
@@ -218,11 +231,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
         """Move a live context to the server at request.to (gpu_server/handoff.py)."""
         try:
             w = self.worker(request.ctx)
-            try:
-                address = admin_socket(request.to)
-            except ValueError as e:
-                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"target server: {e}") from None
-            async with TargetServer(address, request.ctx, request.to) as target:
+            async with self.target(request) as target:
                 r = await Handoff(self.front, w, target, request.ctx, request.to, request.max_rounds,
                                   request.chunk_size).run()
             return pb.HandoffReply(ctx=r.ctx, to=r.to, round_bytes=r.round_bytes, downtime_ms=r.downtime_ms,
@@ -231,7 +240,50 @@ class Admin(admin_pb2_grpc.AdminServicer):
         except CudaError as e:
             await self.fail(context, e)
 
+    def target(self, request):
+        """The Handoff's target: over its Unix admin socket on this host, or, for a tcp:// server
+        when this one has keys, over the network (gpu_server/handoff_net.py: the rounds stream
+        there, as between hosts), authenticated with this server's key pair."""
+        if not request.to.startswith("tcp://") or (is_loopback(request.to) and not self.front.curve):
+            # on this host: its Unix admin socket (a keyless loopback server has no other)
+            try:
+                return TargetServer(admin_socket(request.to), request.ctx, request.to)
+            except ValueError as e:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"target server: {e}") from None
+        from phos.gpu_server.handoff_net import RemoteTarget
+        if not self.front.curve:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a handoff to {request.to}, on another host, needs "
+                            "this server's CURVE keys (--auth-dir): it authenticates to the target's admin API with them")
+        public, secret = self.front.curve[0], self.front.curve[1]
+        target_key = request.to_server_key.encode() if request.to_server_key else public
+        if len(target_key) != 40:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "to_server_key: give the target's public key in z85 "
+                            "(40 characters, as in its server.key)")
+        return RemoteTarget(request.to, request.ctx, (target_key, public, secret))
+
+    async def OpenInbox(self, request, context):
+        return pb.OpenInboxReply(store=await asyncio.to_thread(self.front.inboxes.open, request.ctx))
+
+    async def PutChunks(self, request, context):
+        try:
+            stored = await asyncio.to_thread(self.front.inboxes.put_chunks, request.store, list(request.chunks))
+        except CudaError as e:
+            await self.fail(context, e)
+        except OSError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a handoff's chunks cannot be stored: {e}")
+        return pb.PutChunksReply(stored=stored)
+
+    async def PutManifest(self, request, context):
+        try:
+            await asyncio.to_thread(self.front.inboxes.put_manifest, request.store, request.name, request.manifest)
+        except CudaError as e:
+            await self.fail(context, e)
+        except OSError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a handoff's manifest cannot be stored: {e}")
+        return pb.PutManifestReply()
+
     async def DropWarm(self, request, context):
+        self.front.inboxes.drop(request.ctx)
         w = self.front.workers.get(request.ctx)
         if w is None or w.state != "warming":
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no warm copy of context {request.ctx} on this server")
@@ -270,7 +322,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
                              checkpoints=self.front.counts["checkpoints"], restores=self.front.counts["restores"],
                              recovery_dir=os.path.abspath(self.front.recovery.directory) if self.front.recovery else "",
                              standby=self.front.recovery.standby if self.front.recovery else "",
-                             host_store=self.front.host_store or "")
+                             host_store=self.front.host_store or "", admin_endpoint=self.front.admin_endpoint,
+                             server_key=self.front.curve[0].decode() if self.front.curve else "")
 
 
 async def start(front, address):
@@ -280,7 +333,8 @@ async def start(front, address):
     if os.path.exists(path):
         os.unlink(path)        # a stale socket of a server that died
     server = grpc.aio.server()
-    admin_pb2_grpc.add_AdminServicer_to_server(Admin(front), server)
+    front.admin = Admin(front)       # the network admin API (gpu_server/admin_net.py) serves the same one
+    admin_pb2_grpc.add_AdminServicer_to_server(front.admin, server)
     old = os.umask(0o077)          # the socket is created at bind: make it ours alone
     try:
         server.add_insecure_port(address)

@@ -188,7 +188,10 @@ class FrontEnd:
         self.host_store = host_store      # a HostStore's path: pre-started workers pin its memory
         self.backend = load_backend(backend_name)
         self.devices = self.backend.devices()
-        self.curve = curve          # (server public, server secret, authorized client keys dir) or None
+        # (server public, server secret, authorized client keys dir, admins' keys dir or None) or None
+        self.curve = curve
+        self.admin = None           # the admin API's servicer (gpu_server/admin.py), once serving
+        self.admin_endpoint = ""    # where the admin API is served over TCP ("" only on its Unix socket)
         self.workers = {}           # ctx id -> WorkerProc
         self.pool = []              # started workers no context has claimed yet
         self.filling = 0            # pool workers being started
@@ -428,9 +431,10 @@ class FrontEnd:
     async def thaw(self, worker):
         await self.control(worker, "thaw")
 
-    async def retire(self, worker, endpoint, standby):
-        """A frozen worker's context lives at endpoint now: it tells its client and exits."""
-        await self.control(worker, "retireTo", {"endpoint": endpoint, "standby": standby})
+    async def retire(self, worker, endpoint, standby, server_key=""):
+        """A frozen worker's context lives at endpoint now: it tells its client (with the CURVE
+        public key of the server there, z85) and exits."""
+        await self.control(worker, "retireTo", {"endpoint": endpoint, "standby": standby, "serverKey": server_key})
 
     @staticmethod
     def worker_alive(worker):
@@ -624,6 +628,26 @@ class FrontEnd:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"no warm copy of context {ctx} here to take the delta of image {name}")
         return await self.restore(store, name, full=full, warm=not final)
 
+    def serve_admin_on_tcp(self, zctx, auth, bound):
+        """A TCP listener's admin API on the next port (admin_address), CURVE only, for the keys in
+        the auth dir's admins/ (gpu_server/admin_net.py); None for an ipc:// listener, or without them."""
+        if not bound.startswith("tcp://"):
+            return None
+        if not self.curve or not self.curve[3]:
+            log.warning("the admin API is served on the Unix socket only: over TCP it needs CURVE keys with an "
+                        "admins/ directory of admitted keys (--auth-dir, `phos keygen`)")
+            return None
+        from phos.gpu_server.admin_net import NetAdminServer
+        from phos.schema.admin_net import admin_address
+        try:
+            net = NetAdminServer(self.admin, zctx, auth, self.curve[1], self.curve[3], admin_address(bound))
+        except zmq.ZMQError as e:
+            raise ValueError(f"cannot serve the admin API on {admin_address(bound)} (the port after the "
+                             f"listener's): {e}") from None
+        self.admin_endpoint = net.address
+        log.warning("admin API listening on %s (CURVE, keys in %s)", net.address, self.curve[3])
+        return net
+
     async def serve(self):
         from phos.gpu_server import admin        # gRPC, once run() has set its fork support off
         gone = sweep_shm()
@@ -649,10 +673,14 @@ class FrontEnd:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         self.module_cache = self.open_module_cache()
+        from phos.gpu_server.handoff_net import Inboxes
+        self.inboxes = Inboxes()           # rounds of handoffs from servers on other hosts
         admin_server = await admin.start(self, admin_socket(self.listen))     # before we say we listen
+        net_admin = self.serve_admin_on_tcp(zctx, auth, sock.getsockopt_string(zmq.LAST_ENDPOINT))
         log.warning("phos server (%s backend, %d device(s)) listening on %s", self.backend_name, len(self.devices), self.listen)
         self.fill_pool()
-        print(f"phos server listening on {self.listen} ({self.backend_name})", flush=True)
+        print(f"phos server listening on {self.listen} ({self.backend_name})"
+              + (f"; admin API on {self.admin_endpoint}" if net_admin else ""), flush=True)
         tasks = set()
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
@@ -678,8 +706,11 @@ class FrontEnd:
                 task.add_done_callback(tasks.discard)
         finally:
             self.stopping.set()
+            if net_admin:
+                await net_admin.stop()
             await admin_server.stop(0.5)
             await self.stop_workers()
+            self.inboxes.close()
             sock.close()
             if auth:
                 auth.stop()

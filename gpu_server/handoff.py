@@ -10,8 +10,9 @@ context leaves it running here.
 Plain code over two parties, so that it runs without gRPC or processes (tests fake both):
   source  the front end holding the context (gpu_server/frontend.py FrontEnd): checkpoint,
           thaw and retire on the worker's control socket, worker_alive, host_store, moved, counts
-  target  the server it goes to (gpu_server/admin.py TargetServer, over its admin API):
-          async stats() -> .recovery_dir, .host_store, .standby;
+  target  the server it goes to (gpu_server/admin.py TargetServer, over its admin API; or
+          gpu_server/handoff_net.py RemoteTarget, over the network):
+          async stats() -> .recovery_dir, .host_store, .standby, .server_key (z85 or "");
           async restore(store, name, **how) -> .endpoint, .phase_ms (how: warm, advance, full, delta);
           async drop_warm(); async wait_loaded(timeout)
 Either side's failure is a CudaError.
@@ -80,8 +81,8 @@ class Handoff:
             warm = False              # it is the live context there now
             self.source.moved[self.ctx] = (reply.endpoint, info.standby)
             t = time.perf_counter()
-            try:
-                await self.source.retire(w, reply.endpoint, info.standby)
+            try:    # the target's key: a client of a server with other keys authenticates it by that
+                await self.source.retire(w, reply.endpoint, info.standby, getattr(info, "server_key", ""))
             except CudaError:
                 if self.source.worker_alive(w):
                     raise

@@ -668,7 +668,7 @@ class Worker:
         if self.session.recovery is not None:
             self.session.recovery.retire()
         if a.endpoint:
-            moved = build_reply(self.ack, [], moved=(a.endpoint, a.standby))
+            moved = build_reply(self.ack, [], moved=(a.endpoint, a.standby, a.server_key))
             for client in self.attached:
                 self.send_to(client, moved)
         return "done", None

@@ -4,6 +4,13 @@ memory per second, between two server processes on one GPU (issue 6).
     python perf/bench_handoff.py --backend cuda --sizes 1,8              # on the H200 (perf/device/run.sh handoff)
     python perf/bench_handoff.py --backend emu --sizes 16 --unit MiB      # anywhere
     python perf/bench_handoff.py --backend emu --sizes 256 --unit MiB --chunk-kib 64 --via shm   # 8 GiB's 4,096 chunks
+    python perf/bench_handoff.py --backend cuda --sizes 1,8 --via tcp    # two servers sharing nothing but TCP (root)
+    python perf/bench_handoff.py --backend emu --sizes 16 --unit MiB --via tcp
+
+--via tcp: each server in a mount namespace of its own (own /dev/shm, /tmp, /run, keys and
+image key: tests/share_nothing.py), on tcp://127.0.0.1 with CURVE keys; the rounds stream
+over the target's network admin API (gpu_server/handoff_net.py) and the client follows with
+the target's key. Needs root's `unshare -m`.
 
 Downtime is the longest gap between two of the application's completed synchronizing calls
 during the handoff; the loop without a handoff gives the baseline gap. That gap includes the
@@ -47,15 +54,39 @@ def writer(app, stop, ends, starts, step, share=0.1):
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
 
 
-def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store="", step=0.001):
+def share_nothing_servers(backend, work_dir):
+    """Two servers in mount namespaces of their own, on TCP with keys of their own (tests/share_nothing.py);
+    returns them, the client's environment and the Handoff's to_server_key."""
+    import pathlib
+    from share_nothing import key_pairs, start_isolated, unshare_permitted
+    from phos.schema.admin_net import read_key_file
+    why = unshare_permitted()
+    if why:
+        raise SystemExit(f"--via tcp needs mount namespaces (run as root): unshare -m: {why}")
+    a_keys, b_keys = pathlib.Path(work_dir) / "a-keys", pathlib.Path(work_dir) / "b-keys"
+    key_pairs(a_keys, b_keys)
+    servers = []
+    for name, keys in (("one", a_keys), ("two", b_keys)):
+        os.makedirs(os.path.join(work_dir, name))
+        servers.append(start_isolated(backend, os.path.join(work_dir, name), keys))
+    env = {"PHOS_SERVER_KEY": str(a_keys / "server.key"), "PHOS_CLIENT_KEY": str(a_keys / "client.key_secret")}
+    return servers, env, read_key_file(str(b_keys / "server.key")).decode()
+
+
+def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store="", step=0.001, tcp=False):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
-    # a target taking recovery images gets the rounds in its recovery directory; else servers
-    # sharing a host store, there
-    recovering = ["--recovery-dir", recovery_dir, "--checkpoint-every", "600"] if recovery_dir else []
-    shared = ["--host-store", host_store] if host_store else []
-    one, two = start_server(backend, work_dir, "one", shared), start_server(backend, work_dir, "two", recovering + shared)
+    to_key = ""
+    if tcp:
+        (one, two), env, to_key = share_nothing_servers(backend, work_dir)
+        os.environ.update(env)
+    else:
+        # a target taking recovery images gets the rounds in its recovery directory; else servers
+        # sharing a host store, there
+        recovering = ["--recovery-dir", recovery_dir, "--checkpoint-every", "600"] if recovery_dir else []
+        shared = ["--host-store", host_store] if host_store else []
+        one, two = start_server(backend, work_dir, "one", shared), start_server(backend, work_dir, "two", recovering + shared)
     try:
         os.environ["PHOS_SERVER"] = one.address
         cu._reset_for_tests()
@@ -69,7 +100,8 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         baseline = float(np.diff(ends).max()) * 1e3
         baseline_step = max(e - s for s, e in zip(starts, ends)) * 1e3
         t0, t0_wall = time.perf_counter(), time.time()     # the wall clock: to place the servers' log lines
-        reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=int(app.ctx), to=two.address, chunk_size=chunk_size))
+        reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=int(app.ctx), to=two.address, chunk_size=chunk_size,
+                                                            to_server_key=to_key), timeout=3600)
         t1 = time.perf_counter()
         time.sleep(1.0)
         stop.set()
@@ -118,9 +150,9 @@ def main():
                     help="chunk size (default: the server's, 2 MiB); small chunks on emu give a large context's chunk count")
     ap.add_argument("--target-recovery-dir", default="",
                     help="the target takes recovery images there (the rounds go there instead of /dev/shm)")
-    ap.add_argument("--via", default="host store", choices=["host store", "shm"],
+    ap.add_argument("--via", default="host store", choices=["host store", "shm", "tcp"],
                     help="where the rounds go: a HostStore both servers pin (twice the context's size, on /dev/shm), "
-                    "or chunk files in /dev/shm")
+                    "chunk files in /dev/shm, or over TCP between two servers that share nothing (see above)")
     ap.add_argument("--step-ms", type=float, default=1.0, help="the application's pace: a write and a sync this often")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each size (a fresh pair of servers each): the device's figures vary from run to run")
@@ -140,7 +172,8 @@ def main():
         try:
             row = {"size": f"{size} {args.unit}", "via": args.via,
                    **measure(args.backend, nbytes, tempfile.mkdtemp(prefix="phos-handoff-bench-"),
-                             args.chunk_kib << 10, args.target_recovery_dir, host, args.step_ms / 1e3)}
+                             args.chunk_kib << 10, args.target_recovery_dir, host, args.step_ms / 1e3,
+                             tcp=args.via == "tcp")}
         finally:
             if host:
                 shutil.rmtree(host, ignore_errors=True)

@@ -7,20 +7,19 @@ import sys
 import time
 
 from phos.schema import admin_pb2 as pb
-from phos.schema.control import admin_socket, checkpoint_result, private_directory
+from phos.schema.control import checkpoint_result
 
 GiB = 1 << 30
 
 
 def stub(server):
-    import grpc
-    from phos.schema import admin_pb2_grpc
-    address = admin_socket(server)
-    try:      # a socket someone else could have put there is not the server's
-        private_directory(os.path.dirname(os.path.abspath(address[len("unix:"):])))
+    """The admin API of the server at `server` (open_admin: its Unix socket, or over TCP with
+    PHOS_SERVER_KEY and PHOS_CLIENT_KEY for tcp://HOST:PORT)."""
+    from phos.schema.admin_net import open_admin
+    try:
+        return open_admin(server)
     except ValueError as e:
         raise SystemExit(f"phos: {e}")
-    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(address))
 
 
 def call(fn, *args):
@@ -107,8 +106,15 @@ def restore(opts):
 def handoff(opts):
     if opts.chunk_mb < 0:
         raise SystemExit("phos: --chunk-mb must be 0 (the default, 2) or more")
+    to_key = ""
+    if opts.to_key:
+        from phos.schema.admin_net import read_key_file
+        try:
+            to_key = read_key_file(opts.to_key).decode()
+        except ValueError as e:
+            raise SystemExit(f"phos: --to-key: {e}")
     reply = call(stub(opts.server).Handoff, pb.HandoffRequest(ctx=opts.ctx, to=opts.to, max_rounds=opts.rounds,
-                                                              chunk_size=opts.chunk_mb << 20))
+                                                              chunk_size=opts.chunk_mb << 20, to_server_key=to_key))
     out = {"ctx": reply.ctx, "to": reply.to, "chunk_size": reply.chunk_size, "round_bytes": list(reply.round_bytes),
            "downtime_ms": reply.downtime_ms,
            "seconds": reply.seconds, "round_ms": list(reply.round_ms), "phase_ms": {k: round(v, 3) for k, v in sorted(reply.phase_ms.items())},
@@ -191,9 +197,11 @@ def add_commands(sub, default_server):
     common(p)
     p.set_defaults(func=restore)
 
-    p = sub.add_parser("handoff", help="move a live context to another server on this host")
+    p = sub.add_parser("handoff", help="move a live context to another server (on this host, or tcp://HOST:PORT)")
     p.add_argument("ctx", type=int)
     p.add_argument("--to", required=True, help="the target server's address")
+    p.add_argument("--to-key", metavar="FILE", help="a tcp:// target's public key file (its server.key), when it "
+                   "is not the source server's own (servers sharing one --auth-dir)")
     p.add_argument("--rounds", type=int, default=0, help="pre-copy rounds at most (default 12)")
     p.add_argument("--chunk-mb", type=int, default=0, help="the rounds' chunk size in MiB (default 2)")
     common(p)

@@ -12,13 +12,16 @@ def default_server():
 
 
 def load_curve(auth_dir):
-    """(public, secret, authorized-clients dir) from a directory made by `phos keygen`."""
+    """(public, secret, authorized-clients dir, admins dir or None) from a directory made by
+    `phos keygen`: clients/ holds the keys that may make contexts, admins/ those that may call
+    the admin API over TCP (without it, the admin API stays on the Unix socket)."""
     import zmq.auth
     public, secret = zmq.auth.load_certificate(os.path.join(auth_dir, "server.key_secret"))
     clients = os.path.join(auth_dir, "clients")
     if not os.path.isdir(clients):
         raise SystemExit(f"phos: {clients} is missing: put the public keys of authorized clients there")
-    return public, secret, clients
+    admins = os.path.join(auth_dir, "admins")
+    return public, secret, clients, admins if os.path.isdir(admins) else None
 
 
 def cmd_server(opts):
@@ -78,15 +81,25 @@ def host_store_option(opts):
 
 
 def cmd_keygen(opts):
+    """Server keys and one client key pair. The client's public key goes into clients/ (it may
+    make contexts) and admins/ (it may call the admin API over TCP: the operator's key); the
+    server's own public key into admins/ too, so that servers sharing this directory hand
+    contexts off to each other (a server calls another's admin API with its own key pair).
+    Tenants' keys are added to clients/ alone."""
+    import shutil
     import zmq.auth
-    os.makedirs(os.path.join(opts.dir, "clients"), exist_ok=True)
+    for sub in ("clients", "admins"):
+        os.makedirs(os.path.join(opts.dir, sub), exist_ok=True)
     zmq.auth.create_certificates(opts.dir, "server")
     zmq.auth.create_certificates(opts.dir, "client")
+    shutil.copy(os.path.join(opts.dir, "client.key"), os.path.join(opts.dir, "admins", "client.key"))
+    shutil.copy(os.path.join(opts.dir, "server.key"), os.path.join(opts.dir, "admins", "server.key"))
     os.replace(os.path.join(opts.dir, "client.key"), os.path.join(opts.dir, "clients", "client.key"))
     for secret in ("server.key_secret", "client.key_secret"):     # pyzmq writes them readable by all
         os.chmod(os.path.join(opts.dir, secret), 0o600)
     print(f"server keys and one client key pair written to {opts.dir}; "
-          f"clients use PHOS_SERVER_KEY={opts.dir}/server.key PHOS_CLIENT_KEY={opts.dir}/client.key_secret")
+          f"clients use PHOS_SERVER_KEY={opts.dir}/server.key PHOS_CLIENT_KEY={opts.dir}/client.key_secret "
+          f"(the same keys reach the admin API of a tcp:// server, at its port + 1)")
     return 0
 
 

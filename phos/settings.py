@@ -120,11 +120,13 @@ server = _declare("PHOS_SERVER", str, default_server, f"{CLIENT}, {STUB}, {CLI}"
 standby = _declare("PHOS_STANDBY", str, "", f"{CLIENT}, {STUB}",
                    "the server to ask for a lost context after PHOS_SERVER (default: the standby attach named)",
                    shown="unset")
-server_key = _declare("PHOS_SERVER_KEY", str, None, f"{CLIENT}, {STUB}",
-                      "CURVE: the server's public key file (`phos keygen`); the native stub, which speaks "
-                      "no CURVE, refuses to start when it is set")
-client_key = _declare("PHOS_CLIENT_KEY", str, None, CLIENT,
-                      "CURVE: the client's secret key file, needed with PHOS_SERVER_KEY")
+server_key = _declare("PHOS_SERVER_KEY", str, None, f"{CLIENT}, {STUB}, {CLI}",
+                      "CURVE: the server's public key file (`phos keygen`); the `phos` admin commands use it "
+                      "for a tcp:// server's admin API; the native stub loads the system's libsodium.so.23 "
+                      "for CURVE")
+client_key = _declare("PHOS_CLIENT_KEY", str, None, f"{CLIENT}, {STUB}, {CLI}",
+                      "CURVE: the client's secret key file, needed with PHOS_SERVER_KEY (for the admin API, "
+                      "its public key must be in the server's admins/)")
 connect_timeout = _declare("PHOS_CONNECT_TIMEOUT", float, 5.0, f"{CLIENT}, {STUB}",
                            "seconds to wait for the answer to hello and attach")
 gone_timeout = _declare("PHOS_GONE_TIMEOUT", float, 10.0, f"{CLIENT}, {STUB}",

@@ -47,13 +47,15 @@ class LocalServer:
     Without a directory it makes one for the socket and log, and removes it on stop.
     """
 
-    def __init__(self, backend="emu", directory=None, listen=None, extra=(), pool=0):
+    def __init__(self, backend="emu", directory=None, listen=None, extra=(), pool=0, wrap=()):
+        """wrap: a command the server runs under (it ends by running its arguments), such as
+        the tests' unshare into a mount namespace of its own."""
         self.owned = directory is None
         self.dir = tempfile.mkdtemp(prefix="phos-run-") if self.owned else str(directory)
         self.address = listen or f"ipc://{self.dir}/phos.sock"
         self.log = open(os.path.join(self.dir, "server.log"), "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "phos.cli", "server", "--backend", backend, "--listen", self.address,
+            [*wrap, sys.executable, "-m", "phos.cli", "server", "--backend", backend, "--listen", self.address,
              "--log-level", "INFO", "--pool", str(pool), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + SERVER_START_TIMEOUT

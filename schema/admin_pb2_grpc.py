@@ -74,6 +74,21 @@ class AdminStub:
                 request_serializer=admin__pb2.KillContextRequest.SerializeToString,
                 response_deserializer=admin__pb2.KillContextReply.FromString,
                 _registered_method=True)
+        self.OpenInbox = channel.unary_unary(
+                '/phos.admin.v1.Admin/OpenInbox',
+                request_serializer=admin__pb2.OpenInboxRequest.SerializeToString,
+                response_deserializer=admin__pb2.OpenInboxReply.FromString,
+                _registered_method=True)
+        self.PutChunks = channel.unary_unary(
+                '/phos.admin.v1.Admin/PutChunks',
+                request_serializer=admin__pb2.PutChunksRequest.SerializeToString,
+                response_deserializer=admin__pb2.PutChunksReply.FromString,
+                _registered_method=True)
+        self.PutManifest = channel.unary_unary(
+                '/phos.admin.v1.Admin/PutManifest',
+                request_serializer=admin__pb2.PutManifestRequest.SerializeToString,
+                response_deserializer=admin__pb2.PutManifestReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -134,6 +149,31 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenInbox(self, request, context):
+        """A handoff from a server that shares no files with this one (a tcp:// target): the source
+        sends each round's chunks, then its manifest, into a store of this server's own (an inbox,
+        in its /dev/shm), and then asks for Restore from the inbox's path. Each chunk is verified as
+        it lands (its header, and its contents against its fingerprint); a manifest is checked
+        (format, fields, every chunk it names there and sound) and signed with this server's own
+        image key. Only a path OpenInbox gave is written; the inbox goes with the context's warm
+        copy (DropWarm), once the last round is adopted, or with the server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutChunks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutManifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +216,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.KillContext,
                     request_deserializer=admin__pb2.KillContextRequest.FromString,
                     response_serializer=admin__pb2.KillContextReply.SerializeToString,
+            ),
+            'OpenInbox': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenInbox,
+                    request_deserializer=admin__pb2.OpenInboxRequest.FromString,
+                    response_serializer=admin__pb2.OpenInboxReply.SerializeToString,
+            ),
+            'PutChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutChunks,
+                    request_deserializer=admin__pb2.PutChunksRequest.FromString,
+                    response_serializer=admin__pb2.PutChunksReply.SerializeToString,
+            ),
+            'PutManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutManifest,
+                    request_deserializer=admin__pb2.PutManifestRequest.FromString,
+                    response_serializer=admin__pb2.PutManifestReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +449,87 @@ class Admin:
             '/phos.admin.v1.Admin/KillContext',
             admin__pb2.KillContextRequest.SerializeToString,
             admin__pb2.KillContextReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenInbox(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phos.admin.v1.Admin/OpenInbox',
+            admin__pb2.OpenInboxRequest.SerializeToString,
+            admin__pb2.OpenInboxReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phos.admin.v1.Admin/PutChunks',
+            admin__pb2.PutChunksRequest.SerializeToString,
+            admin__pb2.PutChunksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phos.admin.v1.Admin/PutManifest',
+            admin__pb2.PutManifestRequest.SerializeToString,
+            admin__pb2.PutManifestReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -164,6 +164,8 @@ struct Reply {
 struct Moved {
   endpoint @0 :Text;           # the worker that holds the context now
   standby @1 :Text;            # the standby of the server it went to (as reattach's Result data)
+  serverKey @2 :Text;          # the CURVE public key (z85) of the server it went to ("" none): a
+                               # client with CURVE keys authenticates that worker by it
 }
 
 struct Result {

@@ -290,7 +290,7 @@ def read_bare_call(frame):
 
 # -- Replies of the data plane -----------------------------------------------------------------
 def build_reply(ack_seq, results, output="", durable=0, moved=None):
-    """Encode a Reply; results are (seq, status, message, fields); moved: (endpoint, standby).
+    """Encode a Reply; results are (seq, status, message, fields); moved: (endpoint, standby, server key).
     Returns the frames."""
     if len(results) == 1 and not output and not durable and not results[0][1] and not results[0][2] and not results[0][3]:
         return [PLAIN_REPLY.fill(ack_seq, results[0][0])]
@@ -298,7 +298,7 @@ def build_reply(ack_seq, results, output="", durable=0, moved=None):
     if output:
         reply.output = output
     if moved:
-        reply.moved.endpoint, reply.moved.standby = moved
+        reply.moved.endpoint, reply.moved.standby, reply.moved.serverKey = moved
     frames = [None]
     out = reply.init("results", len(results))
     for r, (seq, status, message, fields) in zip(out, results):
@@ -350,7 +350,7 @@ STATS_FIELDS = (("bytes", "bytes"), ("allocations", "allocations"), ("last_seq",
 def encode_control(seq, kind, args=None):
     """A ControlRequest frame. kind: attach ({ctx, token}), checkpoint (CHECKPOINT_ARGS),
     restore (RESTORE_ARGS and delta: a packed ImageDelta, see pack_delta), ctxStats, thaw or
-    retireTo ({endpoint, standby}); args: a dict of its fields (those left out are zero).
+    retireTo ({endpoint, standby, serverKey}); args: a dict of its fields (those left out are zero).
     Raises WireError for a delta that cannot be read."""
     req = ControlRequest.new_message(seq=seq)
     if args is None:
@@ -384,7 +384,7 @@ def read_control(frame):
             args = types.SimpleNamespace(**{k: getattr(a, k) for k in RESTORE_ARGS},
                                          delta=_read_delta(a.delta) if a._has("delta") else None)
         elif kind == "retireTo":
-            args = types.SimpleNamespace(endpoint=a.endpoint, standby=a.standby)
+            args = types.SimpleNamespace(endpoint=a.endpoint, standby=a.standby, server_key=a.serverKey)
         else:
             args = None
         return req.seq, kind, args

@@ -754,6 +754,39 @@ def list_images(store):
 
 
 # ---------------------------------------------------------------------------------
+# images received from another server (a handoff over the network)
+
+def put_received_chunk(store, blob):
+    """Store a chunk blob another server sent (header + payload), verified first: its key is its
+    header's fingerprint, and decode_chunk checks the header's fields and lengths and the contents
+    against that fingerprint. Returns 1 if the store lacked it, else 0; ImageError if it is bad."""
+    blob = memoryview(blob).cast("B")
+    if len(blob) < HEADER_SIZE:
+        raise ImageError(f"a received chunk of {len(blob)} bytes is shorter than its {HEADER_SIZE}-byte header")
+    key = bytes(HEADER.unpack_from(blob)[5]).hex()
+    if store.has_chunk(key):
+        return 0
+    decode_chunk(blob, key)
+    store.put_chunk(key, blob)
+    return 1
+
+
+def put_received_manifest(store, name, raw, key=None):
+    """Commit a manifest another server sent, signed with this server's image key (key: default
+    image_key()) once it is checked as a restore checks one: canonical JSON, format, fields, and
+    every chunk it names present in `store` with a sound header (the chunks' contents were checked
+    as they landed, put_received_chunk). The sender signed it with its own key, which this server
+    need not share: the caller trusts the sender (an authenticated admin peer). Returns its Manifest."""
+    check_name(name)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ImageError(f"image {name!r}: a manifest of {len(raw)} bytes is over the limit of {MAX_MANIFEST_BYTES}")
+    raw = bytes(raw)
+    man = _verified(store, name, raw, check_chunks=True)
+    store.put_manifest(name, raw, manifest_digest(raw, image_key() if key is None else key))
+    return man
+
+
+# ---------------------------------------------------------------------------------
 # writing
 
 class ImageWriter:

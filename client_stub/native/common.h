@@ -42,7 +42,8 @@ struct Settings {
     double spin;                 // PHOS_SPIN_US (as seconds): spin this long for a reply before sleeping
     bool verbose;                // PHOS_VERBOSE or PHOS_DEBUG: a non-zero number
     bool trace;                  // PHOS_VERBOSE=2: name each call made through cuGetProcAddress's answers
-    bool server_key;             // PHOS_SERVER_KEY is set (we speak no CURVE: refuse)
+    std::string server_key;      // PHOS_SERVER_KEY: the server's CURVE public key file ("" none)
+    std::string client_key;      // PHOS_CLIENT_KEY: our CURVE secret key file, needed with it
     double exit_timeout;         // PHOS_EXIT_TIMEOUT: seconds to wait at exit for each ctxDestroy
 };
 const Settings& settings();

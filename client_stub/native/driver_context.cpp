@@ -75,9 +75,9 @@ static std::string program_name() {
 static CUresult initialise() {
     State& s = state();
     const Settings& cfg = settings();
-    if (cfg.server_key) {
-        log_error("PHOS_SERVER_KEY is set, but the native stub speaks no CURVE (its libzmq is built without "
-                  "libsodium); reach the server over ipc:// or a loopback tcp:// address, or use the Python client");
+    std::string curve_error;
+    if (!configure_curve(curve_error)) {
+        log_error("CURVE keys: %s", curve_error.c_str());
         return CUDA_ERROR_NO_DEVICE;
     }
     auto front = std::make_unique<Connection>(cfg.server, false);

@@ -391,6 +391,8 @@ bool Connection::apply_reply(const void* frame, size_t size, Message* message, u
     if (!reply.moved_endpoint.empty()) {   // handed off: re-attach there (wait_for), asking no front end
         moved_to_ = reply.moved_endpoint;
         if (!reply.moved_standby.empty()) standby_ = reply.moved_standby;
+        // a server with keys of its own: its worker is authenticated by them
+        if (!reply.moved_server_key.empty()) remember_server_key(reply.moved_endpoint, reply.moved_server_key);
     }
     if (!reply.output.empty()) {   // device-side printf, shown at synchronization as CUDA does
         fwrite(reply.output.data(), 1, reply.output.size(), stdout);

@@ -74,7 +74,8 @@ const Settings& settings() {
         t.spin = std::max(0L, env_long("PHOS_SPIN_US", cores > 4 ? 1000 : 0)) * 1e-6;
         t.verbose = env_long("PHOS_VERBOSE", 0) != 0 || env_long("PHOS_DEBUG", 0) != 0;
         t.trace = env_long("PHOS_VERBOSE", 0) >= 2;
-        t.server_key = getenv("PHOS_SERVER_KEY") != nullptr;
+        t.server_key = env_string("PHOS_SERVER_KEY", "");
+        t.client_key = env_string("PHOS_CLIENT_KEY", "");
         t.exit_timeout = env_seconds("PHOS_EXIT_TIMEOUT", 10.0);
         t.batch_calls = std::clamp(t.batch_calls, 1L, static_cast<long>(::MAX_REQUEST_CALLS));   // a server refuses more
         return t;

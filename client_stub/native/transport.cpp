@@ -5,7 +5,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <sstream>
 
 #include "common.h"
 
@@ -31,6 +35,90 @@ void Message::clear() {
 
 static void set_int(void* socket, int option, int value) {
     zmq_setsockopt(socket, option, &value, sizeof value);
+}
+
+extern "C" bool phos_load_sodium(const char** why);   // static_link/sodium_loader.cpp
+
+namespace {
+struct CurveKeys {
+    bool on = false;
+    std::string server_public, public_key, secret_key;   // z85, 40 characters each
+    std::mutex mu;
+    std::map<std::string, std::string> learned;         // endpoint -> its server's public key
+};
+CurveKeys& curve_keys() {
+    static CurveKeys keys;
+    return keys;
+}
+
+// The z85 value of `field = "..."` in a ZeroMQ certificate file (what pyzmq's
+// zmq.auth.create_certificates writes); "" if the file or the field is not there.
+std::string certificate_field(const std::string& path, const char* field, std::string& error) {
+    std::ifstream f(path);
+    if (!f) {
+        error = "cannot read the key file " + path + ": " + strerror(errno);
+        return "";
+    }
+    std::stringstream text;
+    text << f.rdbuf();
+    const std::string s = text.str(), key = std::string(field) + " = \"";
+    size_t at = s.find(key);
+    if (at == std::string::npos || s.size() < at + key.size() + 41 || s[at + key.size() + 40] != '"') {
+        error = "the key file " + path + " has no " + field + " (make keys with `phos keygen`)";
+        return "";
+    }
+    return s.substr(at + key.size(), 40);
+}
+}  // namespace
+
+bool configure_curve(std::string& error) {
+    const Settings& cfg = settings();
+    CurveKeys& k = curve_keys();
+    if (cfg.server_key.empty() && cfg.client_key.empty()) return true;
+    if (cfg.server_key.empty() || cfg.client_key.empty()) {
+        error = cfg.server_key.empty() ? "PHOS_CLIENT_KEY is set but PHOS_SERVER_KEY is not"
+                                       : "PHOS_SERVER_KEY is set but PHOS_CLIENT_KEY is not";
+        return false;
+    }
+    if (!zmq_has("curve")) {
+        error = "this libzmq has no CURVE";
+        return false;
+    }
+    k.server_public = certificate_field(cfg.server_key, "public-key", error);
+    if (k.server_public.empty()) return false;
+    k.public_key = certificate_field(cfg.client_key, "public-key", error);
+    if (k.public_key.empty()) return false;
+    k.secret_key = certificate_field(cfg.client_key, "secret-key", error);
+    if (k.secret_key.empty()) return false;
+    const char* why = nullptr;
+    if (!phos_load_sodium(&why)) {
+        error = std::string("CURVE needs libsodium (Debian: libsodium23): ") + (why ? why : "?");
+        return false;
+    }
+    k.on = true;
+    return true;
+}
+
+void remember_server_key(const std::string& endpoint, const std::string& z85) {
+    CurveKeys& k = curve_keys();
+    if (z85.size() != 40) return;
+    std::lock_guard<std::mutex> lock(k.mu);
+    k.learned[endpoint] = z85;
+}
+
+// Our key pair and the server's key on a socket about to connect to `endpoint`.
+static void apply_curve(void* socket, const std::string& endpoint) {
+    CurveKeys& k = curve_keys();
+    if (!k.on) return;
+    std::string server = k.server_public;
+    {
+        std::lock_guard<std::mutex> lock(k.mu);
+        auto it = k.learned.find(endpoint);
+        if (it != k.learned.end()) server = it->second;
+    }
+    zmq_setsockopt(socket, ZMQ_CURVE_SERVERKEY, server.c_str(), 41);
+    zmq_setsockopt(socket, ZMQ_CURVE_PUBLICKEY, k.public_key.c_str(), 41);
+    zmq_setsockopt(socket, ZMQ_CURVE_SECRETKEY, k.secret_key.c_str(), 41);
 }
 
 Socket::Socket(const std::string& endpoint) : endpoint_(endpoint) { open(); }
@@ -59,6 +147,7 @@ void Socket::open() {
     set_int(socket_, ZMQ_HEARTBEAT_TIMEOUT, 5000);
     set_int(socket_, ZMQ_RECONNECT_IVL, 50);
     set_int(socket_, ZMQ_RECONNECT_IVL_MAX, 1000);
+    apply_curve(socket_, endpoint);
 
     std::string monitor_address = "inproc://phos-monitor-" + std::to_string(next_monitor++);
     const int events = ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED;

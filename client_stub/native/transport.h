@@ -32,6 +32,14 @@ private:
     std::vector<zmq_msg_t> frames_;
 };
 
+// CURVE: reads PHOS_SERVER_KEY and PHOS_CLIENT_KEY (`phos keygen`'s files) and loads
+// libsodium, once, before the first socket; without them sockets speak the NULL mechanism.
+// False with the reason in `error` when keys are set but cannot be used.
+bool configure_curve(std::string& error);
+// The server behind `endpoint` has this CURVE public key (z85), not PHOS_SERVER_KEY's: a
+// context handed off to a server with keys of its own (Reply.moved).
+void remember_server_key(const std::string& endpoint, const std::string& z85);
+
 class Socket {
 public:
     explicit Socket(const std::string& endpoint);

@@ -541,9 +541,11 @@ bool decode_reply(const void* frame, size_t size, Reply& reply, std::string& err
         reply.output = text_of(r.getOutput());
         reply.moved_endpoint.clear();
         reply.moved_standby.clear();
+        reply.moved_server_key.clear();
         if (r.hasMoved()) {
             reply.moved_endpoint = text_of(r.getMoved().getEndpoint());
             reply.moved_standby = text_of(r.getMoved().getStandby());
+            reply.moved_server_key = text_of(r.getMoved().getServerKey());
         }
         reply.results.clear();
         for (auto in : r.getResults()) {

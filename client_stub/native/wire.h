@@ -155,6 +155,7 @@ struct Reply {
     uint64_t durable_seq = 0;     // recovery: calls up to it are in the latest image (0: no news)
     std::string moved_endpoint;   // handed off: the worker that holds the context now ("" none)
     std::string moved_standby;    // ...and the standby of its server
+    std::string moved_server_key; // ...and its server's CURVE public key (z85; "" none)
 };
 
 extern const uint32_t kProtocolVersion;

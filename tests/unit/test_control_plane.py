@@ -30,7 +30,8 @@ def test_requests_round_trip():
               {"store": "/s", "name": "b", "full": True, "advance": True, "warm": False, "delta": DELTA}),
              ("restore", {"store": "/s", "name": ""}, {"store": "/s", "name": "", "full": False, "advance": False,
                                                        "warm": False, "delta": None}),
-             ("retireTo", {"endpoint": "ipc:///w", "standby": "ipc:///s"}, {"endpoint": "ipc:///w", "standby": "ipc:///s"}),
+             ("retireTo", {"endpoint": "ipc:///w", "standby": "ipc:///s", "serverKey": "k" * 40},
+              {"endpoint": "ipc:///w", "standby": "ipc:///s", "server_key": "k" * 40}),
              ("ctxStats", None, None), ("thaw", None, None)]
     for seq, (kind, args, read) in enumerate(cases, 1):
         got_seq, got_kind, got = wire.read_control(wire.encode_control(seq, kind, args))

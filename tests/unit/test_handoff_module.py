@@ -30,7 +30,7 @@ class Source:
     async def thaw(self, worker):
         self.calls.append(("thaw",))
 
-    async def retire(self, worker, endpoint, standby):
+    async def retire(self, worker, endpoint, standby, server_key=""):
         self.calls.append(("retire", endpoint, standby))
 
     def worker_alive(self, worker):

@@ -1,9 +1,10 @@
 // libzmq features the stub is built without, and why.
 //
 // Debian's libzmq.a is configured with CURVE (libsodium), GSSAPI (MIT Kerberos),
-// PGM (OpenPGM) and NORM. The stub talks DEALER over ipc:// and tcp:// with the NULL
-// mechanism only, and those libraries cannot be linked into it: libsodium.a uses
-// local-exec TLS, and there are no static Kerberos or NORM archives. These stand-ins
+// PGM (OpenPGM) and NORM. The stub talks DEALER over ipc:// and tcp://, with the NULL
+// mechanism or CURVE; CURVE's libsodium is loaded at run time (sodium_loader.cpp), as
+// libsodium.a uses local-exec TLS and cannot be linked into a shared object. There are no
+// static Kerberos or NORM archives. These stand-ins
 // satisfy the linker; none is reached unless a socket is configured for that feature,
 // which the stub never does. Should one be reached anyway, it says so and aborts.
 #include <cstdio>
@@ -12,31 +13,12 @@
 extern "C" {
 
 __attribute__((noreturn, visibility("hidden"))) void phos_zmq_feature_missing(const char* name) {
-    fprintf(stderr, "phos: libzmq in the stub is built without %s (CURVE, GSSAPI, PGM and NORM are left out)\n", name);
+    fprintf(stderr, "phos: libzmq in the stub is built without %s (GSSAPI, PGM and NORM are left out)\n", name);
     abort();
 }
 
 #define MISSING(name) \
     __attribute__((visibility("hidden"))) int name() { phos_zmq_feature_missing(#name); }
-
-// CURVE (libsodium). zmq_ctx_new initialises libsodium's random source, so those two
-// calls succeed (libsodium's own answers: 0 for "ready", 0 for "closed").
-__attribute__((visibility("hidden"))) int sodium_init() { return 0; }
-__attribute__((visibility("hidden"))) int randombytes_close() { return 0; }
-MISSING(crypto_box)
-MISSING(crypto_box_afternm)
-MISSING(crypto_box_beforenm)
-MISSING(crypto_box_easy_afternm)
-MISSING(crypto_box_keypair)
-MISSING(crypto_box_open)
-MISSING(crypto_box_open_afternm)
-MISSING(crypto_box_open_easy_afternm)
-MISSING(crypto_scalarmult_base)
-MISSING(crypto_secretbox)
-MISSING(crypto_secretbox_open)
-MISSING(randombytes)
-MISSING(sodium_allocarray)
-MISSING(sodium_free)
 
 // GSSAPI (MIT Kerberos)
 MISSING(gss_accept_sec_context)

@@ -1,0 +1,186 @@
+"""Live handoff between two servers that share nothing but the network (gpu_server/handoff_net.py).
+
+Each server runs in a mount namespace of its own, with its own tmpfs on /dev/shm, /tmp and
+/run, its own CURVE keys and its own image key: they talk only over tcp://127.0.0.1, with
+keys. The rounds stream over the target's network admin API; the application's stub (the
+native one and the Python client) learns the target's worker and key from Reply.moved and
+carries on with the same results. A target killed mid-handoff leaves the context live on the
+source. Needs root's `unshare -m` (skipped with the reason where it is not permitted).
+"""
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from phos.schema import admin_pb2 as pb
+from phos.schema.admin_net import close_admin, open_admin, read_key_file
+from share_nothing import key_pairs, start_isolated, unshare_permitted
+from test_snapshot_engine import App
+from test_stub_reattach import PAUSE, Program, iterate  # noqa: F401 (iterate: a fixture)
+
+N, TOTAL = 1 << 15, 200
+
+@pytest.fixture
+def pair(tmp_path, backend):
+    """Two isolated servers, A and B, each with keys of its own; the test's client key (A's
+    client pair) is admitted by both, and A's server key by B's admin API (A calls B)."""
+    why = unshare_permitted()
+    if why:
+        pytest.skip(f"mount namespaces are not permitted here (unshare -m: {why})")
+    a_keys, b_keys = tmp_path / "a-keys", tmp_path / "b-keys"
+    key_pairs(a_keys, b_keys)
+    started = []
+
+    def start(name, keys):
+        (tmp_path / name).mkdir()
+        srv = start_isolated(backend, tmp_path / name, keys)
+        started.append(srv)
+        return srv
+    a, b = start("a", a_keys), start("b", b_keys)
+    env = {"PHOS_SERVER_KEY": str(a_keys / "server.key"), "PHOS_CLIENT_KEY": str(a_keys / "client.key_secret")}
+    yield a, b, a_keys, b_keys, env
+    for srv in started:
+        srv.stop()
+        print(f"--- server {srv.dir}, last lines:\n{srv.output()[-3000:]}")
+
+
+def admin(server, keys, env):
+    """The admin API of `server`, over TCP, with the test's client key and the server's key."""
+    return open_admin(server.address, (read_key_file(str(keys / "server.key")),
+                                       *read_key_file(env["PHOS_CLIENT_KEY"], secret=True)))
+
+
+def contexts(server, keys, env):
+    stub = admin(server, keys, env)
+    try:
+        return {c.id: c.state for c in stub.ListContexts(pb.ListContextsRequest(), timeout=20).contexts}
+    finally:
+        close_admin(stub)
+
+
+def phos_handoff(ctx, a, b, b_keys, env):
+    """`phos handoff CTX --to tcp://B --to-key B's key --server tcp://A`, as an operator runs it."""
+    return subprocess.run(["phos", "handoff", str(ctx), "--to", b.address, "--to-key", str(b_keys / "server.key"),
+                           "--server", a.address, "--json"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, **env))
+
+
+def reference_run(cu, rhs):
+    app = App(cu)
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    out = app.get(app.jacobi(x, y, r, N, TOTAL), N)
+    cu.cuCtxDestroy(app.ctx)
+    return out
+
+
+@pytest.fixture
+def keyed_client(monkeypatch):
+    from phos.client_stub import connection, driver
+
+    def connect(server, env):
+        driver._reset_for_tests()
+        monkeypatch.setattr(connection, "SERVER_KEYS", {})
+        monkeypatch.setenv("PHOS_SERVER", server.address)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert driver.cuInit(0) == (driver.CUresult.CUDA_SUCCESS,), driver.last_error
+        return driver
+    yield connect
+    driver._reset_for_tests()
+
+
+def test_python_client_carries_on_across_a_share_nothing_handoff(pair, keyed_client):
+    """The application computes (and synchronizes) while `phos handoff` moves its context from A to
+    B over TCP; it re-attaches at B, authenticated by B's own key, with results bit-exact."""
+    a, b, a_keys, b_keys, env = pair
+    cu = keyed_client(a, env)
+    rhs = np.sin(np.arange(N, dtype=np.float32))
+    expected = reference_run(cu, rhs)
+    app = App(cu)
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    done = {}
+    mover = threading.Thread(target=lambda: done.update(r=phos_handoff(app.id, a, b, b_keys, env)))
+    for i in range(TOTAL):
+        if i == 10:
+            mover.start()
+        if i > 10 and mover.is_alive():
+            time.sleep(0.005)
+        if i == TOTAL - 20:
+            mover.join(300)
+        app.jacobi(x, y, r, N, 1)
+        x, y = y, x
+        if i % 5 == 4:
+            app.sync()
+    assert done["r"].returncode == 0, done["r"].stderr
+    assert app.get(x, N).tobytes() == expected.tobytes()
+    assert contexts(b, b_keys, env).get(app.id) == "running"
+    assert app.id not in contexts(a, a_keys, env)
+    from phos.client_stub import connection
+    assert connection.SERVER_KEYS, "the client did not learn B's key from the move"
+
+
+def test_native_program_carries_on_across_a_share_nothing_handoff(pair, iterate):
+    """An unmodified CUDA program on the native stub, keyed (CURVE), is moved at its pause from A
+    to B; it goes on at B and prints what an uninterrupted run prints."""
+    a, b, a_keys, b_keys, env = pair
+    ref = Program(iterate, a, PAUSE, **env)
+    assert ref.until_ready() == f"READY {PAUSE}\n", ref.fail_text()
+    ref.go_on()
+    code, expected, err = ref.finish()
+    assert code == 0 and expected.rstrip().endswith("PASS"), f"{expected}\n{err}"
+
+    prog = Program(iterate, a, PAUSE, **env)
+    assert prog.until_ready() == f"READY {PAUSE}\n", prog.fail_text()
+    (ctx,) = contexts(a, a_keys, env)
+    r = phos_handoff(ctx, a, b, b_keys, env)
+    assert r.returncode == 0, r.stderr
+    prog.go_on()
+    code, out, err = prog.finish()
+    assert code == 0 and out == expected, f"{out}\n{err}"
+    assert not contexts(a, a_keys, env)
+
+
+def test_target_killed_mid_handoff_leaves_the_context_live_on_the_source(pair, keyed_client):
+    """B is stopped once its warm copy of the context exists (rounds landed, the handoff going
+    on), then killed: the link drops, A's handoff fails saying the context stays, and the
+    application, which kept computing, finishes on A with its results intact."""
+    a, b, a_keys, b_keys, env = pair
+    cu = keyed_client(a, env)
+    rhs = np.cos(np.arange(N, dtype=np.float32)) + 1
+    expected = reference_run(cu, rhs)
+    app = App(cu)
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    done = {}
+    watcher = admin(b, b_keys, env)
+
+    def kill_b_once_warm():
+        try:
+            wait_until(lambda: app.id in {c.id for c in watcher.ListContexts(pb.ListContextsRequest(), timeout=20).contexts},
+                       60, step=0.01)
+            os.kill(b.proc.pid, signal.SIGSTOP)
+            done["warm"] = True
+            time.sleep(0.5)
+            os.kill(b.proc.pid, signal.SIGKILL)
+        finally:
+            close_admin(watcher)
+    mover = threading.Thread(target=lambda: done.update(r=phos_handoff(app.id, a, b, b_keys, env)))
+    killer = threading.Thread(target=kill_b_once_warm)
+    for i in range(TOTAL):
+        if i == 10:
+            killer.start()
+            mover.start()
+        app.jacobi(x, y, r, N, 1)
+        x, y = y, x
+        if i % 5 == 4:
+            app.sync()
+    mover.join(300)
+    killer.join(60)
+    assert done.get("warm"), "B never held a warm copy"
+    assert done["r"].returncode != 0 and "stays live here" in done["r"].stderr, done["r"].stderr
+    assert app.get(x, N).tobytes() == expected.tobytes()
+    assert contexts(a, a_keys, env).get(app.id) == "running"

@@ -1,0 +1,72 @@
+"""Servers that share nothing but the network: each in a mount namespace of its own, with its
+own tmpfs on /dev/shm, /tmp and /run, its own CURVE keys and its own image key, listening on
+tcp://127.0.0.1 (tests/e2e/test_handoff_net.py, perf/bench_handoff.py --via tcp). Needs
+root's `unshare -m`; unshare_permitted() says why not."""
+import shlex
+import shutil
+import socket
+import subprocess
+
+from phos.stub_run import LocalServer
+
+# Inside the server's new mount namespace: private tmpfs on /dev/shm, /tmp and /run, its keys
+# copied from the caller's directory first (that may be on /tmp, hidden afterwards), and an
+# image key of its own; then the server ("$@").
+ISOLATE = """set -e
+mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+mkdir -m 700 /dev/shm/phos-private
+cp -r {keys} /dev/shm/phos-private/keys
+head -c 32 /dev/urandom > /dev/shm/phos-private/image.key
+chmod 600 /dev/shm/phos-private/image.key
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+mount -t tmpfs -o mode=755 tmpfs /run
+exec "$@"
+"""
+PRIVATE = "/dev/shm/phos-private"
+
+
+def unshare_permitted():
+    """None if this process may make mount namespaces, else why not."""
+    try:
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    return None if r.returncode == 0 else r.stderr.decode().strip() or f"exit status {r.returncode}"
+
+
+def free_port_pair():
+    """A port whose next port is free too (a tcp:// server's admin API is at its port + 1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two free consecutive ports")
+
+
+def keygen(directory):
+    subprocess.run(["phos", "keygen", str(directory)], check=True, capture_output=True)
+    return directory
+
+
+def key_pairs(a_keys, b_keys):
+    """Keys for a handoff from A to B: A's client key (the caller's) admitted by B as a client and
+    an admin, and A's server key by B's admin API (A calls B with it)."""
+    keygen(a_keys)
+    keygen(b_keys)
+    for sub in ("clients", "admins"):
+        shutil.copy(a_keys / "clients" / "client.key", b_keys / sub / "caller.key")
+    shutil.copy(a_keys / "server.key", b_keys / "admins" / "server-a.key")
+
+
+def start_isolated(backend, directory, keys, pool=1):
+    """A `phos server` in a namespace of its own, on a free tcp://127.0.0.1 port, with the keys in `keys`."""
+    wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", ISOLATE.format(keys=shlex.quote(str(keys))), "sh"]
+    return LocalServer(backend, directory, listen=f"tcp://127.0.0.1:{free_port_pair()}", pool=pool, wrap=wrap,
+                       extra=("--auth-dir", f"{PRIVATE}/keys", "--image-key", f"{PRIVATE}/image.key"))
