@@ -5,6 +5,8 @@
 #include <string>
 #include <unordered_map>
 
+#include <cudaProfiler.h>
+
 #include "call_trace.h"
 #include "driver_state.h"
 #include "unsupported.h"

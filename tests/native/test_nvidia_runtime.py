@@ -71,7 +71,8 @@ def test_program_runs_on_nvidias_runtime(pinned_apps, server, app):
 def test_the_runtime_features_each_report(pinned_apps, server):
     out = run_pinned(pinned_apps, server, "runtime_features").stdout
     for line in ("cooperative: wrong=0", "entry point: found=1 wrong=0", "stream-ordered allocation: wrong=0 in use>0=1",
-                 "graph: capturing=1 wrong=0 replays=3 nodes=3", "host function: ran=1", "occupancy: blocks per SM>0=1"):
+                 "graph: capturing=1 wrong=0 replays=3 nodes=3", "host function: ran=1", "occupancy: blocks per SM>0=1",
+                 "profiler: start=0 stop=0"):
         assert line in out, out
 
 
