@@ -191,6 +191,65 @@ static CUresult copy_any(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream st
     return CUDA_SUCCESS;
 }
 
+// 2D and 3D copies between linear memory (host or device; CUDA arrays are not supported),
+// row by row through the 1D copies above, or as one copy when the rows lie back to back on
+// both sides. Graph memcpy nodes (driver_graph.cpp) run through here too.
+static CUresult copy_rows(const CUDA_MEMCPY3D& p, CUstream stream, bool async_api) {
+    if (p.srcMemoryType == CU_MEMORYTYPE_ARRAY || p.dstMemoryType == CU_MEMORYTYPE_ARRAY) {
+        log_verbose("a 2D/3D copy names a CUDA array: phos has no CUDA arrays");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    auto address = [](CUmemorytype type, const void* host, CUdeviceptr device, bool* on_device) {
+        uint64_t a = type == CU_MEMORYTYPE_HOST ? reinterpret_cast<uint64_t>(host) : device;
+        // CU_MEMORYTYPE_UNIFIED (cudaMemcpyDefault): the address says where it lies.
+        *on_device = type == CU_MEMORYTYPE_DEVICE || (type == CU_MEMORYTYPE_UNIFIED && find_device_range(a));
+        return a;
+    };
+    bool src_dev = false, dst_dev = false;
+    const uint64_t src = address(p.srcMemoryType, p.srcHost, p.srcDevice, &src_dev);
+    const uint64_t dst = address(p.dstMemoryType, p.dstHost, p.dstDevice, &dst_dev);
+    const size_t width = p.WidthInBytes, height = p.Height ? p.Height : 1, depth = p.Depth ? p.Depth : 1;
+    const size_t src_pitch = p.srcPitch ? p.srcPitch : width, dst_pitch = p.dstPitch ? p.dstPitch : width;
+    const size_t src_rows = p.srcHeight ? p.srcHeight : height, dst_rows = p.dstHeight ? p.dstHeight : height;
+    if (width == 0) return CUDA_SUCCESS;
+    if (!src || !dst || src_pitch < width || dst_pitch < width || src_rows < height || dst_rows < height)
+        return CUDA_ERROR_INVALID_VALUE;
+    auto row = [&](uint64_t base, size_t pitch, size_t rows, size_t x, size_t y, size_t z) {
+        return base + ((z * rows + y) * pitch + x);
+    };
+    auto one = [&](uint64_t d, uint64_t s, size_t n) -> CUresult {
+        if (dst_dev && src_dev) return copy_on_device(d, s, n, stream);
+        if (dst_dev) return copy_to_device(d, reinterpret_cast<const void*>(s), n, stream, async_api);
+        if (src_dev) return copy_to_host(reinterpret_cast<void*>(d), s, n, stream, async_api);
+        synchronize_busy_contexts();
+        std::memmove(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(s), n);
+        return CUDA_SUCCESS;
+    };
+    const bool packed = src_pitch == width && dst_pitch == width && (depth == 1 || (src_rows == height && dst_rows == height));
+    if (packed)
+        return one(row(dst, dst_pitch, dst_rows, p.dstXInBytes, p.dstY, p.dstZ),
+                   row(src, src_pitch, src_rows, p.srcXInBytes, p.srcY, p.srcZ), width * height * depth);
+    for (size_t z = 0; z < depth; z++)
+        for (size_t y = 0; y < height; y++) {
+            CUresult err = one(row(dst, dst_pitch, dst_rows, p.dstXInBytes, p.dstY + y, p.dstZ + z),
+                               row(src, src_pitch, src_rows, p.srcXInBytes, p.srcY + y, p.srcZ + z), width);
+            if (err != CUDA_SUCCESS) return err;
+        }
+    return CUDA_SUCCESS;
+}
+
+CUresult copy_3d(const CUDA_MEMCPY3D& p, CUstream stream, bool async_api) { return copy_rows(p, stream, async_api); }
+
+static CUDA_MEMCPY3D as_3d(const CUDA_MEMCPY2D& p) {
+    CUDA_MEMCPY3D q{};
+    q.srcXInBytes = p.srcXInBytes; q.srcY = p.srcY; q.srcMemoryType = p.srcMemoryType; q.srcHost = p.srcHost;
+    q.srcDevice = p.srcDevice; q.srcArray = p.srcArray; q.srcPitch = p.srcPitch;
+    q.dstXInBytes = p.dstXInBytes; q.dstY = p.dstY; q.dstMemoryType = p.dstMemoryType; q.dstHost = p.dstHost;
+    q.dstDevice = p.dstDevice; q.dstArray = p.dstArray; q.dstPitch = p.dstPitch;
+    q.WidthInBytes = p.WidthInBytes; q.Height = p.Height; q.Depth = 1;
+    return q;
+}
+
 static size_t page_round(size_t n) {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     return (n + page - 1) / page * page;
@@ -680,4 +739,28 @@ PHOS_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribut
     case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *static_cast<cuuint64_t*>(value) = pool->used_high; return CUDA_SUCCESS;
     default: return CUDA_ERROR_INVALID_VALUE;
     }
+}
+
+// -- 2D and 3D copies of linear memory (copy_rows) ----------------------------------------
+
+PHOS_EXPORT CUresult cuMemcpy2D_v2(const CUDA_MEMCPY2D* p) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    return copy_rows(as_3d(*p), nullptr, false);
+}
+PHOS_EXPORT CUresult cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D* p) { return cuMemcpy2D_v2(p); }
+PHOS_EXPORT CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D* p, CUstream stream) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    return copy_rows(as_3d(*p), stream, true);
+}
+PHOS_EXPORT CUresult cuMemcpy3D_v2(const CUDA_MEMCPY3D* p) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    return copy_rows(*p, nullptr, false);
+}
+PHOS_EXPORT CUresult cuMemcpy3DAsync_v2(const CUDA_MEMCPY3D* p, CUstream stream) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    return copy_rows(*p, stream, true);
 }

@@ -183,6 +183,10 @@ bool image_bytes(const void* image, const void** data, size_t* size);
 // A function handle as launches and attribute calls take it: a CUfunction, or a CUkernel
 // resolved in the current context (the driver accepts either).
 CUresult resolve_function(CUfunction f, CUfunc_st** out);
+// A launch's arguments (kernelParams or extra), packed as the kernel lays them out.
+CUresult pack_params(const CUfunc_st* f, void** kernel_params, void** extra, std::string& out);
+// A 2D or 3D copy of linear memory, as cuMemcpy3D(Async) makes it (driver_memory.cpp).
+CUresult copy_3d(const CUDA_MEMCPY3D& p, CUstream stream, bool async_api);
 // Stream capture (driver_graph.cpp): the graph a stream's calls are recorded into, if any;
 // post a call or record it; refuse a call a capture cannot record (and spoil the capture);
 // a stream waiting on an event recorded in a capture joins it.
