@@ -109,6 +109,14 @@ void submit(CUctx_st* ctx, CUstream stream, wire::Call call) {
 }
 
 bool capture_invalidated(const CUgraph_st* graph) { return graph->invalidated; }
+
+CUresult capture_copy(CUstream stream, const CUDA_MEMCPY3D& p) {
+    GraphNode node;
+    node.kind = NodeKind::memcpy;
+    node.copy = p;
+    append_captured(capture_of(stream), std::move(node));
+    return CUDA_SUCCESS;
+}
 uint64_t capture_id(const CUgraph_st* graph) { return graph->capture_id; }
 
 CUresult refuse_in_capture(CUstream stream) {

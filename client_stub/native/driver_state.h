@@ -138,6 +138,9 @@ struct HostRange {             // page-locked ("pinned") host memory, as the app
     unsigned flags = 0;
     bool allocated = false;    // by cuMemAllocHost/cuMemHostAlloc (else cuMemHostRegister)
     std::shared_ptr<SharedHost> shared;   // allocated as memory workers on our host map (else plain)
+    bool in_place = false;     // the device reads and writes it in place, at this address (managed,
+                               // DEVICEMAP): mapped there by the worker of the context it was made in
+    bool managed = false;      // by cuMemAllocManaged
 };
 
 struct State {
@@ -195,6 +198,8 @@ void submit(CUctx_st* ctx, CUstream stream, wire::Call call);
 CUresult refuse_in_capture(CUstream stream);
 void join_capture(CUstream stream, CUevent event);
 bool capture_invalidated(const CUgraph_st* graph);
+// A 2D/3D copy recorded in a stream capture as a memcpy node (run again with each launch).
+CUresult capture_copy(CUstream stream, const CUDA_MEMCPY3D& p);
 uint64_t capture_id(const CUgraph_st* graph);
 
 // Forgets a module of a library's (its context is going, or it is unloaded).

@@ -3,8 +3,9 @@
 // both and the memset, a copy out added with cudaGraphAddDependencies, a host node that checks
 // the result in this process, a child graph and an event record at the end. Launched three
 // times with new input each time (a copy node reads host memory when it runs), then with a
-// kernel's parameters changed on the instantiated graph, then as a clone. Prints one line per
-// check, then PASS.
+// kernel's parameters changed on the instantiated graph, then as a clone; and a captured graph
+// whose host copies read and write host memory each time it runs. Prints one line per check,
+// then PASS.
 #include <cstring>
 #include <vector>
 #include "common.h"
@@ -165,10 +166,32 @@ int main() {
     // The child's memset ran last: y is zero.
     std::vector<float> after(n, 1.0f);
     CHECK(cudaMemcpy(after.data(), y, n * sizeof(float), cudaMemcpyDeviceToHost));
-    int nonzero = 0;
+    int nonzero = 0, bad;
     for (float v : after) nonzero += v != 0.0f;
     printf("child graph: nonzero=%d\n", nonzero);
     wrong += nonzero != 0;
+
+    // A captured graph's host copies read and write host memory each time it runs.
+    cudaGraph_t captured;
+    cudaGraphExec_t captured_exec;
+    std::vector<float> cin(n), cout(n);
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    CHECK(cudaMemcpyAsync(x, cin.data(), n * sizeof(float), cudaMemcpyHostToDevice, s));
+    shift<<<n / threads, threads, 0, s>>>(x, 0.5f, n);
+    CHECK(cudaMemcpyAsync(cout.data(), x, n * sizeof(float), cudaMemcpyDeviceToHost, s));
+    CHECK(cudaStreamEndCapture(s, &captured));
+    CHECK(cudaGraphInstantiate(&captured_exec, captured, 0));
+    bad = 0;
+    for (int run = 0; run < 2; run++) {
+        for (int i = 0; i < n; i++) cin[i] = (float)(i * (run + 1));
+        CHECK(cudaGraphLaunch(captured_exec, s));
+        CHECK(cudaStreamSynchronize(s));
+        for (int i = 0; i < n; i++) bad += cout[i] != cin[i] + 0.5f;
+    }
+    printf("captured host copies: wrong=%d\n", bad);
+    wrong += bad;
+    CHECK(cudaGraphExecDestroy(captured_exec));
+    CHECK(cudaGraphDestroy(captured));
 
     CHECK(cudaGraphExecDestroy(clone_exec));
     CHECK(cudaGraphExecDestroy(exec));
