@@ -99,6 +99,19 @@ def test_driver_api_program(apps, server):
     assert "params: (0,8) (8,4) (16,32) (48,1)" in r.stdout
 
 
+def test_a_program_with_the_runtime_linked_statically_runs(stub, server, tmp_path):
+    """nvcc's default: NVIDIA's runtime inside the program, which loads libcuda.so.1, and so phos's."""
+    if not os.path.exists(NVCC):
+        pytest.skip("nvcc not found")
+    binary = tmp_path / "vector_add_static"
+    r = subprocess.run([NVCC, "-gencode", "arch=compute_90,code=compute_90", "-o", str(binary),
+                        os.path.join(ROOT, "examples", "vector_add.cu")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "libcudart" not in subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
+    r = phos_run(server, binary)
+    assert r.returncode == 0 and "correct" in r.stdout, f"{r.stdout}\n{r.stderr}"
+
+
 def test_phos_run_starts_its_own_server(apps):
     r = subprocess.run([sys.executable, "-m", "phos.cli", "run", "--", str(apps / "vector_add")],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
