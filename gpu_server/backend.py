@@ -100,6 +100,15 @@ class Backend(Protocol):
     def unregister_host(self, buf) -> None:
         """A buffer register_host(whole=True) pinned goes away: unpin it (no copy uses it any more)."""
 
+    def map_device_host(self, buf, address) -> str | None:
+        """The client's memory that kernels read and write in place (managed memory, mapped host
+        memory): `buf`, mapped by the worker at `address`, the client's own address of it, becomes
+        addressable by the device at that same address (and pinned, as register_host(whole=True)).
+        None if it did, else why not."""
+
+    def unmap_device_host(self, buf) -> None:
+        """A buffer map_device_host took goes away (after the device's work)."""
+
     def copy_pinned(self, device, host, to_device, stream) -> None:
         """Copy between device address `device` and a host buffer registered whole, len(host)
         bytes, host->device if to_device, else device->host; queued on stream (None: the default

@@ -145,7 +145,7 @@ def memcpy_pinned(s, a, p):
 def host_map(s, a, p):
     """The client's pinned host range: mapped if it is theirs and within our bound. u64s: [1] if
     mapped, else [0] with the reason in text (the client then copies as for any memory)."""
-    why = s.map_host(a.id, a.path, bytes(a.cookie), a.size)
+    why = s.map_host(a.id, a.path, bytes(a.cookie), a.size, a.address)
     return {"u64s": [int(why is None)], "text": why or ""}
 
 

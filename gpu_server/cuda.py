@@ -302,6 +302,21 @@ class CudaBackend:
         if self.pinned_ranges.pop(buf.ctypes.data, None) is not None:
             ok(cu.cuMemHostUnregister(buf.ctypes.data), "cuMemHostUnregister")
 
+    def map_device_host(self, buf, address):
+        err = int(cu.cuMemHostRegister(address, buf.nbytes, DEVICEMAP)[0])
+        if err != 0:
+            return f"the driver would not map {buf.nbytes} bytes of host memory for the device: {_error_string(err)}"
+        err, device = cu.cuMemHostGetDevicePointer(address, 0)
+        if int(err) != 0 or int(device) != address:
+            cu.cuMemHostUnregister(address)
+            return (f"the device maps host memory at {address:#x} at {int(device):#x}, not at the application's "
+                    f"address (cuMemHostGetDevicePointer: {_error_string(int(err))})")
+        self.pinned_ranges[address] = buf.nbytes
+        return None
+
+    def unmap_device_host(self, buf):
+        self.unregister_host(buf)
+
     def copy_pinned(self, device, host, to_device, stream):
         if to_device:
             ok(cu.cuMemcpyHtoDAsync(device, host.ctypes.data, host.nbytes, stream or 0), "cuMemcpyHtoDAsync")

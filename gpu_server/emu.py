@@ -91,6 +91,13 @@ class EmuBackend:
     def unregister_host(self, buf):
         pass
 
+    def map_device_host(self, buf, address):
+        self.mem.add_host_window(address, buf)     # kernels' loads and stores reach it (ptx/interp.py)
+        return None
+
+    def unmap_device_host(self, buf):
+        self.mem.remove_host_window(buf.ctypes.data)
+
     def copy_pinned(self, device, host, to_device, stream):
         if to_device:
             self.htod(device, host, stream)

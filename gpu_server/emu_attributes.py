@@ -2,8 +2,9 @@
 
 NVIDIA's runtime reads them all when it starts, so none may be missing. The emulated device
 looks like a small compute-capability-9.0 GPU: its limits are those of such a device, and a
-feature the emulator does not offer (managed memory, memory pools, virtual memory management,
-clusters, peer access) reads 0.
+feature the emulator does not offer (memory pools, virtual memory management, clusters, peer
+access, concurrent managed access) reads 0. Managed and mapped host memory are the client's
+pages, which kernels load and store in place at the client's own addresses.
 """
 
 EMU_ATTRIBUTES = {
@@ -89,7 +90,7 @@ EMU_ATTRIBUTES = {
     80: 1,                 # LOCAL_L1_CACHE_SUPPORTED
     81: 228 * 1024,        # MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
     82: 64 * 1024,         # MAX_REGISTERS_PER_MULTIPROCESSOR
-    83: 0,                 # MANAGED_MEMORY
+    83: 1,                 # MANAGED_MEMORY
     84: 0,                 # MULTI_GPU_BOARD
     85: 0,                 # MULTI_GPU_BOARD_GROUP_ID
     86: 0,                 # HOST_NATIVE_ATOMIC_SUPPORTED
@@ -97,7 +98,7 @@ EMU_ATTRIBUTES = {
     88: 0,                 # PAGEABLE_MEMORY_ACCESS
     89: 0,                 # CONCURRENT_MANAGED_ACCESS
     90: 1,                 # COMPUTE_PREEMPTION_SUPPORTED
-    91: 0,                 # CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM
+    91: 1,                 # CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: mapped at the client's address
     92: 0,                 # CAN_USE_STREAM_MEM_OPS_V1
     93: 0,                 # CAN_USE_64_BIT_STREAM_MEM_OPS_V1
     94: 0,                 # CAN_USE_STREAM_WAIT_VALUE_NOR_V1

@@ -183,6 +183,15 @@ class EmuMemory:
         self.module_space.alloc(MODULE_SKEW * random.randrange(1, MODULE_AREA // MODULE_SKEW // 2))
         self._bases = np.zeros(0, np.uint64)
         self._ends = np.zeros(0, np.uint64)
+        # The client's memory that kernels read and write in place (managed, mapped host memory),
+        # mapped by the worker at the client's own addresses: (base, end, uint8 array) each.
+        self.host_windows = []
+
+    def add_host_window(self, base, buf):
+        self.host_windows.append((base, base + len(buf), buf))
+
+    def remove_host_window(self, base):
+        self.host_windows = [w for w in self.host_windows if w[0] != base]
 
     def _reindex(self):
         # a moved global's old address is the application's, not the device's: kernels fault on it

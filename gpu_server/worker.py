@@ -86,6 +86,7 @@ class Session:
         self.shm = None            # the client's staging area, when it shares our host
         self.box = None            # its mailbox (wire.Mailbox)
         self.host_ranges = {}      # the client's pinned host ranges we map: hostMap's id -> their bytes
+        self.in_place = {}         # ... those the device reads and writes in place: id -> FixedMapping
         self.host_bytes = 0        # ... how many bytes they hold together
 
     def staging(self, offset, nbytes):
@@ -106,20 +107,34 @@ class Session:
         self.backend.register_host(self.shm)
         return True
 
-    def map_host(self, rid, path, cookie, size):
+    def map_host(self, rid, path, cookie, size, address=0):
         """Map the client's pinned host range `rid` (phos.capnp, "Pinned host memory"): its file,
         if it is really theirs (map_client_file), while we map PINNED_HOST_BYTES at most; the
-        backend pins it. None once mapped, else why not."""
+        backend pins it. With `address` (memory the device reads and writes in place: managed,
+        mapped host memory) it is mapped at that address, the client's own, and the backend makes
+        it the device's there. None once mapped, else why not."""
         if not rid or rid in self.host_ranges:
             return f"pinned host range {rid} is 0 or mapped already"
         if not 0 < size <= PINNED_HOST_BYTES - self.host_bytes:
             return (f"{size} more bytes of pinned host memory would pass the {PINNED_HOST_BYTES} a worker maps "
                     f"(PHOS_PINNED_HOST_BYTES; {self.host_bytes} mapped)")
-        area = map_client_file(path, cookie, wire.PINNED_HEADER + size)
-        if area is None:
-            return f"{path!r} is not a pinned host file of this client's"
-        data = np.frombuffer(area, np.uint8, size, wire.PINNED_HEADER)
-        self.backend.register_host(data, whole=True)
+        if address:
+            mapping = map_client_file_at(path, cookie, size, address)
+            if isinstance(mapping, str):
+                return mapping
+            data = mapping.array()
+            why = self.backend.map_device_host(data, address)
+            if why is not None:
+                del data
+                mapping.close()
+                return why
+            self.in_place[rid] = mapping
+        else:
+            area = map_client_file(path, cookie, wire.PINNED_HEADER + size)
+            if area is None:
+                return f"{path!r} is not a pinned host file of this client's"
+            data = np.frombuffer(area, np.uint8, size, wire.PINNED_HEADER)
+            self.backend.register_host(data, whole=True)
         self.host_ranges[rid] = data
         self.host_bytes += size
         return None
@@ -132,7 +147,13 @@ class Session:
         self.backend.synchronize()
         del self.host_ranges[rid]
         self.host_bytes -= data.nbytes
-        self.backend.unregister_host(data)       # the mapping goes with the last reference to data
+        mapping = self.in_place.pop(rid, None)
+        if mapping is None:
+            self.backend.unregister_host(data)       # the mapping goes with the last reference to data
+            return
+        self.backend.unmap_device_host(data)
+        del data
+        mapping.close()
 
     def pinned(self, rid, offset, nbytes):
         """Bytes [offset, offset + nbytes) of the client's pinned range `rid`, checked."""
@@ -246,29 +267,88 @@ class Session:
         return status, message, {}
 
 
-def map_client_file(path, cookie, size):
-    """Map `size` bytes of a file a client made for us (its staging area, a pinned host range) if
-    it is really theirs: a regular file in /dev/shm named phos-*, as clients make them, opened
+def open_client_file(path, cookie, size):
+    """A file a client made for us (its staging area, a pinned host range), opened read-write,
+    if it is really theirs: a regular file in /dev/shm named phos-*, as clients make them, opened
     without following links (any other path would let a tenant read and write the server's
     files), of `size` bytes or more, that starts with the random cookie the client sent (which
-    only its maker knows). The mmap, or None."""
+    only its maker knows). Its descriptor, or None."""
     if os.path.dirname(path) != "/dev/shm" or not os.path.basename(path).startswith("phos-"):
+        return None
+    if len(cookie) < wire.COOKIE_BYTES or size <= 0:
         return None
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)    # non-blocking: a FIFO must not stall us
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < size or size <= 0:
-                return None
-            area = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+    except (OSError, ValueError):
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_size >= size and os.pread(fd, len(cookie), 0) == cookie:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def map_client_file(path, cookie, size):
+    """Map `size` bytes of a client's file (open_client_file's checks). The mmap, or None."""
+    fd = open_client_file(path, cookie, size)
+    if fd is None:
+        return None
+    try:
+        return mmap.mmap(fd, size)
     except (OSError, ValueError, OverflowError):
         return None
-    if len(cookie) < wire.COOKIE_BYTES or area[:len(cookie)] != cookie:
-        area.close()
-        return None
-    return area
+    finally:
+        os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+MAP_FIXED_NOREPLACE = 0x100000     # Linux 4.17+; an older kernel takes it as a hint, which the check below catches
+
+
+class FixedMapping:
+    """`size` bytes of a client's file mapped at a chosen address (map_client_file_at)."""
+
+    def __init__(self, address, size):
+        self.address, self.size = address, size
+
+    def array(self):
+        return np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self.address))
+
+    def close(self):
+        if self.address:
+            _libc.munmap(self.address, self.size)
+            self.address = 0
+
+
+def map_client_file_at(path, cookie, size, address):
+    """The application's bytes of a client's pinned host file (open_client_file's checks) mapped
+    at `address`, the client's own address of them, so that pointers the application stored in
+    them mean the same here and on the device. A FixedMapping, or why not."""
+    page = mmap.PAGESIZE
+    if address % page or not 0 < address < 1 << 47:
+        return f"{address:#x} is not a page of the user address space"
+    fd = open_client_file(path, cookie, wire.PINNED_HEADER + size)
+    if fd is None:
+        return f"{path!r} is not a pinned host file of this client's"
+    try:
+        got = _libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED_NOREPLACE,
+                         fd, wire.PINNED_HEADER)
+        errno = ctypes.get_errno()
+    finally:
+        os.close(fd)
+    if got in (None, ctypes.c_void_p(-1).value):
+        return (f"the worker cannot map {size} bytes at the application's address {address:#x}: "
+                f"{os.strerror(errno)}")
+    if got != address:
+        _libc.munmap(got, size)
+        return f"the worker cannot map {size} bytes at the application's address {address:#x}: the kernel placed them elsewhere"
+    return FixedMapping(address, size)
 
 
 class Worker:

@@ -1,8 +1,7 @@
 #!/bin/sh
 # Native vs phos on a GPU machine (perf/device/run.sh bench runs it on the H200): builds perf/bench_stub.cu,
-# runs it with NVIDIA's libcudart, then through phos's native stub against a `cuda` server
-# over ipc, twice: on phos's own libcudart, and on NVIDIA's libcudart over phos's libcuda.so.1
-# (as PyTorch runs); prints one table. PHOS_BENCH_BACKEND=emu: the phos columns alone, on emu.
+# runs it natively, then through phos's native stub (NVIDIA's libcudart, as phos/stub holds
+# it, over phos's libcuda.so.1) against a `cuda` server over ipc; prints one table. PHOS_BENCH_BACKEND=emu: the phos columns alone, on emu.
 #   perf/bench_stub.sh [--server ADDR] [bench_stub options: --big-mib N --launches N --rtt N]
 # Targets: sync_rtt_us <= 25 over ipc; launch_us <= 2x native.
 set -eu
@@ -29,24 +28,19 @@ fi
 [ -n "$server" ] || start_server "$backend"
 LD_LIBRARY_PATH="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PHOS_SERVER=$server \
     "$work/bench_stub" "$@" > "$work/phos.txt"
-# NVIDIA's runtime found first, phos's driver under it (tests/apps/run_native_vs_stub.sh does the same)
-mkdir -p "$work/nvidia-runtime"
-ln -s "$CUDA_HOME/lib64/libcudart.so.13" "$work/nvidia-runtime/libcudart.so.13"
-LD_LIBRARY_PATH="$work/nvidia-runtime:$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PHOS_SERVER=$server \
-    "$work/bench_stub" "$@" > "$work/nvrt.txt"
 
-$PYTHON - "$work/native.txt" "$work/phos.txt" "$work/nvrt.txt" <<'PY'
+$PYTHON - "$work/native.txt" "$work/phos.txt" <<'PY'
 import sys
 def read(path):
     with open(path) as f:
         return dict((k, float(v)) for k, v in (line.split() for line in f if line.strip()))
-native, phos, nvrt = map(read, sys.argv[1:4])
+native, phos = map(read, sys.argv[1:3])
 targets = {"sync_rtt_us": lambda n, p: p <= 25, "launch_us": lambda n, p: n is not None and p <= 2 * n}
-print(f"{'figure':34} {'native':>10} {'phos':>10} {'phos/native':>12}  {'target':7} {'NVIDIA rt on phos':>18}")
+print(f"{'figure':34} {'native':>10} {'phos':>10} {'phos/native':>12}  {'target':7}")
 for name, p in phos.items():
     n = native.get(name)
     ratio = f"{p / n:.2f}" if n else "-"
     check = targets.get(name)
     verdict = "" if check is None else ("met" if check(n, p) else "MISSED")
-    print(f"{name:34} {n if n is not None else '-':>10} {p:>10} {ratio:>12}  {verdict:7} {nvrt.get(name, '-'):>18}")
+    print(f"{name:34} {n if n is not None else '-':>10} {p:>10} {ratio:>12}  {verdict:7}")
 PY

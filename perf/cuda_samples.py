@@ -8,10 +8,9 @@ and Samples/). Each sample in SAMPLES below is built with nvcc, unchanged, as
 `nvcc -cudart shared -gencode arch=compute_90,code=compute_90` (PTX only, so that the emu
 backend can interpret it; a GPU's driver compiles it), and run:
 
-  native           NVIDIA's libcudart.so.13 and driver (only where `nvidia-smi` works)
-  phos runtime     LD_LIBRARY_PATH=phos/stub: phos's libcudart.so.13 and libcuda.so.1
-  NVIDIA runtime   NVIDIA's libcudart.so.13 (a folder holding only a link to it, first in
-                   LD_LIBRARY_PATH) on phos's libcuda.so.1, as PyTorch runs
+  native   NVIDIA's libcudart.so.13 and driver (only where `nvidia-smi` works)
+  phos     LD_LIBRARY_PATH=phos/stub: NVIDIA's libcudart.so.13 (the copy phos/stub holds)
+           on phos's libcuda.so.1, as PyTorch runs
 
 Each phos run gets a server of its own, which this script starts on a private ipc socket
 (backend `cuda` where a GPU is, else `emu`; --backend picks, --server uses a running one
@@ -207,8 +206,8 @@ NOT_BUILT = {
 SHM_PREFIXES = ("simpleIPCshm", "streamOrderedAllocationIPCshm", "memmap_ipc_shm")
 SHM = Path("/dev/shm")
 
-MODES = ("native", "phos", "nvidia")
-HEADERS = {"native": "native", "phos": "phos runtime", "nvidia": "NVIDIA runtime on phos"}
+MODES = ("native", "phos")
+HEADERS = {"native": "native", "phos": "phos"}
 
 
 @dataclass
@@ -405,7 +404,7 @@ def main() -> int:
                     help="samples run at once (default: half the CPUs)")
     ap.add_argument("--backend", choices=("emu", "cuda"), help="default: cuda with a GPU, else emu")
     ap.add_argument("--server", help="a running phos server to use instead of starting one")
-    ap.add_argument("--modes", default=",".join(MODES), help="which of native,phos,nvidia to run")
+    ap.add_argument("--modes", default=",".join(MODES), help="which of native,phos to run")
     ap.add_argument("--work", type=Path, help="build and run folder (default: a temporary one, removed)")
     ap.add_argument("--reuse", action="store_true", help="keep binaries already built in --work")
     ap.add_argument("--stub", type=Path, default=ROOT / "phos" / "stub", help="phos's native stub (phos/stub)")
@@ -417,9 +416,6 @@ def main() -> int:
     stub = args.stub.resolve()
     if not (stub / "libcuda.so.1").exists() or not (stub / "libcudart.so.13").exists():
         ap.error(f"no native stub in {stub}: make -C client_stub/native")
-    nv_cudart = CUDA_HOME / "lib64" / "libcudart.so.13"
-    if not nv_cudart.exists():
-        ap.error(f"no {nv_cudart} (set CUDA_HOME)")
     chosen = SAMPLES
     if args.only:
         want = set(args.only.split(","))
@@ -481,10 +477,6 @@ def main() -> int:
         built.sort(key=chosen.index)
         print(f"built {len(built)}/{len(chosen)} in {build_s:.0f} s", flush=True)
 
-        nv_dir = work / "nvidia-runtime"
-        nv_dir.mkdir(exist_ok=True)
-        if not (nv_dir / "libcudart.so.13").exists():
-            (nv_dir / "libcudart.so.13").symlink_to(nv_cudart)
         # Each phos run gets a server of its own unless --server names one: a client killed at
         # its time limit leaves its worker running the launches already sent, for minutes on emu,
         # and ending the server's process group ends that worker too.
@@ -496,7 +488,6 @@ def main() -> int:
         envs = {
             "native": dict(base, LD_LIBRARY_PATH=f"{CUDA_HOME / 'lib64'}{tail}"),
             "phos": dict(base, LD_LIBRARY_PATH=f"{stub}{tail}", PHOS_VERBOSE="1"),
-            "nvidia": dict(base, LD_LIBRARY_PATH=f"{nv_dir}:{stub}{tail}", PHOS_VERBOSE="1"),
         }
 
         def one(s: Sample, mode: str) -> tuple[str, str, Outcome]:

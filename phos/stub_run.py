@@ -1,12 +1,12 @@
 """`phos run [--server ADDR] -- ./app ARGS`: run an unmodified CUDA program on phos.
 
-The program finds phos's libcudart.so.13 and libcuda.so.1 first on LD_LIBRARY_PATH
-(phos/stub, built by `make -C client_stub/native`), and its calls go to the server named
-by PHOS_SERVER. Without --server, a local emu server is started on a private ipc socket
-for the program's lifetime and stopped after it.
+The program finds phos's libcuda.so.1 (and NVIDIA's libcudart.so.13 beside it) first on
+LD_LIBRARY_PATH (phos/stub, built by `make -C client_stub/native`), and its calls go to
+the server named by PHOS_SERVER. Without --server, a local emu server is started on a
+private ipc socket for the program's lifetime and stopped after it.
 
-Only programs linked with `nvcc -cudart shared` load libcudart.so.13 and can be
-redirected; nvcc links the runtime statically by default.
+Every CUDA runtime, NVIDIA's shared one, a copy pinned by RPATH or one linked statically,
+reaches the GPU through libcuda.so.1, which the library path redirects.
 """
 import os
 import shutil

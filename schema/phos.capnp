@@ -70,6 +70,14 @@
 # device on the call's stream. With `wait` (a synchronous copy) it answers once the bytes are
 # there; without, the copy is queued and done by the stream's next synchronization, and a
 # failure is an asynchronous call's. hostUnmap{id} waits for the device's work, then unmaps.
+# Memory the device reads and writes in place (cuMemAllocManaged, cuMemHostAlloc with DEVICEMAP):
+# hostMap with `address`, the client's own address of the range's bytes, asks the worker to map
+# them at that same address (so that pointers stored in data structures mean the same in both
+# processes) and make them the device's to address: the cuda backend registers them with
+# DEVICEMAP and requires the device pointer to be that address; emu's kernels load and store
+# them. u64s = [1] if so, else [0] and text saying why (the address is taken in the worker, the
+# device maps it elsewhere), and the client's call fails. Kernels then read and write the
+# application's pages directly; the application sees their writes after a synchronising call.
 # hostMap and hostUnmap take no place in the call stream: each travels alone with seq 0, like a
 # re-attach's attach, and is never resent. Mappings are the connection's, not the context's:
 # images hold none; a client that re-attached announces its ranges again as it copies, and its
@@ -117,7 +125,7 @@
 # target server's standby (Result data): a client that had not re-attached at the target
 # before it died still learns whom to ask.
 
-const protocolVersion :UInt32 = 3;   # 3: snapshot calls left Call for the control plane (ControlRequest)
+const protocolVersion :UInt32 = 4;   # 4: hostMap's address (memory the device reads and writes in place)
 
 # Where a client looks for the server when PHOS_SERVER is unset, and where `phos server`
 # listens by default: ipc://DIR/defaultSocket in the user's own socket directory DIR, which
@@ -325,7 +333,7 @@ struct MemcpyDtoH {
 struct MemcpyDtoD { dst @0 :UInt64; src @1 :UInt64; size @2 :UInt64; stream @3 :UInt64; }
 # A client's pinned host range, a file it made in /dev/shm ("Pinned host memory"): id is the
 # client's name for it, size the application's bytes (after the header).
-struct HostMap { id @0 :UInt64; path @1 :Text; cookie @2 :Data; size @3 :UInt64; }
+struct HostMap { id @0 :UInt64; path @1 :Text; cookie @2 :Data; size @3 :UInt64; address @4 :UInt64; }
 # A copy between device address `device` and bytes [offset, offset + size) of pinned range
 # `range` (hostMap's id), on `stream`: host->device with toDevice, else device->host. wait:
 # answered once the copy is done (cuMemcpyHtoD/DtoH); else queued (their Async forms).

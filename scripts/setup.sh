@@ -14,6 +14,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
+# phos's dependencies include nvidia-cuda-runtime: the stub's build copies its libcudart.so.13.
 python3 -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Running pip as the 'root'" || true
 
 # The PTX tests compile CUDA C with nvcc; install NVIDIA's nvcc wheel where it is missing.

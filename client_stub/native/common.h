@@ -7,7 +7,7 @@
 #include <string>
 
 // Everything is hidden (-fvisibility=hidden) except the CUDA entry points marked here;
-// the version scripts (libcuda.map, libcudart.map) are the second fence.
+// the version scripts (libcuda.map, libnvidia-ml.map) are the second fence.
 #define PHOS_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace phos {
@@ -21,10 +21,9 @@ bool verbose();
 // Log lines go to stderr whole (log.cpp).
 void log_line(const char* fmt, va_list ap);
 
-// Every PHOS_* variable the stub reads, read once, in settings.cpp alone (the driver
-// library's; the runtime library reads none). phos/settings.py declares them all, with
-// their defaults and meanings, for README.md's table; tests/unit/test_settings.py checks that
-// the two agree.
+// Every PHOS_* variable the stub reads, read once, in settings.cpp alone (NVML reads none).
+// phos/settings.py declares them all, with their defaults and meanings, for README.md's table;
+// tests/unit/test_settings.py checks that the two agree.
 struct Settings {
     std::string server;          // PHOS_SERVER: the front end's ZeroMQ endpoint
     double connect_timeout;      // PHOS_CONNECT_TIMEOUT: seconds to wait for hello / attach

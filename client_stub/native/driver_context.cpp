@@ -6,6 +6,8 @@
 #include <fstream>
 #include <thread>
 
+#include <cudaProfiler.h>
+
 #include "driver_state.h"
 
 namespace phos::driver {
@@ -724,3 +726,23 @@ PHOS_EXPORT CUresult cuDeviceGetP2PAttribute(int* value, CUdevice_P2PAttribute, 
     if (err == CUDA_SUCCESS) *value = 0;
     return err;
 }
+
+// -- profiler control: profiling belongs to the server ------------------------------------
+// A profiler (Nsight, CUPTI) attaches to the process that owns the GPU, which is the server's
+// worker, not this one; the application's start and stop marks have nothing here to switch.
+// They succeed, so that programs which bracket their timed region with them (cuda-samples'
+// asyncAPI, matrixMul) run on NVIDIA's runtime as they do natively without a profiler.
+
+PHOS_EXPORT CUresult cuProfilerInitialize(const char*, const char*, CUoutput_mode) {
+    Guard g(state().lock);
+    return require_init();
+}
+
+static CUresult profiler_mark() {
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    return current_context(&ctx);     // as the driver answers: CUDA_ERROR_INVALID_CONTEXT without one
+}
+
+PHOS_EXPORT CUresult cuProfilerStart() { return profiler_mark(); }
+PHOS_EXPORT CUresult cuProfilerStop() { return profiler_mark(); }

@@ -101,15 +101,33 @@ static CUresult copy_in_place(CUctx_st* ctx, wire::Call call) {
     return CUDA_SUCCESS;
 }
 
+// A copy between host and device in a stream capture becomes a memcpy node: the host memory is
+// read or written again each time the graph runs, as CUDA's capture does.
+static CUDA_MEMCPY3D linear_copy(CUmemorytype to, uint64_t dst, CUmemorytype from, uint64_t src, size_t n) {
+    CUDA_MEMCPY3D p{};
+    p.dstMemoryType = to;
+    p.srcMemoryType = from;
+    if (to == CU_MEMORYTYPE_HOST) p.dstHost = reinterpret_cast<void*>(dst);
+    else p.dstDevice = dst;
+    if (from == CU_MEMORYTYPE_HOST) p.srcHost = reinterpret_cast<const void*>(src);
+    else p.srcDevice = src;
+    p.WidthInBytes = n;
+    p.Height = p.Depth = 1;
+    return p;
+}
+
 static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool async_api) {
     CUctx_st* ctx;
-    CUresult err = refuse_in_capture(stream);    // host memory is not read again when a graph replays
-    if (err == CUDA_SUCCESS) err = current_context(&ctx);
+    CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     uint64_t sid = 0;
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!src || !device_range_ok(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    if (capture_of(stream))
+        return async_api ? capture_copy(stream, linear_copy(CU_MEMORYTYPE_DEVICE, dst, CU_MEMORYTYPE_HOST,
+                                                           reinterpret_cast<uint64_t>(src), n))
+                         : refuse_in_capture(stream);     // a synchronous copy cannot be captured, as in CUDA
     uint64_t offset = 0;
     if (const SharedHost* h = mapped_range(ctx, src, n, &offset))
         return copy_in_place(ctx, wire::Call::memcpy_pinned(dst, src, h->id(), offset, n, sid, true, !async_api));
@@ -128,13 +146,16 @@ static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstr
 
 static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
     CUctx_st* ctx;
-    CUresult err = refuse_in_capture(stream);
-    if (err == CUDA_SUCCESS) err = current_context(&ctx);
+    CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     uint64_t sid = 0;
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!dst || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    if (capture_of(stream))
+        return async_api ? capture_copy(stream, linear_copy(CU_MEMORYTYPE_HOST, reinterpret_cast<uint64_t>(dst),
+                                                           CU_MEMORYTYPE_DEVICE, src, n))
+                         : refuse_in_capture(stream);
     uint64_t offset = 0;
     if (const SharedHost* h = mapped_range(ctx, dst, n, &offset))
         return copy_in_place(ctx, wire::Call::memcpy_pinned(src, dst, h->id(), offset, n, sid, false, !async_api));
@@ -163,6 +184,15 @@ static CUresult copy_on_device(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstr
     return CUDA_SUCCESS;
 }
 
+// A memset of memory the device uses in place (managed, mapped host memory): it is this
+// process's memory, so it is set here, once the work before it is done.
+static CUresult fill_in_place(void* dst, uint32_t value, int elem_size, size_t count) {
+    synchronize_busy_contexts();
+    for (size_t i = 0; i < count; i++)
+        std::memcpy(static_cast<char*>(dst) + i * elem_size, &value, static_cast<size_t>(elem_size));
+    return CUDA_SUCCESS;
+}
+
 static CUresult fill(CUdeviceptr dst, uint32_t value, int elem_size, size_t count, CUstream stream) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
@@ -170,6 +200,10 @@ static CUresult fill(CUdeviceptr dst, uint32_t value, int elem_size, size_t coun
     uint64_t sid = 0;
     if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (count == 0) return CUDA_SUCCESS;
+    const HostRange* in_place = find_host_range(reinterpret_cast<void*>(dst));
+    if (in_place && in_place->in_place && is_pinned(reinterpret_cast<void*>(dst), count * elem_size))
+        return refuse_in_capture(stream) != CUDA_SUCCESS ? CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+                                                         : fill_in_place(reinterpret_cast<void*>(dst), value, elem_size, count);
     if (dst % static_cast<unsigned>(elem_size) != 0 || !device_range_ok(dst, count * elem_size))
         return CUDA_ERROR_INVALID_VALUE;
     submit(ctx, stream, wire::Call::memset(dst, value, elem_size, count, sid));
@@ -191,6 +225,65 @@ static CUresult copy_any(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream st
     return CUDA_SUCCESS;
 }
 
+// 2D and 3D copies between linear memory (host or device; CUDA arrays are not supported),
+// row by row through the 1D copies above, or as one copy when the rows lie back to back on
+// both sides. Graph memcpy nodes (driver_graph.cpp) run through here too.
+static CUresult copy_rows(const CUDA_MEMCPY3D& p, CUstream stream, bool async_api) {
+    if (p.srcMemoryType == CU_MEMORYTYPE_ARRAY || p.dstMemoryType == CU_MEMORYTYPE_ARRAY) {
+        log_verbose("a 2D/3D copy names a CUDA array: phos has no CUDA arrays");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    auto address = [](CUmemorytype type, const void* host, CUdeviceptr device, bool* on_device) {
+        uint64_t a = type == CU_MEMORYTYPE_HOST ? reinterpret_cast<uint64_t>(host) : device;
+        // CU_MEMORYTYPE_UNIFIED (cudaMemcpyDefault): the address says where it lies.
+        *on_device = type == CU_MEMORYTYPE_DEVICE || (type == CU_MEMORYTYPE_UNIFIED && find_device_range(a));
+        return a;
+    };
+    bool src_dev = false, dst_dev = false;
+    const uint64_t src = address(p.srcMemoryType, p.srcHost, p.srcDevice, &src_dev);
+    const uint64_t dst = address(p.dstMemoryType, p.dstHost, p.dstDevice, &dst_dev);
+    const size_t width = p.WidthInBytes, height = p.Height ? p.Height : 1, depth = p.Depth ? p.Depth : 1;
+    const size_t src_pitch = p.srcPitch ? p.srcPitch : width, dst_pitch = p.dstPitch ? p.dstPitch : width;
+    const size_t src_rows = p.srcHeight ? p.srcHeight : height, dst_rows = p.dstHeight ? p.dstHeight : height;
+    if (width == 0) return CUDA_SUCCESS;
+    if (!src || !dst || src_pitch < width || dst_pitch < width || src_rows < height || dst_rows < height)
+        return CUDA_ERROR_INVALID_VALUE;
+    auto row = [&](uint64_t base, size_t pitch, size_t rows, size_t x, size_t y, size_t z) {
+        return base + ((z * rows + y) * pitch + x);
+    };
+    auto one = [&](uint64_t d, uint64_t s, size_t n) -> CUresult {
+        if (dst_dev && src_dev) return copy_on_device(d, s, n, stream);
+        if (dst_dev) return copy_to_device(d, reinterpret_cast<const void*>(s), n, stream, async_api);
+        if (src_dev) return copy_to_host(reinterpret_cast<void*>(d), s, n, stream, async_api);
+        synchronize_busy_contexts();
+        std::memmove(reinterpret_cast<void*>(d), reinterpret_cast<const void*>(s), n);
+        return CUDA_SUCCESS;
+    };
+    const bool packed = src_pitch == width && dst_pitch == width && (depth == 1 || (src_rows == height && dst_rows == height));
+    if (packed)
+        return one(row(dst, dst_pitch, dst_rows, p.dstXInBytes, p.dstY, p.dstZ),
+                   row(src, src_pitch, src_rows, p.srcXInBytes, p.srcY, p.srcZ), width * height * depth);
+    for (size_t z = 0; z < depth; z++)
+        for (size_t y = 0; y < height; y++) {
+            CUresult err = one(row(dst, dst_pitch, dst_rows, p.dstXInBytes, p.dstY + y, p.dstZ + z),
+                               row(src, src_pitch, src_rows, p.srcXInBytes, p.srcY + y, p.srcZ + z), width);
+            if (err != CUDA_SUCCESS) return err;
+        }
+    return CUDA_SUCCESS;
+}
+
+CUresult copy_3d(const CUDA_MEMCPY3D& p, CUstream stream, bool async_api) { return copy_rows(p, stream, async_api); }
+
+static CUDA_MEMCPY3D as_3d(const CUDA_MEMCPY2D& p) {
+    CUDA_MEMCPY3D q{};
+    q.srcXInBytes = p.srcXInBytes; q.srcY = p.srcY; q.srcMemoryType = p.srcMemoryType; q.srcHost = p.srcHost;
+    q.srcDevice = p.srcDevice; q.srcArray = p.srcArray; q.srcPitch = p.srcPitch;
+    q.dstXInBytes = p.dstXInBytes; q.dstY = p.dstY; q.dstMemoryType = p.dstMemoryType; q.dstHost = p.dstHost;
+    q.dstDevice = p.dstDevice; q.dstArray = p.dstArray; q.dstPitch = p.dstPitch;
+    q.WidthInBytes = p.WidthInBytes; q.Height = p.Height; q.Depth = 1;
+    return q;
+}
+
 static size_t page_round(size_t n) {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     return (n + page - 1) / page * page;
@@ -210,7 +303,34 @@ static std::shared_ptr<SharedHost> share_with_worker(size_t n) {
     return h;
 }
 
+// Memory the device reads and writes in place (schema/phos.capnp, "Memory the device reads and
+// writes in place"): a shared file, mapped here and by the current context's worker at the same
+// address, which the device then addresses there too. Fails, saying why, where that cannot be.
+static CUresult in_place_alloc(void** pp, size_t n, unsigned flags, bool managed, const char* call) {
+    if (!pp || n == 0) return CUDA_ERROR_INVALID_VALUE;
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    std::shared_ptr<SharedHost> h = SharedHost::make(n, true);
+    if (!h) {
+        log_error("%s: cannot make %zu bytes of shared memory for the device to use in place", call, n);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    std::string why;
+    if (!ctx->conn->map_in_place(*h, why)) {
+        log_error("%s: the device cannot use %zu bytes of this process's memory in place: %s", call, n, why.c_str());
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    HostRange range{n, flags, true, h};
+    range.in_place = true;
+    range.managed = managed;
+    state().host[reinterpret_cast<uintptr_t>(h->data())] = std::move(range);
+    *pp = h->data();
+    return CUDA_SUCCESS;
+}
+
 static CUresult host_alloc(void** pp, size_t n, unsigned flags) {
+    if (flags & CU_MEMHOSTALLOC_DEVICEMAP) return in_place_alloc(pp, n, flags, false, "cuMemHostAlloc(DEVICEMAP)");
     if (!pp || n == 0) return CUDA_ERROR_INVALID_VALUE;
     std::shared_ptr<SharedHost> shared = share_with_worker(n);
     void* p = shared ? shared->data() : nullptr;
@@ -252,6 +372,8 @@ PHOS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     if (dptr == 0) return CUDA_SUCCESS;      // as the driver: NVIDIA's runtime frees NULL to start a context
+    auto managed = s.host.find(static_cast<uintptr_t>(dptr));
+    if (managed != s.host.end() && managed->second.managed) return cuMemFreeHost(reinterpret_cast<void*>(dptr));
     auto it = s.allocations.find(dptr);
     if (it == s.allocations.end() || it->second.physical) return CUDA_ERROR_INVALID_VALUE;   // cuMemUnmap's to free
     CUctx_st* owner = it->second.ctx;
@@ -389,6 +511,13 @@ PHOS_EXPORT CUresult cuMemHostRegister_v2(void* p, size_t bytesize, unsigned int
     State& s = state();
     Guard g(s.lock);
     if (!p || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (flags & CU_MEMHOSTREGISTER_DEVICEMAP) {
+        // The device is in another process: it can use in place only memory made shared with it
+        // (cuMemHostAlloc with DEVICEMAP, cuMemAllocManaged), not memory the application has.
+        log_error("cuMemHostRegister with DEVICEMAP: phos's device lives in the server's process and can use in "
+                  "place only memory allocated for it; allocate with cuMemHostAlloc(DEVICEMAP) instead");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
     uintptr_t a = reinterpret_cast<uintptr_t>(p);
     auto next = s.host.lower_bound(a);
     if (find_host_range(p) || (next != s.host.end() && next->first < a + bytesize))
@@ -405,6 +534,51 @@ PHOS_EXPORT CUresult cuMemHostUnregister(void* p) {
     synchronize_busy_contexts();
     s.host.erase(it);
     return CUDA_SUCCESS;
+}
+
+PHOS_EXPORT CUresult cuMemAllocManaged(CUdeviceptr* dptr, size_t bytesize, unsigned int flags) {
+    if (!dptr || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST)) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    void* p = nullptr;
+    CUresult err = in_place_alloc(&p, bytesize, flags, true, "cuMemAllocManaged");
+    if (err == CUDA_SUCCESS) *dptr = reinterpret_cast<CUdeviceptr>(p);
+    return err;
+}
+
+// Memory the device uses in place has one address, the application's (flags: 0, as CUDA asks).
+PHOS_EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* dptr, void* p, unsigned int flags) {
+    if (!dptr || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    const HostRange* r = find_host_range(p);
+    if (!r || !r->in_place) {
+        log_verbose("cuMemHostGetDevicePointer: %p is not memory the device uses in place "
+                    "(cuMemHostAlloc with DEVICEMAP, cuMemAllocManaged)", p);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    *dptr = reinterpret_cast<CUdeviceptr>(p);
+    return CUDA_SUCCESS;
+}
+
+// Managed memory lives in one place, the application's pages, which the device uses in place:
+// there is nothing to move or to advise, and every stream may touch it.
+static CUresult check_in_place(CUdeviceptr p, size_t n) {
+    const HostRange* r = find_host_range(reinterpret_cast<void*>(p));
+    return r && r->in_place && is_pinned(reinterpret_cast<void*>(p), n) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+PHOS_EXPORT CUresult cuMemPrefetchAsync_v2(CUdeviceptr p, size_t n, CUmemLocation, unsigned int, CUstream) {
+    Guard g(state().lock);
+    return check_in_place(p, n);
+}
+
+PHOS_EXPORT CUresult cuMemAdvise_v2(CUdeviceptr p, size_t n, CUmem_advise, CUmemLocation) {
+    Guard g(state().lock);
+    return check_in_place(p, n);
+}
+
+PHOS_EXPORT CUresult cuStreamAttachMemAsync(CUstream, CUdeviceptr p, size_t n, unsigned int) {
+    Guard g(state().lock);
+    return check_in_place(p, n ? n : 1);
 }
 
 PHOS_EXPORT CUresult cuMemHostGetFlags(unsigned int* flags, void* p) {
@@ -440,7 +614,7 @@ static CUresult pointer_attribute(void* data, CUpointer_attribute attribute, CUd
         if (!host) return CUDA_ERROR_INVALID_VALUE;
         *static_cast<void**>(data) = reinterpret_cast<void*>(ptr);
         return CUDA_SUCCESS;
-    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *static_cast<int*>(data) = 0; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *static_cast<int*>(data) = host && host->managed; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *static_cast<int*>(data) = ctx ? ctx->device : 0; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR:
         *static_cast<CUdeviceptr*>(data) = dev ? dbase : hbase;
@@ -680,4 +854,28 @@ PHOS_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribut
     case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *static_cast<cuuint64_t*>(value) = pool->used_high; return CUDA_SUCCESS;
     default: return CUDA_ERROR_INVALID_VALUE;
     }
+}
+
+// -- 2D and 3D copies of linear memory (copy_rows) ----------------------------------------
+
+PHOS_EXPORT CUresult cuMemcpy2D_v2(const CUDA_MEMCPY2D* p) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    return copy_rows(as_3d(*p), nullptr, false);
+}
+PHOS_EXPORT CUresult cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D* p) { return cuMemcpy2D_v2(p); }
+PHOS_EXPORT CUresult cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D* p, CUstream stream) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    return copy_rows(as_3d(*p), stream, true);
+}
+PHOS_EXPORT CUresult cuMemcpy3D_v2(const CUDA_MEMCPY3D* p) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    return copy_rows(*p, nullptr, false);
+}
+PHOS_EXPORT CUresult cuMemcpy3DAsync_v2(const CUDA_MEMCPY3D* p, CUstream stream) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    Guard g(state().lock);
+    return copy_rows(*p, stream, true);
 }

@@ -124,7 +124,7 @@ static CUresult check_launch_shape(const CUctx_st* ctx, const unsigned grid[3], 
 }
 
 // Packs the arguments the way the kernel lays them out (moduleGetFunction's params).
-static CUresult pack_params(const CUfunc_st* f, void** kernel_params, void** extra, std::string& out) {
+CUresult pack_params(const CUfunc_st* f, void** kernel_params, void** extra, std::string& out) {
     out.assign(f->params_size, '\0');
     if (kernel_params && extra) return CUDA_ERROR_INVALID_VALUE;
     if (kernel_params) {

@@ -138,6 +138,9 @@ struct HostRange {             // page-locked ("pinned") host memory, as the app
     unsigned flags = 0;
     bool allocated = false;    // by cuMemAllocHost/cuMemHostAlloc (else cuMemHostRegister)
     std::shared_ptr<SharedHost> shared;   // allocated as memory workers on our host map (else plain)
+    bool in_place = false;     // the device reads and writes it in place, at this address (managed,
+                               // DEVICEMAP): mapped there by the worker of the context it was made in
+    bool managed = false;      // by cuMemAllocManaged
 };
 
 struct State {
@@ -183,6 +186,10 @@ bool image_bytes(const void* image, const void** data, size_t* size);
 // A function handle as launches and attribute calls take it: a CUfunction, or a CUkernel
 // resolved in the current context (the driver accepts either).
 CUresult resolve_function(CUfunction f, CUfunc_st** out);
+// A launch's arguments (kernelParams or extra), packed as the kernel lays them out.
+CUresult pack_params(const CUfunc_st* f, void** kernel_params, void** extra, std::string& out);
+// A 2D or 3D copy of linear memory, as cuMemcpy3D(Async) makes it (driver_memory.cpp).
+CUresult copy_3d(const CUDA_MEMCPY3D& p, CUstream stream, bool async_api);
 // Stream capture (driver_graph.cpp): the graph a stream's calls are recorded into, if any;
 // post a call or record it; refuse a call a capture cannot record (and spoil the capture);
 // a stream waiting on an event recorded in a capture joins it.
@@ -191,6 +198,8 @@ void submit(CUctx_st* ctx, CUstream stream, wire::Call call);
 CUresult refuse_in_capture(CUstream stream);
 void join_capture(CUstream stream, CUevent event);
 bool capture_invalidated(const CUgraph_st* graph);
+// A 2D/3D copy recorded in a stream capture as a memcpy node (run again with each launch).
+CUresult capture_copy(CUstream stream, const CUDA_MEMCPY3D& p);
 uint64_t capture_id(const CUgraph_st* graph);
 
 // Forgets a module of a library's (its context is going, or it is unloaded).

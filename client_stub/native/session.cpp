@@ -684,7 +684,30 @@ void drop_name(const std::string& path) {
 }
 }  // namespace
 
-std::unique_ptr<SharedHost> SharedHost::make(size_t n) {
+// Where memory the device uses in place is placed (SharedHost::make with in_place): a worker
+// maps it at the same address, which must be free there too. Linux places a process's own
+// mappings near the top of the user space (0x7f...) and its heap low (0x55...); phos's device
+// range starts at 0x600000000000. So this terabyte, below both, is as free in a worker as here.
+static constexpr uint64_t kInPlaceBase = 0x300000000000ull, kInPlaceSpan = 1ull << 40;
+
+static void* map_in_place_area(int fd, size_t n) {
+#ifndef MAP_FIXED_NOREPLACE
+#define MAP_FIXED_NOREPLACE 0x100000
+#endif
+    const uint64_t step = 2u << 20, span = n + step <= kInPlaceSpan ? kInPlaceSpan - n : 0;
+    for (int attempt = 0; attempt < 16 && span; attempt++) {
+        uint64_t r = 0;
+        if (getrandom(&r, sizeof r, 0) != sizeof r) r = static_cast<uint64_t>(getpid()) * 7919 + attempt;
+        void* want = reinterpret_cast<void*>(kInPlaceBase + (r % (span / step)) * step);
+        void* got = mmap(want, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED_NOREPLACE, fd,
+                         static_cast<off_t>(kPinnedHeader));
+        if (got == want) return got;
+        if (got != MAP_FAILED) munmap(got, n);   // a kernel older than 4.17 took the address as a hint
+    }
+    return MAP_FAILED;
+}
+
+std::unique_ptr<SharedHost> SharedHost::make(size_t n, bool in_place) {
     static uint64_t next_id = 1;   // under the driver's lock, as every call
     std::unique_ptr<SharedHost> h(new SharedHost());
     const int fd = create_shared_file(h->path_, h->cookie_);
@@ -701,8 +724,9 @@ std::unique_ptr<SharedHost> SharedHost::make(size_t n) {
     if (!err && pwrite(fd, c.data(), c.size(), 0) != static_cast<ssize_t>(c.size())) err = errno ? errno : EIO;
     void* data = MAP_FAILED;
     if (!err) {
-        data = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(kPinnedHeader));
-        if (data == MAP_FAILED) err = errno;
+        data = in_place ? map_in_place_area(fd, n)
+                        : mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(kPinnedHeader));
+        if (data == MAP_FAILED) err = errno ? errno : EEXIST;
     }
     close(fd);
     if (err) {
@@ -722,9 +746,9 @@ SharedHost::~SharedHost() {
 
 // A call about this connection rather than the context (hostMap, hostUnmap): after the calls
 // queued before it, alone, with seq 0; it is not logged, and so never resent.
-wire::Result Connection::connection_call(wire::Call c) {
+wire::Result Connection::connection_call(wire::Call c, bool flush) {
     if (!dead_.empty()) return failure(kContextIsDestroyed, dead_);
-    send_batch(false);
+    if (flush) send_batch(false);
     c.seq = 0;
     const wire::Call* calls[1] = {&c};
     std::string frame;
@@ -757,7 +781,32 @@ bool Connection::announce_host(const SharedHost& h) {
     return mapped;
 }
 
+bool Connection::map_in_place(const SharedHost& h, std::string& why) {
+    if (!shm_) {
+        why = "the worker of this context does not share this host (it did not map the staging area)";
+        return false;
+    }
+    InPlace r{h.id(), h.size(), reinterpret_cast<uint64_t>(h.data()), h.path(), h.cookie()};
+    if (!announce_in_place(r, why)) return false;
+    host_ranges_[h.id()] = true;
+    in_place_.push_back(std::move(r));
+    return true;
+}
+
+bool Connection::announce_in_place(const InPlace& r, std::string& why) {
+    wire::Result res = connection_call(wire::Call::host_map(r.id, r.path, r.cookie, r.size, r.address), !reattaching_);
+    if (res.status == 0 && !res.u64s.empty() && res.u64s[0] == 1) {
+        log_verbose("%s: the worker mapped %zu bytes at %#llx for the device to use in place", endpoint().c_str(),
+                    static_cast<size_t>(r.size), static_cast<unsigned long long>(r.address));
+        return true;
+    }
+    why = res.status ? res.message : res.text;
+    return false;
+}
+
 void Connection::forget_host(const SharedHost& h) {
+    in_place_.erase(std::remove_if(in_place_.begin(), in_place_.end(), [&](const InPlace& r) { return r.id == h.id(); }),
+                    in_place_.end());
     auto known = host_ranges_.find(h.id());
     if (known == host_ranges_.end()) return;
     const bool mapped = known->second;
@@ -944,6 +993,13 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
         return false;
     }
     durable_ = cut;
+    for (const InPlace& r : in_place_) {     // before the calls whose kernels use them
+        std::string no;
+        if (announce_in_place(r, no)) host_ranges_[r.id] = true;
+        else log_error("context %llu: memory at %#llx that the device used in place is not mapped by the worker "
+                       "it re-attached to (%s): kernels that use it will fault", (unsigned long long)ctx_,
+                       static_cast<unsigned long long>(r.address), no.c_str());
+    }
     resend_after(cut, old_area);
     reattaching_ = false;   // only now: resending must not stop to bound the log
     log_error("context %llu re-attached at %s%s (image cut at call %llu): resent %zu call(s)", (unsigned long long)ctx_,

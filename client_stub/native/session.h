@@ -33,7 +33,8 @@ extern const size_t kMinCopy;
 class SharedHost {
 public:
     // `n` bytes of it, or null (saying why with PHOS_VERBOSE) if /dev/shm cannot hold them.
-    static std::unique_ptr<SharedHost> make(size_t n);
+    // in_place: placed where the same address is likely free in a worker too (session.cpp).
+    static std::unique_ptr<SharedHost> make(size_t n, bool in_place = false);
     ~SharedHost();
     SharedHost(const SharedHost&) = delete;
     SharedHost& operator=(const SharedHost&) = delete;
@@ -106,6 +107,9 @@ public:
     bool shares_host(const SharedHost& h);
     // Range `h` goes away: a worker that maps it unmaps it, after the device's work (hostUnmap).
     void forget_host(const SharedHost& h);
+    // Has the worker map range `h` (made in_place) at our address of it, for the device to read
+    // and write in place (hostMap with its address); false with `why` if it cannot.
+    bool map_in_place(const SharedHost& h, std::string& why);
 
     // Sends the batch if its first call has waited longer than PHOS_BATCH_AGE_US.
     void flush_if_stale();
@@ -131,7 +135,8 @@ private:
     void post_to_box();
     bool box_answered(const char** frame, size_t* size);
     uint64_t send_now(wire::Call call);
-    wire::Result connection_call(wire::Call call);
+    // flush: send the queued calls first (not while a re-attach has calls to resend before them)
+    wire::Result connection_call(wire::Call call, bool flush = true);
     bool announce_host(const SharedHost& h);
     bool wait_for(uint64_t seq, const HostDestination* out, double timeout, wire::Result& mine);
     bool apply_reply(const void* frame, size_t size, Message* message, uint64_t want_seq, const HostDestination* out,
@@ -209,6 +214,14 @@ private:
 
     // Pinned ranges this worker was asked about (shares_host): id -> whether it maps them.
     std::unordered_map<uint64_t, bool> host_ranges_;
+    // Ranges the device reads and writes in place (map_in_place), announced again to a worker
+    // found after a re-attach, since kernels use them without a copy that would announce them.
+    struct InPlace {
+        uint64_t id, size, address;
+        std::string path, cookie;
+    };
+    std::vector<InPlace> in_place_;
+    bool announce_in_place(const InPlace& r, std::string& why);
     uint64_t pinned_seq_ = 0;                           // the last memcpyPinned sent: pending until acknowledged
     uint64_t pinned_bytes_ = 0;                         // bytes copied in place (stats)
 };

@@ -139,8 +139,9 @@ Call Call::memcpy_dtod(uint64_t dst, uint64_t src, uint64_t size, uint64_t strea
     c.stream = stream;
     return c;
 }
-Call Call::host_map(uint64_t id, std::string path, std::string cookie, uint64_t size) {
+Call Call::host_map(uint64_t id, std::string path, std::string cookie, uint64_t size, uint64_t address) {
     Call c = with_id(Kind::hostMap, id);
+    c.address = address;
     c.text = std::move(path);
     c.bytes2 = std::move(cookie);
     c.size = size;
@@ -311,6 +312,7 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
         h.setPath(c.text.c_str());
         h.setCookie(as_data(c.bytes2));
         h.setSize(c.size);
+        h.setAddress(c.address);
         break;
     }
     case Kind::hostUnmap: out.initHostUnmap().setId(c.id); break;

@@ -109,7 +109,8 @@ struct Call {
     // Pinned host memory the worker maps (schema/phos.capnp, "Pinned host memory"): a range's
     // announcement, its end, and a copy between the device and `host`, which lies at `offset`
     // of range `range` (the address stays here: a resend carries the bytes themselves).
-    static Call host_map(uint64_t id, std::string path, std::string cookie, uint64_t size);
+    // address: map the range there (the application's own address) for the device to use in place
+    static Call host_map(uint64_t id, std::string path, std::string cookie, uint64_t size, uint64_t address = 0);
     static Call host_unmap(uint64_t id) { return with_id(Kind::hostUnmap, id); }
     static Call memcpy_pinned(uint64_t device, const void* host, uint64_t range, uint64_t offset, uint64_t size,
                               uint64_t stream, bool to_device, bool wait);

@@ -190,9 +190,36 @@ class State:
                     parts.append((s,) + self._space(sp, a[s] - u64(win), width, li[s])[1:])
             if rest.any():
                 s = np.flatnonzero(rest)
-                parts.append((s,) + self._space('global', a[s], width, li[s])[1:])
+                parts += [(s if sel_ is None else s[sel_], buf, off) for sel_, buf, off in self._global(a[s], width)]
             return parts
+        if space in ('global', 'const'):
+            return self._global(a, width)
         return [self._space(space, a, width, None if m is None else self.lanes(m))]
+
+    def _global(self, a, width):
+        """Global accesses: the arena's, and those in the client's memory the device maps in
+        place (EmuMemory.host_windows: managed and mapped host memory), each from its buffer."""
+        a = np.asarray(a, u64)
+        windows = self.mem.host_windows
+        if not windows:
+            return [self._space('global', a, width, None)]
+        self._align(a, width)
+        parts, rest = [], np.ones(len(a), bool)
+        for lo, hi, buf in windows:
+            hit = (a >= u64(lo)) & (a < u64(hi))
+            if hit.any():
+                s = np.flatnonzero(hit)
+                off = a[s] - u64(lo)
+                if (off + u64(width) > u64(hi - lo)).any():
+                    self._bad(f"{width}-byte access past the end of mapped host memory", int(a[s][0]))
+                rest &= ~hit
+                parts.append((s, buf, off.astype(np.int64)))
+        if rest.all():
+            return [self._space('global', a, width, None)]
+        if rest.any():
+            s = np.flatnonzero(rest)
+            parts.append((s,) + self._space('global', a[s], width, None)[1:])
+        return parts
 
     def _space(self, space, a, width, li):
         a = np.asarray(a, u64)

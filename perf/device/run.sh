@@ -116,7 +116,6 @@ if want torch; then
     nm -D --defined-only "$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')" > "$OUT/libcuda-exports.txt" 2>&1
     gcc -I"${CUDA_HOME:-/usr/local/cuda}/include" perf/probe_export_tables.c -o /tmp/probe_export_tables -ldl &&
         step probe-export-tables /tmp/probe_export_tables
-    step stub-apps-nvidia-runtime env PHOS_APPS_RUNTIME=nvidia sh tests/apps/run_native_vs_stub.sh
     rm -rf /tmp/phos-torch && mkdir -p /tmp/phos-torch
     python3 -m phos.cli server --backend cuda --listen ipc:///tmp/phos-torch/phos.sock > "$OUT/torch-server.log" 2>&1 &
     torch_server=$!

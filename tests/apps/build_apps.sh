@@ -1,6 +1,6 @@
 #!/bin/sh
 # Builds the test programs into OUTDIR, as the tests and run_native_vs_stub.sh use them:
-#   * runtime programs with `nvcc -cudart shared` (so libcudart.so.13 can be replaced),
+#   * runtime programs with `nvcc -cudart shared` (they load the libcudart.so.13 in phos/stub),
 #     embedding compute_90 PTX (what the emu backend runs) and sm_90 SASS;
 #   * driver_api against libcuda.so.1, plus its kernels as PTX (driver_kernels.ptx).
 #   build_apps.sh OUTDIR

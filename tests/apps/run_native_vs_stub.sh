@@ -4,8 +4,8 @@
 # the two outputs compared. Exits non-zero if a program fails or the outputs differ.
 #   tests/apps/run_native_vs_stub.sh [--server ADDR]
 # Without --server it starts `phos server --backend cuda` on a private ipc socket.
-# PHOS_APPS_RUNTIME=nvidia: the programs load NVIDIA's own libcudart.so.13 on phos's
-# libcuda.so.1, as PyTorch does, instead of phos's libcudart.
+# Through phos the programs load NVIDIA's libcudart.so.13 that phos/stub holds, on phos's
+# libcuda.so.1.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -21,16 +21,9 @@ sh "$here/build_apps.sh" "$work/bin"
 
 native_path="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 stub_path="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-if [ "${PHOS_APPS_RUNTIME:-phos}" = nvidia ]; then
-    mkdir -p "$work/nvidia-runtime"
-    ln -s "$CUDA_HOME/lib64/libcudart.so.13" "$work/nvidia-runtime/libcudart.so.13"
-    stub_path="$work/nvidia-runtime:$stub_path"
-fi
 bad=0
 for app in vector_add matmul_tiled streams_events atomics symbols threads device_reset errors launch_batch device_query no_gpu driver_api \
-        runtime_features; do
-    # what NVIDIA's runtime asks of the driver beyond launches; phos's own runtime has less
-    [ "$app" = runtime_features ] && [ "${PHOS_APPS_RUNTIME:-phos}" != nvidia ] && continue
+        runtime_features graph_nodes managed_memory; do
     args=""
     [ "$app" = driver_api ] && args="$work/bin/driver_kernels.ptx"
     set +e

@@ -1,8 +1,9 @@
 // What NVIDIA's runtime and the libraries built on it ask of the driver beyond plain
 // launches: device properties, kernel attributes, occupancy, cooperative launches, driver
 // entry points by version, capture status, pointer attributes, stream-ordered allocation,
-// graphs captured from a stream, and host functions. Prints one line per feature, then PASS.
+// graphs captured from a stream, host functions, and profiler marks. Prints one line per feature, then PASS.
 #include <cuda.h>
+#include <cuda_profiler_api.h>
 #include <vector>
 #include "common.h"
 
@@ -134,6 +135,11 @@ int main() {
     CHECK(cudaStreamSynchronize(s));
     printf("host function: ran=%d\n", seen);
     wrong += seen != 1;
+
+    // Profiler marks around a region succeed without a profiler (profiling is the server's).
+    cudaError_t start = cudaProfilerStart(), stop = cudaProfilerStop();
+    printf("profiler: start=%d stop=%d\n", (int)start, (int)stop);
+    wrong += start != cudaSuccess || stop != cudaSuccess;
 
     printf("wrong=%d\n", wrong);
     printf(wrong ? "FAIL\n" : "PASS\n");

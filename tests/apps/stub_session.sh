@@ -11,7 +11,7 @@ trap cleanup EXIT INT TERM
 
 # Rebuild the stub where the build tools are; a GPU machine may only have it prebuilt.
 make -s -C "$root/client_stub/native" 2>"$work/make.log" || {
-    [ -f "$root/phos/stub/libcudart.so.13" ] || { cat "$work/make.log"; exit 1; }
+    [ -f "$root/phos/stub/libcuda.so.1" ] || { cat "$work/make.log"; exit 1; }
     echo "note: using the prebuilt phos/stub (cannot rebuild here: $(tail -1 "$work/make.log"))"
 }
 

@@ -2,7 +2,8 @@
 (as PyTorch's wheels pin theirs) run with LD_LIBRARY_PATH=phos/stub against an emu server,
 so everything they do reaches phos through libcuda.so.1: the export tables, cuGetProcAddress,
 library loading, occupancy, cooperative launches, stream-ordered allocation, captured graphs
-and host functions (tests/apps/runtime_features.cu).
+and host functions (tests/apps/runtime_features.cu), graphs built node by node
+(tests/apps/graph_nodes.cu), and managed and mapped host memory (tests/apps/managed_memory.cu).
 
 NVIDIA's runtime comes from the nvidia-cuda-runtime wheel (scripts/setup.sh installs it), or
 else from the CUDA toolkit; the tests skip when neither is there.
@@ -58,7 +59,7 @@ def test_the_programs_are_pinned_to_nvidias_runtime(pinned_apps):
     assert f"Library rpath: [{nvidia_runtime_dir()}]" in dynamic
 
 
-@pytest.mark.parametrize("app", KERNEL_APPS + ["runtime_features"])
+@pytest.mark.parametrize("app", KERNEL_APPS + ["runtime_features", "graph_nodes", "managed_memory"])
 def test_program_runs_on_nvidias_runtime(pinned_apps, server, app):
     r = run_pinned(pinned_apps, server, app)
     assert r.returncode == 0 and r.stdout.rstrip().endswith("PASS"), f"{r.stdout}\n{r.stderr}"
@@ -71,8 +72,29 @@ def test_program_runs_on_nvidias_runtime(pinned_apps, server, app):
 def test_the_runtime_features_each_report(pinned_apps, server):
     out = run_pinned(pinned_apps, server, "runtime_features").stdout
     for line in ("cooperative: wrong=0", "entry point: found=1 wrong=0", "stream-ordered allocation: wrong=0 in use>0=1",
-                 "graph: capturing=1 wrong=0 replays=3 nodes=3", "host function: ran=1", "occupancy: blocks per SM>0=1"):
+                 "graph: capturing=1 wrong=0 replays=3 nodes=3", "host function: ran=1", "occupancy: blocks per SM>0=1",
+                 "profiler: start=0 stop=0"):
         assert line in out, out
+
+
+def test_a_graph_built_node_by_node_runs_in_dependency_order(pinned_apps, server):
+    """tests/apps/graph_nodes.cu: cudaGraphCreate and cudaGraphAdd*Node with dependencies; its
+    host node checks each launch's result in this process, with input changed between launches."""
+    r = run_pinned(pinned_apps, server, "graph_nodes")
+    for line in ("graph: nodes=9 roots=2 combine deps=3", "launches: runs=3 wrong=0", "exec set params: runs=4 wrong=0",
+                 "clone: runs=5 wrong=0", "child graph: nonzero=0", "captured host copies: wrong=0"):
+        assert line in r.stdout, f"{r.stdout}\n{r.stderr}"
+
+
+def test_managed_and_mapped_memory_are_used_in_place(pinned_apps, server):
+    """tests/apps/managed_memory.cu: the application's pages, which the worker maps at the same
+    addresses: kernels update what the host wrote (pointers stored in it included), and the
+    host sees it after a synchronisation."""
+    r = run_pinned(pinned_apps, server, "managed_memory")
+    for line in ("managed memory attribute: 1", "managed: wrong=0 type managed=1", "linked list: sum=55",
+                 "managed copies: wrong=0", "mapped host memory: wrong=0 same address=1"):
+        assert line in r.stdout, f"{r.stdout}\n{r.stderr}"
+    assert "for the device to use in place" in r.stderr
 
 
 # -- the tables themselves, asked directly ---------------------------------------------------

@@ -311,3 +311,31 @@ def test_the_worker_checks_what_a_client_says_of_pinned_memory(server):
         s.close()
         os.unlink(link)
         os.unlink(path)
+
+
+def test_memory_for_the_device_is_mapped_at_the_clients_address_or_refused_saying_why(server):
+    """hostMap with an address (managed and mapped host memory): the worker maps the range at that
+    address, or answers [0] with the reason; the address of a range mapped already is refused."""
+    size = 1 << 16
+    (path, cookie, _), (path2, cookie2, _) = pinned_file(size), pinned_file(size)
+    at = 0x300000000000 + (secrets.randbelow(1 << 20) << 21)
+    s = RawSession(server.address)
+    try:
+        def host_map(rid, where, secret, address):
+            args = {"id": rid, "path": where, "cookie": secret, "size": size, "address": address}
+            s.sock.send_multipart([wire.encode_request([(0, "hostMap", args, None)], True)[0]])
+            with wire.decode(wire.Reply, s.sock.recv_multipart()[0]) as reply:
+                r = reply.results[-1]
+                assert r.status == 0, r.message
+                return list(r.u64s), r.text
+        assert host_map(1, path, cookie, at) == ([1], "")
+        status, why = host_map(2, path2, cookie2, at)        # taken, in the worker, by range 1
+        assert status == [0] and f"cannot map {size} bytes at the application's address {at:#x}" in why, why
+        status, why = host_map(3, path2, cookie2, at + 1)
+        assert status == [0] and "is not a page" in why, why
+        assert one_call(s, "hostUnmap", {"id": 1})[1] == 0
+        assert host_map(2, path2, cookie2, at) == ([1], "")  # free again
+    finally:
+        s.close()
+        os.unlink(path)
+        os.unlink(path2)
