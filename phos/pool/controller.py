@@ -309,6 +309,11 @@ class PoolController:
                  r["downtime_ms"])
         return {"ctx": ctx, "from": source, "to": target, "seconds": r["seconds"], "downtime_ms": r["downtime_ms"]}
 
+    def server_pid(self, address):
+        """The pid of a server's `phos server` process (tests check that it is gone at the end)."""
+        with self.lock:
+            return self.by_address(address).snap["pid"]
+
     def kill_server(self, address):
         """Kill a server at once, as a lost machine would (tests and benchmarks)."""
         s = self.by_address(address)

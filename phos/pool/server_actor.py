@@ -37,10 +37,19 @@ def _die_with_parent():
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
 
 
+def private_mounts(paths):
+    """A command prefix that runs a command in a mount namespace of its own, with an empty
+    tmpfs on each of paths (e.g. /dev/shm and /tmp): a server that shares no files with the
+    others there, as on a machine of its own (needs CAP_SYS_ADMIN, e.g. root)."""
+    mounts = " && ".join(f"mount -t tmpfs phos-private {p}" for p in paths)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$0" "$@"']
+
+
 class PhosServer:
     """Options (all from the controller): backend, host (to listen on), pool (pre-started
     workers), recovery_dir, checkpoint_every, standby (the pool's front end: stubs whose server
-    died ask it), insecure or auth_dir, image_key, work_dir (logs), metrics_host."""
+    died ask it), insecure or auth_dir, image_key, work_dir (logs), metrics_host,
+    private_mounts (paths the server gets private, empty copies of: private_mounts())."""
 
     def __init__(self, options):
         import ray
@@ -81,6 +90,8 @@ class PhosServer:
             cmd += ["--insecure"]
         if o.get("image_key"):
             cmd += ["--image-key", o["image_key"]]
+        if o.get("private_mounts"):
+            cmd = private_mounts(o["private_mounts"]) + cmd
         logf = open(self.log_path, "w")
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent, env=dict(os.environ, **o.get("env", {})))
