@@ -24,6 +24,7 @@ log = logging.getLogger("phos.pool")
 
 POLL_EVERY = 0.5         # seconds between the controller's looks at its servers
 SNAPSHOT_TIMEOUT = 5.0   # seconds a server actor may take to report
+RECENT = 5.0             # seconds a placement counts on its server whatever its snapshots say
 DRAIN_PASSES = 3         # a drain looks this many times for contexts left on the node
 
 
@@ -35,18 +36,27 @@ class ServerView:
         self.address, self.node_id = "", ""
         self.state = "starting"        # starting, up, draining, drained, lost, stopped
         self.snap = None               # its latest snapshot (PhosServer.snapshot)
-        self.pending = 0               # contexts placed since that snapshot
+        self.recent = {}               # ctx id -> when it was placed (or moved) here: a snapshot may predate it
         self.placing = 0               # ctxCreates forwarded and not yet answered
         self.started = None            # the ObjectRef of its first snapshot while it starts
 
     def contexts(self):
         return [c for c in (self.snap or {}).get("contexts", []) if c["state"] != "warming"]
 
+    def arrived(self, ctx):
+        now = time.monotonic()
+        self.recent = {c: t for c, t in self.recent.items() if now - t < RECENT}
+        self.recent[ctx] = now
+
+    def held(self):
+        """The ids of the contexts it holds: its latest snapshot's, and those placed since."""
+        return {c["id"] for c in self.contexts()} | set(self.recent)
+
     def as_dict(self, max_contexts=0):
         snap = self.snap or {}
         used, total = snap.get("bytes", 0), snap.get("total", 0)
         return {"address": self.address, "node_id": self.node_id, "kind": self.kind, "state": self.state,
-                "contexts": len(self.contexts()) + self.pending + self.placing, "context_ids": [c["id"] for c in self.contexts()],
+                "contexts": len(self.held()) + self.placing, "context_ids": [c["id"] for c in self.contexts()],
                 "bytes": used, "total": total, "free": max(total - used, 0), "calls_per_s": snap.get("calls_per_s", 0.0),
                 "max_contexts": max_contexts, "metrics": snap.get("metrics", ""), "error": snap.get("error", "")}
 
@@ -121,7 +131,7 @@ class PoolController:
                 self.lose(s, str(e).splitlines()[0] if str(e) else type(e).__name__)
                 continue
             with self.lock:
-                s.snap, s.pending = snap, 0
+                s.snap = snap
                 s.address, s.node_id = snap["address"], snap["node_id"]
                 if snap["state"] in ("exited", "lost"):
                     self.lose(s, snap["error"])
@@ -164,7 +174,7 @@ class PoolController:
     def placed(self, ctx, server, seconds):
         with self.lock:
             self.home[ctx] = server
-            self.by_address(server).pending += 1
+            self.by_address(server).arrived(ctx)
         self.metrics.placement.observe(seconds)
 
     def where(self, ctx):
@@ -215,7 +225,7 @@ class PoolController:
     def recovered(self, ctx, server, seconds):
         with self.lock:
             self.home[ctx] = server
-            self.by_address(server).pending += 1
+            self.by_address(server).arrived(ctx)
         self.metrics.recovery_downtime.observe(seconds)
         log.warning("context %d restored on %s, %.1f ms after its stub first asked", ctx, server, seconds * 1e3)
 
@@ -302,7 +312,7 @@ class PoolController:
             self.placing_done(target)
         with self.lock:
             self.home[ctx] = target
-            self.by_address(target).pending += 1
+            self.by_address(target).arrived(ctx)
         self.metrics.handoff.observe(r["seconds"])
         self.metrics.handoff_downtime.observe(r["downtime_ms"] / 1e3)
         log.info("context %d moved from %s to %s in %.1f ms (held %.1f ms)", ctx, source, target, r["seconds"] * 1e3,

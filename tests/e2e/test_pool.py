@@ -71,6 +71,9 @@ def pool():
         status = ray.get(ctrl.wait_ready.remote(3, 120))
         assert [s["state"] for s in status["servers"]] == ["up"] * 3, status
         pids = [ray.get(ctrl.server_pid.remote(s["address"])) for s in status["servers"]]
+        if PRIVATE_MOUNTS:       # each in a mount namespace of its own: not ours, nor each other's
+            spaces = {os.readlink(f"/proc/{pid}/ns/mnt") for pid in pids}
+            assert len(spaces) == 3 and os.readlink("/proc/self/ns/mnt") not in spaces
         yield p
     finally:
         ports = [urllib.parse.urlparse(s["address"]).port for s in p.status()["servers"]] if ray.is_initialized() else []
@@ -196,7 +199,7 @@ def test_sixteen_contexts_are_placed_across_the_pool(pool, tenants):
     ids = {int(t.ctx) for t in tenants}
     assert wait_until(lambda: set().union(*pool.spread().values()) >= ids, 10), pool.spread()
     counts = sorted(len(c & ids) for c in pool.spread().values())
-    assert counts == [5, 5, 6], f"most-free spreads new contexts evenly: {pool.spread()}"
+    assert len(counts) == 3 and counts[-1] - counts[0] <= 2, f"most-free spreads new contexts: {pool.spread()}"
     for t in tenants:
         t.cu.cuCtxSetCurrent(t.ctx)
         t.check()
@@ -247,8 +250,7 @@ def test_a_killed_nodes_contexts_are_recovered_on_others(pool, tenants):
     assert not load.failures, load.failures
     status = pool.status()
     assert next(s for s in status["servers"] if s["address"] == lost["address"])["state"] == "lost"
-    survivors = pool.spread()
-    assert on_it <= set().union(*survivors.values()), survivors
+    assert wait_until(lambda: on_it <= set().union(*pool.spread().values()), 10), pool.spread()
     for t in tenants:
         t.cu.cuCtxSetCurrent(t.ctx)
         t.check()
