@@ -11,3 +11,4 @@ cli.py          `phos pool up|status|drain|down`
 NAMESPACE = "phos"                 # the Ray namespace of the pool's named actors
 CONTROLLER_NAME = "phos-pool"      # the controller's actor name
 EMU_RESOURCE = "phos_emu"          # the custom resource a node without GPUs offers per emu server
+CUDA_SHARED_RESOURCE = "phos_cuda"  # ... a node offers per cuda server sharing its GPUs (several on one GPU)

@@ -7,7 +7,6 @@ that Ray again.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -44,7 +43,9 @@ def has_gpus():
 
 
 def ray_command(*args):
-    return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], capture_output=True, text=True)
+    # the pool's actors answer applications: not at the nice level Ray gives its workers
+    return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], capture_output=True, text=True,
+                          env=dict(os.environ, RAY_worker_niceness="0"))
 
 
 def start_ray(opts):
@@ -94,7 +95,7 @@ def cmd_up(opts):
             started = True
     ray = connect(opts.ray_address)
     from phos.pool import CONTROLLER_NAME, EMU_RESOURCE, NAMESPACE
-    from phos.pool.controller import launch, server_options
+    from phos.pool.controller import SERVER_RESOURCES, launch, server_options
     write_state({"ray_address": opts.ray_address or "auto", "started_ray": started or read_state().get("started_ray", False)})
     try:
         ctrl = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
@@ -107,7 +108,7 @@ def cmd_up(opts):
                        "server": server, "max_contexts": opts.max_contexts, "metrics_host": opts.host,
                        "metrics_port": opts.metrics_port})
     total = ray.cluster_resources()
-    want = int(total.get("GPU", 0)) + int(total.get(EMU_RESOURCE, 0))
+    want = sum(int(total.get(resource, 0)) for _, resource, _ in SERVER_RESOURCES)
     if not want:
         print(f"phos pool: the cluster offers no GPU and no {EMU_RESOURCE} resource: no server starts until a node "
               f"with one joins (`ray start --address ... --resources '{{\"{EMU_RESOURCE}\": 1}}'`)", file=sys.stderr)

@@ -15,15 +15,21 @@ import urllib.parse
 
 import ray
 
-from phos.pool import CONTROLLER_NAME, EMU_RESOURCE, NAMESPACE
+from phos.pool import CONTROLLER_NAME, CUDA_SHARED_RESOURCE, EMU_RESOURCE, NAMESPACE
 from phos.pool.admin_client import AdminError, admin
 from phos.pool.placement import NoRoom, choose
-from phos.pool.server_actor import PhosServer
+from phos.pool.server_actor import PhosServer, unnice
 
 log = logging.getLogger("phos.pool")
 
 POLL_EVERY = 0.5         # seconds between the controller's looks at its servers
 SNAPSHOT_TIMEOUT = 5.0   # seconds a server actor may take to report
+# (backend, the Ray resource one server claims, the actor's resource options): a GPU each; on
+# machines without GPUs, a unit of EMU_RESOURCE each; CUDA_SHARED_RESOURCE: a cuda server on
+# the node's GPUs without Ray's GPU accounting, for several servers sharing one GPU (benchmarks)
+SERVER_RESOURCES = (("cuda", "GPU", {"num_gpus": 1}),
+                    ("emu", EMU_RESOURCE, {"resources": {EMU_RESOURCE: 1}}),
+                    ("cuda", CUDA_SHARED_RESOURCE, {"resources": {CUDA_SHARED_RESOURCE: 1}}))
 RECENT = 5.0             # seconds a placement counts on its server whatever its snapshots say
 DRAIN_PASSES = 3         # a drain looks this many times for contexts left on the node
 
@@ -31,8 +37,8 @@ DRAIN_PASSES = 3         # a drain looks this many times for contexts left on th
 class ServerView:
     """What the controller knows of one server actor."""
 
-    def __init__(self, actor, kind):
-        self.actor, self.kind = actor, kind
+    def __init__(self, actor, kind, resource):
+        self.actor, self.kind, self.resource = actor, kind, resource
         self.address, self.node_id = "", ""
         self.state = "starting"        # starting, up, draining, drained, lost, stopped
         self.snap = None               # its latest snapshot (PhosServer.snapshot)
@@ -44,13 +50,15 @@ class ServerView:
         return [c for c in (self.snap or {}).get("contexts", []) if c["state"] != "warming"]
 
     def arrived(self, ctx):
-        now = time.monotonic()
+        now = time.time()
         self.recent = {c: t for c, t in self.recent.items() if now - t < RECENT}
         self.recent[ctx] = now
 
     def held(self):
-        """The ids of the contexts it holds: its latest snapshot's, and those placed since."""
-        return {c["id"] for c in self.contexts()} | set(self.recent)
+        """The ids of the contexts it holds: its latest snapshot's, and those placed since it
+        was taken (the server's clock and ours are the one machine's, or close)."""
+        taken = (self.snap or {}).get("polled_at", 0.0)
+        return {c["id"] for c in self.contexts()} | {c for c, t in self.recent.items() if t >= taken}
 
     def as_dict(self, max_contexts=0):
         snap = self.snap or {}
@@ -68,6 +76,7 @@ class PoolController:
 
     def __init__(self, options):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        unnice()
         self.options = options
         self.policy = options.get("policy", "most-free")
         self.lock = threading.RLock()
@@ -86,19 +95,20 @@ class PoolController:
 
     # -- servers --------------------------------------------------------------------------------
     def reconcile(self):
-        """Start a server for each GPU and each EMU_RESOURCE unit of the cluster not yet serving."""
+        """Start a server for each GPU and each unit of SERVER_RESOURCES' custom resources
+        of the cluster not yet serving."""
         total = ray.cluster_resources()
         with self.lock:
-            for kind, resource in (("cuda", "GPU"), ("emu", EMU_RESOURCE)):
-                have = sum(1 for s in self.servers if s.kind == kind and s.state not in ("lost", "stopped"))
+            for kind, resource, _ in SERVER_RESOURCES:
+                have = sum(1 for s in self.servers if s.resource == resource and s.state not in ("lost", "stopped"))
                 for _ in range(int(total.get(resource, 0)) - have):
-                    self.servers.append(self._start_server(kind))
+                    self.servers.append(self._start_server(kind, resource))
 
-    def _start_server(self, kind):
+    def _start_server(self, kind, resource):
         opts = dict(self.options["server"], backend=kind, standby=self.options["listen"])
-        how = {"num_gpus": 1} if kind == "cuda" else {"resources": {EMU_RESOURCE: 1}}
+        how = next(h for _, r, h in SERVER_RESOURCES if r == resource)
         actor = ray.remote(PhosServer).options(num_cpus=0, max_restarts=0, **how).remote(opts)
-        view = ServerView(actor, kind)
+        view = ServerView(actor, kind, resource)
         view.started = actor.snapshot.remote()
         return view
 
@@ -373,3 +383,10 @@ def server_options(work_dir, recovery_dir, checkpoint_every=2.0, pool=1, host="1
             "work_dir": os.path.abspath(work_dir), "log_level": log_level, "host": host, "metrics_host": host,
             **({"auth_dir": os.path.abspath(auth_dir)} if auth_dir else {"insecure": True}),
             **({"image_key": os.path.abspath(image_key)} if image_key else {})}
+
+
+def get_controller(address=None):
+    """The running pool's controller on the Ray cluster at address (default: `auto`)."""
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)

@@ -210,6 +210,20 @@ def test_sixteen_contexts_are_placed_across_the_pool(pool, tenants):
     assert f'phos_server_contexts{{node="{server["node_id"]}",server="{server["address"]}"}}' in text
 
 
+def test_phos_pool_status_and_a_bad_drain_on_the_command_line(pool, tenants):
+    import json
+    import sys
+    run = subprocess.run([sys.executable, "-m", "phos.cli", "pool", "status", "--json", "--ray-address",
+                          pool.cluster.address], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    assert status["address"] == pool.address and len(status["servers"]) == 3
+    assert sum(len(s["context_ids"]) for s in status["servers"]) >= CONTEXTS
+    run = subprocess.run([sys.executable, "-m", "phos.cli", "pool", "drain", "no-such-node", "--ray-address",
+                          pool.cluster.address], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "no server of the pool is on node 'no-such-node'" in run.stderr, run.stderr
+
+
 def test_a_node_drained_under_load_loses_no_call_and_no_byte(pool, tenants):
     node = pool.nodes[0]
     source = pool.server_of(node)
