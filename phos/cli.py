@@ -151,6 +151,8 @@ def main(argv=None):
 
     from phos import admin_cli
     admin_cli.add_commands(sub, default_server)
+    from phos.pool import cli as pool_cli
+    pool_cli.add_commands(sub)
 
     opts = ap.parse_args(argv)
     return opts.func(opts)

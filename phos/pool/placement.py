@@ -1,0 +1,33 @@
+"""Where the pool puts a new context: the policy alone, over the controller's view of its servers.
+
+A server is a dict as the controller keeps it (controller.py ServerView.as_dict):
+address, state ("up", "draining", "drained", "lost"), free (device bytes free), contexts,
+max_contexts (0: no limit).
+"""
+
+POLICIES = ("most-free", "pack")
+
+
+class NoRoom(Exception):
+    """No server takes another context."""
+
+
+def has_room(server):
+    return (server["state"] == "up" and server["free"] > 0
+            and (not server["max_contexts"] or server["contexts"] < server["max_contexts"]))
+
+
+def choose(servers, policy="most-free", exclude=()):
+    """The server a new context goes to. most-free: the one with the most free device memory
+    (fewer contexts first on a tie, so that a burst of new, still empty contexts spreads);
+    pack: the one with the least free memory that still has room (more contexts first on a
+    tie), so that whole servers stay free for big contexts. Raises NoRoom."""
+    if policy not in POLICIES:
+        raise ValueError(f"placement policy {policy!r}: use one of {', '.join(POLICIES)}")
+    fits = [s for s in servers if has_room(s) and s["address"] not in exclude]
+    if not fits:
+        raise NoRoom(f"no server has room for a context ({len(servers)} in the pool"
+                     + (f", {len(exclude)} excluded" if exclude else "") + ")")
+    if policy == "pack":
+        return min(fits, key=lambda s: (s["free"], -s["contexts"], s["address"]))
+    return max(fits, key=lambda s: (s["free"], -s["contexts"], s["address"]))

@@ -1,0 +1,33 @@
+"""The pool's placement policies (phos/pool/placement.py)."""
+import pytest
+
+from phos.pool.placement import NoRoom, choose
+
+GiB = 1 << 30
+
+
+def server(address, free, contexts=0, state="up", max_contexts=0):
+    return {"address": address, "free": free, "contexts": contexts, "state": state, "max_contexts": max_contexts}
+
+
+def test_most_free_takes_the_server_with_the_most_free_memory_then_the_fewest_contexts():
+    pool = [server("a", 4 * GiB, 1), server("b", 8 * GiB, 3), server("c", 8 * GiB, 2)]
+    assert choose(pool, "most-free")["address"] == "c"
+
+
+def test_pack_fills_the_fullest_server_that_still_has_room():
+    pool = [server("a", 4 * GiB, 1), server("b", 8 * GiB, 3), server("c", 0, 9), server("d", 4 * GiB, 2)]
+    assert choose(pool, "pack")["address"] == "d"
+
+
+def test_servers_without_room_draining_or_excluded_are_passed_over():
+    pool = [server("a", 8 * GiB, state="draining"), server("b", 8 * GiB, state="lost"), server("c", 8 * GiB, 4, max_contexts=4),
+            server("d", 2 * GiB), server("e", 16 * GiB)]
+    assert choose(pool, "most-free", exclude={"e"})["address"] == "d"
+    with pytest.raises(NoRoom, match="no server has room"):
+        choose(pool[:3], "most-free")
+
+
+def test_an_unknown_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="most-free, pack"):
+        choose([server("a", GiB)], "spread")
