@@ -1,10 +1,9 @@
 """The one way the pool reaches a phos server's admin API (schema/admin.proto).
 
 Every admin call the pool makes (its servers' polls, a drain's handoffs) goes through
-`admin(server)`, so the transport is chosen here alone: today the server's Unix admin
-socket (phos.schema.control.admin_socket, reachable where the pool's processes share the
-server's socket directory); a `tcp://` admin client with mutual authentication drops in
-here without changing its callers.
+`admin(server, auth_dir)`: phos.schema.admin_net.open_admin, over TCP with the pool's keys
+(CURVE, the client key of the pool's `phos keygen` directory, which keygen puts in admins/),
+else over the server's Unix admin socket (a keyless server on this host).
 
 Failures are AdminError with the server's own message, never a gRPC exception.
 """
@@ -13,8 +12,7 @@ import os
 import grpc
 
 from phos.schema import admin_pb2 as pb
-from phos.schema import admin_pb2_grpc
-from phos.schema.control import admin_socket, private_directory
+from phos.schema.admin_net import close_admin, open_admin, read_key_file
 
 POLL_TIMEOUT = 10.0          # seconds a list or stats call may take (a busy worker answers within 5 s)
 HANDOFF_TIMEOUT = 600.0      # seconds a handoff may take (gigabytes of pre-copy rounds)
@@ -31,19 +29,15 @@ class AdminError(Exception):
 class AdminClient:
     """The admin API of the server listening on `server` (its data-plane address)."""
 
-    def __init__(self, server):
+    def __init__(self, server, auth_dir=None):
         self.server = server
         try:
-            address = admin_socket(server)
-            # a socket someone else could have put there is not the server's
-            private_directory(os.path.dirname(os.path.abspath(address[len("unix:"):])))
+            self.stub = open_admin(server, pool_keys(auth_dir))
         except ValueError as e:
             raise AdminError(server, "INVALID_ARGUMENT", str(e)) from None
-        self.channel = grpc.insecure_channel(address)
-        self.stub = admin_pb2_grpc.AdminStub(self.channel)
 
     def close(self):
-        self.channel.close()
+        close_admin(self.stub)
 
     def __enter__(self):
         return self
@@ -79,6 +73,16 @@ class AdminClient:
                 "seconds": r.seconds, "phase_ms": dict(r.phase_ms)}
 
 
-def admin(server):
-    """An AdminClient for the server listening on `server` (use with `with`)."""
-    return AdminClient(server)
+def pool_keys(auth_dir):
+    """(server public key, client public key, client secret key) of a `phos keygen` directory,
+    as open_admin takes them; None without one."""
+    if not auth_dir:
+        return None
+    return (read_key_file(os.path.join(auth_dir, "server.key")),
+            *read_key_file(os.path.join(auth_dir, "client.key_secret"), secret=True))
+
+
+def admin(server, auth_dir=None):
+    """An AdminClient for the server listening on `server` (use with `with`); auth_dir: the
+    pool's `phos keygen` directory, whose keys reach a server's admin API over TCP."""
+    return AdminClient(server, auth_dir)

@@ -88,7 +88,8 @@ class PoolController:
         host = options.get("metrics_host", "127.0.0.1")
         self.metrics_url = f"http://{host}:{serve(self.metrics.registry, host, options.get('metrics_port', 0))}/metrics"
         from phos.pool.frontend import PoolFrontEnd
-        self.front = PoolFrontEnd(options["listen"], self, *curve_options(options["server"].get("auth_dir")))
+        self.auth_dir = options["server"].get("auth_dir")
+        self.front = PoolFrontEnd(options["listen"], self, *curve_options(self.auth_dir))
         self.front.start()
         self.reconcile()
         threading.Thread(target=self._loop, name="phos-pool-controller", daemon=True).start()
@@ -287,7 +288,7 @@ class PoolController:
             left = 0
             for s in sources:
                 try:
-                    with admin(s.address) as a:
+                    with admin(s.address, self.auth_dir) as a:
                         ids = [c["id"] for c in a.list_contexts() if c["state"] != "warming"]
                 except AdminError as e:
                     failed.append({"server": s.address, "error": str(e)})
@@ -314,7 +315,7 @@ class PoolController:
         except NoRoom as e:
             return {"ctx": ctx, "from": source, "error": str(e)}
         try:
-            with admin(source) as a:
+            with admin(source, self.auth_dir) as a:
                 r = a.handoff(ctx, target, max_rounds)
         except AdminError as e:
             return {"ctx": ctx, "from": source, "to": target, "error": str(e)}
@@ -360,11 +361,9 @@ def curve_options(auth_dir):
     """(listener keys, the pool's own client keys) from a `phos keygen` directory, or (None, None)."""
     if not auth_dir:
         return None, None
-    import zmq.auth
     from phos.cli import load_curve
-    server_public, _ = zmq.auth.load_certificate(os.path.join(auth_dir, "server.key"))
-    client_public, client_secret = zmq.auth.load_certificate(os.path.join(auth_dir, "client.key_secret"))
-    return load_curve(auth_dir), (server_public, client_public, client_secret)
+    from phos.pool.admin_client import pool_keys
+    return load_curve(auth_dir), pool_keys(auth_dir)
 
 
 def launch(options):

@@ -67,6 +67,9 @@ class PhosServer:
         import ray
         unnice()                 # before its server starts: it inherits ours
         self.options = options
+        if options.get("auth_dir"):      # this process is a client of its server too (_total_memory): with the pool's keys
+            os.environ["PHOS_SERVER_KEY"] = os.path.join(options["auth_dir"], "server.key")
+            os.environ["PHOS_CLIENT_KEY"] = os.path.join(options["auth_dir"], "client.key_secret")
         self.node_id = ray.get_runtime_context().get_node_id()
         host = options["host"]
         self.port = free_port(host)
@@ -173,7 +176,7 @@ class PhosServer:
             return
         began = time.time()        # what the server holds from then on is in what it answers
         try:
-            with admin(self.address) as a:
+            with admin(self.address, self.options.get("auth_dir")) as a:
                 contexts, stats = a.list_contexts(), a.stats()
         except AdminError as e:
             with self.lock:

@@ -3,16 +3,19 @@
 pool's controller and front end on the head node. The application is this test process,
 through the Python client with PHOS_SERVER set to the pool's address, and nothing else.
 
-PRIVATE_MOUNTS gives each server its own mount namespace with empty /dev/shm and /tmp, as a
-machine of its own would have: nothing of a handoff or a recovery may then travel through
-them. Their recovery store is then outside /tmp (a directory every node reaches), and the
-admin API the controller uses must be reachable from outside the namespace (as root, the
-socket directory is /run/phos, which stays shared; the TCP admin API needs no such thing).
+PRIVATE_MOUNTS gives each server its own mount namespace with empty /dev/shm, /tmp and /run, as
+a machine of its own would have: nothing of a handoff may then travel through them, and no
+Unix socket of a server is reachable from outside its namespace. The servers, the pool and
+the application hold the keys of one `phos keygen` directory: the controller reaches each
+server's admin API over TCP, and a drain's handoffs stream over it. Only the recovery store
+is shared (outside /tmp): the store every node reaches, from which a lost node's contexts
+are restored.
 """
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,7 +34,7 @@ from phos.pool.controller import launch, server_options  # noqa: E402
 from phos.pool.server_actor import free_port  # noqa: E402
 
 # The switch: each node's server in a mount namespace of its own (needs root for unshare).
-PRIVATE_MOUNTS = ("/dev/shm", "/tmp") if os.geteuid() == 0 and shutil.which("unshare") else ()
+PRIVATE_MOUNTS = ("/dev/shm", "/tmp", "/run") if os.geteuid() == 0 and shutil.which("unshare") else ()
 CONTEXTS = 16
 WORDS = 1 << 16                  # each context's buffer: 256 KiB
 NODE = dict(num_cpus=1, object_store_memory=80 << 20, resources={EMU_RESOURCE: 1})
@@ -61,11 +64,13 @@ def pool():
     nodes = [cluster.add_node(**NODE) for _ in range(2)]
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    keys = os.path.join(store, "keys")
+    subprocess.run([sys.executable, "-m", "phos.cli", "keygen", keys], check=True, capture_output=True)
     server = dict(server_options(os.path.join(store, "work"), os.path.join(store, "recovery"), checkpoint_every=0.3,
-                                 log_level="INFO"), private_mounts=PRIVATE_MOUNTS)
+                                 log_level="INFO", auth_dir=keys), private_mounts=PRIVATE_MOUNTS)
     ctrl = launch({"listen": address, "policy": "most-free", "server": server})
     p = Pool(cluster, ctrl, address, store)
-    p.nodes = nodes
+    p.nodes, p.keys = nodes, keys
     pids = []
     try:
         status = ray.get(ctrl.wait_ready.remote(3, 120))
@@ -146,18 +151,21 @@ class Tenant:
 @pytest.fixture(scope="module")
 def tenants(pool):
     from phos.client_stub import driver as cu
-    old = os.environ.get("PHOS_SERVER")
-    os.environ["PHOS_SERVER"] = pool.address
+    keys = {"PHOS_SERVER_KEY": os.path.join(pool.keys, "server.key"),
+            "PHOS_CLIENT_KEY": os.path.join(pool.keys, "client.key_secret")}
+    old = {name: os.environ.get(name) for name in ("PHOS_SERVER", *keys)}
+    os.environ.update(PHOS_SERVER=pool.address, **keys)
     cu._reset_for_tests()
     try:
         assert cu.cuInit(0) == (cu.CUresult.CUDA_SUCCESS,), cu.last_error
         yield [Tenant(cu, i) for i in range(CONTEXTS)]
     finally:
         cu._reset_for_tests()
-        if old is None:
-            os.environ.pop("PHOS_SERVER", None)
-        else:
-            os.environ["PHOS_SERVER"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class Load:
