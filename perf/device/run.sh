@@ -80,9 +80,11 @@ if want handoff; then
     step bench-fingerprint python3 perf/bench_fingerprint.py --sizes 1,8
 fi
 if want handoff || want handoff-bench; then
-    # PHOS_HANDOFF_CHUNK_KIB: the rounds' chunk size (default the server's, 2 MiB); PHOS_HANDOFF_REPEAT: runs a size
+    # PHOS_HANDOFF_CHUNK_KIB: the rounds' chunk size (default the server's, 2 MiB); PHOS_HANDOFF_REPEAT: runs a size;
+    # PHOS_HANDOFF_VIA: how the rounds travel (host store, shm, or tcp: servers sharing nothing but TCP)
     step bench-handoff python3 perf/bench_handoff.py --backend cuda --sizes ${PHOS_HANDOFF_SIZES:-1,8} \
-        --chunk-kib "${PHOS_HANDOFF_CHUNK_KIB:-0}" --repeat "${PHOS_HANDOFF_REPEAT:-1}" --json "$OUT/bench_handoff.json"
+        --chunk-kib "${PHOS_HANDOFF_CHUNK_KIB:-0}" --repeat "${PHOS_HANDOFF_REPEAT:-1}" --via "${PHOS_HANDOFF_VIA:-host store}" \
+        --json "$OUT/bench_handoff.json"
 fi
 if want locust; then
     # perf/locustfile.py: 64 users for 5 minutes against one cuda server; needs locust and its
