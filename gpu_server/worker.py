@@ -52,6 +52,7 @@ RECOVERY_PAUSED_BYTES = settings.recovery_paused_bytes()   # a recovery image th
 # this long (its re-attach and first calls served first: a loader thread would slow them
 # down, competing for the interpreter), or by the deadline, whoever attached.
 LOADER_QUIET, LOADER_DEADLINE = 0.002, 0.1
+SLOW_MESSAGE = 0.1       # seconds: a message served slower than this is logged (INFO)
 PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = settings.spin_us() / 1e6
@@ -495,6 +496,9 @@ class Worker:
         self.last_call = now = time.perf_counter()
         self.serving[0] += 1
         self.serving[1] += now - since
+        if now - since > SLOW_MESSAGE:
+            log.info("context %d: a message took %.1f ms to serve (restoring: %s, checkpoint: %s)", self.session.ctx_id,
+                     (now - since) * 1e3, self.session.restoring is not None, self.session.checkpoint is not None)
         if self.session.checkpoint is not None:
             self.session.checkpoint.step("calls", since)
 
@@ -833,6 +837,8 @@ class Worker:
             except CudaError as e:
                 s.sticky = (e.status, e.message)
             s.restoring = None
+            log.info("context %d: restore of image %s loaded %d bytes in %.1f ms (calls first touched memory after "
+                     "%s bytes)", s.ctx_id, r.name, r.bytes_done, (time.perf_counter() - r.started) * 1e3, r.first_touch)
         s.snapshotting = s.checkpoint is not None or s.restoring is not None
 
     def serve(self, monitor, standby=False):

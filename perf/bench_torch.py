@@ -204,7 +204,8 @@ def checkpoint_while_training(server, env, store, steps=40, at=10):
     during = [ms for wall, ms in marks if wall > result["began"] and wall - ms / 1e3 < result["ended"]]
     return {"bytes": res["bytes"], "seconds": res["seconds"], "GBps": res["bytes"] / res["seconds"] / 1e9,
             "pause_ms": res["pause_ms"], "mode": res["mode"], "step_ms_before": before,
-            "steps_during": during, "step_ms_during_max": max(during, default=None)}
+            "steps_during": during, "step_ms_during_max": max(during, default=None),
+            "phase_ms": res["phase_ms"], "trace_ms": res["trace_ms"]}
 
 
 def main():

@@ -7,21 +7,19 @@ import shutil
 import socket
 import subprocess
 
-from phos.stub_run import LocalServer
+from phos.stub_run import LocalServer, private_mounts
 
-# Inside the server's new mount namespace: private tmpfs on /dev/shm, /tmp and /run, its keys
-# copied from the caller's directory first (that may be on /tmp, hidden afterwards), and an
-# image key of its own; then the server ("$@").
-ISOLATE = """set -e
-mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-mkdir -m 700 /dev/shm/phos-private
-cp -r {keys} /dev/shm/phos-private/keys
-head -c 32 /dev/urandom > /dev/shm/phos-private/image.key
-chmod 600 /dev/shm/phos-private/image.key
-mount -t tmpfs -o mode=1777 tmpfs /tmp
-mount -t tmpfs -o mode=755 tmpfs /run
-exec "$@"
-"""
+# Inside the server's new mount namespace: private tmpfs on /dev/shm, /tmp and /run (Python,
+# phos and the keys' directory kept visible where they live there: private_mounts), its keys
+# copied into its own /dev/shm, and an image key of its own; then the server ("$@").
+def isolate(keys):
+    """The script, for sh -c in a new mount namespace, that isolates a server keyed by `keys`."""
+    return "\n".join(["set -e", *private_mounts(["/dev/shm", "/tmp", "/run"], also=[keys]),
+                      "mkdir -m 700 /dev/shm/phos-private",
+                      f"cp -r {shlex.quote(str(keys))} /dev/shm/phos-private/keys",
+                      "head -c 32 /dev/urandom > /dev/shm/phos-private/image.key",
+                      "chmod 600 /dev/shm/phos-private/image.key",
+                      'exec "$@"'])
 PRIVATE = "/dev/shm/phos-private"
 
 
@@ -67,6 +65,6 @@ def key_pairs(a_keys, b_keys):
 
 def start_isolated(backend, directory, keys, pool=1):
     """A `phos server` in a namespace of its own, on a free tcp://127.0.0.1 port, with the keys in `keys`."""
-    wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", ISOLATE.format(keys=shlex.quote(str(keys))), "sh"]
+    wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", isolate(keys), "sh"]
     return LocalServer(backend, directory, listen=f"tcp://127.0.0.1:{free_port_pair()}", pool=pool, wrap=wrap,
                        extra=("--auth-dir", f"{PRIVATE}/keys", "--image-key", f"{PRIVATE}/image.key"))

@@ -53,8 +53,9 @@ def private_mounts(paths):
     """A command prefix that runs a command in a mount namespace of its own, with an empty
     tmpfs on each of paths (e.g. /dev/shm and /tmp): a server that shares no files with the
     others there, as on a machine of its own (needs CAP_SYS_ADMIN, e.g. root)."""
-    mounts = " && ".join(f"mount -t tmpfs phos-private {p}" for p in paths)
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$0" "$@"']
+    from phos.stub_run import private_mounts as hide
+    script = " && ".join([*hide(paths), 'exec "$0" "$@"'])
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
 
 
 class PhosServer:

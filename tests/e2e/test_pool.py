@@ -54,6 +54,10 @@ class Pool:
         """{server address: its contexts} as the controller sees them now."""
         return {s["address"]: set(s["context_ids"]) for s in self.status()["servers"] if s["state"] != "lost"}
 
+    def settled(self, contexts):
+        """Wait until the controller's polls of its servers show every one of `contexts`."""
+        assert wait_until(lambda: set(contexts) <= set().union(*self.spread().values()), 30), self.spread()
+
 
 @pytest.fixture(scope="module")
 def pool():
@@ -233,6 +237,7 @@ def test_phos_pool_status_and_a_bad_drain_on_the_command_line(pool, tenants):
 
 
 def test_a_node_drained_under_load_loses_no_call_and_no_byte(pool, tenants):
+    pool.settled(int(t.ctx) for t in tenants)
     node = pool.nodes[0]
     source = pool.server_of(node)
     on_it = set(source["context_ids"])
@@ -242,7 +247,8 @@ def test_a_node_drained_under_load_loses_no_call_and_no_byte(pool, tenants):
         out = ray.get(pool.ctrl.drain.remote(node.node_id[:12]))
         load.wait_turns(3, 120)
     assert not load.failures, load.failures
-    assert out["failed"] == [] and {m["ctx"] for m in out["moved"]} == on_it, out
+    moved = {m["ctx"] for m in out["moved"]}
+    assert out["failed"] == [] and moved == on_it, (moved - on_it, on_it - moved, out)
     assert all(m["to"] != source["address"] for m in out["moved"])
     assert wait_until(lambda: pool.server_of(node)["context_ids"] == [], 10)
     assert pool.server_of(node)["state"] == "drained"
@@ -258,6 +264,7 @@ def test_a_node_drained_under_load_loses_no_call_and_no_byte(pool, tenants):
 
 
 def test_a_killed_nodes_contexts_are_recovered_on_others(pool, tenants):
+    pool.settled(int(t.ctx) for t in tenants)
     node = pool.nodes[1]
     lost = pool.server_of(node)
     on_it = set(lost["context_ids"])
@@ -277,4 +284,5 @@ def test_a_killed_nodes_contexts_are_recovered_on_others(pool, tenants):
         t.cu.cuCtxSetCurrent(t.ctx)
         t.check()
     metrics = urllib.request.urlopen(status["metrics"], timeout=10).read().decode()
-    assert f"phos_pool_recovery_downtime_seconds_count {float(len(on_it))}" in metrics
+    counted = [line for line in metrics.splitlines() if line.startswith("phos_pool_recovery_downtime_seconds_count")]
+    assert counted == [f"phos_pool_recovery_downtime_seconds_count {float(len(on_it))}"], (counted, on_it)

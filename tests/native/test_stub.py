@@ -130,6 +130,18 @@ def test_program_that_never_uses_the_gpu_never_connects(apps, tmp_path):
     assert time.monotonic() - start < 2
 
 
+def test_the_driver_stays_loaded_when_a_runtime_dlcloses_it():
+    """NVIDIA's runtime dlcloses libcuda.so.1 when cuInit fails (no server): the library must
+    stay mapped, as ZeroMQ's I/O threads still run in it (unmapped, the program died at exit)."""
+    code = ("import ctypes, _ctypes, os\n"
+            f"path = {os.path.join(STUB, 'libcuda.so.1')!r}\n"
+            "lib = ctypes.CDLL(path)\n"
+            "_ctypes.dlclose(lib._handle)\n"
+            "ctypes.CDLL(path, mode=os.RTLD_NOLOAD)\n")     # OSError once it is unloaded
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
 def test_no_server_is_no_device_within_the_timeout(apps, tmp_path):
     start = time.monotonic()
     r = subprocess.run([str(apps / "device_query")], capture_output=True, text=True, timeout=60,
