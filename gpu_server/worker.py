@@ -57,6 +57,7 @@ PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = settings.spin_us() / 1e6
 PROFILE_DIR = settings.profile_dir()   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
+PROFILE_WORKER = bool(PROFILE_DIR and settings.profile_workers())   # ... or the whole loop into DIR/worker-PID.prof
 FIRST_HANDLE = 0x1000
 POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs microseconds, twice a loop
 EVENTS = int(zmq.EVENTS)   # ... and getsockopt makes an enum of the enum it is given
@@ -658,7 +659,7 @@ class Worker:
             raise
         s.checkpoint, s.snapshotting = cp, True
         self.served_before, self.serving = self.serving, [0, 0.0]
-        if PROFILE_DIR:
+        if PROFILE_DIR and not PROFILE_WORKER:
             import cProfile
             self.profiler = cProfile.Profile()
             self.profiler.enable()
@@ -1092,7 +1093,15 @@ def main(argv=None):
         worker = Worker(session, sock, ctl, control_token, recovery, opts.standby_server)
         worker.client_keys = client_keys
         ClientWatch(worker).start()
-        worker.serve(monitor, standby=opts.standby)
+        if PROFILE_WORKER:
+            import cProfile
+            profiler = cProfile.Profile()
+            try:
+                profiler.runcall(worker.serve, monitor, standby=opts.standby)
+            finally:
+                profiler.dump_stats(os.path.join(PROFILE_DIR, f"worker-{os.getpid()}.prof"))
+        else:
+            worker.serve(monitor, standby=opts.standby)
         ended = True
     finally:
         if session.checkpoint is not None:

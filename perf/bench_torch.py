@@ -177,6 +177,13 @@ def checkpoint_while_training(server, env, store, steps=40, at=10):
     from phos.schema import admin_pb2 as pb
     from phos.schema.control import checkpoint_result
     marks, result = [], {}
+    # a worker started for the context pins the host store at the checkpoint (tens of seconds
+    # for 32 GiB): the pre-started one, pinned at its start, must hold the training context
+    deadline = time.time() + 180
+    while admin(server.address).Stats(pb.StatsRequest()).standby_workers < 1:
+        if time.time() > deadline:
+            return {"error": "the server's pre-started worker was not ready within 180 s"}
+        time.sleep(0.5)
 
     def checkpoint():
         try:

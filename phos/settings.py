@@ -150,6 +150,13 @@ verbose = _declare("PHOS_VERBOSE", present, False, f"{CLIENT}, {STUB}",
                    "NVIDIA's runtime and libraries resolve through cuGetProcAddress, as it is made, and any "
                    "call of an export-table slot phos does not know)", shown="unset")
 
+
+def use_client_keys(server_key, client_key):
+    """Make this process a client with these key files (what PHOS_SERVER_KEY and PHOS_CLIENT_KEY
+    name), for the clients it makes from now on: a pool's server actor, say."""
+    os.environ["PHOS_SERVER_KEY"], os.environ["PHOS_CLIENT_KEY"] = server_key, client_key
+
+
 # -- the native stub alone ------------------------------------------------------------------------
 debug = _declare("PHOS_DEBUG", present, False, STUB, "as PHOS_VERBOSE (a non-zero number)", shown="unset")
 mailbox = _declare("PHOS_MAILBOX", tristate, None, STUB,
@@ -198,6 +205,9 @@ checkpoint_device_copy = _declare("PHOS_CHECKPOINT_DEVICE_COPY", int, 1, SERVER,
                                   "copy-on-write saves (0: copy-on-write always)")
 profile_dir = _declare("PHOS_PROFILE_DIR", str, None, SERVER,
                        "each worker writes a cProfile file per checkpoint into this directory")
+profile_workers = _declare("PHOS_PROFILE_WORKERS", present, False, SERVER,
+                          "with PHOS_PROFILE_DIR, each worker profiles its whole serving loop into DIR/worker-PID.prof "
+                          "instead of each checkpoint apart", shown="unset")
 trace_seconds = _declare("PHOS_TRACE_SECONDS", float, 0.03, SERVER,
                          "a checkpoint traces its steps this many seconds from the cut (1: its whole copy)")
 module_cache_bytes = _declare("PHOS_MODULE_CACHE_BYTES", int, 4 << 30, SERVER,

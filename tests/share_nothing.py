@@ -6,6 +6,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 
 from phos.stub_run import LocalServer, private_mounts
 
@@ -49,7 +50,7 @@ def free_port_pair():
 
 
 def keygen(directory):
-    subprocess.run(["phos", "keygen", str(directory)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "phos.cli", "keygen", str(directory)], check=True, capture_output=True)
     return directory
 
 

@@ -69,8 +69,9 @@ class PhosServer:
         unnice()                 # before its server starts: it inherits ours
         self.options = options
         if options.get("auth_dir"):      # this process is a client of its server too (_total_memory): with the pool's keys
-            os.environ["PHOS_SERVER_KEY"] = os.path.join(options["auth_dir"], "server.key")
-            os.environ["PHOS_CLIENT_KEY"] = os.path.join(options["auth_dir"], "client.key_secret")
+            from phos import settings
+            settings.use_client_keys(os.path.join(options["auth_dir"], "server.key"),
+                                     os.path.join(options["auth_dir"], "client.key_secret"))
         self.node_id = ray.get_runtime_context().get_node_id()
         host = options["host"]
         self.port = free_port(host)

@@ -58,7 +58,7 @@ def test_every_variable_python_names_is_declared():
     for p in product_python():
         named |= set(re.findall(r"\bsettings\.([a-z_]+)(?:\(|\.raw\()", p.read_text()))
     declared = {k for k, v in vars(settings).items() if isinstance(v, settings.Setting)}
-    assert named - {"default_server", "socket_directory", "TABLE", "BY_NAME"} <= declared
+    assert named - {"default_server", "socket_directory", "use_client_keys", "TABLE", "BY_NAME"} <= declared
 
 
 def test_the_stub_reads_its_variables_in_settings_cpp_alone():
