@@ -28,10 +28,11 @@ def private_mounts(paths, also=()):
     """Shell lines that, in a new mount namespace (unshare -m), put an empty tmpfs on each of
     paths (/dev/shm, /tmp, /run: a server that shares no files there with others, as on a
     machine of its own), then bring back at their places the directories under them that must
-    stay: the Python that runs phos and phos's own checkout, which may live in /tmp (a clone or
-    a virtual environment there), and those in `also`. A directory is held open before the
+    stay: the Python that runs phos, its module path and phos's own checkout, which may live in
+    /tmp (a clone, a virtual environment or a pip --target there), and those in `also`. A directory is held open before the
     mounts and bound back through its descriptor: its path names the empty tmpfs by then."""
-    keep = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), *map(str, also)}
+    keep = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), *map(str, also),
+            *(p for p in sys.path if p)}         # PYTHONPATH's directories too (the H200's packages are in /tmp)
     hidden = [p.rstrip("/") for p in paths]
     under = sorted(k for k in map(os.path.realpath, keep) if os.path.isdir(k) and any(k.startswith(p + "/") for p in hidden))
     under = [k for i, k in enumerate(under) if not any(k.startswith(o + "/") for o in under[:i])]   # the outermost

@@ -6,6 +6,10 @@ max_contexts (0: no limit).
 """
 
 POLICIES = ("most-free", "pack")
+# Free memory compares in steps of this size: the controller's view of it lags a burst of new
+# contexts by a poll, and frees that differ by a few MiB (a worker's buffers) would send the
+# whole burst to one server; within a step, the count of contexts (placing ones included) decides.
+FREE_STEP = 256 << 20
 
 
 class NoRoom(Exception):
@@ -19,9 +23,9 @@ def has_room(server):
 
 def choose(servers, policy="most-free", exclude=()):
     """The server a new context goes to. most-free: the one with the most free device memory
-    (fewer contexts first on a tie, so that a burst of new, still empty contexts spreads);
-    pack: the one with the least free memory that still has room (more contexts first on a
-    tie), so that whole servers stay free for big contexts. Raises NoRoom."""
+    (in FREE_STEPs; fewer contexts first on a tie, so that a burst of new, still empty contexts
+    spreads); pack: the one with the least free memory that still has room (more contexts first
+    on a tie), so that whole servers stay free for big contexts. Raises NoRoom."""
     if policy not in POLICIES:
         raise ValueError(f"placement policy {policy!r}: use one of {', '.join(POLICIES)}")
     fits = [s for s in servers if has_room(s) and s["address"] not in exclude]
@@ -29,5 +33,5 @@ def choose(servers, policy="most-free", exclude=()):
         raise NoRoom(f"no server has room for a context ({len(servers)} in the pool"
                      + (f", {len(exclude)} excluded" if exclude else "") + ")")
     if policy == "pack":
-        return min(fits, key=lambda s: (s["free"], -s["contexts"], s["address"]))
-    return max(fits, key=lambda s: (s["free"], -s["contexts"], s["address"]))
+        return min(fits, key=lambda s: (s["free"] // FREE_STEP, -s["contexts"], s["address"]))
+    return max(fits, key=lambda s: (s["free"] // FREE_STEP, -s["contexts"], s["address"]))

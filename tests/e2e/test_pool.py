@@ -279,7 +279,7 @@ def test_a_killed_nodes_contexts_are_recovered_on_others(pool, tenants):
     assert not load.failures, load.failures
     status = pool.status()
     assert next(s for s in status["servers"] if s["address"] == lost["address"])["state"] == "lost"
-    assert wait_until(lambda: on_it <= set().union(*pool.spread().values()), 10), pool.spread()
+    assert wait_until(lambda: on_it <= set().union(*pool.spread().values()), 30), (on_it, pool.spread())
     for t in tenants:
         t.cu.cuCtxSetCurrent(t.ctx)
         t.check()

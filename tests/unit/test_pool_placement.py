@@ -31,3 +31,11 @@ def test_servers_without_room_draining_or_excluded_are_passed_over():
 def test_an_unknown_policy_is_refused_by_name():
     with pytest.raises(ValueError, match="most-free, pack"):
         choose([server("a", GiB)], "spread")
+
+
+def test_frees_a_few_mib_apart_tie_so_a_burst_spreads_by_contexts():
+    """The controller's view of free memory lags a burst of new contexts by a poll: a server
+    with 3 MiB more free would otherwise take them all."""
+    pool = [server("a", 8 * GiB + (3 << 20), 2), server("b", 8 * GiB, 0), server("c", 8 * GiB + (1 << 20), 1)]
+    assert choose(pool, "most-free")["address"] == "b"
+    assert choose(pool, "pack")["address"] == "a"
