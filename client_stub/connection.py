@@ -243,9 +243,31 @@ class Connection:
                     self.sock.send(DOORBELL)
                 return
         big = any(len(f) > ZERO_COPY for f in frames[1:])
-        tracker = self.sock.send_multipart(frames, copy=not big, track=big)
+        while True:
+            try:
+                tracker = self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=not big, track=big)
+                break
+            except zmq.Again:      # the queue to the worker is full: it reads no more, or not yet
+                if self.unblock():
+                    return         # re-attached elsewhere: the log's replay sent these calls again
         if big:                    # the caller may reuse its buffer once zmq has handed it off
             tracker.wait()
+
+    def unblock(self):
+        """The socket's queue to the worker is full: an application that only makes
+        asynchronous calls would block here for good if its worker retired (a handoff) or
+        died. Read what the worker sent, a Reply naming where a handoff moved the context
+        among it; then re-attach there (True: the replay carried the calls not yet sent), or
+        wait a moment for room."""
+        while (frames := self.next_reply()) is not None:
+            refused = self.take_reply(frames, 0)        # a whole request refused: seq 0
+            if refused is not None and self.late_error is None:
+                self.late_error = refused
+        if self.moved_to is not None and self.find_again is not None:
+            self.reattach(self.seq + 1)      # no call of ours waits: none can be lost at the cut
+            return True
+        self.sock.poll(100, zmq.POLLOUT)
+        return False
 
     def over_bound(self):
         return len(self.log) > LOG_CALLS or self.log_bytes > LOG_BYTES

@@ -399,3 +399,35 @@ def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, 
         x, y = y, x
     assert app.get(x, N).tobytes() == expected.tobytes()
     assert "restoring it from recovery image" in three.output()
+
+
+def test_a_program_making_only_asynchronous_calls_follows_a_handoff(servers, client):
+    """After a handoff the old worker reads no more: a program that only launches (no
+    synchronising call to read the Reply naming the new worker) fills the socket's queue to it,
+    and must then learn where its context went instead of blocking in the send for good."""
+    one, two, app, (x, y, r), expected = start(servers, client, np.cos(np.arange(N, dtype=np.float32)))
+    scratch = app.put(np.zeros(256, np.float32))
+    reply = stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+    assert reply.ctx == app.id
+    conn = app.cu._contexts[app.id]
+    out, sent = {}, []
+
+    def launches():
+        app.ok(app.cu.cuCtxSetCurrent(app.ctx))   # current per thread, as in CUDA
+        a, b = x, y
+        for _ in range(TOTAL):
+            app.jacobi(a, b, r, N, 1)
+            a, b = b, a
+            conn.flush()                      # a message each
+            sent.append(1)
+        for _ in range(2000):                 # past the queue's high-water mark (1000 messages)
+            app.ok(app.cu.cuMemsetD8Async(scratch, 0, 1024, 0))
+            conn.flush()
+            sent.append(1)
+        out["x"] = a
+    t = threading.Thread(target=launches, daemon=True)
+    t.start()
+    t.join(180)
+    assert not t.is_alive(), f"the program blocked after {len(sent)} messages, sending to the retired worker"
+    assert app.get(out["x"], N).tobytes() == expected.tobytes()
+    assert app.id in contexts(two)
