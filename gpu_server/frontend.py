@@ -682,16 +682,9 @@ class FrontEnd:
         print(f"phos server listening on {self.listen} ({self.backend_name})"
               + (f"; admin API on {self.admin_endpoint}" if net_admin else ""), flush=True)
         tasks = set()
-        stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            while True:
-                # frames, not bytes: they name the key or the connection they came by (the client)
-                recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
-                done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if stop in done:
-                    recv.cancel()
-                    break
-                frames = recv.result()
+            # frames, not bytes: they name the key or the connection they came by (the client)
+            async for frames in receive_until(sock, self.stopping, copy=False):
                 if len(frames) < 2:
                     log.warning("dropped a message with no request frame")
                     continue
@@ -716,6 +709,22 @@ class FrontEnd:
                 auth.stop()
             zctx.destroy(linger=0)     # closes the control sockets too
             remove_socket_file(self.listen)
+
+
+async def receive_until(sock, stopping, copy=True):
+    """Each message that arrives on sock, until the asyncio.Event `stopping` is set (a front
+    end's loop: this server's, or a pool's, phos/pool/frontend.py)."""
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        while True:
+            recv = asyncio.ensure_future(sock.recv_multipart(copy=copy))
+            done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if stop in done:
+                recv.cancel()
+                return
+            yield recv.result()
+    finally:
+        stop.cancel()
 
 
 _CONTEXT_CALLS = frozenset(n for n in wire.phos_capnp.Call.schema.union_fields) - set(FrontEnd.CALLS) - {"attach"}

@@ -27,6 +27,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from phos.gpu_server.frontend import receive_until
 from phos.schema import wire
 from phos.schema.cuda_types import CUresult
 from phos.schema.wire import error_reply
@@ -91,15 +92,8 @@ class PoolFrontEnd:
         sock.bind(self.listen)
         self.ready.set()
         tasks = set()
-        stop = asyncio.ensure_future(self.stopping.wait())
         try:
-            while True:
-                recv = asyncio.ensure_future(sock.recv_multipart())
-                done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if stop in done:
-                    recv.cancel()
-                    break
-                frames = recv.result()
+            async for frames in receive_until(sock, self.stopping):
                 if len(frames) < 2:
                     continue
                 task = asyncio.ensure_future(self.answer(sock, frames[0], frames[1:]))
