@@ -7,6 +7,8 @@ workers end the sessions that authenticated with it (`still_admitted`).
 """
 import logging
 import os
+import socket
+import struct
 
 import zmq.auth
 
@@ -54,3 +56,26 @@ def frame_user_id(frame):
         return frame.get("User-Id")
     except (zmq.ZMQError, AttributeError):
         return None
+
+
+def peer_credentials(fd):
+    """(pid, uid) of the process at the other end of a Unix socket connection, by its descriptor
+    (SO_PEERCRED, as of its connect; pid 0 where that process is in a PID namespace we cannot
+    see), or None for a TCP connection or a descriptor already closed."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            if conn.family != socket.AF_UNIX:
+                return None
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            return pid, uid
+    except OSError:
+        return None
+
+
+def process_alive(pid):
+    """Whether process pid runs (a zombie has ended: only its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -12,8 +12,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
-import struct
 import sys
 import urllib.parse
 from dataclasses import dataclass
@@ -23,7 +21,7 @@ import zmq.asyncio
 
 from phos import settings
 from phos.gpu_server.backend import load_backend
-from phos.gpu_server.client_keys import ClientKeys, frame_user_id
+from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials
 from phos.schema import wire
 from phos.schema.control import admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file
 from phos.schema.wire import build_reply, error_reply
@@ -61,6 +59,11 @@ def check_listen(address, curve_secret, insecure=False):
     A socket path is the user's alone: run() checks its directory."""
     url = urllib.parse.urlparse(address)
     if url.scheme == "ipc":
+        longest = len(worker_endpoint(address, MAX_CTX_ID)) - len("ipc://")
+        if longest > IPC_PATH_MAX:
+            raise ValueError(f"listen address {address!r}: its path is {len(address) - len('ipc://')} characters long, and "
+                             f"its workers' sockets beside it take {longest - len(address) + len('ipc://')} more, past the "
+                             f"{IPC_PATH_MAX} a Unix socket's path may have: use a shorter path")
         if address.startswith("ipc://@"):
             return local_without_keys(address, "an abstract socket: any local user may connect", curve_secret, insecure)
         return None
@@ -89,13 +92,10 @@ def local_user(frame):
     """The local user a message came from, by its ipc connection's peer credentials ("uid N"),
     or "" (a TCP connection without keys)."""
     try:
-        with socket.socket(fileno=os.dup(frame.get(zmq.SRCFD))) as conn:
-            if conn.family != socket.AF_UNIX:
-                return ""
-            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-            return f"uid {uid}"
-    except (OSError, zmq.ZMQError):
+        peer = peer_credentials(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
         return ""
+    return f"uid {peer[1]}" if peer else ""
 
 
 def local_without_keys(address, why, curve_secret, insecure):
@@ -105,6 +105,10 @@ def local_without_keys(address, why, curve_secret, insecure):
         raise ValueError(f"refusing to listen on {address} without CURVE keys ({why}); configure --auth-dir "
                          "(see `phos keygen`), listen on ipc://PATH, or pass --insecure")
     return f"listening on {address} without CURVE keys (--insecure): {why}"
+
+
+IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 107)    # sockaddr_un's sun_path, less its terminating NUL
+MAX_CTX_ID = 1 << 47                                    # FrontEnd.new_ctx_id's largest
 
 
 def worker_endpoint(listen, ctx_id):
@@ -316,7 +320,7 @@ class FrontEnd:
     def new_ctx_id(self):
         """Random ids, so that a context restored on another server keeps an id nobody there has."""
         while True:
-            ctx_id = secrets.randbelow(1 << 47) + 1
+            ctx_id = secrets.randbelow(MAX_CTX_ID) + 1
             if ctx_id not in self.workers and all(w.ctx_id != ctx_id for w in self.pool):
                 return ctx_id
 

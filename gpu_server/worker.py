@@ -30,7 +30,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from phos.gpu_server.backend import load_backend
 from phos import settings
 from phos.gpu_server.calls import CONNECTION_CALLS, WORKER_CALLS
-from phos.gpu_server.client_keys import ClientKeys, frame_user_id
+from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, process_alive
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
@@ -371,7 +371,8 @@ class Worker:
         self.keys_checked = 0.0    # when the attached clients' keys were last checked
         self.backlog = collections.deque()   # (peer, frames) of replies waiting for room in the client's queue
         self.busy_since = None     # when the calls running now began (run_calls), else None
-        self.client_fds = set()    # their connections: the context lives while one is open
+        self.client_fds = {}       # their connections' descriptors: the context lives while one is open;
+        #                            each with its client's pid where it is on this host (ClientWatch)
         self.pending = []          # results waiting for the next reply
         self.ack = 0
         self.box_peer = None       # routing id of the client whose mailbox is mapped
@@ -428,7 +429,9 @@ class Worker:
                                  "not attached to this context: the first call must be attach with the session token"))
             self.attached.add(peer)
             if isinstance(peer_frame, zmq.Frame):
-                self.client_fds.add(peer_frame.get(zmq.SRCFD))    # the connection it came by (monitor events name it)
+                fd = peer_frame.get(zmq.SRCFD)       # the connection it came by (monitor events name it)
+                creds = peer_credentials(fd)
+                self.client_fds[fd] = creds[0] if creds and creds[0] else None     # its pid, known on this host
                 if self.client_keys is not None:
                     self.peer_keys[peer] = frame_user_id(peer_frame) or ""
         n, want_reply = len(calls), req.wantReply
@@ -920,7 +923,7 @@ class Worker:
                     if not self.client_fds:      # it has the attach timeout to present the token
                         self.alone_since = time.monotonic()
                 elif event["event"] == zmq.EVENT_DISCONNECTED and event["value"] in self.client_fds:
-                    self.client_fds.discard(event["value"])     # a stranger's connection counts for nothing
+                    self.client_fds.pop(event["value"])     # a stranger's connection counts for nothing
                     if not self.client_fds:
                         self.alone_since, self.grace = time.monotonic(), ORPHAN_GRACE
             if not self.standby and not self.client_fds and time.monotonic() - self.alone_since > self.grace:
@@ -940,7 +943,10 @@ CONTROL_CALLS = {
 class ClientWatch(threading.Thread):
     """Ends the worker when every connection of its client has hung up while one call runs
     long (a kernel that never ends, a synchronize behind it): the serve loop, which frees a
-    context whose client is gone, is not running then."""
+    context whose client is gone, is not running then, and cannot take a new connection's
+    attach either. So a client that hung up to connect again (a re-attach that tired of
+    waiting) must not count as gone: on this host, its process still runs; over TCP, only the
+    orphan grace tells, as in the serve loop."""
 
     def __init__(self, worker):
         super().__init__(name="client-watch", daemon=True)
@@ -948,10 +954,16 @@ class ClientWatch(threading.Thread):
 
     def run(self):
         w = self.worker
+        alone_since = None
         while True:
             time.sleep(0.5)
-            since, fds = w.busy_since, list(w.client_fds)
-            if since is None or time.monotonic() - since < 1.0 or not fds or not all(map(hung_up, fds)):
+            since, fds = w.busy_since, dict(w.client_fds)
+            if since is None or time.monotonic() - since < 1.0 or not fds or not all(map(hung_up, fds)) \
+                    or any(pid is not None and process_alive(pid) for pid in fds.values()):
+                alone_since = None
+                continue
+            alone_since = alone_since or time.monotonic()
+            if None in fds.values() and time.monotonic() - alone_since < ORPHAN_GRACE:
                 continue
             log.warning("context %d: its client is gone while a call runs: ending the context", w.session.ctx_id)
             if w.session.recovery is not None:

@@ -4,13 +4,20 @@ Tests by kind: unit/ (functions and classes in process), e2e/ (through real serv
 Python client), native/ (the native stub and the CUDA programs in apps/). This folder, on
 sys.path (pyproject's pythonpath), keeps what they share: this file, wire_client.py,
 ptx_helpers.py, apps/ and kernels/."""
+import faulthandler
 import os
+import shutil
+import signal
 import subprocess
+import sys
+import tempfile
+import threading
 import time
 
 import pytest
 import zmq
 
+from phos.gpu_server.frontend import check_listen
 from phos.stub_run import LocalServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,13 +36,87 @@ def pytest_runtest_setup(item):
         pytest.skip("needs a real GPU: run it with --backend cuda (perf/device/run.sh)")
 
 
+# A stuck test fails with every thread's stack, so that the run goes on and its report shows
+# where: a hang would otherwise hold the whole run until CI's own limit, and show nothing.
+# No test takes near this, the pool's module fixture (three Ray nodes) in its first test included.
+TEST_LIMIT_S = 400
+STUCK = signal.SIGUSR2        # a signal no code of phos or its tests takes
+
+
+class TestTimeout(Exception):
+    pass
+
+
+def _stuck(signum, frame):
+    raise TestTimeout(f"a test ran past {TEST_LIMIT_S} s (tests/conftest.py TEST_LIMIT_S); "
+                       "the stacks of every thread are above")
+
+
+class Watchdog:
+    """Interrupts the main thread, in whatever it waits on, when a test (its setup, call and
+    teardown together) runs past its limit; when even that does not end it, ends the run with
+    the stacks written to the run's own stderr (pytest's capture holds fd 2 meanwhile)."""
+    last_word = sys.__stderr__
+
+    def __init__(self, limit_s):
+        self.limit_s, self.done = limit_s, threading.Event()
+        self.main = threading.main_thread().ident
+
+    def __enter__(self):
+        faulthandler.dump_traceback_later(self.limit_s * 2, exit=True, file=self.last_word)
+        threading.Thread(target=self.watch, daemon=True, name="test-watchdog").start()
+        return self
+
+    def watch(self):
+        if not self.done.wait(self.limit_s):
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            signal.pthread_kill(self.main, STUCK)
+
+    def __exit__(self, *exc):
+        self.done.set()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_configure(config):
+    signal.signal(STUCK, _stuck)
+    capture = getattr(config.pluginmanager.getplugin("capturemanager"), "_global_capturing", None)
+    saved = getattr(getattr(capture, "err", None), "targetfd_save", None)     # fd 2 before pytest took it
+    if saved is not None:
+        Watchdog.last_word = os.fdopen(os.dup(saved), "w")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with Watchdog(TEST_LIMIT_S):
+        yield
+
+
 @pytest.fixture(scope="session")
 def backend(request):
     return request.config.getoption("--backend")
 
 
 class ServerProc(LocalServer):
-    """A real `phos server` for a test, in the test's tmp dir; workers() lists its context workers."""
+    """A real `phos server` for a test, in the test's tmp dir; workers() lists its context workers.
+    Its socket is there too, unless a long temporary directory (TMPDIR, pytest's numbering) would
+    leave its workers' sockets no room (check_listen): then in a short directory of its own."""
+
+    def __init__(self, backend, directory, listen=None, **kw):
+        self.socket_dir = None
+        if listen is None:
+            listen = f"ipc://{directory}/phos.sock"
+            try:
+                check_listen(listen, None)
+            except ValueError:
+                self.socket_dir = tempfile.mkdtemp(prefix="phos-test-", dir="/tmp")
+                listen = f"ipc://{self.socket_dir}/phos.sock"
+        super().__init__(backend, directory, listen, **kw)
+
+    def stop(self):
+        super().stop()
+        if self.socket_dir:     # its workers end a moment after it: one starting up may still bind there
+            wait_until(lambda: not self.workers(), 10)
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def workers(self):
         """Pids of this server's live context workers."""
