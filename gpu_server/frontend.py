@@ -289,11 +289,12 @@ class FrontEnd:
         comes back from its latest recovery image, if the asker holds its session token."""
         from phos.gpu_server.recovery import context_store
         from phos.snapshot import ImageError, latest_image, open_store
+        from phos.snapshot.image_key import image_key
         store = context_store(self.recovery.directory, ctx)
         if not os.path.isdir(store):
             return None
-        try:
-            name = await asyncio.to_thread(lambda: latest_image(open_store(store), ctx, token))
+        try:     # by the key its worker restores with (snapshot/engine.py): an image it would refuse is passed over
+            name = await asyncio.to_thread(lambda: latest_image(open_store(store), ctx, token, key=image_key()))
         except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED, f"context {ctx}: its recovery store {store}: {e}") from None
         if name is None:

@@ -1043,11 +1043,13 @@ def decode_delta(text, name):
     return validate_delta(d, name)
 
 
-def latest_image(store, ctx=None, token=None):
+def latest_image(store, ctx=None, token=None, key=None):
     """The name of the newest readable, consistent image in a store (of context ctx, and whose
     session token is `token`, if given), or None. A handoff's pre-copy round is consistent in
-    its objects only: never anybody's latest."""
-    found = _latest(store, ctx, token)
+    its objects only: never anybody's latest. key: the image key a restore will check it with
+    (_check_digest): an image it would refuse, unsigned or forged, is passed over for an
+    older good one."""
+    found = _latest(store, ctx, token, key)
     return None if found is None else found[0]
 
 

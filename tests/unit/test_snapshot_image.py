@@ -647,6 +647,25 @@ def test_latest_image_is_the_newest_that_reads_and_qualifies(store):
     assert latest_image(store) == "old"
 
 
+def test_latest_image_under_a_key_passes_over_a_newer_forged_one(store):
+    """Recovery picks its image by the key its restore checks: a newer image that someone
+    without the key edited (a fresh unkeyed digest) or wrote unsigned would be refused by the
+    restore, so the older good one is the latest; without a key, the forgery reads."""
+    import time as _time
+    secret = b"server secret"
+    write_image(store, "good", make_contents(1), key=secret)
+    _time.sleep(0.01)
+    write_image(store, "newer", make_contents(2), key=secret)
+    raw, _ = store.get_manifest("newer")
+    forged = raw.replace(b'"cut_seq":1234', b'"cut_seq":1235')
+    set_manifest(store, "newer", forged, manifest_digest(forged))
+    assert latest_image(store, key=secret) == "good"
+    assert latest_image(store) == "newer"
+    _time.sleep(0.01)
+    write_image(store, "unsigned", make_contents(3))
+    assert latest_image(store, key=secret) == "good" and latest_image(store, key=b"another") is None
+
+
 def test_read_latest_image_is_latest_image_read_once(store):
     """read_latest_image (an on-demand restore without a name) gives what read_image of
     latest_image gives, and refuses that image as read_image does: it never falls back
