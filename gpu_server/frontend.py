@@ -111,6 +111,24 @@ IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 107)    # sockaddr_un's sun_path
 MAX_CTX_ID = 1 << 47                                    # FrontEnd.new_ctx_id's largest
 
 
+async def accepts_connections(endpoint, timeout=1.0):
+    """Whether something listens at a worker's endpoint (tcp://HOST:PORT or ipc://PATH): a
+    refused or missing one is a worker that has gone, and its server with it."""
+    url = urllib.parse.urlparse(endpoint)
+    try:
+        if url.scheme == "tcp":
+            opening = asyncio.open_connection(url.hostname, url.port)
+        elif url.scheme == "ipc" and not endpoint.startswith("ipc://@"):
+            opening = asyncio.open_unix_connection(endpoint[len("ipc://"):])
+        else:
+            return True
+        _, writer = await asyncio.wait_for(opening, timeout)
+    except (OSError, asyncio.TimeoutError) as e:
+        return isinstance(e, asyncio.TimeoutError)        # slow to accept is not gone
+    writer.close()
+    return True
+
+
 def worker_endpoint(listen, ctx_id):
     url = urllib.parse.urlparse(listen)
     if url.scheme == "ipc":
@@ -272,7 +290,12 @@ class FrontEnd:
             raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, f"context {a.ctx} was ended by the server's operator")
         if a.ctx in self.moved:      # handed off: its worker is elsewhere, and whom to ask if that died
             endpoint, standby = self.moved[a.ctx]
-            return {"u64s": [a.ctx], "text": endpoint, "data": standby.encode()}
+            if self.recovery is None or await accepts_connections(endpoint):
+                return {"u64s": [a.ctx], "text": endpoint, "data": standby.encode()}
+            # where it went is gone (that server died): it comes back here, from its recovery images,
+            # as a pool asks of a server when the one it went to is lost
+            log.info("context %d: the worker it was handed off to, at %s, is gone", a.ctx, endpoint)
+            del self.moved[a.ctx]
         worker = self.workers.get(a.ctx)
         if (worker is None or not alive(worker.proc)) and self.recovery is not None:
             ctx, token = a.ctx, bytes(a.token)

@@ -401,6 +401,32 @@ def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, 
     assert "restoring it from recovery image" in three.output()
 
 
+def test_a_context_comes_back_to_its_source_when_its_target_died(servers, client, tmp_path):
+    """`one` handed the context to `two`, and two died: asked again, `one` no longer points at
+    two's dead worker (as a pool asks it, when two's node is lost), but restores the context
+    from the recovery images both take into one store."""
+    from test_recovery import recovering
+    directory = tmp_path / "rec"
+    one = recovering(servers, "one", every="600", directory=directory)
+    two = recovering(servers, "two", every="600", directory=directory)
+    cu = client(one)
+    rhs = np.sin(np.arange(N, dtype=np.float32))
+    expected = reference(cu, rhs)
+    app = App(cu)
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    for i in range(TOTAL):
+        if i == 100:
+            app.sync()
+            stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+            app.sync()                                  # re-attached at two
+            os.kill(two.proc.pid, signal.SIGKILL)      # its front end; its workers die with it
+            two.proc.wait()
+        app.jacobi(x, y, r, N, 1)
+        x, y = y, x
+    assert app.get(x, N).tobytes() == expected.tobytes()
+    assert "is gone" in one.output() and "restoring it from recovery image" in one.output(), one.output()[-2000:]
+
+
 def test_a_program_making_only_asynchronous_calls_follows_a_handoff(servers, client):
     """After a handoff the old worker reads no more: a program that only launches (no
     synchronising call to read the Reply naming the new worker) fills the socket's queue to it,
