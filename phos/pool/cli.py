@@ -1,4 +1,4 @@
-"""`phos pool up|status|drain|down`: a pool of phos servers on a Ray cluster.
+"""`phos pool up|status|drain|resume|down`: a pool of phos servers on a Ray cluster.
 
 `up` starts a Ray cluster on this machine (or joins one with --ray-address) and the pool's
 controller, a named detached actor that outlives the command; the others find it by name.
@@ -157,6 +157,17 @@ def cmd_drain(opts):
     return 1 if out["failed"] else 0
 
 
+def cmd_resume(opts):
+    ray, ctrl = controller(opts.ray_address)
+    try:
+        resumed = ray.get(ctrl.resume.remote(opts.node))
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(getattr(e, "cause", None), ValueError) else None
+        raise SystemExit(f"phos pool resume: {cause or e}")
+    print(json.dumps(resumed) if opts.json else f"resumed: {', '.join(resumed)} take new contexts again")
+    return 0
+
+
 def cmd_down(opts):
     ray, ctrl = controller(opts.ray_address)
     ray.get(ctrl.stop.remote())
@@ -214,6 +225,11 @@ def add_commands(sub):
     p.add_argument("--rounds", type=int, default=0, help="pre-copy rounds of each handoff at most (default 12)")
     common(p)
     p.set_defaults(func=cmd_drain)
+
+    p = pool_sub.add_parser("resume", help="a drained node takes new contexts again")
+    p.add_argument("node", help="a Ray node id (or its prefix) or a server's address, as for drain")
+    common(p)
+    p.set_defaults(func=cmd_resume)
 
     p = pool_sub.add_parser("down", help="stop the pool's servers and controller (and the Ray that `up` started)")
     common(p)

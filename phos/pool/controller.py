@@ -309,6 +309,20 @@ class PoolController:
         self.metrics.drain.observe(seconds)
         return {"node": node, "servers": sorted(exclude), "moved": moved, "failed": failed, "seconds": seconds}
 
+    def resume(self, node):
+        """A drained (or draining) node's servers take new contexts again, as after maintenance.
+        Returns the addresses of the servers resumed."""
+        sources = self.servers_of(node)
+        with self.lock:
+            resumed = [s.address for s in sources if s.state in ("draining", "drained")]
+            for s in sources:
+                if s.state in ("draining", "drained"):
+                    s.state = "up"
+        if not resumed:
+            raise ValueError(f"node {node!r} is not drained: its servers are {', '.join(s.state for s in sources)}")
+        log.info("node %s resumed: %s take new contexts again", node, ", ".join(resumed))
+        return resumed
+
     def move(self, ctx, source, exclude, max_rounds=0):
         try:
             target = self.place(exclude)

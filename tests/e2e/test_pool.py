@@ -281,6 +281,17 @@ def test_a_node_drained_under_load_loses_no_call_and_no_byte(pool, tenants):
     assert wait_until(lambda: int(extra) in set().union(*pool.spread().values()), 10)
     assert int(extra) not in pool.server_of(node)["context_ids"]
     tenants[0].cu.cuCtxDestroy(extra)
+    # resumed, it takes new contexts again: the most free of memory, it gets the next one
+    resume = [sys.executable, "-m", "phos.cli", "pool", "resume", node.node_id[:12], "--ray-address", pool.cluster.address]
+    run = subprocess.run(resume, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and source["address"] in run.stdout, run.stderr
+    assert pool.server_of(node)["state"] == "up"
+    err, back = tenants[0].cu.cuCtxCreate(None, 0, 0)
+    assert err == 0, tenants[0].cu.last_error
+    assert wait_until(lambda: int(back) in pool.server_of(node)["context_ids"], 10), pool.spread()
+    tenants[0].cu.cuCtxDestroy(back)
+    run = subprocess.run(resume, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "is not drained: its servers are up" in run.stderr, run.stderr
 
 
 def test_a_killed_nodes_contexts_are_recovered_on_others(pool, tenants):
