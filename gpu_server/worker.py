@@ -474,6 +474,9 @@ class Worker:
             if self.sock.poll(100):
                 self.handle(self.sock.recv_multipart(copy=False))
                 quiet_since = time.monotonic()
+        if self.ack < first - 1:
+            log.warning("context %d: calls %d..%d, sent before mailbox request %d, never came",
+                        self.session.ctx_id, self.ack + 1, first - 1, first)
 
     def run_bare(self, peer, name, seq):
         """A synchronous call with no arguments, read without capnp (wire.BARE_CALLS)."""
