@@ -91,6 +91,12 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The run's end, its processes and sockets closing, is watched too: stuck there, it ends
+    with the stacks."""
+    faulthandler.dump_traceback_later(TEST_LIMIT_S, exit=True, file=Watchdog.last_word)
+
+
 @pytest.fixture(scope="session")
 def backend(request):
     return request.config.getoption("--backend")

@@ -41,7 +41,11 @@ def test_sync_calls_through_the_mailbox(backend, tmp_path, monkeypatch):
             conn.post("memset", {{"dst": int(p) + (1 << 20) - 1, "value": 0, "elemSize": 1, "count": 2, "stream": 0}})
             assert cu.cuCtxSynchronize()[0] == cu.CUresult.CUDA_ERROR_INVALID_VALUE
             assert cu.cuCtxSynchronize() == (0,)
-            print("asleep for the last", int(conn.box.asleep[0]) == conn.box_seq)
+            asleep = 0            # of the last syncs, those whose client slept (one descheduled may not)
+            for _ in range(20):
+                assert cu.cuCtxSynchronize() == (0,)
+                asleep += int(conn.box.asleep[0]) == conn.box_seq
+            print("asleep for some of the last", asleep > 0)
             print("box requests", conn.box_seq)
         """)
         # a client that spins 1 us sleeps for almost every reply: the worker answers those over the socket
@@ -50,7 +54,7 @@ def test_sync_calls_through_the_mailbox(backend, tmp_path, monkeypatch):
             out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, out.stderr
             assert int(out.stdout.split()[-1]) > 300, out.stdout
-            assert asleep is None or f"asleep for the last {asleep}" in out.stdout, out.stdout
+            assert asleep is None or f"asleep for some of the last {asleep}" in out.stdout, out.stdout
     finally:
         srv.stop()
 

@@ -407,7 +407,9 @@ def test_mailbox_with_a_spinning_worker(apps, big_copies, backend, tmp_path):
     that does not spin (the mailbox forced) finds them in short sleeps."""
     from conftest import ServerProc
     saved = os.environ.get("PHOS_SPIN_US")
-    os.environ["PHOS_SPIN_US"] = "300"          # the server's workers inherit it
+    # the server's workers inherit it: 20 ms, so that a client descheduled between two calls
+    # on a loaded machine still finds its worker watching the box
+    os.environ["PHOS_SPIN_US"] = "20000"
     try:
         srv = ServerProc(backend, tmp_path)
     finally:
