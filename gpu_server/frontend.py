@@ -4,6 +4,7 @@ It runs on uvloop and never sits on the hot path: after ctxCreate the client tal
 to its worker directly. It watches every worker, and on SIGTERM stops them all.
 """
 import asyncio
+import collections
 import contextvars
 import ipaddress
 import logging
@@ -13,6 +14,7 @@ import secrets
 import shutil
 import signal
 import sys
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -107,6 +109,8 @@ def local_without_keys(address, why, curve_secret, insecure):
     return f"listening on {address} without CURVE keys (--insecure): {why}"
 
 
+REPLY_WAIT_S = 30.0          # a client's Replies wait this long for room in its queue (FrontEnd.reply)
+MAX_WAITING_REPLIES = 10000  # ... at most this many of them
 IPC_PATH_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 107)    # sockaddr_un's sun_path, less its terminating NUL
 MAX_CTX_ID = 1 << 47                                    # FrontEnd.new_ctx_id's largest
 
@@ -224,6 +228,9 @@ class FrontEnd:
         self.killed = set()         # contexts the operator ended: never restored for their clients
         self.counts = {"checkpoints": 0, "restores": 0, "handoffs": 0}
         self.moved = {}             # ctx id -> (data endpoint of the worker a handoff gave it to, its server's standby)
+        self.waiting = {}           # client (ROUTER identity) -> its Replies waiting for room in its queue
+        self.draining = set()       # the tasks sending them (FrontEnd.drain)
+        self.overrun = set()        # clients told of in the log for losing Replies (once each)
         self.recovery = recovery    # RecoveryOptions, or None
         self.recovering = {}        # ctx id -> the task restoring it from its recovery images
         self.stopping = asyncio.Event()
@@ -565,7 +572,7 @@ class FrontEnd:
         try:
             with wire.decode(wire.Request, body) as req:
                 if (why := wire.too_many_calls(req)) is not None:
-                    return await sock.send_multipart([peer, *error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, why)])
+                    return await self.reply(sock, peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, why))
                 results = []
                 for call in req.calls:
                     name = call.which()
@@ -586,7 +593,56 @@ class FrontEnd:
         except wire.MALFORMED as e:
             log.warning("malformed frame from a client: %s", wire.describe(e))
             frames = error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}")
-        await sock.send_multipart([peer, *frames])
+        await self.reply(sock, peer, frames)
+
+    async def reply(self, sock, peer, frames):
+        """Send a Reply. The socket routes mandatorily: where a client's queue is full (it sends
+        without reading), its Replies wait in order for room (drain) instead of being dropped
+        silently. One that is gone, or reads nothing for REPLY_WAIT_S, or has more than
+        MAX_WAITING_REPLIES waiting, loses them, and the log says so."""
+        queue = self.waiting.get(peer)
+        if queue is None:
+            try:
+                return await sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                queue = self.waiting[peer] = collections.deque()
+                drain = asyncio.get_running_loop().create_task(self.drain(sock, peer, queue))
+                self.draining.add(drain)
+                drain.add_done_callback(self.draining.discard)
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:       # else the client has gone: nobody to tell
+                    raise
+                return None
+        if len(queue) >= MAX_WAITING_REPLIES:
+            return self.lose_reply(peer, f"{MAX_WAITING_REPLIES} of its replies already wait for it to read")
+        queue.append(frames)
+
+    async def drain(self, sock, peer, queue):
+        """Send one client's waiting Replies, oldest first, as its queue makes room."""
+        deadline, nap = time.monotonic() + REPLY_WAIT_S, 0.001
+        try:
+            while queue:
+                try:
+                    await sock.send_multipart([peer, *queue[0]], flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    if time.monotonic() > deadline:
+                        return self.lose_reply(peer, f"it read none of its replies for {REPLY_WAIT_S:g} s")
+                    await asyncio.sleep(nap)
+                    nap = min(nap * 2, 0.1)
+                    continue
+                except zmq.ZMQError as e:
+                    if e.errno != zmq.EHOSTUNREACH:
+                        raise
+                    return None
+                queue.popleft()
+                deadline, nap = time.monotonic() + REPLY_WAIT_S, 0.001
+        finally:
+            del self.waiting[peer]
+
+    def lose_reply(self, peer, why):
+        if peer not in self.overrun:
+            self.overrun.add(peer)
+            log.warning("a client that does not read its replies loses them: %s", why)
 
     async def restore(self, store, name, full, warm=False):
         """Restore an image into a pre-started worker; returns (worker, the restore's result dict).
@@ -684,6 +740,7 @@ class FrontEnd:
         zctx = self.zctx = zmq.asyncio.Context()
         sock = zctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # a Reply with no room waits (reply), never vanishes
         auth = None
         if self.curve:
             from zmq.auth.asyncio import AsyncioAuthenticator
@@ -718,11 +775,11 @@ class FrontEnd:
                     continue
                 key = frame_user_id(frames[1])
                 if self.client_keys is not None and not self.client_keys.still_admitted(key or ""):
-                    await sock.send_multipart([frames[0].bytes, *error_reply(
-                        CUresult.CUDA_ERROR_NOT_PERMITTED, "this client's key is no longer admitted")])
-                    continue
-                client = f"key {key}" if key else local_user(frames[1])
-                task = loop.create_task(self.answer(sock, frames[0].bytes, frames[1].bytes, client))
+                    task = loop.create_task(self.reply(sock, frames[0].bytes, error_reply(
+                        CUresult.CUDA_ERROR_NOT_PERMITTED, "this client's key is no longer admitted")))
+                else:
+                    client = f"key {key}" if key else local_user(frames[1])
+                    task = loop.create_task(self.answer(sock, frames[0].bytes, frames[1].bytes, client))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         finally:

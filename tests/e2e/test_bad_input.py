@@ -227,6 +227,23 @@ def test_arguments_out_of_range_fail_the_call_that_made_them_and_nothing_after(c
     assert cu.cuCtxSynchronize() == (0,)
 
 
+def test_a_client_that_reads_no_replies_gets_every_one_later(raw):
+    """The front end's replies to a client that sends without reading wait for room in its
+    queue (ROUTER_MANDATORY): read later, every one is there. Without it ZeroMQ dropped those
+    past the queue's high-water mark (1000) silently."""
+    import time
+    many = 8000
+    time.sleep(0.2)                      # connected: a DEALER queues without a peer, and blocks at 1000
+    for _ in range(many):
+        raw.send(request(("deviceGetCount", None)))
+    answered = 0
+    while raw.poll(3000):
+        raw.recv_multipart()
+        answered += 1
+    assert answered == many
+    assert_server_healthy(raw)
+
+
 def test_a_request_of_too_many_calls_is_refused_before_any_runs(raw):
     """The front end and a worker refuse a Request of more than maxRequestCalls (phos.capnp)
     calls whole: none of them runs, so one message cannot hold a server for long."""
