@@ -72,10 +72,12 @@ def peer_credentials(fd):
         return None
 
 
-def process_alive(pid):
-    """Whether process pid runs (a zombie has ended: only its parent has not reaped it yet)."""
+def pid_alive(pid):
+    """Whether process pid runs (a zombie does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")      # gone, unless there is no /proc to ask
     except (OSError, IndexError):
-        return False
+        return True

@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from phos import settings
 from phos.gpu_server.backend import load_backend
-from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials
+from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
 from phos.schema import wire
 from phos.schema.control import admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file
 from phos.schema.wire import build_reply, error_reply
@@ -61,11 +61,11 @@ def check_listen(address, curve_secret, insecure=False):
     A socket path is the user's alone: run() checks its directory."""
     url = urllib.parse.urlparse(address)
     if url.scheme == "ipc":
-        longest = len(worker_endpoint(address, MAX_CTX_ID)) - len("ipc://")
-        if longest > IPC_PATH_MAX:
-            raise ValueError(f"listen address {address!r}: its path is {len(address) - len('ipc://')} characters long, and "
-                             f"its workers' sockets beside it take {longest - len(address) + len('ipc://')} more, past the "
-                             f"{IPC_PATH_MAX} a Unix socket's path may have: use a shorter path")
+        path, beside = len(address) - len("ipc://"), len(worker_endpoint(address, MAX_CTX_ID)) - len(address)
+        if path + beside > IPC_PATH_MAX:
+            raise ValueError(f"listen address {address!r}: its path is {path} characters long, and its workers' "
+                             f"sockets beside it take {beside} more, past the {IPC_PATH_MAX} a Unix socket's path "
+                             "may have: use a shorter path")
         if address.startswith("ipc://@"):
             return local_without_keys(address, "an abstract socket: any local user may connect", curve_secret, insecure)
         return None
@@ -133,6 +133,19 @@ async def accepts_connections(endpoint, timeout=1.0):
     return True
 
 
+async def send_if_room(sock, peer, frames):
+    """Send a message to one peer of a mandatory ROUTER: False when its queue has no room; True
+    when sent, or when the peer has gone (nobody to tell)."""
+    try:
+        await sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as e:
+        if e.errno != zmq.EHOSTUNREACH:
+            raise
+    return True
+
+
 def worker_endpoint(listen, ctx_id):
     url = urllib.parse.urlparse(listen)
     if url.scheme == "ipc":
@@ -163,17 +176,6 @@ class RecoveryOptions:
 def alive(proc):
     """Whether a worker runs: a killed one is a zombie until our child watcher reaps it."""
     return proc.returncode is None and pid_alive(proc.pid)
-
-
-def pid_alive(pid):
-    """Whether process pid runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return not os.path.isdir("/proc/self")      # gone, unless there is no /proc to ask
-    except (OSError, IndexError):
-        return True
 
 
 _LEFT_IN_SHM = re.compile(r"phos-(?:handoff-)?(\d+)-[0-9a-z_]+")
@@ -602,17 +604,12 @@ class FrontEnd:
         MAX_WAITING_REPLIES waiting, loses them, and the log says so."""
         queue = self.waiting.get(peer)
         if queue is None:
-            try:
-                return await sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                queue = self.waiting[peer] = collections.deque()
-                drain = asyncio.get_running_loop().create_task(self.drain(sock, peer, queue))
-                self.draining.add(drain)
-                drain.add_done_callback(self.draining.discard)
-            except zmq.ZMQError as e:
-                if e.errno != zmq.EHOSTUNREACH:       # else the client has gone: nobody to tell
-                    raise
-                return None
+            if await send_if_room(sock, peer, frames):
+                return
+            queue = self.waiting[peer] = collections.deque()
+            drain = asyncio.get_running_loop().create_task(self.drain(sock, peer, queue))
+            self.draining.add(drain)
+            drain.add_done_callback(self.draining.discard)
         if len(queue) >= MAX_WAITING_REPLIES:
             return self.lose_reply(peer, f"{MAX_WAITING_REPLIES} of its replies already wait for it to read")
         queue.append(frames)
@@ -622,20 +619,14 @@ class FrontEnd:
         deadline, nap = time.monotonic() + REPLY_WAIT_S, 0.001
         try:
             while queue:
-                try:
-                    await sock.send_multipart([peer, *queue[0]], flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    if time.monotonic() > deadline:
-                        return self.lose_reply(peer, f"it read none of its replies for {REPLY_WAIT_S:g} s")
+                if await send_if_room(sock, peer, queue[0]):
+                    queue.popleft()
+                    deadline, nap = time.monotonic() + REPLY_WAIT_S, 0.001
+                elif time.monotonic() > deadline:
+                    return self.lose_reply(peer, f"it read none of its replies for {REPLY_WAIT_S:g} s")
+                else:
                     await asyncio.sleep(nap)
                     nap = min(nap * 2, 0.1)
-                    continue
-                except zmq.ZMQError as e:
-                    if e.errno != zmq.EHOSTUNREACH:
-                        raise
-                    return None
-                queue.popleft()
-                deadline, nap = time.monotonic() + REPLY_WAIT_S, 0.001
         finally:
             del self.waiting[peer]
 

@@ -30,7 +30,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from phos.gpu_server.backend import load_backend
 from phos import settings
 from phos.gpu_server.calls import CONNECTION_CALLS, WORKER_CALLS
-from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, process_alive
+from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
@@ -962,7 +962,7 @@ class ClientWatch(threading.Thread):
             time.sleep(0.5)
             since, fds = w.busy_since, dict(w.client_fds)
             if since is None or time.monotonic() - since < 1.0 or not fds or not all(map(hung_up, fds)) \
-                    or any(pid is not None and process_alive(pid) for pid in fds.values()):
+                    or any(pid is not None and pid_alive(pid) for pid in fds.values()):
                 alone_since = None
                 continue
             alone_since = alone_since or time.monotonic()
