@@ -40,11 +40,33 @@ def reference(cu, rhs):
 def start(servers, client, rhs, args=()):
     """Two servers, the reference result, and the program's context on the first server."""
     one, two = servers("one", args=args), servers("two", args=args)
-    cu = client(one)
+    return (one, two, *program(client(one), rhs))
+
+
+def program(cu, rhs):
+    """The reference result, then the program's context and its vectors: (app, (x, y, r), expected)."""
     expected = reference(cu, rhs)
     app = App(cu)
     x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
-    return one, two, app, (x, y, r), expected
+    return app, (x, y, r), expected
+
+
+def handoff_then_kill_the_target(cu, one, two, reattached=True, before_the_kill=lambda app: None):
+    """The program, handed off from `one` to `two` at step 100 and `two` SIGKILLed (its front
+    end; its workers die with it) right after, finishes with the reference's result."""
+    app, (x, y, r), expected = program(cu, np.sin(np.arange(N, dtype=np.float32)))
+    for i in range(TOTAL):
+        if i == 100:
+            app.sync()
+            stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
+            if reattached:
+                app.sync()                              # re-attached at two
+            before_the_kill(app)
+            os.kill(two.proc.pid, signal.SIGKILL)
+            two.proc.wait()
+        app.jacobi(x, y, r, N, 1)
+        x, y = y, x
+    assert app.get(x, N).tobytes() == expected.tobytes()
 
 
 def contexts(server):
@@ -379,25 +401,12 @@ def test_target_server_dying_after_the_handoff_recovers_on_its_standby(servers, 
     one = servers("one")
     three = recovering(servers, "three", directory=directory)
     two = recovering(servers, "two", every="600", directory=directory, args=["--standby", three.address])
-    cu = client(one)
-    rhs = np.sin(np.arange(N, dtype=np.float32))
-    expected = reference(cu, rhs)
-    app = App(cu)
-    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
-    for i in range(TOTAL):
-        if i == 100:
-            app.sync()
-            stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
-            if reattached:
-                app.sync()                              # re-attached at two
-            # the handoff's last round went to two's recovery store: it is the recovery image
-            # there from the start, before two took any of its own
-            assert latest_image(DirStore(directory / f"ctx{app.id}"), app.id).startswith("handoff-")
-            os.kill(two.proc.pid, signal.SIGKILL)      # its front end; its workers die with it
-            two.proc.wait()
-        app.jacobi(x, y, r, N, 1)
-        x, y = y, x
-    assert app.get(x, N).tobytes() == expected.tobytes()
+
+    def handoff_round_is_the_image(app):
+        # the handoff's last round went to two's recovery store: it is the recovery image
+        # there from the start, before two took any of its own
+        assert latest_image(DirStore(directory / f"ctx{app.id}"), app.id).startswith("handoff-")
+    handoff_then_kill_the_target(client(one), one, two, reattached, handoff_round_is_the_image)
     assert "restoring it from recovery image" in three.output()
 
 
@@ -409,21 +418,7 @@ def test_a_context_comes_back_to_its_source_when_its_target_died(servers, client
     directory = tmp_path / "rec"
     one = recovering(servers, "one", every="600", directory=directory)
     two = recovering(servers, "two", every="600", directory=directory)
-    cu = client(one)
-    rhs = np.sin(np.arange(N, dtype=np.float32))
-    expected = reference(cu, rhs)
-    app = App(cu)
-    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
-    for i in range(TOTAL):
-        if i == 100:
-            app.sync()
-            stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))
-            app.sync()                                  # re-attached at two
-            os.kill(two.proc.pid, signal.SIGKILL)      # its front end; its workers die with it
-            two.proc.wait()
-        app.jacobi(x, y, r, N, 1)
-        x, y = y, x
-    assert app.get(x, N).tobytes() == expected.tobytes()
+    handoff_then_kill_the_target(client(one), one, two)
     assert "is gone" in one.output() and "restoring it from recovery image" in one.output(), one.output()[-2000:]
 
 
