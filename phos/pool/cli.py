@@ -138,13 +138,19 @@ def cmd_status(opts):
     return 0
 
 
-def cmd_drain(opts):
-    ray, ctrl = controller(opts.ray_address)
+def node_call(ray, ref, command):
+    """The answer of a controller call about a NODE; its ValueError (a node not in the pool, or
+    not drained) ends the command with that message."""
     try:
-        out = ray.get(ctrl.drain.remote(opts.node, opts.rounds))
+        return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if isinstance(getattr(e, "cause", None), ValueError) else None
-        raise SystemExit(f"phos pool drain: {cause or e}")
+        raise SystemExit(f"phos pool {command}: {cause or e}")
+
+
+def cmd_drain(opts):
+    ray, ctrl = controller(opts.ray_address)
+    out = node_call(ray, ctrl.drain.remote(opts.node, opts.rounds), "drain")
     if opts.json:
         print(json.dumps(out))
     else:
@@ -159,11 +165,7 @@ def cmd_drain(opts):
 
 def cmd_resume(opts):
     ray, ctrl = controller(opts.ray_address)
-    try:
-        resumed = ray.get(ctrl.resume.remote(opts.node))
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if isinstance(getattr(e, "cause", None), ValueError) else None
-        raise SystemExit(f"phos pool resume: {cause or e}")
+    resumed = node_call(ray, ctrl.resume.remote(opts.node), "resume")
     print(json.dumps(resumed) if opts.json else f"resumed: {', '.join(resumed)} take new contexts again")
     return 0
 

@@ -314,10 +314,10 @@ class PoolController:
         Returns the addresses of the servers resumed."""
         sources = self.servers_of(node)
         with self.lock:
-            resumed = [s.address for s in sources if s.state in ("draining", "drained")]
-            for s in sources:
-                if s.state in ("draining", "drained"):
-                    s.state = "up"
+            drained = [s for s in sources if s.state in ("draining", "drained")]
+            for s in drained:
+                s.state = "up"
+        resumed = [s.address for s in drained]
         if not resumed:
             raise ValueError(f"node {node!r} is not drained: its servers are {', '.join(s.state for s in sources)}")
         log.info("node %s resumed: %s take new contexts again", node, ", ".join(resumed))
