@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import wait_until
+from phos.gpu_server.client_keys import pid_alive
 from phos.gpu_server.ptx import parser
 from phos.schema.cuda_types import CudaError, CUresult
 
@@ -60,14 +61,6 @@ def worker_pid(server, ctx):
     raise AssertionError(f"no worker holds context {int(ctx)}")
 
 
-def gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1].startswith("Z")      # dead, not yet reaped
-    except FileNotFoundError:
-        return True
-
-
 # -- device memory: one device's, for all the contexts of a server --------------------------------
 def test_the_contexts_of_a_server_share_its_device_memory(servers, monkeypatch, client):
     cu = client(emu_server(servers, monkeypatch, "shared", PHOS_EMU_MEMORY=64 * MiB))
@@ -103,7 +96,7 @@ def test_a_killed_workers_memory_goes_back_to_the_device(servers, monkeypatch, c
     os.kill(pid, signal.SIGKILL)
     # Its lock goes with its last thread: the process may show as a zombie (its first thread
     # dead) a moment before, and the device's memory is free only then.
-    assert wait_until(lambda: gone(pid) and free_bytes(cu) == 64 * MiB, timeout=5), free_bytes(cu)
+    assert wait_until(lambda: not pid_alive(pid) and free_bytes(cu) == 64 * MiB, timeout=5), free_bytes(cu)
     ok(cu.cuMemAlloc(48 * MiB), cu)
     assert free_bytes(cu) == 16 * MiB
     assert cu.cuCtxDestroy(b) == (0,)

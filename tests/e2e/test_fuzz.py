@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings, strategies 
 
 from conftest import ServerProc, wait_until
 from phos.gpu_server.address_space import BASE
+from phos.gpu_server.client_keys import pid_alive
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CUresult
 from ptx_helpers import compile_ptx
@@ -335,7 +336,7 @@ class Fuzzer:
             self.s.sock.send(encode([("attach", {"ctx": self.s.ctx, "token": self.s.token, "shmPath": path,
                                                  "shmCookie": cookie, "shmSize": size})], [seq]))
             # a request the fuzzer wrote into the old mailbox may be answered over the socket first
-            seen, answered = self.replies(self.s.sock, lambda rs: any(r[0] == seq for r in rs), lambda: running(self.s_pid))
+            seen, answered = self.replies(self.s.sock, lambda rs: any(r[0] == seq for r in rs), lambda: pid_alive(self.s_pid))
             assert answered, f"the worker died: {self.server.output()[-3000:]}"
             self.check(seen, "staging")
             _, status, message, u64s, _ = next(r for r in seen if r[0] == seq)
@@ -371,13 +372,13 @@ class Fuzzer:
         if target == "stranger":
             self.stranger.send(encode([("memGetInfo", None)], [seq], version=PING_VERSION))
             seen, answered = self.replies(self.stranger, lambda rs: any(f"{PING_VERSION}" in r[2] for r in rs),
-                                          lambda: running(self.s_pid))
+                                          lambda: pid_alive(self.s_pid))
             assert answered, f"the worker died: {self.server.output()[-3000:]}"
             assert all(r[1] != 0 for r in seen), f"a connection that never attached got an answer: {seen}"
             return seen
         sock = self.front if target == "front" else self.s.sock
         sock.send(encode([("deviceGetCount" if target == "front" else "memGetInfo", None)], [seq]))
-        alive = (lambda: self.server.proc.poll() is None) if target == "front" else (lambda: running(self.s_pid))
+        alive = (lambda: self.server.proc.poll() is None) if target == "front" else (lambda: pid_alive(self.s_pid))
         seen, answered = self.replies(sock, lambda rs: any(r[0] == seq for r in rs), alive)
         if not answered:
             raise AssertionError(f"{target} died: {self.server.output()[-3000:]}")
@@ -510,7 +511,7 @@ class Fuzzer:
             self.seq += 1
             sock.send_multipart([encode([call], [self.seq]), *payloads])
             seen, answered = self.replies(sock, lambda rs, s=self.seq: any(r[0] == s for r in rs),
-                                          lambda: running(self.q_pid))
+                                          lambda: pid_alive(self.q_pid))
             assert answered, f"worker died on {call[0]}: {self.server.output()[-3000:]}"
             self.check(seen, call[0] if expect is None else f"{call[0]} (checked)")
             _, status, message, u64s, _ = seen[-1]
@@ -556,7 +557,7 @@ class Fuzzer:
         seen, _ = self.replies(self.q.sock, lambda rs: any(r[0] == 2 for r in rs))
         if seen[-1][1] not in STICKY:       # a fault of an earlier launch can surface here (on a GPU)
             assert all(r[1] == 0 for r in seen), seen
-            assert wait_until(lambda: not running(pid), timeout=10), "a destroyed context lives on"
+            assert wait_until(lambda: not pid_alive(pid), timeout=10), "a destroyed context lives on"
             path = self.server.address[len("ipc://"):]
             assert wait_until(lambda: not os.path.exists(f"{path}.ctx{ctx}"), timeout=5), "its socket file stays"
         self.renew_q()
@@ -582,15 +583,6 @@ def cmdline(pid):
             return f.read().replace("\0", " ")
     except OSError:
         return ""
-
-
-def running(pid):
-    """True while pid is a live process (not gone, not a zombie its parent has yet to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class Victim:
@@ -619,7 +611,7 @@ class Victim:
 
     def check(self):
         cu, ok = self.cu, self.ok
-        assert running(self.pid), "the victim's worker died"
+        assert pid_alive(self.pid), "the victim's worker died"
         ok(cu.cuMemsetD32(self.out, 0, self.N))
         args = ((self.px, self.py, self.out, self.N), (ctypes.c_void_p,) * 3 + (ctypes.c_int,))
         ok(cu.cuLaunchKernel(self.fn, self.N // 256, 1, 1, 256, 1, 1, 0, 0, args, 0))

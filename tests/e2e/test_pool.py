@@ -30,6 +30,7 @@ from conftest import wait_until
 
 ray = pytest.importorskip("ray")
 
+from phos.gpu_server.client_keys import pid_alive  # noqa: E402
 from phos.pool import EMU_RESOURCE, NAMESPACE  # noqa: E402
 from phos.pool.controller import launch, server_options  # noqa: E402
 from phos.pool.server_actor import free_port  # noqa: E402
@@ -107,7 +108,7 @@ def pool():
         finally:
             ray.shutdown()
             cluster.shutdown()
-            left = [pid for pid in pids if alive(pid)]
+            left = [pid for pid in pids if pid_alive(pid)]
             left += [int(p) for port in ports for p in subprocess.run(
                 ["pgrep", "-f", f"emu-memory-{port}"], capture_output=True, text=True).stdout.split()]
             for pid in left:              # so that they take nothing from the tests after these
@@ -119,14 +120,6 @@ def pool():
             assert not left, f"processes left running after the pool stopped: {left}"
             for port in ports:
                 assert refused(port), f"something still listens on {port}"
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def refused(port):
