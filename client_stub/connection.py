@@ -8,6 +8,7 @@ image's cut, with their host bytes (schema/phos.capnp, "Recovery").
 """
 import collections
 import ctypes
+import fcntl
 import itertools
 import logging
 import mmap
@@ -497,28 +498,31 @@ class Connection:
                 self.accept_staging(accepted)
 
     def offer_staging(self):
-        """Make a staging file the worker may map: (path, cookie, size), or None if it can't share our host."""
+        """Make a staging file the worker may map: (path, cookie, size), or None if it can't share our
+        host. A memfd sealed against shrinking, as the native stub makes it (session.cpp,
+        create_shared_file): a file cut short under the worker's mapping would kill the worker."""
         if not (self.endpoint.startswith("ipc://") or self.endpoint.startswith("tcp://127.") or settings.staging() is True):
             return None
-        if settings.staging() is False or not os.path.isdir("/dev/shm"):
+        if settings.staging() is False:
             return None
         size = wire.SLOTS_OFFSET + 2 * STAGING_SLOT
         cookie = os.urandom(wire.COOKIE_BYTES)
-        path = f"/dev/shm/phos-{os.getpid()}-{cookie.hex()[:12]}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.memfd_create("phos", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
+            os.pwrite(fd, cookie, 0)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
             area = mmap.mmap(fd, size)
-        finally:
+        except OSError:
             os.close(fd)
-        area[:16] = cookie
-        self._offer = (path, area)
-        return path, cookie, size
+            raise
+        self._offer = (fd, area)
+        return f"/proc/{os.getpid()}/fd/{fd}", cookie, size
 
     def accept_staging(self, accepted):
-        """The worker answered the offer; the file is unlinked either way, so nothing leaks."""
-        path, area = self._offer
-        os.unlink(path)
+        """The worker answered the offer; the file's descriptor, its name, is closed either way."""
+        fd, area = self._offer
+        os.close(fd)
         self.staging = np.frombuffer(area, np.uint8) if accepted else None
         if accepted:
             self.box = wire.Mailbox(self.staging)

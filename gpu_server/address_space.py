@@ -1,7 +1,9 @@
 """The device address range of one context: a fixed base, allocations inside it.
 
 Both backends place allocations here (DESIGN decision 3), so a restored or handed-off
-context gets the same addresses back. Every pointer a client passes is checked here.
+context gets the same addresses back. Every pointer a client passes is checked here. It is
+also where every allocation enters and leaves, restored ones and mappings too: a ledger given
+by charge_to (the tenant's, PHOS_TENANT_QUOTA) is charged here before the device allocates.
 """
 import bisect
 
@@ -30,17 +32,31 @@ class AddressSpace:
         # allocations in them (alloc with `at` there); an allocation's leaving gives nothing back.
         self.reserved = {}          # base -> length
         self.mapped = set()         # bases of allocations inside them
+        self.ledger = None          # a DeviceLedger (gpu_server/device_ledger.py) every allocation is charged to
+
+    def charge_to(self, ledger):
+        """Charge the allocations held now, and every later one, to ledger, until it is closed."""
+        ledger.charge(sum(self._length(n) for _, n in self.allocations()), "the allocations held")
+        self.ledger = ledger
+
+    def _length(self, nbytes):
+        return -(-nbytes // self.align) * self.align
+
+    def _charge(self, length, what):
+        if self.ledger is not None:
+            self.ledger.charge(length, what)
 
     def alloc(self, nbytes, at=None):
         """Reserve nbytes (rounded up to the alignment); `at` places it at a given address, a
         free one or one inside a reserved range (a mapping)."""
         if nbytes <= 0:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "allocation size must be positive")
-        length = -(-nbytes // self.align) * self.align
+        length = self._length(nbytes)
         if at is not None and self.reservation_of(at, length) is not None:
             return self._map(at, nbytes, length)
         want = self._fit(length, at)
         if want is not None:
+            self._charge(length, "an allocation")     # placed, not yet taken: a refusal leaves nothing
             self._take(want, length)
             bisect.insort(self.bases, want)
             self.sizes[want] = nbytes
@@ -113,10 +129,12 @@ class AddressSpace:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{ptr:#x} is not an allocation of this context")
         nbytes = self.sizes.pop(ptr)
         self.bases.remove(ptr)
+        if self.ledger is not None:
+            self.ledger.refund(self._length(nbytes))
         if ptr in self.mapped:           # its range stays reserved
             self.mapped.discard(ptr)
             return nbytes
-        self._give_back(ptr, -(-nbytes // self.align) * self.align)
+        self._give_back(ptr, self._length(nbytes))
         return nbytes
 
     def _give_back(self, ptr, length):
@@ -203,6 +221,7 @@ class AddressSpace:
         i = bisect.bisect_left(self.bases, at)
         if self.find(at) is not None or (i < len(self.bases) and self.bases[i] < at + length):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{at:#x}+{nbytes} overlaps a mapping already there")
+        self._charge(length, "a mapping")
         self.bases.insert(i, at)
         self.sizes[at] = nbytes
         self.mapped.add(at)

@@ -74,7 +74,10 @@ def mem_free(s, a, p):
 
 
 def mem_get_info(s, a, p):
-    return {"u64s": list(s.backend.mem_info())}
+    free, total = s.backend.mem_info()
+    if s.space.ledger is not None:       # the tenant's quota (PHOS_TENANT_QUOTA) may leave it less
+        free = min(free, s.space.ledger.free())
+    return {"u64s": [free, total]}
 
 
 def mem_get_address_range(s, a, p):

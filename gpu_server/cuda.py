@@ -676,7 +676,7 @@ class CudaSnapshotOps:
                 ok(cu.cuStreamWaitEvent(ours, event, 0), "cuStreamWaitEvent")
             cu.cuEventDestroy(event)
 
-    def freeze(self, regions):
+    def freeze(self, regions, step=None):
         """A copy of the regions on the device (SnapshotOps.freeze), on the bulk stream, which
         the cut's fingerprint pass and its fence follow: the application's next kernels wait for
         a copy at device speed (GPT-2's 9.65 GiB: milliseconds), and the checkpoint then reads
@@ -692,13 +692,17 @@ class CudaSnapshotOps:
                      free >> 20, layout.nbytes >> 20)
             return None
         self._after_application()
+        t = time.perf_counter()
         err, base = cu.cuMemAllocAsync(layout.nbytes, self.streams["bulk"])
         if int(err):
             log.info("checkpoint: no device copy of %d MiB (%s): copy-on-write instead", layout.nbytes >> 20, err)
             return None
+        t = step("cut_freeze_alloc", t) if step else t
         base = int(base)
         _copies(_cuMemcpyDtoDAsync, layout.source(base, layout.starts), layout.starts, layout.sizes, self.handles["bulk"],
                 "cuMemcpyDtoDAsync")
+        if step:
+            step(f"cut_freeze_copies_of_{len(layout.sizes)}_regions", t)
         return base, layout
 
     def release(self, frozen):

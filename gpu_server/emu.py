@@ -14,7 +14,7 @@ from phos import settings
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
-from phos.gpu_server.emu_memory import DeviceLedger, EmuMemory
+from phos.gpu_server.emu_memory import EmuMemory, emu_ledger
 from phos.gpu_server.staging_layout import FrozenLayout
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import launch_cluster
@@ -60,7 +60,7 @@ class EmuBackend:
         its contexts share; None: this context has the device to itself."""
         if device != 0:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"emu has one device, not {device}")
-        self.mem = EmuMemory(EMU_MEMORY, DeviceLedger(EMU_MEMORY, ledger, CONTEXT_QUOTA))
+        self.mem = EmuMemory(EMU_MEMORY, emu_ledger(EMU_MEMORY, ledger, CONTEXT_QUOTA))
         self.space = self.mem.space
         self.output = []
         self.snap = EmuSnapshotOps(self.mem)
@@ -269,7 +269,7 @@ class EmuSnapshotOps:
         fps = [fingerprint(self.view(a, n)) for a, n in chunks]   # calls run in order: the cut is now
         return lambda block=True: fps
 
-    def freeze(self, regions):
+    def freeze(self, regions, step=None):
         """The regions copied now, in arrival order (the cut is now): a NumPy copy, not device memory."""
         layout = FrozenLayout(regions)
         if not layout.nbytes:

@@ -7,173 +7,41 @@ place, as the driver does on a GPU: a restored context's globals move, as they d
 
 The device's capacity is shared by every context of a server, as a GPU's memory is: each
 context's worker is a process with an arena of its own, so what they hold together is kept
-in a DeviceLedger that all of them read (below).
+in a DeviceLedger that all of them read (gpu_server/device_ledger.py, emu_ledger below).
 """
 import contextlib
-import fcntl
 import mmap
-import os
 import random
-import secrets
-import struct
-import threading
 
 import numpy as np
 
 from phos.gpu_server.address_space import BASE, AddressSpace
-from phos.schema.control import private_directory
+from phos.gpu_server.device_ledger import DeviceLedger
 from phos.schema.cuda_types import CudaError, CUresult
 
 ALIGN = 256
 MODULE_AREA = 1 << 30      # room for module globals beyond the device's capacity (which globals may fill too)
 MODULE_SKEW = 2 << 20      # the step of a process's first global's place (the driver's: 2 MiB)
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)   # Linux value; Python < 3.13 lacks the name
-ENTRY = struct.Struct("<Q")   # a ledger entry: the bytes its worker holds
 
 
-class DeviceLedger:
-    """The device memory that the contexts of one server hold, each in a worker of its own.
+# A charge that does not fit names the emu device's settings.
+EMU_FULL = ("{what} of {nbytes} bytes does not fit in the {free} bytes free of the emu device's {capacity} "
+            "(PHOS_EMU_MEMORY, shared by all the contexts of this server)")
+EMU_OVER_QUOTA = ("{what} of {nbytes} bytes exceeds this context's quota: it holds {held} of its {quota} bytes "
+                  "(PHOS_EMU_CONTEXT_QUOTA)")
 
-    Every worker keeps the bytes it holds in a file of its own in the server's ledger directory,
-    and holds an flock on that file for its whole life. The kernel drops the lock when the process
-    ends, however it ends (SIGKILL too): a file nobody holds locked is a dead worker's, and a
-    recount deletes it, which gives its memory back. The `.lock` file's flock makes every change
-    one step for all the workers, and the file keeps their total, so that a charge that fits
-    reads one number instead of every file. A worker changes the total before its own file when
-    it charges, after it when it gives back: killed in between, it leaves the total too high,
-    never too low, and a recount (when a charge does not fit, and for free()) makes it exact.
-    Without a directory the ledger counts this process alone (an EmuMemory of its own, as the
-    interpreter's tests make).
-    """
 
-    def __init__(self, capacity, directory=None, quota=0):
-        self.capacity, self.directory, self.quota = capacity, directory, quota
-        self.held = 0
-        self._thread_lock = threading.Lock()     # flock does not part the threads of one process
-        self._lock_fd = self._entry_fd = None
-        self._entry = None
-        if directory is not None:
-            private_directory(directory, create=True)
-            self._lock_fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            with self._locked():
-                self._entry = f"{os.getpid()}.{secrets.token_hex(4)}"
-                self._entry_fd = os.open(os.path.join(directory, self._entry),
-                                         os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                fcntl.flock(self._entry_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._set_held(0)
-
-    @contextlib.contextmanager
-    def _locked(self):
-        with self._thread_lock:
-            if self._lock_fd is None:
-                yield
-                return
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    # -- under the lock ----------------------------------------------------------------------------
-    def _set_held(self, held):
-        self.held = held
-        if self._entry_fd is not None:
-            os.pwrite(self._entry_fd, ENTRY.pack(held), 0)
-
-    def _total(self):
-        """What the workers hold together, or more (see the class)."""
-        if self._lock_fd is None:
-            return self.held
-        return self._read(self._lock_fd)
-
-    def _set_total(self, total):
-        if self._lock_fd is not None:
-            os.pwrite(self._lock_fd, ENTRY.pack(max(total, 0)), 0)
-
-    def _recount(self):
-        """What the live workers hold together, exactly; deletes the entries of dead ones."""
-        total = self.held
-        if self.directory is not None:
-            for name in os.listdir(self.directory):
-                if not name.startswith(".") and name != self._entry:
-                    total += self._held_by_live(os.path.join(self.directory, name))
-        self._set_total(total)
-        return total
-
-    @classmethod
-    def _held_by_live(cls, path):
-        """The bytes an entry's worker holds, or 0 after deleting the entry when that worker is gone."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return 0
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:          # its worker holds it: alive
-                return cls._read(fd)
-            os.unlink(path)                  # nobody holds it: its worker died without closing it
-            return 0
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def _read(fd):
-        raw = os.pread(fd, ENTRY.size, 0)
-        return ENTRY.unpack(raw)[0] if len(raw) == ENTRY.size else 0
-
-    def _free(self, total):
-        free = self.capacity - total
-        return max(0, min(free, self.quota - self.held) if self.quota else free)
-
-    # -- the ledger's operations -------------------------------------------------------------------
-    def free(self):
-        """The bytes this context could still take: what the device has free, within its quota."""
-        with self._locked():
-            return self._free(self._recount())
-
-    def charge(self, nbytes, what="an allocation"):
-        """Take nbytes for this context, or raise CUDA_ERROR_OUT_OF_MEMORY when they are not free."""
-        with self._locked():
-            if self.quota and self.held + nbytes > self.quota:
-                raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY,
-                                f"{what} of {nbytes} bytes exceeds this context's quota: it holds {self.held} of "
-                                f"its {self.quota} bytes (PHOS_EMU_CONTEXT_QUOTA)")
-            total = self._total()
-            if total + nbytes > self.capacity:
-                total = self._recount()
-            if total + nbytes > self.capacity:
-                raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY,
-                                f"{what} of {nbytes} bytes does not fit in the {self.capacity - total} bytes free of "
-                                f"the emu device's {self.capacity} (PHOS_EMU_MEMORY, shared by all the contexts of "
-                                "this server)")
-            self._set_total(total + nbytes)
-            self._set_held(self.held + nbytes)
-
-    def refund(self, nbytes):
-        with self._locked():
-            self._set_held(self.held - nbytes)
-            self._set_total(self._total() - nbytes)
-
-    def close(self):
-        """Give back everything this context holds."""
-        with self._locked():
-            held = self.held
-            if self._entry_fd is not None:
-                os.unlink(os.path.join(self.directory, self._entry))
-                os.close(self._entry_fd)
-                self._entry_fd = None
-            self.held = 0
-            self._set_total(self._total() - held)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+def emu_ledger(capacity, directory=None, quota=0):
+    """The emu device's DeviceLedger: capacity its memory, shared through directory by the
+    server's contexts (None: this process alone), quota what one context may hold (0: no quota)."""
+    return DeviceLedger(capacity, directory, quota, full=EMU_FULL, over_quota=EMU_OVER_QUOTA)
 
 
 class EmuMemory:
     def __init__(self, capacity, ledger=None):
         self.capacity = capacity
-        self.ledger = ledger or DeviceLedger(capacity)
+        self.ledger = ledger or emu_ledger(capacity)
         # Globals may take up the whole device (the ledger counts them): room for that beyond the skew.
         module_area = capacity + MODULE_AREA
         self._map = mmap.mmap(-1, capacity + module_area, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)

@@ -24,8 +24,10 @@ import zmq.asyncio
 from phos import settings
 from phos.gpu_server.backend import load_backend
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
+from phos.gpu_server.device_ledger import tenant_name
 from phos.schema import wire
-from phos.schema.control import admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file
+from phos.schema.control import (admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file,
+                                 tenant_ledger_dir)
 from phos.schema.wire import build_reply, error_reply
 from phos.schema.cuda_types import CudaError, CUresult
 
@@ -178,17 +180,15 @@ def alive(proc):
     return proc.returncode is None and pid_alive(proc.pid)
 
 
-_LEFT_IN_SHM = re.compile(r"phos-(?:handoff-)?(\d+)-[0-9a-z_]+")
+_LEFT_IN_SHM = re.compile(r"phos-handoff-(\d+)-[0-9a-z_]+")
 
 
 def sweep_shm(directory="/dev/shm"):
-    """Remove what a killed process left in shared memory: a client's staging file
-    (phos-<pid>-<random>, unlinked as soon as the worker maps it), its pinned host memory (named
-    alike, removed when freed or at exit: phos.capnp, "Pinned host memory") or a handoff's store
+    """Remove what a killed process left in shared memory: a handoff's store
     (phos-handoff-<pid>-<random>, removed when the handoff ends), once process <pid> is gone.
-    (A process in another PID namespace that shares /dev/shm looks gone too: its staging
-    file then goes unshared, or its handoff fails and its context stays where it was.)
-    Returns the names removed."""
+    (A process in another PID namespace that shares /dev/shm looks gone too: its handoff then
+    fails and its context stays where it was.) Clients' files are memfds, which go with their
+    last user. Returns the names removed."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -225,6 +225,7 @@ class FrontEnd:
         self.filling = 0            # pool workers being started
         self.creating = []          # the clients of contexts asked for whose workers are not yet theirs
         self.pool_size = POOL_SIZE
+        self.tenant_quota = settings.tenant_quota()     # bytes all the contexts of one client may hold (0: any)
         self.insecure = False       # --insecure: keyless listeners other local users can reach
         self.client_keys = None     # with CURVE: the admitted clients (gpu_server/client_keys.py)
         self.killed = set()         # contexts the operator ended: never restored for their clients
@@ -292,6 +293,12 @@ class FrontEnd:
         finally:
             self.creating.remove(client)
         worker.client = client
+        if self.tenant_quota > 0:        # its memory counts against its client's quota before the client has it
+            try:
+                await self.control(worker, "tenant", {"name": tenant_name(client)})
+            except BaseException:
+                self.discard(worker.ctx_id)
+                raise
         return {"u64s": [worker.ctx_id], "text": worker.endpoint, "data": worker.token}
 
     async def reattach(self, a):
@@ -415,6 +422,8 @@ class FrontEnd:
             *(["--host-store", self.host_store] if self.host_store and standby else []),
             *(["--module-cache", self.module_cache] if self.module_cache else []),
             *(["--emu-ledger", emu_ledger_dir(self.listen)] if self.backend_name == "emu" else []),
+            *(["--tenant-ledgers", tenant_ledger_dir(self.listen), "--tenant-quota", str(self.tenant_quota)]
+              if self.tenant_quota > 0 else []),
             *(["--client-keys", self.curve[2]] if self.curve else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         secret = self.curve[1].decode() if self.curve else ""
@@ -453,7 +462,6 @@ class FrontEnd:
         for endpoint in (worker.endpoint, worker.ctl_endpoint):    # a killed worker leaves its socket files
             remove_socket_file(endpoint)
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
-        sweep_shm()       # its client may be gone, killed: its pinned host memory's names with it
 
     # -- the workers' control sockets (ControlRequest, ControlReply; schema/wire.py) ----------
     async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):

@@ -12,9 +12,11 @@ not be created.
 import argparse
 import collections
 import ctypes
+import fcntl
 import logging
 import mmap
 import os
+import re
 import select
 import signal
 import stat
@@ -31,6 +33,7 @@ from phos.gpu_server.backend import load_backend
 from phos import settings
 from phos.gpu_server.calls import CONNECTION_CALLS, WORKER_CALLS
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
+from phos.gpu_server.device_ledger import check_tenant_name, tenant_ledger
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
@@ -53,6 +56,7 @@ RECOVERY_PAUSED_BYTES = settings.recovery_paused_bytes()   # a recovery image th
 # down, competing for the interpreter), or by the deadline, whoever attached.
 LOADER_QUIET, LOADER_DEADLINE = 0.002, 0.1
 SLOW_MESSAGE = 0.1       # seconds: a message served slower than this is logged (INFO)
+CATCH_UP_WAIT = 30.0     # seconds a mailbox request waits, with nothing arriving, for calls sent before it
 PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = settings.spin_us() / 1e6
@@ -85,11 +89,14 @@ class Session:
         self.sticky = None         # (status, message) that fails every later call
         self.deferred = None       # first failure of an asynchronous call since the last reply
         self.closing = False
+        self.client = None         # (pid, uid) of the process that attached last, on this host (open_client_file)
         self.shm = None            # the client's staging area, when it shares our host
         self.box = None            # its mailbox (wire.Mailbox)
         self.host_ranges = {}      # the client's pinned host ranges we map: hostMap's id -> their bytes
         self.in_place = {}         # ... those the device reads and writes in place: id -> FixedMapping
         self.host_bytes = 0        # ... how many bytes they hold together
+        self.tenant = None         # the name of the tenant whose quota its memory counts against (join_tenant)
+        self.tenants = None        # (their ledgers' directory, the quota) when the server has PHOS_TENANT_QUOTA
 
     def staging(self, offset, nbytes):
         """A range of the shared staging area, checked."""
@@ -101,7 +108,7 @@ class Session:
 
     def map_staging(self, path, cookie, size):
         """Map the client's staging file if it is really theirs (map_client_file)."""
-        area = map_client_file(path, cookie, size) if size >= wire.SLOTS_OFFSET else None   # room for the mailbox
+        area = map_client_file(path, cookie, size, self.client) if size >= wire.SLOTS_OFFSET else None   # room for the mailbox
         if area is None:
             return False
         self.shm = np.frombuffer(area, np.uint8)
@@ -121,7 +128,7 @@ class Session:
             return (f"{size} more bytes of pinned host memory would pass the {PINNED_HOST_BYTES} a worker maps "
                     f"(PHOS_PINNED_HOST_BYTES; {self.host_bytes} mapped)")
         if address:
-            mapping = map_client_file_at(path, cookie, size, address)
+            mapping = map_client_file_at(path, cookie, size, address, self.client)
             if isinstance(mapping, str):
                 return mapping
             data = mapping.array()
@@ -132,7 +139,7 @@ class Session:
                 return why
             self.in_place[rid] = mapping
         else:
-            area = map_client_file(path, cookie, wire.PINNED_HEADER + size)
+            area = map_client_file(path, cookie, wire.PINNED_HEADER + size, self.client)
             if area is None:
                 return f"{path!r} is not a pinned host file of this client's"
             data = np.frombuffer(area, np.uint8, size, wire.PINNED_HEADER)
@@ -234,7 +241,25 @@ class Session:
             session["limits"] = [[limit, value] for limit, value in sorted(self.limits.items())]
         if self.space.reserved:
             session["reserved"] = [[base, length] for base, length in sorted(self.space.reserved.items())]
+        if self.tenant is not None:        # a restore of the image charges the same tenant
+            session["tenant"] = self.tenant
         return session, {"status": int(status), "message": message}
+
+    def join_tenant(self, name):
+        """Count this context's allocations against tenant `name`'s quota from now on, if the
+        server has one (the address space charges them); its images name the tenant either way."""
+        if self.tenant is not None:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this context has its tenant already")
+        check_tenant_name(name)
+        if self.tenants is not None:
+            root, quota = self.tenants
+            ledger = tenant_ledger(root, name, quota)
+            try:
+                self.space.charge_to(ledger)
+            except CudaError:
+                ledger.close()
+                raise
+        self.tenant = name
 
     def adopt(self, session, error):
         self.ctx_id, self.token_digest, self.next_id = session["ctx"], session["token"], session["next_id"]
@@ -269,23 +294,36 @@ class Session:
         return status, message, {}
 
 
-def open_client_file(path, cookie, size):
-    """A file a client made for us (its staging area, a pinned host range), opened read-write,
-    if it is really theirs: a regular file in /dev/shm named phos-*, as clients make them, opened
-    without following links (any other path would let a tenant read and write the server's
-    files), of `size` bytes or more, that starts with the random cookie the client sent (which
-    only its maker knows). Its descriptor, or None."""
-    if os.path.dirname(path) != "/dev/shm" or not os.path.basename(path).startswith("phos-"):
+# A client's file, as it names it: a memfd of its own process (schema/phos.capnp, "Pinned host memory").
+CLIENT_FILE = re.compile(r"/proc/(\d+)/fd/(\d+)")
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+
+
+def open_client_file(path, cookie, size, client):
+    """A file a client made for us (its staging area, a pinned host range), opened read-write, if
+    it is really theirs: a memfd of the client's process, /proc/PID/fd/N as it names it, of
+    `size` bytes or more, sealed against shrinking (so that our mapping of it can never fault:
+    SIGBUS would kill the worker), made by the client's user, starting with the random cookie the
+    client sent (which only its maker knows). client: (pid, uid) of the connection that asked
+    (SO_PEERCRED), whose pid replaces the one in the path (the kernel's word, right in any PID
+    namespace); None over loopback TCP, where the name's pid stands and the memfd's name, seal
+    and cookie alone vouch for it. Its descriptor, or None."""
+    m = CLIENT_FILE.fullmatch(path)
+    if m is None or len(cookie) < wire.COOKIE_BYTES or size <= 0:
         return None
-    if len(cookie) < wire.COOKIE_BYTES or size <= 0:
-        return None
+    pid, uid = client if client and client[0] else (int(m.group(1)), None)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)    # non-blocking: a FIFO must not stall us
-    except (OSError, ValueError):
+        # The link is followed, but only into that process's own descriptors; what it leads to must
+        # then be a sealed memfd (below), so naming any other file (an O_PATH descriptor of a file
+        # the client may not write, say) gets nothing. Non-blocking: a FIFO must not stall us.
+        fd = os.open(f"/proc/{pid}/fd/{m.group(2)}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError, OverflowError):
         return None
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_size >= size and os.pread(fd, len(cookie), 0) == cookie:
+        if (stat.S_ISREG(st.st_mode) and uid in (None, st.st_uid) and st.st_size >= size
+                and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:phos")
+                and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_SHRINK and os.pread(fd, len(cookie), 0) == cookie):
             return fd
     except OSError:
         pass
@@ -293,9 +331,9 @@ def open_client_file(path, cookie, size):
     return None
 
 
-def map_client_file(path, cookie, size):
+def map_client_file(path, cookie, size, client):
     """Map `size` bytes of a client's file (open_client_file's checks). The mmap, or None."""
-    fd = open_client_file(path, cookie, size)
+    fd = open_client_file(path, cookie, size, client)
     if fd is None:
         return None
     try:
@@ -328,14 +366,14 @@ class FixedMapping:
             self.address = 0
 
 
-def map_client_file_at(path, cookie, size, address):
+def map_client_file_at(path, cookie, size, address, client):
     """The application's bytes of a client's pinned host file (open_client_file's checks) mapped
     at `address`, the client's own address of them, so that pointers the application stored in
     them mean the same here and on the device. A FixedMapping, or why not."""
     page = mmap.PAGESIZE
     if address % page or not 0 < address < 1 << 47:
         return f"{address:#x} is not a page of the user address space"
-    fd = open_client_file(path, cookie, wire.PINNED_HEADER + size)
+    fd = open_client_file(path, cookie, wire.PINNED_HEADER + size, client)
     if fd is None:
         return f"{path!r} is not a pinned host file of this client's"
     try:
@@ -432,6 +470,7 @@ class Worker:
                 fd = peer_frame.get(zmq.SRCFD)       # the connection it came by (monitor events name it)
                 creds = peer_credentials(fd)
                 self.client_fds[fd] = creds[0] if creds and creds[0] else None     # its pid, known on this host
+                self.session.client = creds
                 if self.client_keys is not None:
                     self.peer_keys[peer] = frame_user_id(peer_frame) or ""
         n, want_reply = len(calls), req.wantReply
@@ -467,16 +506,26 @@ class Worker:
     def catch_up(self, first):
         """Run the calls sent over the socket before a mailbox request whose first call is `first`.
 
-        They were sent before it on this host, so they are here or on the way: after a second
-        with none, they never come (the client died, or lied), and the serve loop takes over."""
+        They were sent before it on this host, so they are here or on the way, however late: the
+        client's ZeroMQ thread writes them, and on a loaded host it may not run for seconds while
+        the mailbox, written by the application's thread, is already read. Running the request
+        before them would answer it from a state they have not made yet (a copy's stale bytes). So
+        they are waited for while the client lives, up to CATCH_UP_WAIT with none arriving (a
+        client that lied), and the serve loop takes over when it died."""
         quiet_since = time.monotonic()
-        while self.ack < first - 1 and not self.session.closing and time.monotonic() - quiet_since < 1.0:
+        while self.ack < first - 1 and not self.session.closing:
             if self.sock.poll(100):
                 self.handle(self.sock.recv_multipart(copy=False))
                 quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > CATCH_UP_WAIT or not self.client_alive():
+                break
         if self.ack < first - 1:
             log.warning("context %d: calls %d..%d, sent before mailbox request %d, never came",
                         self.session.ctx_id, self.ack + 1, first - 1, first)
+
+    def client_alive(self):
+        """Whether a client connection is open whose process runs (or, over TCP, may)."""
+        return any(pid is None or pid_alive(pid) for pid in self.client_fds.values())
 
     def run_bare(self, peer, name, seq):
         """A synchronous call with no arguments, read without capnp (wire.BARE_CALLS)."""
@@ -714,6 +763,9 @@ class Worker:
         except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {a.store!r}: {e}") from None
         try:
+            sess = getattr(r.manifest, "session", None)
+            if isinstance(sess, dict) and "tenant" in sess:
+                s.join_tenant(sess["tenant"])     # before its allocations are made again: each is charged
             self.ack = r.recreate()
             s.restoring, s.snapshotting = r, True
             t = time.perf_counter()
@@ -745,6 +797,13 @@ class Worker:
         """The restore's reply: the context, its cut and what is loaded so far."""
         return "restored", {"ctx": self.session.ctx_id, "cut_seq": self.ack, "name": r.name, "bytes": r.bytes_total,
                             "loaded": r.bytes_done, "phase_ms": r.phase_ms}
+
+    def set_tenant(self, peer, seq, a):
+        """A new context's tenant, from the front end before it hands the context out."""
+        if self.attached or self.session.restoring is not None:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "a context in use gets no tenant")
+        self.session.join_tenant(a.name)
+        return "done", None
 
     def thaw(self, peer, seq, a):
         self.frozen = False
@@ -940,6 +999,7 @@ CONTROL_CALLS = {
     "ctxStats": Worker.ctx_stats,
     "thaw": Worker.thaw,
     "retireTo": Worker.retire,
+    "tenant": Worker.set_tenant,
 }
 
 
@@ -1045,6 +1105,8 @@ def main(argv=None):
     ap.add_argument("--host-store", help="a HostStore whose memory to pin, for copies straight to and from it")
     ap.add_argument("--module-cache", help="the server's module images by digest (gpu_server/module_cache.py)")
     ap.add_argument("--emu-ledger", help="emu: the device memory the server's contexts hold (gpu_server/emu_memory.py)")
+    ap.add_argument("--tenant-ledgers", help="the device memory each tenant holds (gpu_server/device_ledger.py)")
+    ap.add_argument("--tenant-quota", type=int, default=0, help="bytes a tenant's contexts may hold (PHOS_TENANT_QUOTA)")
     ap.add_argument("--client-keys", help="CURVE: the directory of admitted client keys (gpu_server/client_keys.py)")
     opts = ap.parse_args(argv)
     logging.basicConfig(level=settings.log_level(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
@@ -1100,6 +1162,8 @@ def main(argv=None):
     if not opts.standby:
         backend.device_info()
     session = Session(backend, opts.ctx, token)
+    if opts.tenant_quota > 0 and opts.tenant_ledgers:
+        session.tenants = (opts.tenant_ledgers, opts.tenant_quota)
     if opts.module_cache:
         session.modules = ModuleCache(opts.module_cache, settings.module_cache_bytes())
     recovery = (opts.recovery_dir, opts.checkpoint_every, opts.checkpoint_calls) if opts.recovery_dir else None
@@ -1130,6 +1194,8 @@ def main(argv=None):
             ctl.close(linger=500)
         t = time.perf_counter()
         backend.close()
+        if session.space.ledger is not None:      # the tenant's share back now, not at another worker's recount
+            session.space.ledger.close()
         # when, and how long: freeing a big context may stall the device's other contexts
         log.info("context %d: its device memory freed in %.1f ms", session.ctx_id, (time.perf_counter() - t) * 1e3)
         for ep in (endpoint, ctl_endpoint):

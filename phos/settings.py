@@ -182,6 +182,11 @@ max_contexts_per_client = _declare("PHOS_MAX_CONTEXTS_PER_CLIENT", int, 32, SERV
                                    "contexts one client holds at once on a server, a client being a CURVE key, "
                                    "else the local user of an ipc:// connection: a cuCtxCreate beyond fails with "
                                    "CUDA_ERROR_OUT_OF_MEMORY (0: no limit)")
+tenant_quota = _declare("PHOS_TENANT_QUOTA", int, 0, SERVER,
+                        "the bytes of device memory all the contexts of one tenant may hold together on a server, "
+                        "on every backend, a tenant being a client as PHOS_MAX_CONTEXTS_PER_CLIENT counts them: an "
+                        "allocation beyond fails with CUDA_ERROR_OUT_OF_MEMORY, and cuMemGetInfo reports no more "
+                        "free than the quota leaves (0: no quota)")
 worker_start_timeout = _declare("PHOS_WORKER_START_TIMEOUT", float, 60.0, SERVER,
                                 "seconds the front end waits for a worker to start")
 attach_timeout = _declare("PHOS_ATTACH_TIMEOUT", float, 30.0, SERVER,

@@ -41,6 +41,12 @@ def emu_ledger_dir(server):
     return _beside(server, ".emu-memory", "emu-memory-{port}")
 
 
+def tenant_ledger_dir(server):
+    """Where the workers of the server listening on `server` account the device memory each tenant
+    holds (PHOS_TENANT_QUOTA): a DeviceLedger directory a tenant (gpu_server/device_ledger.py)."""
+    return _beside(server, ".tenants", "tenants-{port}")
+
+
 def remove_socket_file(endpoint):
     """Remove the file of an ipc:// endpoint whose socket is closed (an abstract one has none)."""
     if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):

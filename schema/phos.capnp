@@ -52,17 +52,18 @@
 #
 # Pinned host memory (same host only: a client whose worker mapped its staging area). A client
 # may allocate pinned host memory (cuMemHostAlloc) as a shared-memory file of its own, made as
-# the staging file is (/dev/shm/phos-<pid>-<random>, O_EXCL, mode 0600). Its first
-# pinnedHeaderBytes are a header that starts with a random cookie of stagingCookieBytes; the
-# application's bytes follow, and the application never maps the header, so nothing it does
-# or is fed can read or forge the cookie. The file keeps its name while it is allocated, so
-# that any worker of the client's (one re-attached to included) can map it; the client
-# removes it when it frees the memory or exits, and the front end's sweep of /dev/shm (when
-# a worker exits, and at start) removes the names of processes gone.
+# the staging file is: a memfd named "phos", sealed against shrinking and growing, which the
+# client names /proc/<its pid>/fd/<fd>. Its first pinnedHeaderBytes are a header that starts
+# with a random cookie of stagingCookieBytes; the application's bytes follow, and the
+# application never maps the header, so nothing it does or is fed can read or forge the
+# cookie. The client keeps the descriptor open while the memory is allocated, so that any
+# worker of the client's (one re-attached to included) can map it; nothing outlives the client.
 # The client announces it with hostMap{id, path, cookie, size} (size: the application's bytes;
-# id: the client's, never 0). The worker maps it with the staging file's checks (a regular
-# file /dev/shm/phos-*, opened without following links, of the size announced or more, whose
-# header starts with the cookie), up to the bytes its server allows a worker
+# id: the client's, never 0). The worker maps it with the staging file's checks (worker.py,
+# open_client_file: a memfd "phos" of the asking process, whose pid the connection's
+# SO_PEERCRED gives, owned by its user, sealed against shrinking, so that it can never be cut
+# short under the worker's mapping, of the size announced or more, whose header starts with
+# the cookie), up to the bytes its server allows a worker
 # (PHOS_PINNED_HOST_BYTES), and pins it; Result u64s = [1] if it did, else [0] and text saying
 # why: copies then travel as for any other memory.
 # A copy whose host side lies in a mapped range is a memcpyPinned naming (range, offset, size):
@@ -104,11 +105,11 @@
 # Snapshots (snapshot/engine.py). Each worker also binds a control socket, known only to
 # the front end, that speaks the control plane (ControlRequest and ControlReply, at the end of
 # this file), not the application's calls. Its first request is attach{ctx, token = the control
-# token}; then the front end sends checkpoint, restore, ctxStats, thaw and retireTo. A restored
-# context keeps its ctx id, handles and addresses; its client finds the new worker by sending
-# reattach{ctx, token} to the front end, attaches with its session token (attach's u64s[2] is
-# the worker's last executed seq, the image's cut), and resends its unacknowledged calls after
-# that seq.
+# token}; then the front end sends tenant, checkpoint, restore, ctxStats, thaw and retireTo.
+# A restored context keeps its ctx id, handles and addresses; its client finds the new worker
+# by sending reattach{ctx, token} to the front end, attaches with its session token (attach's
+# u64s[2] is the worker's last executed seq, the image's cut), and resends its unacknowledged
+# calls after that seq.
 #
 # Recovery (gpu_server/recovery.py). A server started with --recovery-dir takes periodic
 # incremental images of every context (--checkpoint-every SECONDS, --checkpoint-calls N)
@@ -302,8 +303,9 @@ struct CtxCreate { flags @0 :UInt32; device @1 :Int32; }
 struct Attach {
   ctx @0 :UInt64;
   token @1 :Data;
-  # Optional staging area for bulk bytes when client and worker share a host: a file the
-  # client made (e.g. in /dev/shm) whose first 16 bytes equal shmCookie. The Result's
+  # Optional staging area for bulk bytes when client and worker share a host: a sealed memfd
+  # the client made, /proc/<pid>/fd/<fd> ("Pinned host memory" above says which it must be),
+  # whose first 16 bytes equal shmCookie. The Result's
   # u64s[1] is 1 if the worker mapped it; calls then name byte ranges of it (viaShm).
   shmPath @2 :Text;
   shmCookie @3 :Data;
@@ -331,7 +333,7 @@ struct MemcpyDtoH {
   viaShm @3 :Bool; shmOffset @4 :UInt64; chunkOffset @5 :UInt64; totalSize @6 :UInt64;
 }
 struct MemcpyDtoD { dst @0 :UInt64; src @1 :UInt64; size @2 :UInt64; stream @3 :UInt64; }
-# A client's pinned host range, a file it made in /dev/shm ("Pinned host memory"): id is the
+# A client's pinned host range, a memfd it made ("Pinned host memory"): id is the
 # client's name for it, size the application's bytes (after the header).
 struct HostMap { id @0 :UInt64; path @1 :Text; cookie @2 :Data; size @3 :UInt64; address @4 :UInt64; }
 # A copy between device address `device` and bytes [offset, offset + size) of pinned range
@@ -385,6 +387,10 @@ struct Checkpoint {
 # With `advance` and `delta` (a Checkpoint's early delta), the worker moves on by the delta
 # instead of reading the image's manifest, which may not be committed yet.
 struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; warm @4 :Bool; delta @5 :ImageDelta; }
+# The tenant a new context's memory counts against (PHOS_TENANT_QUOTA), when the server has a
+# quota: `name` is a digest of the tenant's identity (gpu_server/device_ledger.py tenant_name), its
+# ledger directory's name. The context's images carry it, so a restore charges the same tenant.
+struct Tenant { name @0 :Text; }
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
 struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }
@@ -408,6 +414,7 @@ struct ControlRequest {
     thaw @5 :Void;             # a frozen worker (checkpoint with freeze) serves its client again
     retireTo @6 :Moved;        # a frozen worker's context lives there now: tell the client
                                # (Reply.moved) and exit
+    tenant @7 :Tenant;         # a new context's tenant, before its client can attach
   }
 }
 
@@ -415,7 +422,7 @@ struct ControlReply {
   seq @0 :UInt64;              # the request's; 0 for a frame that could not be read
   union {
     failed @1 :Failure;
-    done @2 :Void;             # attach, thaw, retireTo
+    done @2 :Void;             # attach, thaw, retireTo, tenant
     progress @3 :Progress;     # a checkpoint is running
     delta @4 :ImageDelta;      # a checkpoint with early: its image before it is committed
     checkpointed @5 :CheckpointResult;

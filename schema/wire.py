@@ -349,8 +349,9 @@ STATS_FIELDS = (("bytes", "bytes"), ("allocations", "allocations"), ("last_seq",
 
 def encode_control(seq, kind, args=None):
     """A ControlRequest frame. kind: attach ({ctx, token}), checkpoint (CHECKPOINT_ARGS),
-    restore (RESTORE_ARGS and delta: a packed ImageDelta, see pack_delta), ctxStats, thaw or
-    retireTo ({endpoint, standby, serverKey}); args: a dict of its fields (those left out are zero).
+    restore (RESTORE_ARGS and delta: a packed ImageDelta, see pack_delta), ctxStats, thaw,
+    retireTo ({endpoint, standby, serverKey}) or tenant ({name}); args: a dict of its fields
+    (those left out are zero).
     Raises WireError for a delta that cannot be read."""
     req = ControlRequest.new_message(seq=seq)
     if args is None:
@@ -385,6 +386,8 @@ def read_control(frame):
                                          delta=_read_delta(a.delta) if a._has("delta") else None)
         elif kind == "retireTo":
             args = types.SimpleNamespace(endpoint=a.endpoint, standby=a.standby, server_key=a.serverKey)
+        elif kind == "tenant":
+            args = types.SimpleNamespace(name=a.name)
         else:
             args = None
         return req.seq, kind, args

@@ -369,12 +369,13 @@ class Checkpoint(ChunkJob):
         self.fields, regions, images = describe(s, self.chunk_size)
         self.chunks, self.settled = Chunks(regions, s.space.moved), set()
         # the pass first: the application's next kernel waits for it (the fence), not for the rest
-        t = self.step("cut_describe", t0)
+        f = self.fields    # the step's name says how much it described (a benchmark's report shows it)
+        t = self.step(f"cut_describe_{len(f['modules'])}_modules_{len(f['functions'])}_functions_{len(regions)}_regions", t0)
         self.release_frozen()        # a re-cut's
         self.copied_on_device = False
         if DEVICE_COPY and self.concurrent and not self.precopy:
             # saved from a copy the application cannot write: no call waits for a copy-on-write
-            self.frozen = s.backend.snap.freeze(self.chunks.device_regions())
+            self.frozen = s.backend.snap.freeze(self.chunks.device_regions(), self.step)
             self.copied_on_device = self.frozen is not None
             t = self.step("cut_freeze", t)
         self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)

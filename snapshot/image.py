@@ -36,7 +36,9 @@ Layout in a store (see store.py):
        "session":     {"ctx", "token", "next_id",
                        "limits"?: [[CUlimit, value], ...] (what the application set),
                        "reserved"?: [[base, length], ...] (cuMemAddressReserve's ranges;
-                                    the allocations mapped in them are among "allocations")}
+                                    the allocations mapped in them are among "allocations"),
+                       "tenant"?: the name of the tenant whose quota its memory counts against
+                                  (PHOS_TENANT_QUOTA: 64 lowercase hex digits, a digest)}
                                                                   (optional)
        "metadata":    {...}    e.g. {"mode": "concurrent", "paused": false, "pause_ms": 0.4,
                                       "recopied_chunks": 0}}
@@ -471,6 +473,9 @@ class _V:
             if not _TOKEN_RE.fullmatch(token):
                 self.fail("session.token", f"expected a token digest (64 lowercase hex digits), found {token!r:.80}")
             self.int(sess, "next_id", "session")
+            tenant = self.str(sess, "tenant", "session", optional=True, maxlen=64)
+            if tenant is not None and not _TOKEN_RE.fullmatch(tenant):      # a digest too (tenant_name)
+                self.fail("session.tenant", f"expected a tenant's name (64 lowercase hex digits), found {tenant!r:.80}")
             for field, what in (("limits", "[CUlimit, value]"), ("reserved", "[base, length]")):
                 pairs = sess.get(field, [])
                 for k, pair in enumerate(pairs if isinstance(pairs, list) else [None]):

@@ -29,11 +29,12 @@ class SnapshotOps(Protocol):
         wait(block=False) gives None until then. fence: later application work waits for
         the fingerprinting, so that none of it can change a chunk before it is read."""
 
-    def freeze(self, regions) -> Optional[object]:
+    def freeze(self, regions, step=None) -> Optional[object]:
         """Copy each region [(device address, length)] as the device holds it now (a
         checkpoint's cut, just before fingerprints(), whose fence then covers this copy too)
         into memory of the backend's own, where later application work cannot change it.
-        Returns that copy, for read() and release(); None where memory is short for it."""
+        Returns that copy, for read() and release(); None where memory is short for it.
+        step(name, since) -> now, if given, is told where the time went (Checkpoint.step)."""
 
     def release(self, frozen) -> None:
         """Free a copy that freeze() made, once no read() from it is under way."""

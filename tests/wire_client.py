@@ -3,7 +3,9 @@
 RawSession speaks phos.capnp directly, without the client stub's own checks: what a
 tenant that bypasses the stub can send to the front end and to its context worker.
 """
+import fcntl
 import itertools
+import os
 
 import zmq
 
@@ -23,6 +25,18 @@ def dealer(endpoint, timeout_ms=TIMEOUT_MS):
 def encode(calls, seqs, want_reply=True, version=wire.PROTOCOL_VERSION):
     """A Request frame from (name, args): args None (Void), a dict of fields, or a value (Data members)."""
     return wire.encode_request([(seq, name, args, None) for seq, (name, args) in zip(seqs, calls)], want_reply, version)[0]
+
+
+def client_file(size, cookie, name="phos", sealed=True):
+    """A file for a worker to map, as the client stub makes it (session.cpp, create_shared_file):
+    a memfd of this process of `size` bytes starting with `cookie`, sealed against shrinking and
+    growing. (its name for the worker, its descriptor); the caller closes the descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, cookie, 0)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return f"/proc/{os.getpid()}/fd/{fd}", fd
 
 
 def decode_reply(frames):

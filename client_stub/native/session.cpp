@@ -4,13 +4,13 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
-#include <set>
 #include <thread>
 
 #include "common.h"
@@ -579,54 +579,55 @@ static bool random_bytes(void* out, size_t n) {
     return true;
 }
 
-// A name in /dev/shm for a file a worker is to open: phos-<pid>-<random>, which the front end's
-// sweep_shm removes if we are killed while it exists.
-static bool shm_name(std::string& path) {
-    unsigned char r[6];
-    if (!random_bytes(r, sizeof r)) return false;
-    char name[64];
-    snprintf(name, sizeof name, "/dev/shm/phos-%d-%02x%02x%02x%02x%02x%02x", static_cast<int>(getpid()), r[0], r[1], r[2],
-             r[3], r[4], r[5]);
-    path = name;
-    return true;
-}
-
-// A new file a worker is to open (shm_name), ours alone (O_EXCL, 0600), and the random
-// cookie its first bytes are to hold, which shows the worker whose file it is. -1 if it
-// cannot be made (errno says why).
-static int create_shared_file(std::string& path, std::string& cookie) {
+// A new file a worker is to open, of `size` bytes, and the random cookie its first bytes hold,
+// which shows the worker whose file it is: a memfd, sealed against shrinking and growing, which no other
+// process can open by name and which goes with its last user, so nothing is left behind if we
+// are killed. The seal is what lets a worker map it safely: a file cut short under its mapping
+// would kill the worker (SIGBUS). Its name for the worker is /proc/<our pid>/fd/<fd>, valid while
+// the descriptor is open. allocate: its bytes are allocated now (the application's own memory:
+// a write into a sparse file that memory cannot hold would kill us), else as they are used (a
+// staging area, of which copies use what they need). -1 if it cannot be made (errno says why).
+static int create_shared_file(size_t size, bool allocate, std::string& path, std::string& cookie) {
     unsigned char c[staging::kCookieBytes];
-    if (!random_bytes(c, sizeof c) || !shm_name(path)) return -1;
+    if (!random_bytes(c, sizeof c)) return -1;
+    const int fd = static_cast<int>(syscall(SYS_memfd_create, "phos", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    if (fd < 0) return -1;
+    int err = ftruncate(fd, static_cast<off_t>(size)) == 0 ? 0 : errno;
+    if (!err && allocate) err = posix_fallocate(fd, 0, static_cast<off_t>(size));
+    if (!err && pwrite(fd, c, sizeof c, 0) != static_cast<ssize_t>(sizeof c)) err = errno ? errno : EIO;
+    if (!err && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) err = errno;
+    if (err) {
+        close(fd);
+        errno = err;
+        return -1;
+    }
     cookie.assign(reinterpret_cast<char*>(c), sizeof c);
-    return open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    path = "/proc/" + std::to_string(getpid()) + "/fd/" + std::to_string(fd);
+    return fd;
 }
 
-// Creates the staging file (create_shared_file), mapped, with its cookie at its start.
-static char* create_staging(std::string& path, std::string& cookie) {
-    const int fd = create_shared_file(path, cookie);
-    const char* name = path.c_str();
+// Creates the staging file (create_shared_file), mapped. Its descriptor (fd) names it until the
+// worker answered.
+static char* create_staging(std::string& path, std::string& cookie, int& fd) {
+    fd = create_shared_file(staging::kAreaSize, false, path, cookie);
     if (fd < 0) {
-        log_verbose("cannot create a staging area %s: %s", name, strerror(errno));
+        log_verbose("cannot create a staging area: %s", strerror(errno));
         return nullptr;
     }
-    void* area = MAP_FAILED;
-    if (ftruncate(fd, static_cast<off_t>(staging::kAreaSize)) == 0)
-        area = mmap(nullptr, staging::kAreaSize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    const int saved = errno;
-    close(fd);
+    void* area = mmap(nullptr, staging::kAreaSize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (area == MAP_FAILED) {
-        log_verbose("cannot map a staging area %s: %s", name, strerror(saved));
-        unlink(name);
+        log_verbose("cannot map a staging area: %s", strerror(errno));
+        close(fd);
         return nullptr;
     }
-    std::memcpy(area, cookie.data(), cookie.size());
     return static_cast<char*>(area);
 }
 
 wire::Result Connection::attach(uint64_t ctx, std::string token, double timeout) {
     const std::string c_token = token;
     std::string path, cookie;
-    char* area = may_share_host(endpoint()) ? create_staging(path, cookie) : nullptr;
+    int fd = -1;
+    char* area = may_share_host(endpoint()) ? create_staging(path, cookie, fd) : nullptr;
     wire::Call c = area ? wire::Call::attach_with_staging(ctx, std::move(token), path, cookie, staging::kAreaSize)
                         : wire::Call::attach(ctx, std::move(token));
     wire::Result r = call(std::move(c), nullptr, timeout);
@@ -636,7 +637,7 @@ wire::Result Connection::attach(uint64_t ctx, std::string token, double timeout)
         note_attach(r);
     }
     if (area) {
-        unlink(path.c_str());   // mapped by both or by us alone: the name is no longer needed
+        close(fd);   // mapped by both or by us alone: the name is no longer needed
         if (r.status == 0 && r.u64s.size() > 1 && r.u64s[1] == 1) {
             shm_ = area;
             const int mode = settings().mailbox;
@@ -652,37 +653,6 @@ wire::Result Connection::attach(uint64_t ctx, std::string token, double timeout)
 }
 
 // -- pinned host memory the worker maps (schema/phos.capnp, "Pinned host memory") ---------
-
-// The names of the shared files this process made, removed at its exit (not a forked child's).
-namespace {
-std::mutex names_lock;
-std::set<std::string>& shared_names() {
-    static auto* names = new std::set<std::string>();   // never destroyed: read by the exit handler
-    return *names;
-}
-pid_t names_owner = 0;
-
-void unlink_names_at_exit() {
-    if (getpid() != names_owner) return;
-    std::lock_guard<std::mutex> g(names_lock);
-    for (const std::string& name : shared_names()) unlink(name.c_str());
-}
-
-void keep_name(const std::string& path) {
-    static std::once_flag once;
-    std::call_once(once, [] {
-        names_owner = getpid();
-        atexit(unlink_names_at_exit);
-    });
-    std::lock_guard<std::mutex> g(names_lock);
-    shared_names().insert(path);
-}
-
-void drop_name(const std::string& path) {
-    std::lock_guard<std::mutex> g(names_lock);
-    if (shared_names().erase(path)) unlink(path.c_str());
-}
-}  // namespace
 
 // Where memory the device uses in place is placed (SharedHost::make with in_place): a worker
 // maps it at the same address, which must be free there too. Linux places a process's own
@@ -710,28 +680,16 @@ static void* map_in_place_area(int fd, size_t n) {
 std::unique_ptr<SharedHost> SharedHost::make(size_t n, bool in_place) {
     static uint64_t next_id = 1;   // under the driver's lock, as every call
     std::unique_ptr<SharedHost> h(new SharedHost());
-    const int fd = create_shared_file(h->path_, h->cookie_);
-    if (fd < 0) {
-        log_verbose("cannot make %zu bytes of pinned host memory shared (%s: %s): it stays private", n,
-                    h->path_.c_str(), strerror(errno));
-        return nullptr;
-    }
-    keep_name(h->path_);
-    // Its bytes are allocated now: a write into a sparse file /dev/shm cannot hold would kill us.
-    int err = ftruncate(fd, static_cast<off_t>(kPinnedHeader + n)) == 0 ? 0 : errno;
-    if (!err) err = posix_fallocate(fd, static_cast<off_t>(kPinnedHeader), static_cast<off_t>(n));
-    const std::string& c = h->cookie_;
-    if (!err && pwrite(fd, c.data(), c.size(), 0) != static_cast<ssize_t>(c.size())) err = errno ? errno : EIO;
+    h->fd_ = create_shared_file(kPinnedHeader + n, true, h->path_, h->cookie_);
     void* data = MAP_FAILED;
-    if (!err) {
-        data = in_place ? map_in_place_area(fd, n)
-                        : mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, static_cast<off_t>(kPinnedHeader));
-        if (data == MAP_FAILED) err = errno ? errno : EEXIST;
+    if (h->fd_ >= 0) {
+        data = in_place ? map_in_place_area(h->fd_, n)
+                        : mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, h->fd_, static_cast<off_t>(kPinnedHeader));
+        if (data == MAP_FAILED && !errno) errno = EEXIST;
     }
-    close(fd);
-    if (err) {
-        log_verbose("cannot make %zu bytes of pinned host memory shared (%s): it stays private", n, strerror(err));
-        return nullptr;   // the destructor removes the name
+    if (data == MAP_FAILED) {
+        log_verbose("cannot make %zu bytes of pinned host memory shared (%s): it stays private", n, strerror(errno));
+        return nullptr;   // the destructor closes the file
     }
     h->data_ = static_cast<char*>(data);
     h->size_ = n;
@@ -741,7 +699,7 @@ std::unique_ptr<SharedHost> SharedHost::make(size_t n, bool in_place) {
 
 SharedHost::~SharedHost() {
     if (data_) munmap(data_, size_);
-    if (!path_.empty()) drop_name(path_);
+    if (fd_ >= 0) close(fd_);
 }
 
 // A call about this connection rather than the context (hostMap, hostUnmap): after the calls
@@ -1081,7 +1039,8 @@ bool Connection::attach_again(const std::string& endpoint, double timeout, uint6
         return false;
     }
     std::string path, cookie;
-    char* area = may_share_host(endpoint) ? create_staging(path, cookie) : nullptr;
+    int fd = -1;
+    char* area = may_share_host(endpoint) ? create_staging(path, cookie, fd) : nullptr;
     wire::Call c = area ? wire::Call::attach_with_staging(ctx_, token_, path, cookie, staging::kAreaSize)
                         : wire::Call::attach(ctx_, token_);
     c.seq = 0;
@@ -1095,7 +1054,7 @@ bool Connection::attach_again(const std::string& endpoint, double timeout, uint6
         r = failure(kUnknown, "the worker at " + endpoint + " sent no cut with attach");
     }
     if (area) {
-        unlink(path.c_str());
+        close(fd);
         if (r.status == 0 && r.u64s.size() > 1 && r.u64s[1] == 1) shm_ = area;
         else munmap(area, staging::kAreaSize);
     }

@@ -25,14 +25,13 @@ extern const size_t kMinCopy;
 }  // namespace staging
 
 // Pinned host memory shared with the workers on our host (schema/phos.capnp, "Pinned host
-// memory"): a file in /dev/shm, named as the staging file is, which the application's bytes are
-// mapped from and a worker maps too, so that copies from and to it travel as references
-// (memcpyPinned). It keeps its name while it is allocated, so that every worker of ours (one
-// re-attached to included) can map it; the name goes when it is freed, when we exit, and, if we
-// are killed, with the front end's sweep of the names of processes gone (sweep_shm).
+// memory"): a sealed memfd, made as the staging file is (session.cpp, create_shared_file), which
+// the application's bytes are mapped from and a worker maps too, so that copies from and to it
+// travel as references (memcpyPinned). Its descriptor stays open while it is allocated, so that
+// every worker of ours (one re-attached to included) can map it by name; nothing outlives us.
 class SharedHost {
 public:
-    // `n` bytes of it, or null (saying why with PHOS_VERBOSE) if /dev/shm cannot hold them.
+    // `n` bytes of it, or null (saying why with PHOS_VERBOSE) if memory cannot hold them.
     // in_place: placed where the same address is likely free in a worker too (session.cpp).
     static std::unique_ptr<SharedHost> make(size_t n, bool in_place = false);
     ~SharedHost();
@@ -52,6 +51,7 @@ private:
     std::string cookie_;      // the random bytes its header starts with; the application does not map them
     char* data_ = nullptr;    // the application's bytes, after the header
     size_t size_ = 0;
+    int fd_ = -1;             // its memfd, open while it lives: path_ names it to every worker of ours
 };
 
 // Where the bytes of a device->host copy go once its Result arrives.

@@ -12,7 +12,8 @@
 # arena (perf/probe_host_arena.py: can images live in pinned shared memory?),
 # interference (perf/probe_copy_interference.py: does copying slow the application's kernels?),
 # handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py; handoff-bench: the last alone),
-# bench (the other perf/* benchmarks),
+# bench (the other perf/* benchmarks), pool (perf/bench_pool.py on Ray; needs .ray/, see docs/device.md),
+# probe-freeze (perf/probe_freeze_alloc.py: what the cut's device copy costs to allocate),
 # locust (perf/locustfile.py, 5 minutes),
 # torch (perf/torch_ladder.py natively, then through phos's libcuda.so.1 under NVIDIA's own runtime;
 # PHOS_TORCH_STEPS picks steps, PHOS_TORCH_TRAIN_STEPS the training steps; then perf/torch_recovery.py,
@@ -140,6 +141,17 @@ if want torch || want bench-torch; then
     # phos; then a checkpoint of the training context while it trains (PHOS_BENCH_TORCH: workloads)
     step bench-torch python3 perf/bench_torch.py --only "${PHOS_BENCH_TORCH:-gpt2_train,gpt2_infer,mlp_train,load_4gib,checkpoint}" \
         --json "$OUT/bench-torch.json"
+fi
+if want pool; then
+    # perf/bench_pool.py on the GPU: two pool servers on Ray, each with its own /dev/shm and /tmp.
+    # Ray comes as .ray/ray-slim.tar.xz (docs/device.md: its wheel, 79 MB, passes what a call may carry)
+    rm -rf /tmp/ray-site && mkdir -p /tmp/ray-site && tar -xJf .ray/ray-slim.tar.xz -C /tmp/ray-site &&
+        step bench-pool env PYTHONPATH="/tmp/ray-site:$PYTHONPATH" timeout "${PHOS_POOL_TIMEOUT:-420}" python3 perf/bench_pool.py \
+            --backend cuda --nodes 2 --private-mounts --contexts 64 --server-pool 40 --checkpoint-every 600 \
+            --sizes "${PHOS_POOL_SIZES:-1,8}" --unit GiB --json "$OUT/bench_pool.json"
+fi
+if want probe-freeze; then
+    step probe-freeze-alloc python3 perf/probe_freeze_alloc.py --gib 1,9.65
 fi
 if want bench; then
     step transport-floor python3 perf/transport_floor.py

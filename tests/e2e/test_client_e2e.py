@@ -210,5 +210,7 @@ def test_staging_refused_for_a_forged_cookie(cu):
         f.write(b"\0" * 16)                       # not what we will claim
     res = conn.call("attach", {"ctx": int(cu.cuCtxGetCurrent()[1]), "token": b"", "shmPath": path,
                                "shmCookie": cookie, "shmSize": size})
-    os.unlink(path)
+    fd, area = conn._offer                        # the offer's file, which no attach took
+    os.close(fd)
+    area.close()
     assert res.status == 0 and res.u64s[1] == 0   # already attached: the call succeeds, the area is refused

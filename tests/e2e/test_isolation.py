@@ -15,7 +15,7 @@ import pytest
 from phos.schema import wire
 from phos.schema.cuda_types import CUresult
 from ptx_helpers import compile_ptx
-from wire_client import RawSession, dealer, decode_reply, encode
+from wire_client import RawSession, client_file, dealer, decode_reply, encode
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
@@ -203,17 +203,19 @@ def test_b_cannot_attach_to_a_context(a, b):
 
 
 def test_staging_file_must_be_the_clients(a, b, tmp_path):
-    """attach's staging path cannot name a server file: a tenant could read and write it."""
+    """attach's staging path cannot name a server file (a tenant could read and write it), nor a
+    file the tenant could cut short under the worker's mapping (SIGBUS would kill the worker)."""
     cookie = b"\x7fELF\x02\x01\x01\x00" + bytes(8)      # every x86-64 ELF file starts so
     size = wire.SLOTS_OFFSET + 4096
     target = tmp_path / "server-file"
     target.write_bytes(cookie + b"secret" * size)
-    shm = f"/dev/shm/phos-test-{os.getpid()}"
-    os.symlink(target, shm + "-link")
-    os.mkfifo(shm + "-fifo")
-    for name, n in (("-small", 4096), ("-file", size)):      # -file is what a client offers
-        with open(shm + name, "wb") as f:
-            f.write(cookie + bytes(n))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    by_path = os.open(target, os.O_PATH)                      # needs no right to write the file
+    fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    small, small_fd = client_file(4096 + 16, cookie)          # no room for the mailbox
+    unsealed, unsealed_fd = client_file(size, cookie, sealed=False)
+    offered, offered_fd = client_file(size, cookie)           # what a client offers
 
     def mapped(path, n=size):
         [(_, status, message, u64s, _)] = b.call(("attach", {"ctx": b.ctx, "token": b.token, "shmPath": path,
@@ -221,14 +223,15 @@ def test_staging_file_must_be_the_clients(a, b, tmp_path):
         assert status == 0, (path, message)
         return u64s[1]
     try:
-        for path in [str(target), shm + "-link", shm + "-fifo", f"/dev/shm/../..{target}"]:
+        for path in [str(target), f"/proc/{os.getpid()}/fd/{by_path}", f"/proc/{os.getpid()}/fd/{fifo_fd}",
+                     f"/proc/{os.getpid()}/fd/{by_path}/../../../..{target}", unsealed]:
             assert mapped(path) == 0, path
-        assert mapped(shm + "-small", 4096 + 16) == 0          # no room for the mailbox
+        assert mapped(small, 4096 + 16) == 0
         assert b.status(("memGetInfo", None)) == (0, "")
-        assert mapped(shm + "-file") == 1
+        assert mapped(offered) == 1
     finally:
-        for suffix in ("-link", "-fifo", "-small", "-file"):
-            os.unlink(shm + suffix)
+        for fd in (by_path, fifo_fd, small_fd, unsealed_fd, offered_fd):
+            os.close(fd)
     assert target.read_bytes() == cookie + b"secret" * size
     assert b.status(("memGetInfo", None)) == (0, "")
     a.check()

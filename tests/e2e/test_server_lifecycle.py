@@ -146,23 +146,22 @@ def test_curve_authentication(backend, tmp_path):
 
 
 def test_a_starting_server_sweeps_what_killed_processes_left_in_shm(servers):
-    """A client killed between making its staging file and the worker mapping it, or a server
-    killed mid-handoff, leaves a file or a store in /dev/shm: the next server to start removes
+    """A server killed mid-handoff leaves a store in /dev/shm: the next server to start removes
     those whose process is gone, and nothing of a live process."""
     dead = subprocess.Popen(["true"])
     dead.wait()
-    left = [f"/dev/shm/phos-{dead.pid}-0123456789ab", f"/dev/shm/phos-handoff-{dead.pid}-x_1y2z"]
-    kept = [f"/dev/shm/phos-{os.getpid()}-ba9876543210", f"/dev/shm/phos-handoff-{os.getpid()}-keepme", "/dev/shm/phos-notours"]
-    for path in left[:1] + kept[:1] + kept[2:]:
+    left = [f"/dev/shm/phos-handoff-{dead.pid}-x_1y2z"]
+    kept = [f"/dev/shm/phos-handoff-{os.getpid()}-keepme", "/dev/shm/phos-notours", f"/dev/shm/phos-{dead.pid}-0123456789ab"]
+    for path in kept[1:]:
         open(path, "wb").close()
-    for path in left[1:] + kept[1:2]:
+    for path in left + kept[:1]:
         os.makedirs(path)
         open(os.path.join(path, "chunk"), "wb").close()
     try:
         srv = servers("one")
         assert not any(os.path.exists(p) for p in left)
         assert all(os.path.exists(p) for p in kept)
-        assert "removed 2 file(s) that killed processes left in /dev/shm" in srv.output()
+        assert "removed 1 file(s) that killed processes left in /dev/shm" in srv.output()
     finally:
         for path in left + kept:
             subprocess.run(["rm", "-rf", path])

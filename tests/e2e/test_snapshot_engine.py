@@ -839,7 +839,7 @@ def test_a_concurrent_cut_saves_from_a_device_copy_where_the_device_has_room(tmp
     at_cut = filler(8 << 20)
     s, ptr = emu_session_holding(at_cut)
     if not room:
-        monkeypatch.setattr(s.backend.snap, "freeze", lambda regions: None)
+        monkeypatch.setattr(s.backend.snap, "freeze", lambda regions, step=None: None)
     saved = []
     real_save = Checkpoint.save
     monkeypatch.setattr(Checkpoint, "save", lambda self, idx, urgent=False: (saved.append(urgent), real_save(self, idx, urgent))[1])

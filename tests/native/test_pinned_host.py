@@ -1,9 +1,10 @@
 """Pinned host memory the worker maps (schema/phos.capnp, "Pinned host memory"): on one host,
-cuMemAllocHost's bytes are a file in /dev/shm that the context's worker maps too, and a copy
+cuMemAllocHost's bytes are a sealed memfd that the context's worker maps too, and a copy
 from or to them travels as a reference (memcpyPinned), copied in place by the worker.
 
 A Python program drives the native stub through ctypes (no nvcc needed) against an emu server.
 """
+import fcntl
 import mmap
 import re
 import os
@@ -21,7 +22,7 @@ from phos.schema import wire
 from phos.schema.cuda_types import CUresult
 from test_stub import LIBCUDA, stub, stub_env  # noqa: F401 (stub: a fixture)
 from test_stub_recovery import kill_worker
-from wire_client import RawSession, decode_reply
+from wire_client import RawSession, client_file, decode_reply
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
@@ -38,16 +39,17 @@ def ok(status, what):
         sys.exit(f"{what} failed: {status}")
 
 def shared(addr):
-    # mapped from a file in /dev/shm
+    # mapped from the stub's memfd
     for line in open("/proc/self/maps"):
         fields = line.split(None, 5)
         lo, hi = (int(x, 16) for x in fields[0].split("-"))
         if lo <= addr < hi:
-            return len(fields) > 5 and fields[5].startswith("/dev/shm/")
+            return len(fields) > 5 and fields[5].startswith("/memfd:phos")
     return False
 
-def names_in_shm():
-    return sum(n.startswith(f"phos-{os.getpid()}-") for n in os.listdir("/dev/shm"))
+def memfds_open():
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:phos") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
 
 def pinned():
     p = P()
@@ -72,13 +74,10 @@ ok(cuda.cuStreamCreate(ctypes.byref(stream), 0), "cuStreamCreate")
 ok(cuda.cuMemAlloc_v2(ctypes.byref(d), SZ(N)), "cuMemAlloc")
 (ha, a), (hb, b), (hc, c) = pinned(), pinned(), pinned()
 print("shared:", sum(map(shared, (ha, hb, hc))))
-print("names in /dev/shm:", names_in_shm())
+print("memfds open:", memfds_open())
 
 if mode == "hold":
     wait_for_line("READY")
-if mode == "exit":                   # without freeing them
-    print("pid:", os.getpid())
-    sys.exit(0)
 
 if mode == "copies":
     a[:] = pattern(N, 1)
@@ -124,12 +123,12 @@ if mode == "recovery":
 for h in (ha, hb, hc):
     ok(cuda.cuMemFreeHost(P(h)), "cuMemFreeHost")
 print("freed: shared:", sum(map(shared, (ha, hb, hc))))
-print("names in /dev/shm:", names_in_shm())
+print("memfds open:", memfds_open())
 print("PASS")
 """
 
 COPIES_OUT = ["sync wrong: 0", "async wrong: 0", "cuMemcpy wrong: 0", f"too large: {int(CUresult.CUDA_ERROR_INVALID_VALUE)}",
-              "freed: shared: 0", "names in /dev/shm: 0", "PASS"]
+              "freed: shared: 0", "memfds open: 0", "PASS"]
 
 
 def run(address, mode="copies", **env):
@@ -153,7 +152,7 @@ def stats(stderr):
 def test_the_worker_maps_pinned_memory_and_copies_in_place(stub, server):
     r = run(server.address)
     lines = r.stdout.splitlines()
-    assert r.returncode == 0 and lines[:2] == ["shared: 3", "names in /dev/shm: 3"] and lines[2:] == COPIES_OUT, \
+    assert r.returncode == 0 and lines[:2] == ["shared: 3", "memfds open: 3"] and lines[2:] == COPIES_OUT, \
         f"{r.stdout}\n{r.stderr}"
     assert r.stderr.count("the worker mapped pinned host memory") == 3, r.stderr
     staged, in_place = stats(r.stderr)
@@ -163,7 +162,7 @@ def test_the_worker_maps_pinned_memory_and_copies_in_place(stub, server):
 
 def test_without_a_shared_host_pinned_memory_is_the_stubs_own(stub, server):
     r = run(server.address, PHOS_STAGING="0")
-    assert r.returncode == 0 and r.stdout.splitlines() == ["shared: 0", "names in /dev/shm: 0", *COPIES_OUT], \
+    assert r.returncode == 0 and r.stdout.splitlines() == ["shared: 0", "memfds open: 0", *COPIES_OUT], \
         f"{r.stdout}\n{r.stderr}"
     assert "pinned host memory" not in r.stderr and stats(r.stderr) == (0, 0), r.stderr
 
@@ -174,7 +173,7 @@ def test_a_worker_that_refuses_leaves_it_the_stubs_own(stub, servers, monkeypatc
     monkeypatch.setenv("PHOS_PINNED_HOST_BYTES", str(6 << 20))     # room for one of the three
     srv = servers("bounded")
     r = run(srv.address)
-    assert r.returncode == 0 and r.stdout.splitlines() == ["shared: 1", "names in /dev/shm: 1", *COPIES_OUT], \
+    assert r.returncode == 0 and r.stdout.splitlines() == ["shared: 1", "memfds open: 1", *COPIES_OUT], \
         f"{r.stdout}\n{r.stderr}"
     assert r.stderr.count("the worker mapped pinned host memory") == 1, r.stderr
     assert r.stderr.count("the worker did not map pinned host memory") == 2 and "PHOS_PINNED_HOST_BYTES" in r.stderr
@@ -182,31 +181,24 @@ def test_a_worker_that_refuses_leaves_it_the_stubs_own(stub, servers, monkeypatc
     assert staged > 0 and in_place > 0, r.stderr
 
 
-def names_of(pid):
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"phos-{pid}-")]
-
-
-def test_nothing_is_left_in_dev_shm_when_the_program_exits(stub, server):
-    r = run(server.address, "exit")
-    lines = r.stdout.splitlines()
-    assert r.returncode == 0 and lines[:2] == ["shared: 3", "names in /dev/shm: 3"], f"{r.stdout}\n{r.stderr}"
-    assert not names_of(int(lines[2].split()[1]))
-
-
-def test_nothing_is_left_in_dev_shm_when_the_program_is_killed(stub, server):
-    """The files keep their names while allocated; a program killed leaves them to the front end,
-    which removes the names of processes gone when their worker exits."""
+def test_pinned_memory_has_no_name_another_process_could_open_or_a_killed_one_leave(stub, server):
+    """Its files are memfds: nothing in /dev/shm while they are held, and they go with the program."""
     prog = start(server.address, "hold")
     try:
         assert prog.stdout.readline() == "shared: 3\n", prog.stderr.read()
-        assert prog.stdout.readline() == "names in /dev/shm: 3\n"
+        assert prog.stdout.readline() == "memfds open: 3\n"
         assert prog.stdout.readline() == "READY\n"
+        assert not [n for n in os.listdir("/dev/shm") if str(prog.pid) in n]
+        fds = [f"/proc/{prog.pid}/fd/{n}" for n in os.listdir(f"/proc/{prog.pid}/fd")]
+        memfds = [os.open(f, os.O_RDONLY) for f in fds if os.readlink(f).startswith("/memfd:phos")]
+        try:
+            assert [fcntl.fcntl(f, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK for f in memfds] == [fcntl.F_SEAL_SHRINK] * 3
+        finally:
+            for f in memfds:
+                os.close(f)
+    finally:
         prog.kill()
         prog.wait(30)
-    finally:
-        if prog.poll() is None:
-            prog.kill()
-    assert wait_until(lambda: not names_of(prog.pid), 30), names_of(prog.pid)
 
 
 def test_a_replay_sends_pinned_copies_with_their_bytes(stub, servers, tmp_path):
@@ -218,7 +210,7 @@ def test_a_replay_sends_pinned_copies_with_their_bytes(stub, servers, tmp_path):
     prog = start(one.address, "recovery")
     try:
         assert prog.stdout.readline() == "shared: 3\n", prog.stderr.read()
-        assert prog.stdout.readline() == "names in /dev/shm: 3\n"
+        assert prog.stdout.readline() == "memfds open: 3\n"
         assert prog.stdout.readline() == "ALLOCATED\n"
         [ctx] = admin(one.address).ListContexts(pb.ListContextsRequest()).contexts
         assert wait_until(lambda: recovery_images(directory, ctx.id), 20), "no recovery image of the new context"
@@ -233,7 +225,7 @@ def test_a_replay_sends_pinned_copies_with_their_bytes(stub, servers, tmp_path):
         if prog.poll() is None:
             prog.kill()
     assert prog.returncode == 0 and out.splitlines() == [
-        "replayed wrong: 0", "answered untouched: True", "after wrong: 0", "freed: shared: 0", "names in /dev/shm: 0",
+        "replayed wrong: 0", "answered untouched: True", "after wrong: 0", "freed: shared: 0", "memfds open: 0",
         "PASS"], f"{out}\n{err}\n{one.output()[-4000:]}"
     assert f"context {ctx.id} re-attached" in err, err
     assert err.count("the worker mapped pinned host memory") == 5, err     # 3, then 2 again as they are used
@@ -241,19 +233,13 @@ def test_a_replay_sends_pinned_copies_with_their_bytes(stub, servers, tmp_path):
 
 # -- the worker's side, from a client that bypasses the stub ----------------------------------
 
-def pinned_file(size):
-    """A pinned host file as a client makes it: /dev/shm/phos-<pid>-<random>, the cookie at the start
-    of its header, the bytes after it. (path, cookie, its bytes as this process maps them)."""
-    path = f"/dev/shm/phos-{os.getpid()}-{secrets.token_hex(6)}"
+def pinned_file(size, **how):
+    """A pinned host file as a client makes it (wire_client.client_file), the cookie at the start
+    of its header, the bytes after it. (path, cookie, its bytes as this process maps them, its fd)."""
     cookie = secrets.token_bytes(wire.COOKIE_BYTES)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, wire.PINNED_HEADER + size)
-        os.pwrite(fd, cookie, 0)
-        area = mmap.mmap(fd, wire.PINNED_HEADER + size)
-    finally:
-        os.close(fd)
-    return path, cookie, np.frombuffer(area, np.uint8, size, wire.PINNED_HEADER)
+    path, fd = client_file(wire.PINNED_HEADER + size, cookie, **how)
+    area = mmap.mmap(fd, wire.PINNED_HEADER + size)
+    return path, cookie, np.frombuffer(area, np.uint8, size, wire.PINNED_HEADER), fd
 
 
 def one_call(session, name, args, seq=0, want_reply=True):
@@ -262,13 +248,31 @@ def one_call(session, name, args, seq=0, want_reply=True):
     return decode_reply(session.sock.recv_multipart())[-1] if want_reply else None
 
 
-def test_the_worker_checks_what_a_client_says_of_pinned_memory(server):
+OTHERS_MEMFD = """
+import fcntl, os, sys
+fd = os.memfd_create("phos", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, int(sys.argv[2]))
+os.pwrite(fd, bytes.fromhex(sys.argv[1]), 0)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+print(f"/proc/{os.getpid()}/fd/{fd}", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_worker_checks_what_a_client_says_of_pinned_memory(server, tmp_path):
     size = 1 << 20
-    path, cookie, data = pinned_file(size)
-    link = f"/dev/shm/phos-{os.getpid()}-{secrets.token_hex(6)}"
-    os.symlink(path, link)
+    path, cookie, data, fd = pinned_file(size)
+    unsealed, _, _, unsealed_fd = pinned_file(size, sealed=False)     # a client could cut it short: SIGBUS
+    misnamed, _, _, misnamed_fd = pinned_file(size, name="other")     # somebody else's memory
+    regular = tmp_path / "regular"
+    regular.write_bytes(cookie + bytes(wire.PINNED_HEADER + size))
+    regular_fd = os.open(regular, os.O_PATH)          # a file the client need not be able to write
+    # another process's memfd, named as it names it: the worker looks in the asking process's descriptors
+    other = subprocess.Popen([sys.executable, "-c", OTHERS_MEMFD, cookie.hex(), str(wire.PINNED_HEADER + size)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     s = RawSession(server.address)
     try:
+        others = other.stdout.readline().strip()
         [(_, status, _, [device], _)] = s.call(("memAlloc", {"size": size}))
         assert status == 0
 
@@ -276,10 +280,14 @@ def test_the_worker_checks_what_a_client_says_of_pinned_memory(server):
             r = one_call(s, "hostMap", {"id": rid, "path": where, "cookie": secret, "size": nbytes})
             assert r[1] == 0, r
             return r[3]
-        for where, secret, nbytes in [("/etc/passwd", cookie, 16), ("/dev/shm/phos-nothing-here", cookie, size),
-                                      (link, cookie, size), (path, bytes(16), size), (path, cookie[:8], size),
+        for where, secret, nbytes in [("/etc/passwd", cookie, 16), (f"/proc/{os.getpid()}/fd/999999", cookie, size),
+                                      (f"/proc/{os.getpid()}/fd/{regular_fd}", cookie, size), (others, cookie, size),
+                                      (unsealed, cookie, size), (misnamed, cookie, size), (path + "/", cookie, size),
+                                      (path, bytes(16), size), (path, cookie[:8], size),
                                       (path, cookie, size + 1), (path, cookie, 0), (path, cookie, 2**64 - 1)]:
             assert host_map(7, where, secret, nbytes) == [0], (where, secret, nbytes)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 4096)                     # what the seal is for
         assert host_map(0) == [0]                       # ids are never 0
         assert host_map(7) == [1]
         assert host_map(7) == [0]                       # mapped already
@@ -309,15 +317,17 @@ def test_the_worker_checks_what_a_client_says_of_pinned_memory(server):
         assert copy() == invalid
     finally:
         s.close()
-        os.unlink(link)
-        os.unlink(path)
+        other.kill()
+        other.wait()
+        for descriptor in (fd, unsealed_fd, misnamed_fd, regular_fd):
+            os.close(descriptor)
 
 
 def test_memory_for_the_device_is_mapped_at_the_clients_address_or_refused_saying_why(server):
     """hostMap with an address (managed and mapped host memory): the worker maps the range at that
     address, or answers [0] with the reason; the address of a range mapped already is refused."""
     size = 1 << 16
-    (path, cookie, _), (path2, cookie2, _) = pinned_file(size), pinned_file(size)
+    (path, cookie, _, fd), (path2, cookie2, _, fd2) = pinned_file(size), pinned_file(size)
     at = 0x300000000000 + (secrets.randbelow(1 << 20) << 21)
     s = RawSession(server.address)
     try:
@@ -337,5 +347,5 @@ def test_memory_for_the_device_is_mapped_at_the_clients_address_or_refused_sayin
         assert host_map(2, path2, cookie2, at) == ([1], "")  # free again
     finally:
         s.close()
-        os.unlink(path)
-        os.unlink(path2)
+        os.close(fd)
+        os.close(fd2)

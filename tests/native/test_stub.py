@@ -194,11 +194,14 @@ static size_t not_byte(const unsigned char* p, size_t n, unsigned char v) {
     return bad;
 }
 
-static int staging_files_left() {   // phos unlinks its staging file once the worker answered
-    std::string prefix = "phos-" + std::to_string(getpid()) + "-";
+static int staging_files_left() {   // phos closes its staging memfd once the worker answered
     int n = 0;
-    if (DIR* d = opendir("/dev/shm")) {
-        while (dirent* e = readdir(d)) n += strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0;
+    if (DIR* d = opendir("/proc/self/fd")) {
+        while (dirent* e = readdir(d)) {
+            char target[256] = {0};
+            std::string link = std::string("/proc/self/fd/") + e->d_name;
+            if (readlink(link.c_str(), target, sizeof target - 1) > 0) n += strncmp(target, "/memfd:phos", 11) == 0;
+        }
         closedir(d);
     }
     return n;
@@ -429,25 +432,30 @@ def test_mailbox_with_a_spinning_worker(apps, big_copies, backend, tmp_path):
         srv.stop()
 
 
-def test_staging_file_is_unlinked_after_attach(stub, server):
-    """The file exists only between the offer and the worker's answer: mapped, never left behind."""
+def test_staging_file_is_a_sealed_memfd_closed_after_attach(stub, server):
+    """The file is named only between the offer and the worker's answer (its descriptor), then
+    only mapped, so nothing can be left behind; sealed, so it cannot be cut short under the worker."""
     r = _python(f"""
-        import ctypes, os
+        import ctypes, fcntl, os
         drv = ctypes.CDLL({LIBCUDA!r})
         assert drv.cuInit(0) == 0
         ctx = ctypes.c_void_p()
         assert drv.cuCtxCreate_v4(ctypes.byref(ctx), None, 0, 0) == 0
-        prefix = f"phos-{{os.getpid()}}-"
-        left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-        with open("/proc/self/maps") as f:
-            mapped = [line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" + prefix in line]
+        def target(fd):
+            try:
+                return os.readlink(f"/proc/self/fd/{{fd}}")
+            except FileNotFoundError:      # listdir's own descriptor
+                return ""
+        left = [n for n in os.listdir("/proc/self/fd") if target(n).startswith("/memfd:phos")]
+        [(where, mapped)] = {{(line.split()[0], line.split(None, 5)[-1].strip()) for line in open("/proc/self/maps")
+                             if "/memfd:phos" in line}}
+        with open(f"/proc/self/map_files/{{where}}") as f:
+            seals = fcntl.fcntl(f.fileno(), fcntl.F_GET_SEALS)
         assert drv.cuCtxDestroy_v2(ctx) == 0
-        print("left", len(left), "mapped", sorted(set(mapped)))
+        print("left", len(left), "sealed", seals & fcntl.F_SEAL_SHRINK == fcntl.F_SEAL_SHRINK, "mapped", mapped)
     """, env=stub_env(server.address))
     assert r.returncode == 0, r.stdout + r.stderr
-    left, mapped = r.stdout.split(" mapped ")
-    assert left == "left 0"
-    assert re.fullmatch(r"\['/dev/shm/phos-\d+-[0-9a-f]{12} \(deleted\)'\]", mapped.strip()), mapped
+    assert r.stdout.strip() == "left 0 sealed True mapped /memfd:phos (deleted)", r.stdout
 
 
 # -- what the libraries export and need ----------------------------------------------------

@@ -91,3 +91,30 @@ def test_a_reservation_that_cannot_be_made_is_refused(size, alignment):
     with pytest.raises(CudaError):
         space.reserve(size, alignment)
     assert space.free == [(BASE, 64 * MIB2)] and space.reserved == {}
+
+
+def test_every_allocation_and_mapping_is_charged_to_the_ledger_first(tmp_path):
+    """A tenant's ledger (PHOS_TENANT_QUOTA) takes each allocation and mapping, rounded as the
+    space rounds it, before it is placed; a refused one leaves the space as it was; a release
+    gives it back. Two spaces of one tenant share its quota."""
+    from phos.gpu_server.device_ledger import tenant_ledger, tenant_name
+    name = tenant_name("uid 1000")
+    mine, other = AddressSpace(1 << 30, 256), AddressSpace(1 << 30, 256)
+    held = mine.alloc(100)                        # held before the ledger: charged when it is given
+    mine.charge_to(tenant_ledger(str(tmp_path), name, 4096))
+    other.charge_to(tenant_ledger(str(tmp_path), name, 4096))
+    assert mine.ledger.held == 256
+    base = mine.reserve(2048)
+    mine.alloc(1024, at=base)
+    ptr = other.alloc(2000)                       # 2048 once rounded: 3328 of 4096 held
+    with pytest.raises(CudaError, match=r"hold 3328 of its 4096 bytes \(PHOS_TENANT_QUOTA\)") as e:
+        mine.alloc(1000)
+    assert e.value.status == 2 and len(mine.allocations()) == 2      # CUDA_ERROR_OUT_OF_MEMORY, nothing placed
+    with pytest.raises(CudaError, match="PHOS_TENANT_QUOTA"):
+        mine.alloc(1024, at=base + 1024)          # a mapping too
+    assert mine.ledger.free() == 768
+    other.release(ptr)
+    mine.release(held)
+    assert mine.ledger.free() == 3072 and mine.alloc(3000)
+    other.ledger.close()
+    mine.ledger.close()

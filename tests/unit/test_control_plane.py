@@ -32,6 +32,7 @@ def test_requests_round_trip():
                                                        "warm": False, "delta": None}),
              ("retireTo", {"endpoint": "ipc:///w", "standby": "ipc:///s", "serverKey": "k" * 40},
               {"endpoint": "ipc:///w", "standby": "ipc:///s", "server_key": "k" * 40}),
+             ("tenant", {"name": "ab" * 32}, {"name": "ab" * 32}),
              ("ctxStats", None, None), ("thaw", None, None)]
     for seq, (kind, args, read) in enumerate(cases, 1):
         got_seq, got_kind, got = wire.read_control(wire.encode_control(seq, kind, args))
@@ -83,7 +84,8 @@ def test_checkpoint_result_through_the_admin_api():
 def test_no_snapshot_calls_on_the_data_plane():
     calls = set(wire.phos_capnp.Call.schema.union_fields)
     assert not calls & {"checkpoint", "restore", "ctxStats", "thaw", "retireTo", "unusedRetire"}
-    assert set(wire.ControlRequest.schema.union_fields) == {"attach", "checkpoint", "restore", "ctxStats", "thaw", "retireTo"}
+    assert set(wire.ControlRequest.schema.union_fields) == {"attach", "checkpoint", "restore", "ctxStats", "thaw", "retireTo",
+                                                            "tenant"}
 
 
 def test_admin_socket():

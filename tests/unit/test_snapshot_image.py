@@ -725,6 +725,8 @@ def test_a_manifests_mode_and_session_are_read_without_parsing_it():
     ({"ctx": 7, "token": "ab" * 32, "next_id": 1.5}, r"session\.next_id: expected an integer, found float"),
     ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "limits": [[2, -1]]}, r"session\.limits\[0\]: expected \[CUlimit, value\]"),
     ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "limits": 5}, r"session\.limits\[0\]: expected \[CUlimit, value\]"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "tenant": "../x"}, r"session\.tenant: expected a tenant's name"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "tenant": 5}, r"session\.tenant: expected a string"),
 ])
 def test_a_bad_session_is_refused(store, bad, says):
     """A manifest's session is optional, and checked when it is there: as read, as validated,
