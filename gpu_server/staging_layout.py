@@ -45,6 +45,20 @@ class FrozenLayout:
         self.order = np.argsort(self.starts, kind="stable")     # moved regions break the address order
         self.sorted_starts = self.starts[self.order]
 
+    def runs(self, base, lo, hi):
+        """The copies that fill a copy at `base`: (destinations, sources, sizes), one per run of
+        regions that lie end to end both on the device and in the copy, inside [lo, hi): one
+        range whose mappings a copy may cross (the driver refuses a copy over two of its own
+        allocations, such as two modules' globals, even where their addresses touch)."""
+        ends = self.starts + self.sizes
+        inside = (self.starts >= np.uint64(lo)) & (ends <= np.uint64(hi))
+        joined = np.zeros(len(self.starts), bool)       # region i continues region i - 1
+        joined[1:] = ((self.starts[1:] == ends[:-1]) & (self.offsets[1:] == self.offsets[:-1] + self.sizes[:-1])
+                      & inside[1:] & inside[:-1])
+        first = np.flatnonzero(~joined)
+        sizes = np.add.reduceat(self.sizes, first) if len(first) else np.zeros(0, np.uint64)
+        return np.uint64(base) + self.offsets[first], self.starts[first], sizes.astype(np.uint64)
+
     def source(self, base, addrs):
         """The addresses in a copy at `base` of each of addrs (device addresses in the regions)."""
         a = np.asarray(addrs, np.uint64)

@@ -78,17 +78,17 @@ class Chunks:
         self.regions = sorted(regions)
         self.moved = moved or {}
         self.bases = [r[0] for r in self.regions]
-        self.first = []              # index of each region's first chunk
-        addr, size = [], []          # built by NumPy: a handoff's frozen round makes thousands
-        for base, nbytes, cs in self.regions:
-            self.first.append(self.first[-1] + len(addr[-1]) if addr else 0)
-            n = chunk_count(nbytes, cs)
-            addr.append((moved or {}).get(base, base) + np.arange(n, dtype=np.uint64) * np.uint64(cs))
-            size.append(np.full(n, cs, np.uint64))
-            if n:
-                size[-1][-1] = nbytes - (n - 1) * cs
-        self.sizes = np.concatenate(size) if size else np.zeros(0, np.uint64)
-        addrs = np.concatenate(addr) if addr else np.zeros(0, np.uint64)
+        # Built by NumPy as a whole, not a region at a time: a context of PyTorch's holds
+        # thousands of regions, and the cut (the application held) waits for this
+        rows = np.array([(self.moved.get(b, b), n, cs) for b, n, cs in self.regions], np.uint64).reshape(-1, 3)
+        starts, nbytes, cs = rows[:, 0], rows[:, 1], rows[:, 2]
+        counts = (nbytes + cs - np.uint64(1)) // np.maximum(cs, np.uint64(1))
+        first = np.concatenate([np.zeros(1, np.uint64), np.cumsum(counts, dtype=np.uint64)[:-1]])
+        self.first = first.tolist()  # index of each region's first chunk
+        region = np.repeat(np.arange(len(rows)), counts.astype(np.int64))       # each chunk's region
+        within = np.arange(len(region), dtype=np.uint64) - first[region]       # its place in its region
+        addrs = starts[region] + within * cs[region]
+        self.sizes = np.minimum(cs[region], starts[region] + nbytes[region] - addrs)
         self.table = np.stack([addrs, self.sizes], axis=1)      # (n, 2): every chunk, for the cut's fingerprints
         self.state = np.zeros(len(self.table), np.int8)
 

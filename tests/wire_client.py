@@ -33,7 +33,7 @@ def client_file(size, cookie, name="phos", sealed=True):
     growing. (its name for the worker, its descriptor); the caller closes the descriptor."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
-    os.pwrite(fd, cookie, 0)
+    os.pwrite(fd, cookie[:size], 0)
     if sealed:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     return f"/proc/{os.getpid()}/fd/{fd}", fd

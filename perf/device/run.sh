@@ -144,11 +144,13 @@ if want torch || want bench-torch; then
 fi
 if want pool; then
     # perf/bench_pool.py on the GPU: two pool servers on Ray, each with its own /dev/shm and /tmp.
-    # Ray comes as .ray/ray-slim.tar.xz (docs/device.md: its wheel, 79 MB, passes what a call may carry)
+    # Ray comes as .ray/ray-slim.tar.xz (docs/device.md: its wheel, 79 MB, passes what a call may carry).
+    # Run from /tmp: Ray's workers put the driver's working directory on sys.path, where the
+    # checkout's phos/ folder would shadow the installed package
     rm -rf /tmp/ray-site && mkdir -p /tmp/ray-site && tar -xJf .ray/ray-slim.tar.xz -C /tmp/ray-site &&
-        step bench-pool env PYTHONPATH="/tmp/ray-site:$PYTHONPATH" timeout "${PHOS_POOL_TIMEOUT:-420}" python3 perf/bench_pool.py \
+        step bench-pool env -C /tmp PYTHONPATH="/tmp/ray-site:$PYTHONPATH" timeout "${PHOS_POOL_TIMEOUT:-420}" python3 "$PWD/perf/bench_pool.py" \
             --backend cuda --nodes 2 --private-mounts --contexts 64 --server-pool 40 --checkpoint-every 600 \
-            --sizes "${PHOS_POOL_SIZES:-1,8}" --unit GiB --json "$OUT/bench_pool.json"
+            --sizes "${PHOS_POOL_SIZES:-1,8}" --unit GiB --json "$OUT/bench_pool.json" ${PHOS_POOL_ARGS:-}
 fi
 if want probe-freeze; then
     step probe-freeze-alloc python3 perf/probe_freeze_alloc.py --gib 1,9.65

@@ -38,7 +38,7 @@ from phos.gpu_server.client_keys import pid_alive
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CUresult
 from ptx_helpers import compile_ptx
-from wire_client import RawSession, dealer, decode_reply, encode
+from wire_client import RawSession, client_file, dealer, decode_reply, encode
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
@@ -326,10 +326,8 @@ class Fuzzer:
 
     def attach_staging(self, size, file_size, right_cookie):
         """Offer s's worker a staging file of file_size bytes as one of size; True if it mapped it."""
-        path = f"/dev/shm/phos-{os.getpid()}-fuzz{self.cases}"
         cookie = os.urandom(16)
-        with open(path, "wb") as f:
-            f.write((cookie if right_cookie else os.urandom(16))[:file_size] + bytes(max(file_size - 16, 0)))
+        path, fd = client_file(file_size, cookie if right_cookie else os.urandom(16))
         try:
             self.seq += 1
             seq = self.seq
@@ -342,12 +340,11 @@ class Fuzzer:
             _, status, message, u64s, _ = next(r for r in seen if r[0] == seq)
             assert status == 0, message
             if u64s[1]:                     # the worker uses this area now: so do we
-                with open(path, "r+b") as f:
-                    self.area = np.frombuffer(mmap.mmap(f.fileno(), size), np.uint8)
+                self.area = np.frombuffer(mmap.mmap(fd, size), np.uint8)
                 self.box = wire.Mailbox(self.area)
             return u64s[1] == 1
         finally:
-            os.unlink(path)
+            os.close(fd)
 
     # answers
     def replies(self, sock, done, alive=lambda: True):

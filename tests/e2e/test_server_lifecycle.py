@@ -10,6 +10,7 @@ import pytest
 from conftest import ServerProc, wait_until
 from test_emu_limits import ENDLESS_PTX
 from phos.gpu_server.frontend import check_listen
+from share_nothing import free_port_pair
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
@@ -123,7 +124,7 @@ def test_server_refuses_open_listener_from_cli():
 def test_curve_authentication(backend, tmp_path):
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "phos.cli", "keygen", str(keys)], check=True, capture_output=True)
-    srv = ServerProc(backend, tmp_path, listen="tcp://127.0.0.1:0".replace(":0", ":45123"), extra=["--auth-dir", str(keys)])
+    srv = ServerProc(backend, tmp_path, listen=f"tcp://127.0.0.1:{free_port_pair()}", extra=["--auth-dir", str(keys)])
     try:
         body = """
             err, = cu.cuInit(0)

@@ -2,7 +2,7 @@
 16-byte boundaries, and one copy for neighbouring chunks only while they are of one region.
 On the H200, one copy over two modules' globals whose addresses touched was refused
 (CUDA_ERROR_INVALID_VALUE) and failed a handoff of a PyTorch process."""
-from phos.gpu_server.staging_layout import copy_runs, stage_offsets
+from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, stage_offsets
 
 GLOBAL_A, GLOBAL_B = 0x7F0000000100, 0x7F0000019100     # two modules' globals, side by side
 
@@ -32,3 +32,18 @@ def test_chunks_apart_in_memory_or_in_the_batch_are_apart():
     chunks = [(0x1000, 8), (0x1008, 8)]                     # touching in memory, not in the batch (16-byte slots)
     offsets, _ = stage_offsets(chunks)
     assert offsets == [0, 16] and len(copy_runs(chunks, offsets, [(0x1000, 16)] * 2)) == 2
+
+
+def test_a_frozen_copy_takes_regions_end_to_end_in_one_copy_inside_one_range():
+    MiB = 1 << 20
+    lo = 0x600000000000
+    # three allocations end to end, one after a gap, one unaligned (the next starts elsewhere in
+    # the copy), and two globals that touch, outside the range a copy may cross
+    regions = [(lo, 2 * MiB), (lo + 2 * MiB, 4 * MiB), (lo + 6 * MiB, 2 * MiB), (lo + 10 * MiB, 2 * MiB),
+               (lo + 12 * MiB, 100), (lo + 12 * MiB + 100, 2 * MiB), (0x7000, 16), (0x7010, 16)]
+    layout = FrozenLayout(regions)
+    dst, src, sizes = layout.runs(1 << 40, lo, lo + (1 << 30))
+    assert src.tolist() == [lo, lo + 10 * MiB, lo + 12 * MiB + 100, 0x7000, 0x7010]
+    assert sizes.tolist() == [8 * MiB, 2 * MiB + 100, 2 * MiB, 16, 16]
+    assert dst.tolist() == layout.source(1 << 40, src).tolist()
+    assert sum(sizes.tolist()) == sum(n for _, n in regions)       # every byte once
