@@ -8,6 +8,7 @@ a program switches to phos by changing its import line:
 PHOS_SERVER names the server (default ipc:///tmp/phos/phos.sock).
 """
 import bisect
+import contextlib
 import ctypes
 import os
 import threading
@@ -71,6 +72,8 @@ _lock = threading.RLock()
 _front = None                 # Connection to the front end, made by cuInit
 _contexts = {}                # ctx id -> Connection to its worker
 _primary = {}                 # device -> [ctx id, refcount]
+_device_of = {}               # ctx id -> its device
+_peers = {}                   # ctx id -> the ctx ids it enabled peer access to
 _params = {}                  # (ctx id, function id) -> [(offset, size)]
 _known = {}                   # ctx id -> _Ranges: the device ranges its calls have named
 _tls = _State()
@@ -130,6 +133,16 @@ def _stack():
     if _tls.stack is None:
         _tls.stack = []
     return _tls.stack
+
+
+@contextlib.contextmanager
+def _current_for_a_while(ctx_id):
+    """Make context ctx_id current for the calls inside, then the one before again."""
+    _stack().append(ctx_id)
+    try:
+        yield
+    finally:
+        _stack().pop()
 
 
 def _current():
@@ -196,6 +209,8 @@ def _reset_for_tests():
         _front = None
         _contexts.clear()
         _primary.clear()
+        _device_of.clear()
+        _peers.clear()
         _params.clear()
         _tls.stack = []
 
@@ -266,6 +281,35 @@ def cuDeviceComputeCapability(dev):
     return tuple(_front_call("deviceComputeCapability", {"device": int(dev)}).u64s)
 
 
+P2P_ACCESS_SUPPORTED = 2      # CUdevice_P2PAttribute: whether peer access may be enabled
+
+
+def _p2p_attribute(attrib, dev, peer):
+    """The server's answer for two devices (distinct ones: a device is no peer of itself)."""
+    return _front_call("deviceP2PAttribute", {"attribute": int(attrib), "device": int(dev), "peer": int(peer)}).u64s[0]
+
+
+def _check_device(dev):
+    if not 0 <= int(dev) < _front_call("deviceGetCount").u64s[0]:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"device {int(dev)} does not exist")
+
+
+def _can_access(dev, peer):
+    for d in (dev, peer):
+        _check_device(d)
+    return 0 if int(dev) == int(peer) else _p2p_attribute(P2P_ACCESS_SUPPORTED, dev, peer)
+
+
+@_api(1)
+def cuDeviceCanAccessPeer(dev, peerDev):
+    return _can_access(dev, peerDev)
+
+
+@_api(1)
+def cuDeviceGetP2PAttribute(attrib, srcDevice, dstDevice):
+    return _p2p_attribute(attrib, srcDevice, dstDevice)
+
+
 # -- contexts ---------------------------------------------------------------------------
 def _open_context(dev, flags):
     res = _front_call("ctxCreate", {"flags": int(flags), "device": int(dev)})
@@ -279,6 +323,7 @@ def _open_context(dev, flags):
     conn.find_again = _finder(conn, ctx_id, token)
     _contexts[ctx_id] = conn
     _known[ctx_id] = _Ranges()
+    _device_of[ctx_id] = int(dev)
     return ctx_id
 
 
@@ -328,6 +373,10 @@ def _finder(conn, ctx_id, token):
 def _close_context(ctx_id):
     conn = _contexts.pop(ctx_id)
     _known.pop(ctx_id, None)
+    _device_of.pop(ctx_id, None)
+    _peers.pop(ctx_id, None)
+    for peers in _peers.values():
+        peers.discard(ctx_id)
     try:
         _check(conn.call("ctxDestroy"))
     finally:
@@ -399,8 +448,41 @@ def cuCtxPopCurrent():
 
 @_api(1)
 def cuCtxGetDevice():
-    _current()
-    return CUdevice(0)
+    return CUdevice(_device_of[_current()[0]])
+
+
+def _peer_context(peerContext):
+    """The current context and peerContext, a live context other than it."""
+    ctx, peer = _current()[0], int(peerContext)
+    if peer not in _contexts or peer == ctx:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_CONTEXT, f"{peer} is not a live context other than the current one")
+    return ctx, peer
+
+
+@_api(0)
+def cuCtxEnablePeerAccess(peerContext, Flags):
+    """Bookkeeping, with CUDA's errors: copies between contexts work without it (cuMemcpyPeer),
+    and a kernel cannot reach another context's memory (each is a worker of its own)."""
+    with _lock:
+        ctx, peer = _peer_context(peerContext)
+        if Flags:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"cuCtxEnablePeerAccess: Flags must be 0, not {Flags}")
+        if not _can_access(_device_of[ctx], _device_of[peer]):
+            raise CudaError(CUresult.CUDA_ERROR_PEER_ACCESS_UNSUPPORTED,
+                            f"device {_device_of[ctx]} cannot access device {_device_of[peer]}'s memory")
+        if peer in _peers.setdefault(ctx, set()):
+            raise CudaError(CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,
+                            f"peer access to context {peer} is enabled already")
+        _peers[ctx].add(peer)
+
+
+@_api(0)
+def cuCtxDisablePeerAccess(peerContext):
+    with _lock:
+        ctx, peer = _peer_context(peerContext)
+        if peer not in _peers.get(ctx, ()):
+            raise CudaError(CUresult.CUDA_ERROR_PEER_ACCESS_NOT_ENABLED, f"peer access to context {peer} is not enabled")
+        _peers[ctx].remove(peer)
 
 
 @_api(1)
@@ -515,6 +597,41 @@ def cuMemcpyDtoD(dstDevice, srcDevice, ByteCount):
 @_api(0)
 def cuMemcpyDtoDAsync(dstDevice, srcDevice, ByteCount, hStream):
     _dtod(dstDevice, srcDevice, ByteCount, _stream_id(hStream))
+
+
+def _peer_copy(dst, dst_ctx, src, src_ctx, n, stream):
+    """A copy between two contexts. Each is a worker of its own, maybe on another device, so the
+    bytes come here from the source and go on to the destination. `stream` is the current
+    context's: when it is the source, the copy waits for the stream's work before it; when the
+    destination, it is queued on it, after that work."""
+    with _lock:
+        dst_ctx, src_ctx, cur = int(dst_ctx), int(src_ctx), _current()[0]
+        for ctx in (dst_ctx, src_ctx):
+            if ctx not in _contexts:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_CONTEXT, f"{ctx} is not a live context")
+        if stream and cur not in (src_ctx, dst_ctx):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_HANDLE, "the stream of a peer copy must be the current "
+                            "context's, and that the source's or the destination's")
+        if src_ctx == dst_ctx:
+            with _current_for_a_while(src_ctx):
+                return _dtod(dst, src, n, stream if cur == src_ctx else 0)
+        if int(n) == 0:
+            return
+        data = bytearray(int(n))
+        with _current_for_a_while(src_ctx):
+            _dtoh(data, src, n, stream if cur == src_ctx else 0, wait=True)
+        with _current_for_a_while(dst_ctx):
+            _htod(dst, data, n, stream if cur == dst_ctx else 0)
+
+
+@_api(0)
+def cuMemcpyPeer(dstDevice, dstContext, srcDevice, srcContext, ByteCount):
+    _peer_copy(dstDevice, dstContext, srcDevice, srcContext, ByteCount, 0)
+
+
+@_api(0)
+def cuMemcpyPeerAsync(dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream):
+    _peer_copy(dstDevice, dstContext, srcDevice, srcContext, ByteCount, _stream_id(hStream))
 
 
 def _memset(dst, value, elem, n, stream):

@@ -15,6 +15,27 @@ from phos.schema.cuda_types import CudaError, CUresult
 # such as 0x7f0000000000, collides with the worker's own libraries on the H200, and
 # the fixed-address reservation would fail now and then. The GPU's 49-bit space has room here.
 BASE = 0x600000000000
+# Each device of a server gives its contexts a terabyte of addresses of its own, from BASE up,
+# so that an application's pointers on different devices differ, as CUDA's unified addressing
+# has them (a copy finds its devices by its pointers). 16 terabytes stay below 0x700000000000.
+DEVICE_SPAN = 1 << 40
+MAX_DEVICES = 16
+
+
+def device_base(ordinal):
+    """Where the contexts made on device `ordinal` (as the server's backend numbers its devices)
+    place their allocations. A context keeps its range wherever it goes: restored or handed off to
+    another device, its pointers stay valid."""
+    if not 0 <= ordinal < MAX_DEVICES:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE,
+                        f"device {ordinal}: phos serves devices 0 to {MAX_DEVICES - 1}")
+    return BASE + ordinal * DEVICE_SPAN
+
+
+def check_base(base):
+    """Raise CudaError unless base is a device's (an image names the base its context had)."""
+    if not (BASE <= base < BASE + MAX_DEVICES * DEVICE_SPAN and (base - BASE) % DEVICE_SPAN == 0):
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"address space base {base:#x} is no device's")
 
 
 class AddressSpace:

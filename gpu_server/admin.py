@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from phos.gpu_server.handoff import Handoff
+from phos.gpu_server.handoff import DeviceTarget, Handoff
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
 from phos.schema.admin_net import is_loopback, open_admin_async
@@ -25,6 +25,7 @@ from phos.snapshot.store import ImageInUse, images_in
 
 GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
     CUresult.CUDA_ERROR_INVALID_VALUE: grpc.StatusCode.INVALID_ARGUMENT,
+    CUresult.CUDA_ERROR_INVALID_DEVICE: grpc.StatusCode.INVALID_ARGUMENT,
     CUresult.CUDA_ERROR_INVALID_IMAGE: grpc.StatusCode.FAILED_PRECONDITION,
     CUresult.CUDA_ERROR_ILLEGAL_STATE: grpc.StatusCode.FAILED_PRECONDITION,
     CUresult.CUDA_ERROR_NOT_READY: grpc.StatusCode.UNAVAILABLE,
@@ -57,6 +58,7 @@ class TargetServer:
     """A handoff's target (gpu_server/handoff.py) over its admin API; use with `async with`.
     address: its admin API (unix:PATH, or the tcp:// server, with curve: see open_admin).
     Its failures become CudaErrors that say the context stays here."""
+    same_server = False
 
     def __init__(self, address, ctx, to, curve=None):
         self.address, self.ctx, self.to, self.curve = address, ctx, to, curve
@@ -147,7 +149,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
             return c
         state = "checkpointing" if st["checkpoint"] else "restoring" if st["restoring"] else w.state
         return pb.Context(id=w.ctx_id, bytes=st["bytes"], allocations=st["allocations"], last_seq=st["last_seq"],
-                          pid=w.proc.pid, state=state, first_call_loaded=st["first_call_loaded"] or 0)
+                          pid=w.proc.pid, state=state, first_call_loaded=st["first_call_loaded"] or 0, device=w.device)
 
     async def ListContexts(self, request, context):
         workers = list(self.front.workers.values())
@@ -196,6 +198,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                     getter.cancel()
             result = task.result()
             self.front.counts["checkpoints"] += 1
+            self.front.counts["checkpoint_seconds"] += result["seconds"]
             yield pb.CheckpointProgress(done_bytes=result["bytes"], total_bytes=result["bytes"], finished=True,
                                         result=checkpoint_message(result))
         except CudaError as e:
@@ -228,22 +231,29 @@ class Admin(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
 
     async def Handoff(self, request, context):
-        """Move a live context to the server at request.to (gpu_server/handoff.py)."""
+        """Move a live context to the server at request.to, or to request.to_device of this one
+        (gpu_server/handoff.py)."""
         try:
             w = self.worker(request.ctx)
-            async with self.target(request) as target:
-                r = await Handoff(self.front, w, target, request.ctx, request.to, request.max_rounds,
-                                  request.chunk_size).run()
+            to = f"device {request.to_device}" if request.HasField("to_device") else request.to
+            async with self.target(request, w) as target:
+                r = await Handoff(self.front, w, target, request.ctx, to, request.max_rounds, request.chunk_size).run()
             return pb.HandoffReply(ctx=r.ctx, to=r.to, round_bytes=r.round_bytes, downtime_ms=r.downtime_ms,
                                    seconds=r.seconds, phase_ms=r.phase_ms, round_ms=r.round_ms, chunk_size=r.chunk_size,
                                    recovery_store=r.recovery_store, recovery_image=r.recovery_image)
         except CudaError as e:
             await self.fail(context, e)
 
-    def target(self, request):
-        """The Handoff's target: over its Unix admin socket on this host, or, for a tcp:// server
-        when this one has keys, over the network (gpu_server/handoff_net.py: the rounds stream
-        there, as between hosts), authenticated with this server's key pair."""
+    def target(self, request, worker):
+        """The Handoff's target: another device of this server; or a server over its Unix admin
+        socket on this host, or, for a tcp:// server when this one has keys, over the network
+        (gpu_server/handoff_net.py: the rounds stream there, as between hosts), authenticated with
+        this server's key pair."""
+        if request.HasField("to_device"):
+            return self.device_target(request, worker)
+        if not request.to:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE,
+                            "a handoff needs a target: a server (to) or a device (to_device)")
         if not request.to.startswith("tcp://") or (is_loopback(request.to) and not self.front.curve):
             # on this host: its Unix admin socket (a keyless loopback server has no other)
             try:
@@ -260,6 +270,18 @@ class Admin(admin_pb2_grpc.AdminServicer):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "to_server_key: give the target's public key in z85 "
                             "(40 characters, as in its server.key)")
         return RemoteTarget(request.to, request.ctx, (target_key, public, secret))
+
+    def device_target(self, request, worker):
+        if request.to:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a handoff goes to a server ({request.to}) or to a "
+                            f"device of this one ({request.to_device}), not both")
+        device = request.to_device
+        if device >= len(self.front.devices):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"this server has no device {device}: it serves "
+                            f"{len(self.front.devices)} device(s) (phos server --devices)")
+        if device == worker.device:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"context {request.ctx} is on device {device} already")
+        return DeviceTarget(self.front, request.ctx, device)
 
     async def OpenInbox(self, request, context):
         return pb.OpenInboxReply(store=await asyncio.to_thread(self.front.inboxes.open, request.ctx))
@@ -320,6 +342,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
         return pb.StatsReply(backend=self.front.backend_name, devices=len(self.front.devices), contexts=len(contexts),
                              standby_workers=len(self.front.pool), bytes=sum(c.bytes for c in contexts),
                              checkpoints=self.front.counts["checkpoints"], restores=self.front.counts["restores"],
+                             checkpoint_seconds=self.front.counts["checkpoint_seconds"],
                              recovery_dir=os.path.abspath(self.front.recovery.directory) if self.front.recovery else "",
                              standby=self.front.recovery.standby if self.front.recovery else "",
                              host_store=self.front.host_store or "", admin_endpoint=self.front.admin_endpoint,

@@ -73,8 +73,17 @@ class Backend(Protocol):
     def driver_version() -> int:
         """The CUDA driver version it serves, as cuDriverGetVersion gives it."""
 
+    @staticmethod
+    def p2p_attribute(attribute, device, peer) -> int:
+        """cuDeviceGetP2PAttribute: a CUdevice_P2PAttribute of the link from device to peer (two
+        distinct ordinals of devices()); CudaError(CUDA_ERROR_INVALID_VALUE) for an unknown attribute."""
+
     def device_info(self) -> DeviceInfo:
         """The DeviceInfo of the device this context runs on."""
+
+    def rebase(self, base) -> None:
+        """Move the context's address range, nothing allocated in it yet, to base (a restored
+        context's, from its image: a device's range, address_space.device_base); `space` is new."""
 
     def alloc(self, nbytes, at=None) -> int:
         """Allocate nbytes of device memory (at that address, for a restore); its address."""

@@ -1,7 +1,8 @@
 """The cuda backend: a real GPU through cuda-python's driver API.
 
-Allocations are VMM mappings inside one range reserved at the fixed base
-(DESIGN decision 3), so a restored or handed-off context keeps its addresses.
+Allocations are VMM mappings inside one range reserved at the context's base (DESIGN
+decision 3: its device's, address_space.device_base, or its image's once restored), so a
+restored or handed-off context keeps its addresses, on whichever device.
 """
 import collections
 import ctypes
@@ -13,7 +14,7 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
-from phos.gpu_server.address_space import BASE, AddressSpace
+from phos.gpu_server.address_space import DEVICE_SPAN, AddressSpace, device_base
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
 from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, stage_offsets
@@ -159,6 +160,16 @@ class CudaBackend:
     def driver_version():
         return ok(cu.cuDriverGetVersion(), "cuDriverGetVersion")
 
+    @staticmethod
+    def p2p_attribute(attribute, device, peer):
+        _init()
+        try:
+            attribute = cu.CUdevice_P2PAttribute(attribute)
+        except ValueError:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"no peer attribute {attribute}") from None
+        return ok(cu.cuDeviceGetP2PAttribute(attribute, ok(cu.cuDeviceGet(device), "cuDeviceGet"),
+                                             ok(cu.cuDeviceGet(peer), "cuDeviceGet")), "cuDeviceGetP2PAttribute")
+
     def __init__(self, device=0):
         _init()
         self.device = ok(cu.cuDeviceGet(device), "cuDeviceGet")
@@ -177,8 +188,9 @@ class CudaBackend:
         self.prop_ptr, self.access_ptr = prop.getPtr(), access.getPtr()     # for the ctypes calls
         granularity = ok(cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                          "cuMemGetAllocationGranularity")
-        self.reserved = self._reserve(ok(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem"))
-        self.space = AddressSpace(self.reserved, granularity)
+        self.total_mem = ok(cu.cuDeviceTotalMem(self.device), "cuDeviceTotalMem")
+        self.reserved = self._reserve(self.total_mem, device_base(device))
+        self.space = AddressSpace(self.reserved, granularity, base=device_base(device))
         self.handles = {}            # base -> (mapped length, physical handle)
         self.registered = []         # pinned host ranges (the staging area's pieces)
         self.pinned_areas = []       # (start, end) of each staging area
@@ -205,17 +217,23 @@ class CudaBackend:
                 self._snap = CudaSnapshotOps(self)
         return self._snap
 
+    def rebase(self, base):
+        cu.cuMemAddressFree(self.space.base, self.reserved)
+        self.reserved = self._reserve(self.total_mem, base)
+        self.space = AddressSpace(self.reserved, self.space.align, base=base)
+
     @staticmethod
-    def _reserve(total):
-        """Reserve the context's virtual range at BASE: as large as the driver allows, at least the device's memory."""
+    def _reserve(total, at):
+        """Reserve the context's virtual range at `at`: as large as the driver allows, at least the
+        device's memory, within the range's device span."""
         for size in (4 * total, 2 * total, total):
-            size = -(-size // GiB) * GiB
-            err, base = cu.cuMemAddressReserve(size, 0, BASE, 0)
-            if int(err) == 0 and int(base) == BASE:
+            size = min(-(-size // GiB) * GiB, DEVICE_SPAN)
+            err, base = cu.cuMemAddressReserve(size, 0, at, 0)
+            if int(err) == 0 and int(base) == at:
                 return size
             if int(err) == 0:
                 cu.cuMemAddressFree(base, size)
-        raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"could not reserve the context's address range at {BASE:#x}")
+        raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"could not reserve the context's address range at {at:#x}")
 
     # memory
     def alloc(self, nbytes, at=None):
@@ -521,7 +539,7 @@ class CudaBackend:
         for ptr, (length, handle) in self.handles.items():
             _cuMemUnmap(ptr, length)
             _cuMemRelease(handle)
-        cu.cuMemAddressFree(BASE, self.reserved)
+        cu.cuMemAddressFree(self.space.base, self.reserved)
         cu.cuDevicePrimaryCtxRelease(self.device)
 
 

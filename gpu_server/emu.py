@@ -1,8 +1,8 @@
-"""The emu backend: an emulated device on the CPU.
+"""The emu backend: emulated devices on the CPU (PHOS_EMU_DEVICES of them).
 
-Memory is one arena at the fixed base (emu_memory.py), whose bytes the device's other
-contexts share through the server's DeviceLedger; kernels run in the PTX interpreter (ptx/),
-each launch for at most PHOS_EMU_LAUNCH_TIMEOUT seconds. Calls run in arrival order, which is
+A context's memory is one arena at its device's base (emu_memory.py), whose bytes the
+device's other contexts share through the server's DeviceLedger of that device; kernels run
+in the PTX interpreter (ptx/), each launch for at most PHOS_EMU_LAUNCH_TIMEOUT seconds. Calls run in arrival order, which is
 one valid schedule of the streams, so stream and event ordering holds; events record the time they ran.
 """
 import time
@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 
 from phos import settings
-from phos.gpu_server.address_space import BASE
+from phos.gpu_server.address_space import device_base
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
 from phos.gpu_server.emu_memory import EmuMemory, emu_ledger
@@ -21,6 +21,8 @@ from phos.schema.wire import launch_cluster
 from phos.snapshot.fingerprint import fingerprint
 
 MAX_DYNAMIC_SHARED = 8      # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+P2P_ATTRIBUTES = range(1, 5)  # CUdevice_P2PAttribute: performance rank, access, native atomics, CUDA arrays
+P2P_ACCESS_SUPPORTED = 2
 
 # CUlimit -> (a context's first value, whether the application may set it), as a
 # compute-capability-9.0 device has them; a limit missing here (device-runtime sync depth,
@@ -36,6 +38,7 @@ EMU_LIMITS = {
     8: (0, False),              # CIG enabled: phos's contexts are no CUDA-in-graphics ones
     9: (0, False),              # CIG shared memory fallback
 }
+EMU_DEVICES = settings.emu_devices()
 EMU_MEMORY = settings.emu_memory()
 CONTEXT_QUOTA = settings.emu_context_quota()
 LAUNCH_TIMEOUT = settings.emu_launch_timeout()
@@ -48,26 +51,43 @@ class EmuBackend:
 
     @staticmethod
     def devices():
-        return [DeviceInfo("phos emu (PTX interpreter)", uuid.uuid5(uuid.NAMESPACE_DNS, "phos.emu").bytes,
-                           EMU_MEMORY, EMU_ATTRIBUTES)]
+        # Device 0 keeps the name and UUID it had when emu had one device.
+        return [DeviceInfo("phos emu (PTX interpreter)" + (f" {i}" if i else ""),
+                           uuid.uuid5(uuid.NAMESPACE_DNS, "phos.emu" + (f".{i}" if i else "")).bytes,
+                           EMU_MEMORY, {**EMU_ATTRIBUTES, 33: i})      # CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: one a device
+                for i in range(EMU_DEVICES)]
+
+    @staticmethod
+    def p2p_attribute(attribute, device, peer):
+        """Peer access between two devices (never called for one device twice): the stubs copy
+        between contexts of any two devices. Atomics and arrays across devices are not offered."""
+        if attribute not in P2P_ATTRIBUTES:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"no peer attribute {attribute}")
+        return int(attribute == P2P_ACCESS_SUPPORTED)
 
     @staticmethod
     def driver_version():
         return 13000        # the CUDA version whose PTX the interpreter follows
 
     def __init__(self, device=0, ledger=None):
-        """ledger: the directory of the server's DeviceLedger (schema/control.py emu_ledger_dir), which
-        its contexts share; None: this context has the device to itself."""
-        if device != 0:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"emu has one device, not {device}")
-        self.mem = EmuMemory(EMU_MEMORY, emu_ledger(EMU_MEMORY, ledger, CONTEXT_QUOTA))
+        """ledger: the directory of the server's DeviceLedger of this device (schema/control.py
+        emu_ledger_dir), which its contexts share; None: this context has the device to itself."""
+        if not 0 <= device < EMU_DEVICES:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"emu has {EMU_DEVICES} device(s) (PHOS_EMU_DEVICES), "
+                            f"not a device {device}")
+        self.ordinal = device
+        self.mem = EmuMemory(EMU_MEMORY, emu_ledger(EMU_MEMORY, ledger, CONTEXT_QUOTA), device_base(device))
         self.space = self.mem.space
         self.output = []
         self.snap = EmuSnapshotOps(self.mem)
         self.limits = {limit: value for limit, (value, _) in EMU_LIMITS.items()}
 
     def device_info(self):
-        return self.devices()[0]
+        return self.devices()[self.ordinal]
+
+    def rebase(self, base):
+        self.mem.place(base)
+        self.space = self.mem.space
 
     # memory
     def alloc(self, nbytes, at=None):
@@ -263,7 +283,7 @@ class EmuSnapshotOps:
         self.mem = mem
 
     def view(self, addr, n):
-        return self.mem.arena[addr - BASE:addr - BASE + n]
+        return self.mem.arena[addr - self.mem.base:addr - self.mem.base + n]
 
     def fingerprints(self, chunks, fence):
         fps = [fingerprint(self.view(a, n)) for a, n in chunks]   # calls run in order: the cut is now

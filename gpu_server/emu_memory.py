@@ -1,11 +1,12 @@
 """Device memory of the emu backend: one lazily-committed arena at the fixed base.
 
-Device address a lives at arena[a - BASE], so kernels gather and scatter with plain
-NumPy fancy indexing; `offsets` checks every access against the allocations first.
+Device address a lives at arena[a - base], base being the context's (address_space.py
+device_base), so kernels gather and scatter with plain NumPy fancy indexing; `offsets` checks
+every access against the allocations first.
 Module globals live above the allocations, where each process starts them at its own
 place, as the driver does on a GPU: a restored context's globals move, as they do there.
 
-The device's capacity is shared by every context of a server, as a GPU's memory is: each
+A device's capacity is shared by every context of a server on it, as a GPU's memory is: each
 context's worker is a process with an arena of its own, so what they hold together is kept
 in a DeviceLedger that all of them read (gpu_server/device_ledger.py, emu_ledger below).
 """
@@ -39,21 +40,25 @@ def emu_ledger(capacity, directory=None, quota=0):
 
 
 class EmuMemory:
-    def __init__(self, capacity, ledger=None):
+    def __init__(self, capacity, ledger=None, base=BASE):
         self.capacity = capacity
         self.ledger = ledger or emu_ledger(capacity)
         # Globals may take up the whole device (the ledger counts them): room for that beyond the skew.
-        module_area = capacity + MODULE_AREA
-        self._map = mmap.mmap(-1, capacity + module_area, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        self._map = mmap.mmap(-1, 2 * capacity + MODULE_AREA, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
         self.arena = np.frombuffer(self._map, dtype=np.uint8)
-        self.space = AddressSpace(capacity, ALIGN)
-        self.module_space = AddressSpace(module_area, ALIGN, base=BASE + capacity)
-        self.module_space.alloc(MODULE_SKEW * random.randrange(1, MODULE_AREA // MODULE_SKEW // 2))
-        self._bases = np.zeros(0, np.uint64)
-        self._ends = np.zeros(0, np.uint64)
+        self.place(base)
         # The client's memory that kernels read and write in place (managed, mapped host memory),
         # mapped by the worker at the client's own addresses: (base, end, uint8 array) each.
         self.host_windows = []
+
+    def place(self, base):
+        """Give this context the addresses from base on (nothing allocated yet): its device's range
+        when it is made, its image's when it is restored, on whichever device."""
+        self.base = base
+        self.space = AddressSpace(self.capacity, ALIGN, base=base)
+        self.module_space = AddressSpace(self.capacity + MODULE_AREA, ALIGN, base=base + self.capacity)
+        self.module_space.alloc(MODULE_SKEW * random.randrange(1, MODULE_AREA // MODULE_SKEW // 2))
+        self._reindex()
 
     def add_host_window(self, base, buf):
         self.host_windows.append((base, base + len(buf), buf))
@@ -108,7 +113,7 @@ class EmuMemory:
     def _clear(self, ptr, nbytes):
         # Whole pages go back to the OS (they read as zeros after), so a freed arena costs no
         # memory and freeing gigabytes does not write them first; only the pages at the ends are zeroed.
-        off, end = ptr - BASE, ptr - BASE + nbytes
+        off, end = ptr - self.base, ptr - self.base + nbytes
         first, last = -(-off // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
         if last <= first:
             self.arena[off:end] = 0
@@ -124,7 +129,7 @@ class EmuMemory:
     def view(self, ptr, nbytes, what="pointer"):
         """A writable uint8 view of [ptr, ptr+nbytes), checked against the allocations."""
         self.space.check(ptr, nbytes, what)
-        off = ptr - BASE
+        off = ptr - self.base
         return self.arena[off:off + nbytes]
 
     def offsets(self, addrs, width):
@@ -139,7 +144,7 @@ class EmuMemory:
         if not ok.all():
             bad = int(addrs[~ok][0])
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, f"{width}-byte access at {bad:#x} is outside every allocation")
-        return (addrs - np.uint64(BASE)).astype(np.int64)
+        return (addrs - np.uint64(self.base)).astype(np.int64)
 
     def load(self, addrs, dtype):
         """Gather one value of `dtype` per address."""

@@ -54,6 +54,7 @@ class WorkerProc:
     ctl_waiters: dict = None     # seq -> asyncio.Queue of its replies, (kind, value)
     state: str = "running"
     client: str = ""             # who created its context (ASKER), for PHOS_MAX_CONTEXTS_PER_CLIENT
+    device: int = 0              # the device it runs on, as the application numbers them
 
 
 def check_listen(address, curve_secret, insecure=False):
@@ -90,6 +91,26 @@ def check_listen(address, curve_secret, insecure=False):
 
 
 ASKER = contextvars.ContextVar("asker", default="")    # the client a front-end call serves (answer)
+
+
+def served_devices(spec, count):
+    """The backend's ordinals of the devices `phos server --devices` names ("all", or a list such as
+    "1" or "0,1") among the `count` it has, in the order the application numbers them: as with
+    CUDA_VISIBLE_DEVICES, `--devices 1` shows the application one device, 0, which is device 1.
+    Raises ValueError for an empty list, a device named twice, or one the backend lacks."""
+    if spec == "all":
+        return list(range(count))
+    try:
+        picked = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--devices {spec!r}: give `all`, or device numbers separated by commas (such as 0,1)") from None
+    for d in picked:
+        if not 0 <= d < count:
+            raise ValueError(f"--devices {spec}: there is no device {d}: this backend has {count} device(s)"
+                             + (f", 0 to {count - 1}" if count else ""))
+        if picked.count(d) > 1:
+            raise ValueError(f"--devices {spec}: device {d} is named twice")
+    return picked
 
 
 def local_user(frame):
@@ -211,11 +232,13 @@ def sweep_shm(directory="/dev/shm"):
 
 
 class FrontEnd:
-    def __init__(self, backend_name, listen, curve=None, recovery=None, host_store=None):
+    def __init__(self, backend_name, listen, curve=None, recovery=None, host_store=None, devices="all"):
         self.backend_name, self.listen = backend_name, listen
         self.host_store = host_store      # a HostStore's path: pre-started workers pin its memory
         self.backend = load_backend(backend_name)
-        self.devices = self.backend.devices()
+        present = self.backend.devices()
+        self.physical = served_devices(devices, len(present))    # the application's device ordinal -> the backend's
+        self.devices = [present[i] for i in self.physical]
         # (server public, server secret, authorized client keys dir, admins' keys dir or None) or None
         self.curve = curve
         self.admin = None           # the admin API's servicer (gpu_server/admin.py), once serving
@@ -229,7 +252,7 @@ class FrontEnd:
         self.insecure = False       # --insecure: keyless listeners other local users can reach
         self.client_keys = None     # with CURVE: the admitted clients (gpu_server/client_keys.py)
         self.killed = set()         # contexts the operator ended: never restored for their clients
-        self.counts = {"checkpoints": 0, "restores": 0, "handoffs": 0}
+        self.counts = {"checkpoints": 0, "checkpoint_seconds": 0.0, "restores": 0, "handoffs": 0}
         self.moved = {}             # ctx id -> (data endpoint of the worker a handoff gave it to, its server's standby)
         self.waiting = {}           # client (ROUTER identity) -> its Replies waiting for room in its queue
         self.draining = set()       # the tasks sending them (FrontEnd.drain)
@@ -274,6 +297,13 @@ class FrontEnd:
 
     async def device_compute_capability(self, a):
         return {"u64s": list(self.device(a.device).compute_capability)}
+
+    async def device_p2p_attribute(self, a):
+        for ordinal in (a.device, a.peer):
+            self.device(ordinal)
+        if a.device == a.peer:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"device {a.device} is not a peer of itself")
+        return {"u64s": [self.backend.p2p_attribute(a.attribute, self.physical[a.device], self.physical[a.peer])]}
 
     async def ctx_create(self, a):
         self.device(a.device)
@@ -352,6 +382,7 @@ class FrontEnd:
         "deviceTotalMem": device_total_mem,
         "deviceGetAttribute": device_get_attribute,
         "deviceComputeCapability": device_compute_capability,
+        "deviceP2PAttribute": device_p2p_attribute,
         "ctxCreate": ctx_create,
         "reattach": reattach,
     }
@@ -410,18 +441,26 @@ class FrontEnd:
             return None
         return path
 
+    async def standby_worker(self, device=0):
+        """A started worker that holds no context yet, for a restore on `device`: the pool's (device 0's), else a new one."""
+        if device == 0 and self.pool:
+            return self.pool.pop(0)
+        return await self.start_worker(device, 0, standby=True)
+
     async def start_worker(self, device, flags, standby=False):
+        """A new worker on `device` (the application's ordinal: its worker is told the backend's)."""
         ctx_id = self.new_ctx_id()
         token, ctl_token = secrets.token_bytes(16), secrets.token_bytes(16)
         endpoint = worker_endpoint(self.listen, ctx_id)
+        physical = self.physical[device]
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "phos.gpu_server.worker", "--backend", self.backend_name,
             "--endpoint", endpoint, "--ctx", str(ctx_id), "--control", control_endpoint(self.listen, ctx_id),
-            "--device", str(device), "--flags", str(flags), *(["--standby"] if standby else []),
+            "--device", str(physical), "--flags", str(flags), *(["--standby"] if standby else []),
             *(self.recovery.worker_args() if self.recovery else []),
             *(["--host-store", self.host_store] if self.host_store and standby else []),
             *(["--module-cache", self.module_cache] if self.module_cache else []),
-            *(["--emu-ledger", emu_ledger_dir(self.listen)] if self.backend_name == "emu" else []),
+            *(["--emu-ledger", emu_ledger_dir(self.listen, physical)] if self.backend_name == "emu" else []),
             *(["--tenant-ledgers", tenant_ledger_dir(self.listen), "--tenant-quota", str(self.tenant_quota)]
               if self.tenant_quota > 0 else []),
             *(["--client-keys", self.curve[2]] if self.curve else []),
@@ -446,7 +485,7 @@ class FrontEnd:
                 raise CudaError(int(status), message)
             raise CudaError(CUresult.CUDA_ERROR_OUT_OF_MEMORY, f"context worker failed to start (exit {proc.returncode})")
         _, endpoint, ctl_endpoint = line.split(" ")
-        worker = WorkerProc(ctx_id, proc, endpoint, token, ctl_endpoint, ctl_token, ctl_lock=asyncio.Lock())
+        worker = WorkerProc(ctx_id, proc, endpoint, token, ctl_endpoint, ctl_token, ctl_lock=asyncio.Lock(), device=device)
         asyncio.get_running_loop().create_task(self.watch(worker))
         log.info("context %d: worker %d at %s", ctx_id, proc.pid, worker.endpoint)
         return worker
@@ -646,7 +685,7 @@ class FrontEnd:
     async def restore(self, store, name, full, warm=False):
         """Restore an image into a pre-started worker; returns (worker, the restore's result dict).
         warm: a handoff's early image, which no client may attach to until advance()."""
-        worker = self.pool.pop(0) if self.pool else await self.start_worker(0, 0, standby=True)
+        worker = await self.standby_worker()
         worker.state = "restoring"
         try:
             res = await self.control(worker, "restore", {"store": store, "name": name, "full": full, "warm": warm})
@@ -814,7 +853,7 @@ async def receive_until(sock, stopping, copy=True):
 _CONTEXT_CALLS = frozenset(n for n in wire.phos_capnp.Call.schema.union_fields) - set(FrontEnd.CALLS) - {"attach"}
 
 
-def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None, host_store=None, insecure=False):
+def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None, host_store=None, insecure=False, devices="all"):
     # We start workers with fork+exec while gRPC's threads run; its fork handlers would run in
     # the child before exec (and can crash it), and we need none of them.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -822,6 +861,6 @@ def run(backend, listen, curve=None, pool=POOL_SIZE, recovery=None, host_store=N
     check_listen(listen, curve, insecure)
     if listen.startswith("ipc://") and not listen.startswith("ipc://@"):
         private_directory(os.path.dirname(os.path.abspath(listen[len("ipc://"):])), create=True)
-    front = FrontEnd(backend, listen, curve, recovery, host_store)
+    front = FrontEnd(backend, listen, curve, recovery, host_store, devices)
     front.pool_size, front.insecure = pool, insecure
     uvloop.run(front.serve())

@@ -1,4 +1,5 @@
-"""A live handoff: move a context from this server to another (the admin API's Handoff).
+"""A live handoff: move a context from this server to another, or to another of its devices
+(the admin API's Handoff).
 
 Pre-copy rounds while the application runs, then a frozen last round, then the target
 adopts it and this worker retires. The target keeps a warm copy: it restores the first
@@ -11,7 +12,9 @@ Plain code over two parties, so that it runs without gRPC or processes (tests fa
   source  the front end holding the context (gpu_server/frontend.py FrontEnd): checkpoint,
           thaw and retire on the worker's control socket, worker_alive, host_store, moved, counts
   target  the server it goes to (gpu_server/admin.py TargetServer, over its admin API; or
-          gpu_server/handoff_net.py RemoteTarget, over the network):
+          gpu_server/handoff_net.py RemoteTarget, over the network), or another device of the
+          same server (DeviceTarget, below):
+          same_server: whether the target is the source's front end itself;
           async stats() -> .recovery_dir, .host_store, .standby, .server_key (z85 or "");
           async restore(store, name, **how) -> .endpoint, .phase_ms (how: warm, advance, full, delta);
           async drop_warm(); async wait_loaded(timeout)
@@ -20,6 +23,7 @@ Either side's failure is a CudaError.
 import asyncio
 import logging
 import time
+import types
 from dataclasses import dataclass, field
 
 from phos.gpu_server.handoff_store import HandoffStore
@@ -79,7 +83,8 @@ class Handoff:
             rounds.append(copied)
             round_ms.append(ms)
             warm = False              # it is the live context there now
-            self.source.moved[self.ctx] = (reply.endpoint, info.standby)
+            if not self.target.same_server:     # else the front end's table names the new worker already
+                self.source.moved[self.ctx] = (reply.endpoint, info.standby)
             t = time.perf_counter()
             try:    # the target's key: a client of a server with other keys authenticates it by that
                 await self.source.retire(w, reply.endpoint, info.standby, getattr(info, "server_key", ""))
@@ -204,3 +209,83 @@ class Handoff:
         store = self.store
         await self.target.wait_loaded(LOADED_TIMEOUT)
         await asyncio.to_thread(store.remove, last if store.recovery else None)
+
+
+class DeviceTarget:
+    """A handoff to another device of the same server (`phos handoff CTX --to-device N`): the
+    warm copy is a worker on device N, kept out of the front end's table of contexts (where the
+    live context stays, under the same id) until it adopts the last round and takes its place.
+    The restore puts the context's allocations at their addresses, in its range (worker.py
+    take_base), so the application's pointers stay valid on the new device."""
+    same_server = True
+    DROP_WAIT = 3.0             # seconds drop_warm waits for the copy's worker to be gone
+
+    def __init__(self, front, ctx, device):
+        self.front, self.ctx, self.device = front, ctx, device
+        self.copy = None        # the warm copy's WorkerProc
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        pass
+
+    async def stats(self):
+        recovery = self.front.recovery
+        return types.SimpleNamespace(recovery_dir=recovery.directory if recovery else "",
+                                     host_store=self.front.host_store or "",
+                                     standby=recovery.standby if recovery else "", server_key="")
+
+    async def restore(self, store, name, warm=False, advance=False, full=False, delta=b""):
+        """As the admin API's Restore does on a target server (FrontEnd.restore and advance)."""
+        res = None
+        if advance and self.copy is not None:
+            try:
+                res = await self.front.control(self.copy, "restore", {"store": store, "name": name, "advance": True,
+                                                                      "full": full, "delta": delta})
+            except CudaError as e:
+                if delta:
+                    raise
+                log.warning("context %d: the warm copy cannot take image %s (%s): restoring it afresh", self.ctx, name,
+                            e.message)
+                await self.drop_warm()
+        if res is None:
+            self.copy = await self.front.standby_worker(self.device)
+            self.copy.state = "warming"
+            self.front.fill_pool()
+            try:
+                res = await self.front.control(self.copy, "restore", {"store": store, "name": name, "full": full,
+                                                                      "warm": warm})
+            except BaseException:
+                await self.drop_warm()
+                raise
+            self.copy.ctx_id = res["ctx"]
+        if not warm:                 # the last round: it is the context now
+            self.copy.state = "running"
+            self.front.workers[self.ctx] = self.copy
+            self.front.counts["restores"] += 1
+        return types.SimpleNamespace(endpoint=self.copy.endpoint, phase_ms=res["phase_ms"])
+
+    async def drop_warm(self):
+        """Free the warm copy, if it is not the context yet; once its worker is gone, since it holds
+        the round it loads (and the caller removes the rounds next)."""
+        copy = self.copy
+        if copy is None or copy.state == "running":
+            return
+        self.copy = None
+        if copy.proc.returncode is None:
+            copy.proc.kill()
+        try:
+            await asyncio.wait_for(copy.proc.wait(), self.DROP_WAIT)
+        except asyncio.TimeoutError:
+            pass
+
+    async def wait_loaded(self, timeout):
+        deadline = time.monotonic() + timeout
+        while self.copy is not None and self.front.worker_alive(self.copy) and time.monotonic() < deadline:
+            try:
+                if not (await self.front.ctx_stats(self.copy))["restoring"]:
+                    return
+            except CudaError:
+                return
+            await asyncio.sleep(0.5)

@@ -29,6 +29,7 @@ import zmq
 import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 
+from phos.gpu_server.address_space import check_base
 from phos.gpu_server.backend import load_backend
 from phos import settings
 from phos.gpu_server.calls import CONNECTION_CALLS, WORKER_CALLS
@@ -260,6 +261,14 @@ class Session:
                 ledger.close()
                 raise
         self.tenant = name
+
+    def take_base(self, base):
+        """A restored context's addresses are where its image had them, on whichever device it
+        lands (a handoff between devices keeps its pointers): move the empty range there."""
+        if base != self.space.base:
+            check_base(base)
+            self.backend.rebase(base)
+            self.space = self.backend.space
 
     def adopt(self, session, error):
         self.ctx_id, self.token_digest, self.next_id = session["ctx"], session["token"], session["next_id"]
@@ -763,6 +772,7 @@ class Worker:
         except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {a.store!r}: {e}") from None
         try:
+            s.take_base(getattr(r.manifest, "address_space", {}).get("base", s.space.base))
             sess = getattr(r.manifest, "session", None)
             if isinstance(sess, dict) and "tenant" in sess:
                 s.join_tenant(sess["tenant"])     # before its allocations are made again: each is charged

@@ -53,14 +53,15 @@ def bar(done, total, start, out=sys.stderr):
 
 def ctx_list(opts):
     reply = call(stub(opts.server).ListContexts, pb.ListContextsRequest())
-    rows = [{"id": c.id, "bytes": c.bytes, "allocations": c.allocations, "last_seq": c.last_seq, "pid": c.pid,
-             "state": c.state} for c in reply.contexts]
+    rows = [{"id": c.id, "device": c.device, "bytes": c.bytes, "allocations": c.allocations, "last_seq": c.last_seq,
+             "pid": c.pid, "state": c.state} for c in reply.contexts]
     if opts.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'CONTEXT':>16}  {'MEMORY':>12}  {'ALLOCS':>6}  {'LAST CALL':>9}  {'PID':>7}  STATE")
+    print(f"{'CONTEXT':>16}  {'DEVICE':>6}  {'MEMORY':>12}  {'ALLOCS':>6}  {'LAST CALL':>9}  {'PID':>7}  STATE")
     for r in rows:
-        print(f"{r['id']:>16}  {human(r['bytes']):>12}  {r['allocations']:>6}  {r['last_seq']:>9}  {r['pid']:>7}  {r['state']}")
+        print(f"{r['id']:>16}  {r['device']:>6}  {human(r['bytes']):>12}  {r['allocations']:>6}  {r['last_seq']:>9}  "
+              f"{r['pid']:>7}  {r['state']}")
     return 0
 
 
@@ -106,6 +107,8 @@ def restore(opts):
 def handoff(opts):
     if opts.chunk_mb < 0:
         raise SystemExit("phos: --chunk-mb must be 0 (the default, 2) or more")
+    if opts.to_device is not None and opts.to_device < 0:
+        raise SystemExit("phos: --to-device: give a device number, 0 or more")
     to_key = ""
     if opts.to_key:
         from phos.schema.admin_net import read_key_file
@@ -113,8 +116,9 @@ def handoff(opts):
             to_key = read_key_file(opts.to_key).decode()
         except ValueError as e:
             raise SystemExit(f"phos: --to-key: {e}")
-    reply = call(stub(opts.server).Handoff, pb.HandoffRequest(ctx=opts.ctx, to=opts.to, max_rounds=opts.rounds,
-                                                              chunk_size=opts.chunk_mb << 20, to_server_key=to_key))
+    reply = call(stub(opts.server).Handoff, pb.HandoffRequest(ctx=opts.ctx, to=opts.to or "", to_device=opts.to_device,
+                                                              max_rounds=opts.rounds, chunk_size=opts.chunk_mb << 20,
+                                                              to_server_key=to_key))
     out = {"ctx": reply.ctx, "to": reply.to, "chunk_size": reply.chunk_size, "round_bytes": list(reply.round_bytes),
            "downtime_ms": reply.downtime_ms,
            "seconds": reply.seconds, "round_ms": list(reply.round_ms), "phase_ms": {k: round(v, 3) for k, v in sorted(reply.phase_ms.items())},
@@ -197,9 +201,13 @@ def add_commands(sub, default_server):
     common(p)
     p.set_defaults(func=restore)
 
-    p = sub.add_parser("handoff", help="move a live context to another server (on this host, or tcp://HOST:PORT)")
+    p = sub.add_parser("handoff", help="move a live context to another server (on this host, or tcp://HOST:PORT), "
+                       "or to another device of its server")
     p.add_argument("ctx", type=int)
-    p.add_argument("--to", required=True, help="the target server's address")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--to", help="the target server's address")
+    where.add_argument("--to-device", type=int, metavar="N", help="another device of the context's server "
+                       "(as its applications number them)")
     p.add_argument("--to-key", metavar="FILE", help="a tcp:// target's public key file (its server.key), when it "
                    "is not the source server's own (servers sharing one --auth-dir)")
     p.add_argument("--rounds", type=int, default=0, help="pre-copy rounds at most (default 12)")

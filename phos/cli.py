@@ -41,7 +41,7 @@ def cmd_server(opts):
     image_key_option(opts)
     try:
         frontend.run(opts.backend, opts.listen, curve, pool=opts.pool, recovery=recovery, host_store=host_store,
-                     insecure=opts.insecure)
+                     insecure=opts.insecure, devices=opts.devices)
     except ValueError as e:
         raise SystemExit(f"phos server: {e}")
     return 0
@@ -117,6 +117,9 @@ def main(argv=None):
 
     p = sub.add_parser("server", help="run a GPU server")
     p.add_argument("--backend", choices=["cuda", "emu"], default="emu")
+    p.add_argument("--devices", default="all", metavar="all|LIST",
+                   help="the devices to serve: all (the default), or their numbers, e.g. 0,1; applications number "
+                   "them from 0 in that order, as with CUDA_VISIBLE_DEVICES (emu: PHOS_EMU_DEVICES says how many it has)")
     p.add_argument("--listen", default=default_server(), help="ipc://PATH or tcp://127.0.0.1:PORT")
     p.add_argument("--auth-dir", help="CURVE keys made by `phos keygen`; required for tcp and abstract ipc://@NAME")
     p.add_argument("--insecure", action="store_true", help="allow a keyless listener other local users can reach "

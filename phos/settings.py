@@ -228,11 +228,14 @@ image_key = _declare("PHOS_IMAGE_KEY", str, _image_key_default, f"{SERVER}, {CLI
                      "checks it with (`phos server --image-key`'s default; `phos image inspect` reads with it): "
                      "servers sharing it restore each other's images; the default one is made (mode 0600) on first use",
                      shown="$XDG_CONFIG_HOME/phos/image.key, else ~/.config/phos/image.key")
-emu_memory = _declare("PHOS_EMU_MEMORY", int, 16 << 30, SERVER, "the emu backend's device memory in bytes",
+emu_devices = _declare("PHOS_EMU_DEVICES", int, 1, SERVER,
+                       "how many devices the emu backend has, each with a name, a UUID and PHOS_EMU_MEMORY bytes of "
+                       "its own (`phos server --devices` picks those a server serves)")
+emu_memory = _declare("PHOS_EMU_MEMORY", int, 16 << 30, SERVER, "each emu device's memory in bytes",
                         shown="17179869184 (16 GiB)")
 emu_context_quota = _declare("PHOS_EMU_CONTEXT_QUOTA", int, 0, SERVER,
                              "the bytes of emu device memory one context may hold (PHOS_EMU_MEMORY's bytes are "
-                             "shared by all the contexts of a server; 0: no quota of its own)")
+                             "shared by all the contexts of a device; 0: no quota of its own)")
 emu_launch_timeout = _declare("PHOS_EMU_LAUNCH_TIMEOUT", float, 60.0, SERVER,
                               "seconds an emu kernel may run: a launch running longer is stopped and fails with "
                               "CUDA_ERROR_LAUNCH_TIMEOUT (0: no limit)")

@@ -127,7 +127,8 @@ class AdminServicer:
 
     def Handoff(self, request, context):
         """Move a live context to the server at `to` (same host: the image travels through /dev/shm,
-        or the target's recovery store, where its last round is then the context's recovery image).
+        or the target's recovery store, where its last round is then the context's recovery image),
+        or to another device of this server (`to_device`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

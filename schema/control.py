@@ -35,10 +35,10 @@ def module_cache_dir(server):
     return _beside(server, ".modules", "modules-{port}")
 
 
-def emu_ledger_dir(server):
-    """Where the emu workers of the server listening on `server` account its device memory
-    together (gpu_server/emu_memory.py DeviceLedger)."""
-    return _beside(server, ".emu-memory", "emu-memory-{port}")
+def emu_ledger_dir(server, device=0):
+    """Where the emu workers of the server listening on `server` account the memory of its emu
+    device `device` together (gpu_server/emu_memory.py DeviceLedger): each device's is its own."""
+    return _beside(server, f".emu-memory-{device}", f"emu-memory-{{port}}-{device}")
 
 
 def tenant_ledger_dir(server):

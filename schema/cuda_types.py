@@ -18,6 +18,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_NO_BINARY_FOR_GPU = 209
     CUDA_ERROR_UNSUPPORTED_LIMIT = 215
+    CUDA_ERROR_PEER_ACCESS_UNSUPPORTED = 217
     CUDA_ERROR_INVALID_PTX = 218
     CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222
     CUDA_ERROR_INVALID_SOURCE = 300
@@ -29,6 +30,8 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701
     CUDA_ERROR_LAUNCH_TIMEOUT = 702
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+    CUDA_ERROR_PEER_ACCESS_NOT_ENABLED = 705
     CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
     CUDA_ERROR_ASSERT = 710
     CUDA_ERROR_HARDWARE_STACK_ERROR = 714
@@ -48,12 +51,13 @@ ERROR_STRINGS = {
     4: "driver shutting down", 100: "no CUDA-capable device is detected",
     101: "invalid device ordinal", 200: "device kernel image is invalid",
     201: "invalid device context", 209: "no kernel image is available for execution on the device",
-    215: "limit is not supported on this architecture",
+    215: "limit is not supported on this architecture", 217: "peer access is not supported between these two devices",
     218: "a PTX JIT compilation failed", 222: "the provided PTX was compiled with an unsupported toolchain.",
     300: "invalid source", 301: "file not found", 400: "invalid resource handle",
     401: "the operation cannot be performed in the present state", 500: "named symbol not found",
     600: "device not ready", 700: "an illegal memory access was encountered",
     701: "too many resources requested for launch", 702: "the launch timed out and was terminated",
+    704: "peer access is already enabled", 705: "peer access has not been enabled",
     709: "context is destroyed", 710: "device-side assert triggered",
     714: "hardware stack error", 715: "an illegal instruction was encountered",
     716: "misaligned address", 717: "operation not supported on global/shared address space",

@@ -257,6 +257,7 @@ struct Call {
     hostMap @46 :HostMap;                   # Result u64s: [1] mapped, [0] not (text: why)
     hostUnmap @47 :Handle;                  # id: hostMap's; after the device's work
     memcpyPinned @48 :MemcpyPinned;         # a copy between the device and a mapped pinned range
+    deviceP2PAttribute @49 :DeviceP2PAttribute;   # (front end) Result u64s: [the attribute's value]
   }
 }
 
@@ -313,6 +314,11 @@ struct Attach {
 }
 struct Device { device @0 :Int32; }
 struct DeviceAttribute { attribute @0 :Int32; device @1 :Int32; }
+# cuDeviceGetP2PAttribute (and cuDeviceCanAccessPeer: its access attribute) between two distinct
+# devices. Peer copies travel through the client (its contexts are workers of their own), so
+# they work between any two devices; the answer is the devices' own, as the application would
+# see it natively.
+struct DeviceP2PAttribute { attribute @0 :Int32; device @1 :Int32; peer @2 :Int32; }
 struct Handle { id @0 :UInt64; }       # module, function, stream or event id; stream 0 = default
 struct Pointer { ptr @0 :UInt64; }
 struct Flags { flags @0 :UInt32; }

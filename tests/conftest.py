@@ -160,6 +160,16 @@ def servers(backend, tmp_path):
 
 
 @pytest.fixture
+def two_devices(backend, servers, monkeypatch):
+    """two_devices(name, devices="all") starts a server (servers') whose emu backend has two
+    devices (PHOS_EMU_DEVICES=2), serving those `phos server --devices` names."""
+    if backend != "emu":
+        pytest.skip("a server of two emu devices (PHOS_EMU_DEVICES)")
+    monkeypatch.setenv("PHOS_EMU_DEVICES", "2")
+    return lambda name, devices="all": servers(name, args=("--devices", devices))
+
+
+@pytest.fixture
 def client(monkeypatch):
     """Connect the Python client to a server: client(server) -> driver module."""
     from phos.client_stub import driver

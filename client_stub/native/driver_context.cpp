@@ -240,6 +240,8 @@ void close_context(CUctx_st* ctx) {
     ctx->modules.clear();
     ctx->streams.clear();
     ctx->events.clear();
+    ctx->peers.clear();
+    for (CUctx_st* other : s.contexts) other->peers.erase(ctx);
     for (auto* ranges : {&s.allocations, &s.globals}) {
         for (auto it = ranges->begin(); it != ranges->end();) it = it->second.ctx == ctx ? ranges->erase(it) : std::next(it);
     }
@@ -706,25 +708,75 @@ PHOS_EXPORT CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     return context_limit(limit, &value, &now);
 }
 
-// -- peers: each phos context sees its device alone ---------------------------------------
+// -- peers ----------------------------------------------------------------------------------
+// Each context is a worker process of its own, on its device: a copy between two contexts
+// (cuMemcpyPeer, a copy whose pointers lie on two devices) travels through this process
+// (driver_memory.cpp copy_between), with or without peer access. The devices' answers are the
+// server's devices' own; enabling access is bookkeeping with CUDA's errors, since a kernel
+// cannot reach another context's memory.
+
+static CUresult p2p_attribute(int attribute, CUdevice dev, CUdevice peer, int* value) {
+    State& s = state();
+    auto key = std::make_tuple(attribute, static_cast<int>(dev), static_cast<int>(peer));
+    auto it = s.p2p.find(key);
+    if (it == s.p2p.end()) {      // the link never changes: asked once, refusals too
+        wire::Result r;
+        CUresult err = front_call(wire::Call::p2p_attribute(attribute, dev, peer), &r);
+        if (err == CUDA_ERROR_NO_DEVICE || err == CUDA_ERROR_CONTEXT_IS_DESTROYED) return err;   // no answer
+        it = s.p2p.emplace(key, std::make_pair(err, r.u64s.empty() ? 0 : static_cast<int>(r.u64s[0]))).first;
+    }
+    if (it->second.first == CUDA_SUCCESS) *value = it->second.second;
+    return it->second.first;
+}
 
 PHOS_EXPORT CUresult cuDeviceCanAccessPeer(int* can, CUdevice dev, CUdevice peer) {
     if (!can) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
     CUresult err = check_device(dev);
     if (err == CUDA_SUCCESS) err = check_device(peer);
-    if (err == CUDA_SUCCESS) *can = 0;
-    return err;
+    if (err != CUDA_SUCCESS) return err;
+    if (dev == peer) {      // a device is no peer of itself
+        *can = 0;
+        return CUDA_SUCCESS;
+    }
+    return p2p_attribute(CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, dev, peer, can);
 }
 
-PHOS_EXPORT CUresult cuDeviceGetP2PAttribute(int* value, CUdevice_P2PAttribute, CUdevice src, CUdevice dst) {
+PHOS_EXPORT CUresult cuDeviceGetP2PAttribute(int* value, CUdevice_P2PAttribute attribute, CUdevice src, CUdevice dst) {
     if (!value) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
     CUresult err = check_device(src);
     if (err == CUDA_SUCCESS) err = check_device(dst);
     if (err == CUDA_SUCCESS && src == dst) err = CUDA_ERROR_INVALID_DEVICE;
-    if (err == CUDA_SUCCESS) *value = 0;
+    if (err == CUDA_SUCCESS) err = p2p_attribute(attribute, src, dst, value);
     return err;
+}
+
+// The current context, and `peer` a live context other than it (else CUDA_ERROR_INVALID_CONTEXT).
+static CUresult peer_of_current(CUcontext peer, CUctx_st** ctx) {
+    CUresult err = current_context(ctx);
+    if (err != CUDA_SUCCESS) return err;
+    return is_handle(peer, HandleKind::context) && peer->live && peer != *ctx ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
+PHOS_EXPORT CUresult cuCtxEnablePeerAccess(CUcontext peer, unsigned int flags) {
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = peer_of_current(peer, &ctx);
+    if (err != CUDA_SUCCESS) return err;
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    int can = 0;
+    if ((err = cuDeviceCanAccessPeer(&can, ctx->device, peer->device)) != CUDA_SUCCESS) return err;
+    if (!can) return CUDA_ERROR_PEER_ACCESS_UNSUPPORTED;
+    return ctx->peers.insert(peer).second ? CUDA_SUCCESS : CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+}
+
+PHOS_EXPORT CUresult cuCtxDisablePeerAccess(CUcontext peer) {
+    Guard g(state().lock);
+    CUctx_st* ctx;
+    CUresult err = peer_of_current(peer, &ctx);
+    if (err != CUDA_SUCCESS) return err;
+    return ctx->peers.erase(peer) ? CUDA_SUCCESS : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED;
 }
 
 // -- profiler control: profiling belongs to the server ------------------------------------

@@ -17,6 +17,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -116,12 +117,11 @@ static CUDA_MEMCPY3D linear_copy(CUmemorytype to, uint64_t dst, CUmemorytype fro
     return p;
 }
 
-static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool async_api) {
-    CUctx_st* ctx;
-    CUresult err = current_context(&ctx);
-    if (err != CUDA_SUCCESS) return err;
+static CUresult copy_to_device_in(CUctx_st* ctx, CUdeviceptr dst, const void* src, size_t n, CUstream stream,
+                                  bool async_api) {
     uint64_t sid = 0;
-    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    CUresult err = stream_id(stream, ctx, &sid);
+    if (err != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!src || !device_range_ok(dst, n)) return CUDA_ERROR_INVALID_VALUE;
     if (capture_of(stream))
@@ -144,12 +144,16 @@ static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstr
     return CUDA_SUCCESS;
 }
 
-static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
+static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool async_api) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
-    if (err != CUDA_SUCCESS) return err;
+    return err != CUDA_SUCCESS ? err : copy_to_device_in(ctx, dst, src, n, stream, async_api);
+}
+
+static CUresult copy_to_host_in(CUctx_st* ctx, void* dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
     uint64_t sid = 0;
-    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    CUresult err = stream_id(stream, ctx, &sid);
+    if (err != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!dst || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
     if (capture_of(stream))
@@ -172,16 +176,63 @@ static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stre
     return context_call(ctx, wire::Call::memcpy_dtoh(src, n, sid), nullptr, &to);
 }
 
-static CUresult copy_on_device(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
-    if (err != CUDA_SUCCESS) return err;
+    return err != CUDA_SUCCESS ? err : copy_to_host_in(ctx, dst, src, n, stream, async_api);
+}
+
+static CUresult copy_on_device_in(CUctx_st* ctx, CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
     uint64_t sid = 0;
-    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    CUresult err = stream_id(stream, ctx, &sid);
+    if (err != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!device_range_ok(dst, n) || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
     submit(ctx, stream, wire::Call::memcpy_dtod(dst, src, n, sid));
     return CUDA_SUCCESS;
+}
+
+// A copy between two contexts (cuMemcpyPeer, or a copy whose pointers lie in two contexts'
+// memory). Each context is a worker process of its own, maybe on another device, so the bytes
+// come here from the source and go on to the destination, a piece at a time: two transfers
+// instead of one device-to-device copy, and the copy is done (or failed) when this returns.
+// `stream` may be either context's: on the source's, the bytes are read after its work before
+// them; on the destination's, they are written in order with its work. The other side uses its
+// default stream.
+static CUresult copy_between(CUctx_st* dst_ctx, CUdeviceptr dst, CUctx_st* src_ctx, CUdeviceptr src, size_t n,
+                             CUstream stream) {
+    for (CUctx_st* c : {dst_ctx, src_ctx})
+        if (!is_handle(c, HandleKind::context) || make_usable(c) != CUDA_SUCCESS) return CUDA_ERROR_INVALID_CONTEXT;
+    if (src_ctx == dst_ctx) return copy_on_device_in(src_ctx, dst, src, n, stream);
+    CUstream on_src = nullptr, on_dst = nullptr;
+    if (stream && stream != CU_STREAM_LEGACY && stream != CU_STREAM_PER_THREAD) {
+        if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
+        if (stream->ctx == src_ctx) on_src = stream;
+        else if (stream->ctx == dst_ctx) on_dst = stream;
+        else return CUDA_ERROR_INVALID_HANDLE;
+    }
+    if (capture_of(stream)) return refuse_in_capture(stream);    // two contexts: no graph of one holds it
+    constexpr size_t kPiece = 32 << 20;      // bounds the memory it takes here
+    std::vector<char> piece(std::min(n, kPiece));
+    for (size_t done = 0; done < n; done += piece.size()) {
+        const size_t k = std::min(piece.size(), n - done);
+        CUresult err = copy_to_host_in(src_ctx, piece.data(), src + done, k, on_src, false);
+        if (err == CUDA_SUCCESS) err = copy_to_device_in(dst_ctx, dst + done, piece.data(), k, on_dst, false);
+        if (err != CUDA_SUCCESS) return err;
+    }
+    return CUDA_SUCCESS;
+}
+
+// A device-to-device copy in the contexts its pointers lie in, the current one or others (with
+// unified addressing a pointer names its device).
+static CUresult copy_on_device(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    const DeviceRange* to = find_device_range(dst);
+    const DeviceRange* from = find_device_range(src);
+    if (to && from && (to->ctx != ctx || from->ctx != ctx)) return copy_between(to->ctx, dst, from->ctx, src, n, stream);
+    return copy_on_device_in(ctx, dst, src, n, stream);
 }
 
 // A memset of memory the device uses in place (managed, mapped host memory): it is this
@@ -436,6 +487,19 @@ PHOS_EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n)
 PHOS_EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
     Guard g(state().lock);
     return copy_on_device(dst, src, n, stream);
+}
+
+PHOS_EXPORT CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx, size_t n) {
+    Guard g(state().lock);
+    CUresult err = require_init();
+    return err != CUDA_SUCCESS ? err : copy_between(dst_ctx, dst, src_ctx, src, n, nullptr);
+}
+
+PHOS_EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, CUcontext dst_ctx, CUdeviceptr src, CUcontext src_ctx, size_t n,
+                                       CUstream stream) {
+    Guard g(state().lock);
+    CUresult err = require_init();
+    return err != CUDA_SUCCESS ? err : copy_between(dst_ctx, dst, src_ctx, src, n, stream);
 }
 
 PHOS_EXPORT CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n) {

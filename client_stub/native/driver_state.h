@@ -57,6 +57,7 @@ struct CUctx_st {
     std::unordered_set<CUevent_st*> events;
     std::map<void*, LocalValue> local_storage;
     std::map<CUlimit, size_t> limits_set;     // cuCtxGetLimit / SetLimit: the server's answers
+    std::unordered_set<CUctx_st*> peers;      // the contexts it enabled peer access to
 };
 
 struct CUfunc_st {
@@ -152,6 +153,7 @@ struct State {
     int device_count = 0;
     int driver_version = 0;
     std::map<std::pair<int, int>, std::pair<CUresult, int>> attributes;   // (device, attribute) -> answer
+    std::map<std::tuple<int, int, int>, std::pair<CUresult, int>> p2p;    // (attribute, device, peer) -> answer
     std::map<int, std::string> device_names;
     std::map<int, std::string> device_uuids;
     std::map<int, size_t> device_memory;

@@ -25,7 +25,7 @@ const char* kind_name(Kind kind) {
         "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
         "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
         "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy", "funcSetAttribute", "ctxLimit",
-        "memReserve", "memUnreserve", "hostMap", "hostUnmap", "memcpyPinned",
+        "memReserve", "memUnreserve", "hostMap", "hostUnmap", "memcpyPinned", "deviceP2PAttribute",
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -82,6 +82,12 @@ Call Call::device_attribute(int attribute, int device) {
     Call c = plain(Kind::deviceGetAttribute);
     c.number = attribute;
     c.device = device;
+    return c;
+}
+Call Call::p2p_attribute(int attribute, int device, int peer) {
+    Call c = device_attribute(attribute, device);
+    c.kind = Kind::deviceP2PAttribute;
+    c.peer = peer;
     return c;
 }
 Call Call::mem_alloc(uint64_t size, uint64_t at) {
@@ -289,6 +295,13 @@ static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_ind
         break;
     }
     case Kind::deviceComputeCapability: out.initDeviceComputeCapability().setDevice(c.device); break;
+    case Kind::deviceP2PAttribute: {
+        auto a = out.initDeviceP2PAttribute();
+        a.setAttribute(c.number);
+        a.setDevice(c.device);
+        a.setPeer(c.peer);
+        break;
+    }
     case Kind::ctxDestroy: out.setCtxDestroy(); break;
     case Kind::ctxSynchronize: out.setCtxSynchronize(); break;
     case Kind::memAlloc: {

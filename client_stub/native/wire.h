@@ -24,7 +24,7 @@ enum class Kind : uint8_t {
     streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
     eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
     launchBatch, reattach, logFull, tensorMapEncode, funcOccupancy, funcSetAttribute, ctxLimit,
-    memReserve, memUnreserve, hostMap, hostUnmap, memcpyPinned,
+    memReserve, memUnreserve, hostMap, hostUnmap, memcpyPinned, deviceP2PAttribute,
 };
 const char* kind_name(Kind kind);
 
@@ -57,6 +57,7 @@ struct Call {
                               // into a pinned range
     uint32_t flags = 0;       // flags; memset value; launch shared bytes; hello version; kViaShm (copies)
     int32_t device = 0;       // device ordinal
+    int32_t peer = 0;         // the other device of deviceP2PAttribute
     int32_t number = 0;       // device attribute; stream priority; memset element size
     Dim3 grid, block;
     std::string text;         // hello client; symbol name; shmPath (attach); path (hostMap)
@@ -95,6 +96,8 @@ struct Call {
     static Call attach_with_staging(uint64_t ctx, std::string token, std::string shm_path, std::string shm_cookie,
                                     uint64_t shm_size);
     static Call device_attribute(int attribute, int device);
+    // cuDeviceGetP2PAttribute's `attribute` from `device` to `peer` (two distinct devices)
+    static Call p2p_attribute(int attribute, int device, int peer);
     static Call mem_alloc(uint64_t size, uint64_t at = 0);   // at: a mapping's address (cuMemMap)
     static Call mem_free(uint64_t ptr);
     static Call memcpy_htod(uint64_t dst, uint64_t stream, Payload bytes);

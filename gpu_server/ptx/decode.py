@@ -1105,7 +1105,7 @@ def d_isspacep(D, st, M):
     def f(S, m):
         a = np.asarray(g(S))
         if win is None:
-            r = (a >= u64(BASE)) & (a < u64(BASE + S.mem.capacity))
+            r = (a >= u64(S.mem.base)) & (a < u64(S.mem.base + S.mem.capacity))
         else:
             r = (a - u64(win)) < u64(WIN)
         d(S, r[()] if r.ndim == 0 else r, m)

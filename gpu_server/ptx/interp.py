@@ -7,7 +7,7 @@ mask), others wait, so divergent branches reconverge where the lowest PC catches
 A group keeps running without rescanning the lanes until its PC reaches the next
 waiting lane's PC (`lim`). Instructions are decoded once, at parse time (decode.py).
 
-Address windows: global memory is EmuMemory's arena (from address_space.BASE); generic
+Address windows: global memory is EmuMemory's arena (from its device's base, address_space.BASE or above); generic
 addresses of shared, local and kernel-param memory live in their own 4 GiB windows
 below it (decode.py), so generic ld/st/atom dispatch by range. Shared memory is per block
 (one slice per block of the batch); local memory is per lane.

@@ -61,7 +61,8 @@ class AdminClient:
         """The server's StatsReply as a dict."""
         r = self._call(self.stub.Stats, pb.StatsRequest(), POLL_TIMEOUT)
         return {"backend": r.backend, "devices": r.devices, "contexts": r.contexts, "standby_workers": r.standby_workers,
-                "bytes": r.bytes, "checkpoints": r.checkpoints, "restores": r.restores, "recovery_dir": r.recovery_dir,
+                "bytes": r.bytes, "checkpoints": r.checkpoints, "checkpoint_seconds": r.checkpoint_seconds,
+                "restores": r.restores, "recovery_dir": r.recovery_dir,
                 "standby": r.standby, "host_store": r.host_store}
 
     def handoff(self, ctx, to, max_rounds=0, chunk_size=0):

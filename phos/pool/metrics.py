@@ -47,6 +47,8 @@ class ServerCollector:
                     s["calls_per_s"])
         yield counter("phos_server_calls", "calls its contexts executed (as polled)", s["calls_total"])
         yield counter("phos_server_checkpoints", "checkpoints completed through the admin API", s["checkpoints"])
+        yield counter("phos_server_checkpoint_seconds", "the seconds those checkpoints took, summed (over "
+                      "phos_server_checkpoints: their mean duration)", s["checkpoint_seconds"])
         yield counter("phos_server_restores", "contexts restored (recoveries, handoffs' targets, restores)", s["restores"])
         per = GaugeMetricFamily("phos_context_device_bytes", "device memory a context allocated",
                                 labels=labels + ["ctx"])

@@ -23,7 +23,7 @@ native_path="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib${LD_LIBRARY_PA
 stub_path="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 bad=0
 for app in vector_add matmul_tiled streams_events atomics symbols threads device_reset errors launch_batch device_query no_gpu driver_api \
-        runtime_features graph_nodes managed_memory; do
+        runtime_features graph_nodes managed_memory multi_gpu; do
     args=""
     [ "$app" = driver_api ] && args="$work/bin/driver_kernels.ptx"
     set +e

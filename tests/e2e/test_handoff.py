@@ -69,6 +69,28 @@ def handoff_then_kill_the_target(cu, one, two, reattached=True, before_the_kill=
     assert app.get(x, N).tobytes() == expected.tobytes()
 
 
+def compute_while(app, x, y, r, mover, steps=TOTAL, wait=120):
+    """The program's run of `steps` Jacobi steps, syncing every 5, with `mover` (a thread: a
+    handoff, say) started at step 10 and paced so that a fast GPU is still mid-run when it ends.
+    Returns (the result's buffer, the step at which the mover was seen done, or None)."""
+    moved_at = None
+    for i in range(steps):
+        if i == 10:
+            mover.start()
+        if i > 10 and mover.is_alive():
+            time.sleep(0.005)
+        if i == steps - 20:
+            mover.join(wait)                    # a slow handoff: the program waits for it here
+        app.jacobi(x, y, r, N, 1)               # reads x, writes y
+        x, y = y, x
+        if i % 5 == 4:
+            app.sync()
+            if i > 10 and moved_at is None and not mover.is_alive():
+                moved_at = i
+    mover.join()
+    return x, moved_at
+
+
 def contexts(server):
     return {c.id: c.state for c in stub(server.address).ListContexts(pb.ListContextsRequest()).contexts}
 
@@ -87,21 +109,7 @@ def test_handoff_while_the_program_runs_is_bit_exact(servers, client, monkeypatc
     done = {}
     mover = threading.Thread(target=lambda: done.update(
         reply=stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))))
-    moved_at = None
-    for i in range(TOTAL):                      # keep computing (and syncing) while it moves
-        if i == 10:
-            mover.start()
-        if i > 10 and mover.is_alive():
-            time.sleep(0.005)                   # paced, so that a fast GPU is still mid-run when it ends
-        if i == TOTAL - 20:
-            mover.join(120)                     # a slow handoff: the program waits for it here
-        app.jacobi(x, y, r, N, 1)               # reads x, writes y
-        x, y = y, x
-        if i % 5 == 4:
-            app.sync()
-            if i > 10 and moved_at is None and not mover.is_alive():
-                moved_at = i
-    mover.join()
+    x, moved_at = compute_while(app, x, y, r, mover)
     assert moved_at is not None and moved_at < TOTAL - 5, "the handoff should end mid-run"
     assert app.get(x, N).tobytes() == expected.tobytes()
     reply = done["reply"]

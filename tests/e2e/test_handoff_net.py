@@ -20,6 +20,7 @@ from conftest import wait_until
 from phos.schema import admin_pb2 as pb
 from phos.schema.admin_net import close_admin, open_admin, read_key_file
 from share_nothing import key_pairs, start_isolated, unshare_permitted
+from test_handoff import compute_while
 from test_snapshot_engine import App
 from test_stub_reattach import PAUSE, Program, iterate  # noqa: F401 (iterate: a fixture)
 
@@ -105,17 +106,7 @@ def test_python_client_carries_on_across_a_share_nothing_handoff(pair, keyed_cli
     x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
     done = {}
     mover = threading.Thread(target=lambda: done.update(r=phos_handoff(app.id, a, b, b_keys, env)))
-    for i in range(TOTAL):
-        if i == 10:
-            mover.start()
-        if i > 10 and mover.is_alive():
-            time.sleep(0.005)
-        if i == TOTAL - 20:
-            mover.join(300)
-        app.jacobi(x, y, r, N, 1)
-        x, y = y, x
-        if i % 5 == 4:
-            app.sync()
+    x, _ = compute_while(app, x, y, r, mover, steps=TOTAL, wait=300)
     assert done["r"].returncode == 0, done["r"].stderr
     assert app.get(x, N).tobytes() == expected.tobytes()
     assert contexts(b, b_keys, env).get(app.id) == "running"

@@ -233,6 +233,7 @@ def test_sixteen_contexts_are_placed_across_the_pool(pool, tenants):
     server = pool.status()["servers"][0]
     text = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
     assert f'phos_server_contexts{{node="{server["node_id"]}",server="{server["address"]}"}}' in text
+    assert f'phos_server_checkpoint_seconds_total{{node="{server["node_id"]}",server="{server["address"]}"}}' in text
 
 
 def test_phos_pool_status_and_a_bad_drain_on_the_command_line(pool, tenants):

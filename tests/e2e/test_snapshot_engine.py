@@ -727,6 +727,7 @@ def test_cli_and_admin_api(servers, client, tmp_path):
     assert bad.returncode != 0 and "no context 12345" in bad.stderr
     stats = stub(one.address).Stats(pb.StatsRequest())
     assert stats.checkpoints == 2 and stats.contexts >= 1
+    assert 0 < stats.checkpoint_seconds < 60
     freed = stub(one.address).DeleteImage(pb.DeleteImageRequest(store=str(store), name=result["name"]))
     assert freed.freed_chunks == 0          # the second image still holds every chunk
     assert len(DirStore(store).list_images()) == 1

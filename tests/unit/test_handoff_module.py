@@ -38,6 +38,8 @@ class Source:
 
 
 class Target:
+    same_server = False
+
     def __init__(self, recovery_dir="", refuse=()):
         self.recovery_dir, self.refuse = recovery_dir, refuse
         self.restores, self.dropped, self.waited = [], False, False
