@@ -160,5 +160,6 @@ if want bench; then
     step bench-rpc python3 perf/bench_rpc.py --backend cuda --json "$OUT/bench_rpc.json"
     step bench-launch-worker python3 perf/bench_launch_decode.py --backend cuda
     step bench-stub sh perf/bench_stub.sh
+    step bench-tcp-copies python3 perf/bench_tcp_copies.py --backend cuda --sizes 1,64,256
 fi
 exit $status
