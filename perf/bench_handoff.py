@@ -28,7 +28,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_snapshot import GiB, MiB, App, spread, start_server, timed_reattach  # noqa: E402
+from bench_snapshot import GiB, MiB, App, rate_timeline, start_server, timed_reattach  # noqa: E402
+from spread import REPEAT, spread_text  # noqa: E402
 
 
 def writer(app, stop, ends, starts, step, share=0.1):
@@ -125,12 +126,14 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
                     "last_sync_before": (last - frozen) * 1e3, "source_let_go": reply.downtime_ms,
                     "reattach": [[(a - frozen) * 1e3, (b - frozen) * 1e3, said] for a, b, said in reattaches],
                     "syncs_after": [(e - frozen) * 1e3 for e in after]}
+        # the loop ran a second alone before the call and after its answer: the rate on both sides
+        rate = rate_timeline(ends, t0, t0 - 0.9, t1 + 1.0, marks={"frozen": frozen, "answered": t1})
         for srv in (one, two):        # the workers' attach lines (PHOS_LOG=INFO), beside the stub's
             print("".join(line for line in srv.output().splitlines(True) if "attached" in line or "freed" in line), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
                 "baseline_gap_ms": baseline, "longest_step_ms": step, "baseline_step_ms": baseline_step, "round_bytes": list(reply.round_bytes),
                 "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms],
-                "timeline_ms": timeline}
+                "timeline_ms": timeline, "rate_timeline": rate}
     finally:
         cu._reset_for_tests()
         one.stop()
@@ -154,7 +157,7 @@ def main():
                     help="where the rounds go: a HostStore both servers pin (twice the context's size, on /dev/shm), "
                     "chunk files in /dev/shm, or over TCP between two servers that share nothing (see above)")
     ap.add_argument("--step-ms", type=float, default=1.0, help="the application's pace: a write and a sync this often")
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--repeat", type=int, default=REPEAT,
                     help="runs of each size (a fresh pair of servers each): the device's figures vary from run to run")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -195,11 +198,15 @@ def main():
     for r in rows:
         p = r["phase_ms"]
         print(f"| {r['size']} | {r['freeze_gap_ms']:.1f} | " + " | ".join(f"{p.get(k, float('nan')):.1f}" for k in steps) + " |")
-    if args.repeat > 1:
-        print("\n| size | runs | downtime: least, median, most (ms) | runs within 20 ms |\n|---|---|---|---|")
-        for size in dict.fromkeys(r["size"] for r in rows):
-            d = [r["downtime_ms"] for r in rows if r["size"] == size]
-            print(f"| {size} | {len(d)} | {spread(d)} | {sum(x <= 20 for x in d)} |")
+    figures = {"handoff total (s)": "handoff_s", "application downtime (ms)": "downtime_ms",
+               "gap around the freeze (ms)": "freeze_gap_ms", "calls held by the source (ms)": "server_hold_ms",
+               "longest step (ms)": "longest_step_ms"}
+    print("\n| size | runs | " + " | ".join(f"{k}: least / median / most" for k in figures) + " | downtime within 20 ms |")
+    print("|---|---|" + "---|" * (len(figures) + 1))
+    for size in dict.fromkeys(r["size"] for r in rows):
+        runs = [r for r in rows if r["size"] == size]
+        print(f"| {size} | {len(runs)} | " + " | ".join(spread_text(r[k] for r in runs) for k in figures.values()) +
+              f" | {sum(r['downtime_ms'] <= 20 for r in runs)} of {len(runs)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

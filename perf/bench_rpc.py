@@ -4,7 +4,8 @@
     python perf/bench_rpc.py --backend emu --launches 200 --sizes 4K,1M,64M   # anywhere
 
 Prints one table: synchronous round trip (idle cuCtxSynchronize), asynchronous launch
-cost (N empty launches then one sync, per launch), and host<->device bandwidth.
+cost (N empty launches then one sync, per launch), and host<->device bandwidth; each figure's
+least / median / most over --repeat runs (3), the paths taking turns run by run.
 """
 import argparse
 import importlib
@@ -17,6 +18,9 @@ import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spread import REPEAT, spread_text  # noqa: E402
 
 EMPTY_PTX = b""".version 8.0
 .target sm_75
@@ -115,12 +119,14 @@ def run_phos(backend, listen, args):
 
 
 def table(rows, sizes):
+    """rows: path -> its runs' rows; a cell is a figure's least / median / most over them."""
     cols = ["sync_us", "launch_us"] + [f"{d}_{s}_GBs" for s in sizes for d in ("h2d", "d2h")]
-    head = "| path | sync round trip (µs) | async launch (µs) | " + " | ".join(
+    head = "| path | runs | sync round trip (µs) | async launch (µs) | " + " | ".join(
         f"{d.upper()} {s} (GB/s)" for s in sizes for d in ("h2d", "d2h")) + " |"
-    lines = [head, "|" + "---|" * (len(cols) + 1)]
-    for name, row in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[c]:.2f}" if c.endswith("GBs") else f"{row[c]:.1f}" for c in cols) + " |")
+    lines = [head, "|" + "---|" * (len(cols) + 2)]
+    for name, runs in rows.items():
+        lines.append(f"| {name} | {len(runs)} | " + " | ".join(
+            spread_text((r[c] for r in runs), ".2f" if c.endswith("GBs") else ".1f") for c in cols) + " |")
     return "\n".join(lines)
 
 
@@ -129,8 +135,9 @@ def main():
     ap.add_argument("--backend", default="emu", choices=["emu", "cuda"])
     ap.add_argument("--launches", type=int, default=10000)
     ap.add_argument("--sizes", default="4K,1M,256M")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds within a run, of which each figure takes the median (bandwidth: the best)")
+    ap.add_argument("--repeat", type=int, default=REPEAT, help="runs of each path, each in a fresh process and server")
+    ap.add_argument("--json", help="also write every run's row here, by path")
     ap.add_argument("--child", choices=["phos", "native"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = args.sizes.split(",")
@@ -139,11 +146,12 @@ def main():
         print(json.dumps(measure(cu, args.launches, sizes, args.rounds)))
         return
     rows = {}
-    if args.backend == "cuda":
-        rows["native cuda-python"] = run_child("native", args)
-    with tempfile.TemporaryDirectory() as tmp:
-        rows["phos ipc://"] = run_phos(args.backend, f"ipc://{tmp}/bench.sock", args)
-        rows["phos tcp://127.0.0.1"] = run_phos(args.backend, "tcp://127.0.0.1:45871", args)
+    for _ in range(max(1, args.repeat)):     # the paths take turns: a machine slower for a while slows each alike
+        if args.backend == "cuda":
+            rows.setdefault("native cuda-python", []).append(run_child("native", args))
+        with tempfile.TemporaryDirectory() as tmp:
+            rows.setdefault("phos ipc://", []).append(run_phos(args.backend, f"ipc://{tmp}/bench.sock", args))
+            rows.setdefault("phos tcp://127.0.0.1", []).append(run_phos(args.backend, "tcp://127.0.0.1:45871", args))
     print(table(rows, sizes))
     if args.json:
         with open(args.json, "w") as f:

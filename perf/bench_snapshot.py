@@ -24,6 +24,7 @@ import logging.handlers
 import ctypes
 import gc
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -36,6 +37,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
+from spread import REPEAT, spread_text  # noqa: E402
 from ptx_helpers import compile_ptx  # noqa: E402  (tests/kernels/snapshot.cu: fill_u64)
 from phos.schema.control import checkpoint_result  # noqa: E402
 from phos.snapshot.engine import TRACE_SECONDS  # noqa: E402
@@ -46,6 +49,8 @@ GiB, MiB = 1 << 30, 1 << 20
 GPU_BOUND = 32          # kernels a sync in the throughput-bound loop
 PRINTED_MS = 30         # of a checkpoint's trace, the part the table shows
 AROUND = 0.7            # s of the working loop alone right before and after a checkpoint: its rate without one
+BIN_MS = 10             # the rate timelines' bin: a pause of a few ms still shows as a dip
+MAX_BINS = 400          # bins widen past this many: the JSON stays small for a long handoff
 P, U64 = ctypes.c_void_p, ctypes.c_uint64
 
 
@@ -253,6 +258,19 @@ def numa_facts(shm_dir):
     return facts
 
 
+def rate_timeline(ends, origin, lo, hi, marks=None, per_sync=1):
+    """The loop's completed syncs counted in bins from `lo` to `hi` (perf_counter times), the
+    bins and `marks` in ms after `origin`: what perf/plots.py draws as the application's rate
+    through a checkpoint or a handoff. Counts, not the raw times: a second at 67,000 syncs/s
+    would be 67,000 numbers. per_sync: kernels a sync, to turn syncs/s into kernels/s."""
+    span_ms = max(hi - lo, 1e-3) * 1e3
+    bin_ms = max(BIN_MS, math.ceil(span_ms / MAX_BINS))
+    edges = lo + np.arange(0, span_ms + bin_ms, bin_ms) / 1e3
+    counts = np.histogram(np.asarray(ends), edges)[0]
+    return {"bin_ms": bin_ms, "start_ms": round((lo - origin) * 1e3, 3), "counts": counts.tolist(), "per_sync": per_sync,
+            "marks_ms": {k: round((v - origin) * 1e3, 3) for k, v in (marks or {}).items()}}
+
+
 def longest_gap_ms(ends, after, until):
     """The longest time between two syncs of the loop that spans part of (after, until]."""
     i, j = max(np.searchsorted(ends, after) - 1, 0), np.searchsorted(ends, until) + 1
@@ -364,9 +382,13 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
         end = marks["answered"]
         begin = end - res["seconds"]
         during = syncs_per_s(ends, begin, end)
+        alone = AROUND if launches == 1 else 0.0
+        timeline = rate_timeline(ends, begin, marks["asked"] - alone, marks["child_exited"] + alone, per_sync=launches,
+                                 marks={"asked": marks["asked"], "cut": res.get("trace_from", begin),
+                                        "checkpoint_end": end, "asker_exited": marks["child_exited"]})
         if launches == GPU_BOUND:
             row["gpu_bound"] = {"kernels_per_s": baseline * launches, "kernels_per_s_during": during * launches,
-                                "gap_ms": gap, "checkpoint_s": res["seconds"]}
+                                "gap_ms": gap, "checkpoint_s": res["seconds"], "rate_timeline": timeline}
             delete_image(host, res["name"])
     row["checkpoint_host_s"] = res["seconds"]
     row["pause_ms"] = longest_gap_ms(ends, marks["asked"], marks["child_exited"])    # the admin call's span
@@ -375,6 +397,7 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
     row["checkpoint_host_phase_ms"] = res["phase_ms"]
     row["checkpoint_host_wall_s"] = time.perf_counter() - t
     row["kernels_per_s_during"] = during
+    row["rate_timeline"] = timeline      # one kernel a sync, with AROUND s of the loop alone on each side
 
     def around(times):     # a loop's rate in the AROUND seconds (less the loop's start) before the ask and after the asker ended
         asked, exited, alone = marks["asked"], marks["child_exited"], AROUND - 0.05
@@ -453,8 +476,8 @@ def main():
     ap.add_argument("--disk", default="/var/tmp/phos-bench", help="image store on local disk")
     ap.add_argument("--no-driver", action="store_true")
     ap.add_argument("--no-disk", action="store_true", help="host memory only: no checkpoint to and restore from disk")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="phos runs of each size (the driver's once): the device's figures vary from run to run")
+    ap.add_argument("--repeat", type=int, default=REPEAT,
+                    help="runs of each size, the driver's and phos's side by side: the device's figures vary from run to run")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
@@ -470,7 +493,7 @@ def main():
         os.makedirs(disk, exist_ok=True)
         try:
             row = {"size": f"{size} {args.unit}", "bytes": nbytes}
-            if args.backend == "cuda" and not args.no_driver and run == 0:
+            if args.backend == "cuda" and not args.no_driver:
                 row["driver"] = driver_rows(nbytes)
             row["phos"] = phos_rows(args.backend, nbytes, work, shm, None if args.no_disk else disk, args.chunk_mb * MiB)
             rows.append(row)
@@ -479,8 +502,7 @@ def main():
             for d in (work, shm, disk):
                 shutil.rmtree(d, ignore_errors=True)
     print_table(rows)
-    if args.repeat > 1:
-        print_spread(rows)
+    print_spread(rows)
     print_pause_traces(rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -490,12 +512,6 @@ def main():
 def serve_us(p, when):
     n, ms = p["messages_served"][when]
     return f"{1e3 * ms / max(n, 1):.1f}"
-
-
-def spread(values):
-    """"least, median, most" of a benchmark's figure over its runs."""
-    v = sorted(values)
-    return f"{v[0]:.3g}, {float(np.median(v)):.3g}, {v[-1]:.3g}"
 
 
 def print_pause_traces(rows):
@@ -513,18 +529,35 @@ def print_pause_traces(rows):
 
 
 def print_spread(rows):
-    """Least, median and most of the figures issue 5 sets targets for, over the runs of each size."""
-    figures = {"pause (ms)": lambda p: p["pause_ms"],
-               "of it, across the cut (ms)": lambda p: p["gap_at_cut_ms"],
-               "throughput, one kernel a sync (%)": lambda p: 100 * p["kernels_per_s_during"] / p["kernels_per_s"],
-               "the same, against the loop right around it (%)": lambda p: 100 * p["kernels_per_s_during"] / p["kernels_per_s_around"],
-               "first kernel after on-demand restore (ms)": lambda p: 1e3 * p["first_kernel_after_restore_s"],
-               "checkpoint to host (s)": lambda p: p["checkpoint_host_s"]}
-    print("\n| size | runs | " + " | ".join(f"{k}: least, median, most" for k in figures) + " |")
-    print("|---|---|" + "---|" * len(figures))
+    """Least, median and most of each figure over the runs of a size, the driver's beside phos's
+    (runs side by side in one call: a slow VM slows both)."""
+    def get(d, key, scale=1.0):
+        return None if d is None or d.get(key) is None else scale * d[key]
+
+    def pct(p, during, of):
+        return 100 * p[during] / p[of]
+
+    def locked(d):      # the driver's lock stops the application for its whole checkpoint and restore
+        return None if d is None else 0.0
+    figures = {   # figure: (the driver's, phos's), each from a row's "driver" and "phos" parts
+        "checkpoint to host (s)": (lambda d: get(d, "checkpoint_s"), lambda p: p["checkpoint_host_s"]),
+        "checkpoint to disk (s)": (lambda d: None, lambda p: get(p, "checkpoint_disk_s")),
+        "full restore (s)": (lambda d: get(d, "restore_s"), lambda p: p["restore_host_full_s"]),
+        "the application's pause (ms)": (lambda d: get(d, "pause_ms"), lambda p: p["pause_ms"]),
+        "of it, across the cut (ms)": (lambda d: None, lambda p: p["gap_at_cut_ms"]),
+        "throughput, one kernel a sync (%)": (locked, lambda p: pct(p, "kernels_per_s_during", "kernels_per_s")),
+        "the same, against the loop right around it (%)": (
+            locked, lambda p: pct(p, "kernels_per_s_during", "kernels_per_s_around")),
+        f"throughput, {GPU_BOUND} kernels a sync (%)": (
+            locked, lambda p: pct(p["gpu_bound"], "kernels_per_s_during", "kernels_per_s")),
+        "first kernel after on-demand restore (ms)": (lambda d: None, lambda p: 1e3 * p["first_kernel_after_restore_s"]),
+    }
+    print("\n| size | runs | figure | driver: least / median / most | phos: least / median / most |\n|---|---|---|---|---|")
     for size in dict.fromkeys(r["size"] for r in rows):
-        runs = [r["phos"] for r in rows if r["size"] == size]
-        print(f"| {size} | {len(runs)} | " + " | ".join(spread(f(p) for p in runs) for f in figures.values()) + " |")
+        runs = [r for r in rows if r["size"] == size]
+        for name, (driver, phos) in figures.items():
+            print(f"| {size} | {len(runs)} | {name} | {spread_text(driver(r.get('driver')) for r in runs)} | "
+                  f"{spread_text(phos(r['phos']) for r in runs)} |")
 
 
 def print_table(rows):

@@ -6,9 +6,12 @@
 //   copy_<kind>_<dir>_<size>_GBps
 //                       cudaMemcpy bandwidth, pinned (cudaMallocHost) or pageable (malloc),
 //                       host->device and device->host, at 1 MiB and 256 MiB
+//   copy_sweep_<kind>_<dir>_<bytes>
+//                       the same bandwidth over sizes from --sweep-min-kib (64 KiB) up to
+//                       --big-mib, four times larger each (perf/plots.py draws it; 0: no sweep)
 //
 // Prints one `name value` line per figure, so runs can be joined by name.
-//   bench_stub [--big-mib N] [--launches N] [--rtt N]
+//   bench_stub [--big-mib N] [--launches N] [--rtt N] [--sweep-min-kib N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -63,7 +66,8 @@ static void launch_rate(int launches) {
     printf("launch_enqueue_us %.3f\n", enqueue * 1e6 / launches);
 }
 
-static void bandwidth(const char* kind, bool pinned, size_t bytes, int repeats) {
+// named: also print the figure under its table name (the table shows 1 MiB and --big-mib alone)
+static void bandwidth(const char* kind, bool pinned, size_t bytes, int repeats, bool named) {
     void* host = nullptr;
     if (pinned) CHECK(cudaMallocHost(&host, bytes));
     else host = malloc(bytes);
@@ -86,7 +90,9 @@ static void bandwidth(const char* kind, bool pinned, size_t bytes, int repeats) 
             CHECK(cudaDeviceSynchronize());   // a host->device copy may return before it lands
             rates.push_back(bytes / seconds_since(t) / 1e9);
         }
-        printf("copy_%s_%s_%s_GBps %.2f\n", kind, h2d ? "h2d" : "d2h", size.c_str(), median(rates));
+        const double rate = median(rates);
+        printf("copy_sweep_%s_%s_%zu %.3f\n", kind, h2d ? "h2d" : "d2h", bytes, rate);
+        if (named) printf("copy_%s_%s_%s_GBps %.2f\n", kind, h2d ? "h2d" : "d2h", size.c_str(), rate);
     }
     CHECK(cudaFree(device));
     if (pinned) CHECK(cudaFreeHost(host));
@@ -94,20 +100,26 @@ static void bandwidth(const char* kind, bool pinned, size_t bytes, int repeats) 
 }
 
 int main(int argc, char** argv) {
-    size_t big_mib = 256;
+    size_t big_mib = 256, sweep_min_kib = 64;
     int launches = 10000, rtt = 2000;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--big-mib")) big_mib = strtoul(argv[i + 1], nullptr, 10);
         else if (!strcmp(argv[i], "--launches")) launches = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--rtt")) rtt = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--sweep-min-kib")) sweep_min_kib = strtoul(argv[i + 1], nullptr, 10);
     }
     CHECK(cudaFree(nullptr));   // create the context outside the measurements
     sync_round_trip(rtt);
     launch_rate(launches);
-    for (size_t bytes : {size_t(1) << 20, big_mib << 20}) {
+    const size_t mib = size_t(1) << 20, big = big_mib << 20;
+    std::vector<size_t> sizes = {mib, big};
+    for (size_t b = sweep_min_kib << 10; b && b <= big; b *= 4) sizes.push_back(b);
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    for (size_t bytes : sizes) {
         const int repeats = bytes <= (8u << 20) ? 50 : 5;
-        bandwidth("pinned", true, bytes, repeats);
-        bandwidth("pageable", false, bytes, repeats);
+        bandwidth("pinned", true, bytes, repeats, bytes == mib || bytes == big);
+        bandwidth("pageable", false, bytes, repeats, bytes == mib || bytes == big);
     }
     return 0;
 }

@@ -1,9 +1,11 @@
 #!/bin/sh
 # Native vs phos on a GPU machine (perf/device/run.sh bench runs it on the H200): builds perf/bench_stub.cu,
 # runs it natively, then through phos's native stub (NVIDIA's libcudart, as phos/stub holds
-# it, over phos's libcuda.so.1) against a `cuda` server over ipc; prints one table. PHOS_BENCH_BACKEND=emu: the phos columns alone, on emu.
-#   perf/bench_stub.sh [--server ADDR] [bench_stub options: --big-mib N --launches N --rtt N]
-# Targets: sync_rtt_us <= 25 over ipc; launch_us <= 2x native.
+# it, over phos's libcuda.so.1) against a `cuda` server over ipc, --repeat times (3) taking turns;
+# prints one table of each figure's least / median / most. PHOS_BENCH_BACKEND=emu: the phos columns alone, on emu.
+#   perf/bench_stub.sh [--server ADDR] [--repeat N] [--json FILE] [bench_stub options: --big-mib N --launches N --rtt N --sweep-min-kib N]
+# --json: every run's figures, and the copy bandwidth over sizes (64 KiB to --big-mib) that perf/plots.py draws.
+# Targets: sync_rtt_us <= 25 over ipc; launch_us <= 2x native (medians).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -11,36 +13,73 @@ CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 NVCC=${NVCC:-$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")}
 PYTHON=${PYTHON:-python3}
 backend=${PHOS_BENCH_BACKEND:-cuda}
-server=""
-if [ "${1:-}" = "--server" ]; then server=$2; shift 2; fi
+server="" repeat=3 json=""
+while [ $# -gt 0 ]; do
+    case $1 in
+        --server) server=$2; shift 2 ;;
+        --repeat) repeat=$2; shift 2 ;;
+        --json) json=$2; shift 2 ;;
+        *) break ;;
+    esac
+done
 
 . "$root/tests/apps/stub_session.sh"
 $NVCC -cudart shared -O2 -gencode arch=compute_90,code=compute_90 -gencode arch=compute_90,code=sm_90 \
     -o "$work/bench_stub" "$here/bench_stub.cu"
 
-if [ "$backend" = cuda ]; then
-    LD_LIBRARY_PATH="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        "$work/bench_stub" "$@" > "$work/native.txt"
-else
-    : > "$work/native.txt"   # no GPU here: phos only
-fi
-
 [ -n "$server" ] || start_server "$backend"
-LD_LIBRARY_PATH="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PHOS_SERVER=$server \
-    "$work/bench_stub" "$@" > "$work/phos.txt"
+# native and phos take turns, run by run: a machine slower for a while slows both alike
+for i in $(seq "$repeat"); do
+    if [ "$backend" = cuda ]; then
+        LD_LIBRARY_PATH="$CUDA_HOME/lib64:$CUDA_HOME/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+            "$work/bench_stub" "$@" > "$work/native.$i.txt"
+    else
+        : > "$work/native.$i.txt"   # no GPU here: phos only
+    fi
+    LD_LIBRARY_PATH="$root/phos/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PHOS_SERVER=$server \
+        "$work/bench_stub" "$@" > "$work/phos.$i.txt"
+done
 
-$PYTHON - "$work/native.txt" "$work/phos.txt" <<'PY'
+$PYTHON - "$here" "$work" "$repeat" "$json" <<'PY'
+import json
+import statistics
 import sys
+here, work, repeat, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+sys.path.insert(0, here)
+from spread import spread_text
+
+
 def read(path):
     with open(path) as f:
         return dict((k, float(v)) for k, v in (line.split() for line in f if line.strip()))
-native, phos = map(read, sys.argv[1:3])
+
+
+def runs(path):     # figure: its values, one a run
+    figures = {}
+    for i in range(1, repeat + 1):
+        for k, v in read(f"{work}/{path}.{i}.txt").items():
+            figures.setdefault(k, []).append(v)
+    return figures
+native, phos = runs("native"), runs("phos")
 targets = {"sync_rtt_us": lambda n, p: p <= 25, "launch_us": lambda n, p: n is not None and p <= 2 * n}
-print(f"{'figure':34} {'native':>10} {'phos':>10} {'phos/native':>12}  {'target':7}")
+print(f"{repeat} runs each; least / median / most")
+print(f"{'figure':34} {'native':>22} {'phos':>22} {'phos/native':>12}  {'target':7}")
 for name, p in phos.items():
+    if name.startswith("copy_sweep_"):      # the sweep: in the JSON, for perf/plots.py
+        continue
     n = native.get(name)
-    ratio = f"{p / n:.2f}" if n else "-"
+    pm, nm = statistics.median(p), n and statistics.median(n)
+    ratio = f"{pm / nm:.2f}" if nm else "-"
     check = targets.get(name)
-    verdict = "" if check is None else ("met" if check(n, p) else "MISSED")
-    print(f"{name:34} {n if n is not None else '-':>10} {p:>10} {ratio:>12}  {verdict:7}")
+    verdict = "" if check is None else ("met" if check(nm, pm) else "MISSED")
+    print(f"{name:34} {spread_text(n or [], '.4g'):>22} {spread_text(p, '.4g'):>22} {ratio:>12}  {verdict:7}")
+if out:
+    copies = []     # copy_sweep_<memory>_<direction>_<bytes>: GB/s of each run
+    for path, figures in (("native", native), ("phos", phos)):
+        for name, values in figures.items():
+            if name.startswith("copy_sweep_"):
+                memory, direction, nbytes = name[len("copy_sweep_"):].split("_")
+                copies.append({"path": path, "memory": memory, "direction": direction, "bytes": int(nbytes), "GBps": values})
+    with open(out, "w") as f:
+        json.dump({"runs": repeat, "figures": {"native": native, "phos": phos}, "copies": copies}, f, indent=1)
 PY

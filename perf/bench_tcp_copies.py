@@ -26,11 +26,10 @@ import zmq
 
 from phos.stub_run import LocalServer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spread import REPEAT, spread_text      # noqa: E402 (beside this script)
+
 MiB = 1 << 20
-
-
-def spread(values):
-    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
 
 
 def free_port_pair():
@@ -123,7 +122,7 @@ def main():
     ap.add_argument("--backend", default="emu", choices=["emu", "cuda"])
     ap.add_argument("--sizes", default="64", help="copy sizes in MiB, comma-separated")
     ap.add_argument("--rounds", type=int, default=8, help="copies a figure times")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each figure (least, median, most)")
+    ap.add_argument("--repeat", type=int, default=REPEAT, help="runs of each figure (least, median, most)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="phos-tcp-copies-") as work:
         k = keys(os.path.join(work, "keys"))
@@ -145,7 +144,7 @@ def main():
                 runs = [(bare(nbytes, args.rounds, k), through_phos(cu, nbytes, args.rounds)) for _ in range(args.repeat)]
                 for i, direction in enumerate(("host to device", "device to host")):
                     b, p = [r[0][i] for r in runs], [r[1][i] for r in runs]
-                    print(f"| {mib:g} | {direction} | {spread(b)} | {spread(p)} | "
+                    print(f"| {mib:g} | {direction} | {spread_text(b, '.2f')} | {spread_text(p, '.2f')} | "
                           f"{statistics.median(p) / statistics.median(b):.2f} |", flush=True)
             cu.cuCtxDestroy(ctx)
         finally:

@@ -17,7 +17,11 @@
 # locust (perf/locustfile.py, 5 minutes),
 # torch (perf/torch_ladder.py natively, then through phos's libcuda.so.1 under NVIDIA's own runtime;
 # PHOS_TORCH_STEPS picks steps, PHOS_TORCH_TRAIN_STEPS the training steps; then perf/torch_recovery.py,
-# alone as torch-recovery, PHOS_TORCH_MODES its runs), bench-torch (perf/bench_torch.py, also in torch).
+# alone as torch-recovery, PHOS_TORCH_MODES its runs), bench-torch (perf/bench_torch.py, also in torch),
+# plots (perf/plots.py: PNGs into $OUT/plots of the JSON that this call's snap/snap-bench, handoff/handoff-bench
+# and bench steps wrote into $OUT; name it after them, as $OUT starts empty each call:
+# `run.sh snap-bench handoff-bench bench plots`; what is missing is skipped).
+# The benchmarks run each size 3 times (PHOS_BENCH_REPEAT, PHOS_HANDOFF_REPEAT) and print least / median / most.
 set -uo pipefail
 OUT=${OUT:-/tmp/phos-device-out}
 mkdir -p "$OUT"
@@ -58,10 +62,10 @@ if want snap; then
         ${PHOS_SNAP_TESTS:-tests/e2e/test_snapshot_engine.py tests/e2e/test_handoff.py tests/e2e/test_recovery.py}
 fi
 if want snap || want snap-bench; then
-    # PHOS_BENCH_SIZES= (empty) runs the tests alone; PHOS_BENCH_REPEAT: phos runs a size;
+    # PHOS_BENCH_SIZES= (empty) runs the tests alone; PHOS_BENCH_REPEAT: runs a size, the driver's and phos's;
     # PHOS_BENCH_ARGS: more arguments (--no-driver --no-disk: phos's host-memory rows alone)
     [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
-        --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-1}" --json "$OUT/bench_snapshot.json" \
+        --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-3}" --json "$OUT/bench_snapshot.json" \
         ${PHOS_BENCH_ARGS:-}
 fi
 if want probe; then
@@ -84,7 +88,7 @@ if want handoff || want handoff-bench; then
     # PHOS_HANDOFF_CHUNK_KIB: the rounds' chunk size (default the server's, 2 MiB); PHOS_HANDOFF_REPEAT: runs a size;
     # PHOS_HANDOFF_VIA: how the rounds travel (host store, shm, or tcp: servers sharing nothing but TCP)
     step bench-handoff python3 perf/bench_handoff.py --backend cuda --sizes ${PHOS_HANDOFF_SIZES:-1,8} \
-        --chunk-kib "${PHOS_HANDOFF_CHUNK_KIB:-0}" --repeat "${PHOS_HANDOFF_REPEAT:-1}" --via "${PHOS_HANDOFF_VIA:-host store}" \
+        --chunk-kib "${PHOS_HANDOFF_CHUNK_KIB:-0}" --repeat "${PHOS_HANDOFF_REPEAT:-3}" --via "${PHOS_HANDOFF_VIA:-host store}" \
         --json "$OUT/bench_handoff.json"
 fi
 if want locust; then
@@ -159,7 +163,12 @@ if want bench; then
     step transport-floor python3 perf/transport_floor.py
     step bench-rpc python3 perf/bench_rpc.py --backend cuda --json "$OUT/bench_rpc.json"
     step bench-launch-worker python3 perf/bench_launch_decode.py --backend cuda
-    step bench-stub sh perf/bench_stub.sh
+    step bench-stub sh perf/bench_stub.sh --json "$OUT/bench_stub.json"     # its copy sweep: plots' bandwidth
     step bench-tcp-copies python3 perf/bench_tcp_copies.py --backend cuda --sizes 1,64,256
+fi
+if want plots; then
+    # matplotlib is on this machine already (a perf-only need, not in .whl/)
+    step plots python3 perf/plots.py --snapshot "$OUT/bench_snapshot.json" --handoff "$OUT/bench_handoff.json" \
+        --copies "$OUT/bench_stub.json" --out "$OUT/plots"
 fi
 exit $status
