@@ -59,6 +59,19 @@ def local_pool(args, work):
     return cluster, ctrl, address
 
 
+def pools_full(ray, ctrl, want, timeout=300):
+    """Until every server of the pool holds `want` pre-started workers: a placement then times the
+    pool, not a worker's cold start (seconds on the H200, when 40 a server are still starting)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counts = [s["standby_workers"] for s in ray.get(ctrl.status.remote())["servers"] if s["state"] == "up"]
+        if counts and min(counts) >= want:
+            return
+        time.sleep(0.5)
+    print(f"bench_pool: the servers' pools did not fill within {timeout} s ({counts}): placement may time cold starts",
+          flush=True)
+
+
 def connect(cu, server):
     os.environ["PHOS_SERVER"] = server
     cu._reset_for_tests()
@@ -191,6 +204,8 @@ def main():
         else:
             cluster, ctrl, address = local_pool(args, work)
         servers = [s["address"] for s in ray.get(ctrl.status.remote())["servers"] if s["state"] == "up"]
+        if not args.ray_address:
+            pools_full(ray, ctrl, args.server_pool)
         results = {"backend": args.backend, "servers": len(servers)}
         skip = set(args.skip.split(","))
         if "placement" not in skip:

@@ -66,7 +66,8 @@ class ServerView:
         return {"address": self.address, "node_id": self.node_id, "kind": self.kind, "state": self.state,
                 "contexts": len(self.held()) + self.placing, "context_ids": [c["id"] for c in self.contexts()],
                 "bytes": used, "total": total, "free": max(total - used, 0), "calls_per_s": snap.get("calls_per_s", 0.0),
-                "max_contexts": max_contexts, "metrics": snap.get("metrics", ""), "error": snap.get("error", "")}
+                "max_contexts": max_contexts, "standby_workers": snap.get("standby_workers", 0),
+                "metrics": snap.get("metrics", ""), "error": snap.get("error", "")}
 
 
 class PoolController:

@@ -81,7 +81,8 @@ class PhosServer:
         self.proc = self._start()
         self.snap = {"address": self.address, "node_id": self.node_id, "state": "up", "contexts": [], "bytes": 0,
                      "total": self._total_memory(), "calls_per_s": 0.0, "calls_total": 0, "checkpoints": 0,
-                     "checkpoint_seconds": 0.0, "restores": 0, "pid": self.proc.pid, "error": "", "polled_at": time.time()}
+                     "checkpoint_seconds": 0.0, "restores": 0, "standby_workers": 0, "pid": self.proc.pid, "error": "",
+                     "polled_at": time.time()}
         self.last_seqs, self.calls_total = {}, 0
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -191,5 +192,5 @@ class PhosServer:
             self.last_seqs = {c["id"]: c["last_seq"] for c in contexts}
             self.snap.update(state="up", error="", contexts=contexts, bytes=stats["bytes"], calls_per_s=ran / dt,
                              calls_total=self.calls_total, checkpoints=stats["checkpoints"], restores=stats["restores"],
-                             checkpoint_seconds=stats["checkpoint_seconds"],
+                             checkpoint_seconds=stats["checkpoint_seconds"], standby_workers=stats["standby_workers"],
                              polled_at=began)
