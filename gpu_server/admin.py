@@ -288,7 +288,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
 
     async def PutChunks(self, request, context):
         try:
-            stored = await asyncio.to_thread(self.front.inboxes.put_chunks, request.store, list(request.chunks))
+            stored = await asyncio.to_thread(self.front.inboxes.put_chunks, request.store, request.chunks)
         except CudaError as e:
             await self.fail(context, e)
         except OSError as e:

@@ -12,6 +12,7 @@ inbox as from any store. A failure on either side or of the link is a CudaError,
 handoff leaves the context live here.
 """
 import asyncio
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -28,6 +29,8 @@ from phos.snapshot.image import put_received_chunk, put_received_manifest
 log = logging.getLogger("phos.admin")
 BATCH_BYTES = 32 << 20          # chunk bytes a PutChunks carries, about
 SEND_TIMEOUT = 120              # seconds the target may take to store one batch
+VERIFIERS = 4                   # threads that verify and store a batch's chunks on the target
+IN_FLIGHT = 3                   # batches on their way at once (send_chunks)
 
 
 class RemoteTarget(TargetServer):
@@ -64,7 +67,9 @@ class RemoteTarget(TargetServer):
         return await super().restore(self.inbox, name, **how)
 
     async def send_chunks(self, local, keys):
-        """The chunks of `keys` the inbox lacks, in batches; the next batch is read while one travels."""
+        """The chunks of `keys` the inbox lacks, in batches, IN_FLIGHT of them travelling at once
+        while the next is read: one at a time, the link waited for the target's verifying and
+        storing each batch, and the target for the link."""
         todo = sorted(k for k in keys if k not in self.sent)
 
         def read_batch(start):
@@ -74,25 +79,32 @@ class RemoteTarget(TargetServer):
                 size += len(blobs[-1])
                 i += 1
             return blobs, size, i
-        i, pending = 0, None
-        if todo:
-            pending = asyncio.ensure_future(asyncio.to_thread(read_batch, 0))
-        while pending is not None:
-            try:
-                blobs, size, end = await pending
-            except (OSError, ImageError) as e:
-                raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"handoff of context {self.ctx}: a round's "
-                                f"chunk cannot be read here: {e}") from None
-            pending = asyncio.ensure_future(asyncio.to_thread(read_batch, end)) if end < len(todo) else None
-            try:
-                await self.ask(self.stub.PutChunks, pb.PutChunksRequest(store=self.inbox, chunks=blobs), SEND_TIMEOUT)
-            except BaseException:
-                if pending is not None:
-                    pending.cancel()
-                raise
-            self.sent.update(todo[i:end])
+
+        async def put(blobs, sent, size):
+            await self.ask(self.stub.PutChunks, pb.PutChunksRequest(store=self.inbox, chunks=blobs), SEND_TIMEOUT)
+            self.sent.update(sent)
             self.sent_bytes += size
-            i = end
+        travelling, i = set(), 0
+        try:
+            while i < len(todo):
+                try:
+                    blobs, size, end = await asyncio.to_thread(read_batch, i)
+                except (OSError, ImageError) as e:
+                    raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"handoff of context {self.ctx}: a round's "
+                                    f"chunk cannot be read here: {e}") from None
+                while len(travelling) >= IN_FLIGHT:
+                    done, travelling = await asyncio.wait(travelling, return_when=asyncio.FIRST_COMPLETED)
+                    for d in done:
+                        d.result()          # a failed batch fails the round
+                travelling.add(asyncio.ensure_future(put(blobs, todo[i:end], size)))
+                i = end
+            while travelling:
+                done, travelling = await asyncio.wait(travelling, return_when=asyncio.FIRST_COMPLETED)
+                for d in done:
+                    d.result()
+        finally:
+            for t in travelling:
+                t.cancel()
 
 
 class Inboxes:
@@ -102,6 +114,7 @@ class Inboxes:
 
     def __init__(self):
         self.paths = {}          # ctx -> path
+        self.verifiers = concurrent.futures.ThreadPoolExecutor(VERIFIERS, thread_name_prefix="inbox")
 
     def open(self, ctx):
         self.drop(ctx)
@@ -119,9 +132,11 @@ class Inboxes:
         return DirStore(path, fsync=False, create=False)
 
     def put_chunks(self, path, blobs):
+        """Verify and store a batch of chunks, several at a time: hashing one and writing it
+        leave the interpreter's lock free for much of their time (a batch is 32 MiB)."""
         store = self.store(path)
         try:
-            return sum(put_received_chunk(store, b) for b in blobs)
+            return sum(self.verifiers.map(lambda b: put_received_chunk(store, b), blobs))
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"a handoff's chunk was refused: {e}") from None
 
@@ -148,3 +163,4 @@ class Inboxes:
     def close(self):
         for ctx in list(self.paths):
             self.drop(ctx)
+        self.verifiers.shutdown(wait=False)
