@@ -245,10 +245,14 @@ def cuDeviceGetCount():
     return _front_call("deviceGetCount").u64s[0]
 
 
+def _check_device(dev):
+    if not 0 <= int(dev) < _front_call("deviceGetCount").u64s[0]:
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"device {int(dev)} does not exist")
+
+
 @_api(1)
 def cuDeviceGet(ordinal):
-    if not 0 <= ordinal < _front_call("deviceGetCount").u64s[0]:
-        raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"device {ordinal} does not exist")
+    _check_device(ordinal)
     return CUdevice(ordinal)
 
 
@@ -287,11 +291,6 @@ P2P_ACCESS_SUPPORTED = 2      # CUdevice_P2PAttribute: whether peer access may b
 def _p2p_attribute(attrib, dev, peer):
     """The server's answer for two devices (distinct ones: a device is no peer of itself)."""
     return _front_call("deviceP2PAttribute", {"attribute": int(attrib), "device": int(dev), "peer": int(peer)}).u64s[0]
-
-
-def _check_device(dev):
-    if not 0 <= int(dev) < _front_call("deviceGetCount").u64s[0]:
-        raise CudaError(CUresult.CUDA_ERROR_INVALID_DEVICE, f"device {int(dev)} does not exist")
 
 
 def _can_access(dev, peer):

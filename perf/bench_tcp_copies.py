@@ -13,7 +13,6 @@ figure is the least, median and most of --repeat runs.
 """
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,28 +23,12 @@ import time
 import numpy as np
 import zmq
 
-from phos.stub_run import LocalServer
+from phos.stub_run import LocalServer, free_port_pair
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from spread import REPEAT, spread_text      # noqa: E402 (beside this script)
 
 MiB = 1 << 20
-
-
-def free_port_pair():
-    """A port whose next one is free too: a tcp:// server serves its admin API at its port + 1."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two free consecutive ports")
 
 
 def keys(directory):

@@ -12,6 +12,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,22 @@ def _check_stub():
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         raise SystemExit(f"phos run: {', '.join(missing)} not found in {STUB_DIR}; "
                          f"build the native stub with `make -C {os.path.join(root, 'client_stub', 'native')}`")
+
+
+def free_port_pair():
+    """A port whose next port is free too (a tcp:// server's admin API is at its port + 1)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two free consecutive ports")
 
 
 class LocalServer:

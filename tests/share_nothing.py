@@ -4,11 +4,10 @@ tcp://127.0.0.1 (tests/e2e/test_handoff_net.py, perf/bench_handoff.py --via tcp)
 root's `unshare -m`; unshare_permitted() says why not."""
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 
-from phos.stub_run import LocalServer, private_mounts
+from phos.stub_run import LocalServer, free_port_pair, private_mounts  # noqa: F401 (free_port_pair: the tests')
 
 # Inside the server's new mount namespace: private tmpfs on /dev/shm, /tmp and /run (Python,
 # phos and the keys' directory kept visible where they live there: private_mounts), its keys
@@ -31,22 +30,6 @@ def unshare_permitted():
     except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
     return None if r.returncode == 0 else r.stderr.decode().strip() or f"exit status {r.returncode}"
-
-
-def free_port_pair():
-    """A port whose next port is free too (a tcp:// server's admin API is at its port + 1)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two free consecutive ports")
 
 
 def keygen(directory):
