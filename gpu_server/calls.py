@@ -199,7 +199,7 @@ def module_image(s, a, p):
 def module_load(s, a, p):
     image = module_image(s, a, p)
     module = s.backend.load_module(image)
-    mid = s.add("module", module, image=image)
+    mid = s.add("module", module, image=image, image_hashing=engine.hash_in_background(image))
     places = s.globals_noted.get(mid) or {}
     # asked of the backend only when needed: a replay's reload, or a recovery store to note them in
     globals_ = s.backend.module_globals(module) if places or s.recovery is not None else ()

@@ -17,7 +17,7 @@ from cuda.bindings import driver as cu
 from phos.gpu_server.address_space import DEVICE_SPAN, AddressSpace, device_base
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
-from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, stage_offsets
+from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, join_runs, pieces, stage_offsets
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import LAUNCH_COOPERATIVE, launch_cluster
 from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES
@@ -33,6 +33,8 @@ HASH_PART = 1 << 20      # a chunk bigger than this is hashed in parts of this s
 SPLIT_BELOW = 1024       # ... when fewer chunks than this are hashed at once (a cut's thousands fill the GPU as they are)
 FREEZE_HEADROOM = 2 << 30   # a checkpoint's device copy leaves this much free at least (or 5% of the device)
 CUT_TABLE = 1 << 16      # chunks a cut hashes without growing its table (128 GiB in 2 MiB chunks): 1 MiB, pinned
+FREEZE_PIECE = 4 << 20   # the cut's device copy gives each block of its kernel this much at most ...
+FREEZE_TABLE = 1 << 15   # ... and copies this many pieces without growing its table (GPT-2's 9.65 GiB: ~4,400): 768 KiB, pinned
 
 
 def ok(result, what):
@@ -598,13 +600,11 @@ class CudaSnapshotOps:
     BUFFER = {"bulk": BATCH_BYTES, "urgent": URGENT_BATCH_BYTES}     # at least: the engine's batches; two of each
 
     def __init__(self, backend):
-        from phos import snapshot
         self.backend = backend
         ok(cu.cuCtxSetCurrent(backend.ctx), "cuCtxSetCurrent")   # we may be made on a restore's loader thread
-        with open(os.path.join(os.path.dirname(snapshot.__file__), "kernels", "pfp1.ptx"), "rb") as f:
-            ptx = f.read()
-        self.module = ok(cu.cuModuleLoadData(ptx + b"\0"), "cuModuleLoadData(pfp1)")
-        self.kernel = ok(cu.cuModuleGetFunction(self.module, b"pfp1_lane_sums"), "cuModuleGetFunction(pfp1)")
+        self.modules = {}
+        self.kernel = self._kernel("pfp1", "pfp1_lane_sums")
+        self.copy_kernel = self._kernel("copy_pieces", "copy_pieces")
         flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
         _, greatest = ok(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
         self.streams = {"bulk": ok(cu.cuStreamCreateWithPriority(flags, 0), "cuStreamCreate"),
@@ -619,6 +619,23 @@ class CudaSnapshotOps:
         self.uploaded = {}       # purpose -> (device table, parts) it holds: a batch's layout repeats
         self.launches = {}       # (device table, n, stream) -> pfp1's prepared arguments
         self.events = []         # events done with, for reuse: creating one costs a driver call
+        self.freeze_table = None   # freeze's copies: (device table, pinned host table, capacity in pieces)
+
+    def _kernel(self, name, function):
+        """A kernel of snapshot/kernels/NAME.ptx (checked in: servers need no compiler)."""
+        from phos import snapshot
+        with open(os.path.join(os.path.dirname(snapshot.__file__), "kernels", f"{name}.ptx"), "rb") as f:
+            ptx = f.read()
+        self.modules[name] = ok(cu.cuModuleLoadData(ptx + b"\0"), f"cuModuleLoadData({name})")
+        return ok(cu.cuModuleGetFunction(self.modules[name], function.encode()), f"cuModuleGetFunction({function})")
+
+    def _launch(self, kernel, blocks, stream, args):
+        """Launch kernel on blocks of 256 threads with these u64 arguments (a u32 parameter
+        reads the low half of its u64, little-endian)."""
+        params = np.array(args, np.uint64)
+        pointers = np.array([params.ctypes.data + 8 * i for i in range(len(args))], np.uint64)
+        config = _LaunchConfig((blocks, 1, 1), (256, 1, 1), 0, stream, None, 0)
+        return params, pointers, config, ctypes.addressof(config), pointers.ctypes.data
 
     def _table(self, key, n):
         """(device table, device sums, host table, host sums) for n chunks; pinned, so async copies stay async."""
@@ -656,29 +673,33 @@ class CudaSnapshotOps:
             if launch is None:       # pfp1(table, sums, n): its arguments and shape, kept alive with it
                 if len(self.launches) > 64:
                     self.launches.clear()
-                params = np.array([table, sums, n], np.uint64)
-                args = np.array([params.ctypes.data + 8 * i for i in range(3)], np.uint64)
-                config = _LaunchConfig((n, 1, 1), (256, 1, 1), 0, stream, None, 0)
-                launch = self.launches[(table, n, stream)] = (params, args, config, ctypes.addressof(config), args.ctypes.data)
+                launch = self.launches[(table, n, stream)] = self._launch(self.kernel, n, stream, [table, sums, n])
             _check(_cuLaunchKernelEx(launch[3], int(self.kernel), launch[4], None), "launch of pfp1_lane_sums")
             _check(_cuMemcpyDtoHAsync(out.ctypes.data, sums, 16 * n, stream), "cuMemcpyDtoHAsync")
+
+        def fingerprints():
+            lane_sums = out[:2 * n].reshape(-1, 2)
+            if firsts is not None:       # the parts' sums add up (mod 2**64) to their chunk's
+                lane_sums = np.add.reduceat(lane_sums, firsts, axis=0)
+            return finish_many(lane_sums, rows[:, 1])
+        return self._once_done(stream, fingerprints)
+
+    def _once_done(self, stream, result):
+        """wait(block=True): result() once the stream's work so far is done (None before, when
+        not blocking); the first answer is kept, as the event may be another batch's by then."""
         event = self.events.pop() if self.events else int(ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"))
         _check(_cuEventRecord(event, stream), "cuEventRecord")
-
         done = []
 
         def wait(block=True):
-            if done:                     # asked again: the event may be another batch's by now
+            if done:
                 return done[0]
             if not _event_done(event):
                 if not block:
                     return None
                 _wait_event(event)
             self.events.append(event)
-            lane_sums = out[:2 * n].reshape(-1, 2)
-            if firsts is not None:       # the parts' sums add up (mod 2**64) to their chunk's
-                lane_sums = np.add.reduceat(lane_sums, firsts, axis=0)
-            done.append(finish_many(lane_sums, rows[:, 1]))
+            done.append(result())
             return done[0]
         return wait
 
@@ -704,9 +725,10 @@ class CudaSnapshotOps:
         The application is held while this runs, so both halves are made cheap. The memory is
         mapped as the application's is (cuMemCreate, cuMemMap: 0.8 ms for GPT-2's 9.65 GiB on
         the H200, where cuMemAllocAsync took 10-24 ms, perf/probe_freeze_alloc.py), and unmapping
-        it later stalls no other work. Regions that lie end to end on the device go in one copy
-        each run (a copy costs ~8 µs to issue, and PyTorch's contexts hold thousands of regions;
-        GPT-2's 1,951 made 1,820 runs)."""
+        it later stalls no other work. The copy is one launch of a kernel that copies every
+        region (snapshot/kernels/copy_pieces.cu): a driver copy costs ~8 µs to issue, and
+        PyTorch's contexts hold thousands of regions (GPT-2's 1,951 held the application 14 ms)."""
+        t = time.perf_counter()
         layout = FrozenLayout(regions)
         if not layout.nbytes:
             return None
@@ -717,19 +739,37 @@ class CudaSnapshotOps:
                      free >> 20, layout.nbytes >> 20)
             return None
         self._after_application()
-        t = time.perf_counter()
+        t = step("cut_freeze_layout", t) if step else t
         mapped = self._map(layout.nbytes)
         if isinstance(mapped, str):
             log.info("checkpoint: no device copy of %d MiB (%s): copy-on-write instead", layout.nbytes >> 20, mapped)
             return None
         t = step("cut_freeze_alloc", t) if step else t
         base = mapped[0]
-        space = self.backend.space      # the application's allocations: one range of our mappings
-        dst, src, sizes = layout.runs(base, space.base, space.base + self.backend.reserved)
-        _copies(_cuMemcpyDtoDAsync, dst, src, sizes, self.handles["bulk"], "cuMemcpyDtoDAsync")
+        table = pieces(*layout.runs(base), FREEZE_PIECE)
+        self._copy_pieces(table, self.handles["bulk"])
         if step:
-            step(f"cut_freeze_{len(sizes)}_copies_of_{len(layout.sizes)}_regions", t)
+            step(f"cut_freeze_{len(table)}_pieces_of_{len(layout.sizes)}_regions", t)
         return base, layout, mapped
+
+    def _copy_pieces(self, table, stream):
+        """Enqueue the copies of a pieces() table on stream, in one launch of copy_pieces. Its
+        table is uploaded from pinned memory that the next freeze overwrites: release() (which
+        comes first) waits for this stream."""
+        n = len(table)
+        device, host = self._freeze_table(n)
+        host[:3 * n] = table.reshape(-1)
+        _check(_cuMemcpyHtoDAsync(device, host.ctypes.data, 24 * n, stream), "cuMemcpyHtoDAsync")
+        launch = self._launch(self.copy_kernel, n, stream, [device, n])
+        _check(_cuLaunchKernelEx(launch[3], int(self.copy_kernel), launch[4], None), "launch of copy_pieces")
+
+    def _freeze_table(self, n):
+        """(device table, pinned host table) for n pieces: made ahead by prepare(); a bigger
+        one is made when needed (pinning it holds the application a few milliseconds, once)."""
+        if self.freeze_table is None or self.freeze_table[2] < n:
+            cap = max(n, FREEZE_TABLE)
+            self.freeze_table = (int(ok(cu.cuMemAlloc(24 * cap), "cuMemAlloc")), _pinned(24 * cap).view(np.uint64), cap)
+        return self.freeze_table[:2]
 
     def _map(self, nbytes):
         """(address, length, handle) of nbytes of fresh device memory mapped at an address of
@@ -781,6 +821,7 @@ class CudaSnapshotOps:
             for n in (0, 1):
                 self._table(f"{key}{n}", 1024)
         self._table("cut", CUT_TABLE)       # a larger cut would pin a table of its own, the application held
+        self._freeze_table(FREEZE_TABLE)
 
     def pin(self, memory, slot_bytes):
         """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in
@@ -803,7 +844,7 @@ class CudaSnapshotOps:
             done.append(start + off)
             time.sleep(PIN_PAUSE)
         self.pinned.append((start, start + memory.nbytes))
-        self.pieces += done
+        self.pieces = sorted(self.pieces + done)     # sorted: join_runs breaks copies at them
         return True
 
     def maps(self, host):
@@ -878,17 +919,15 @@ class CudaSnapshotOps:
                 wait()
 
     def _copy_out(self, key, stream, turn, chunks, into, tag, frozen=None):
-        """Enqueue one batch's copies into buffer `turn`: (views, tag, wait for fingerprints);
-        from freeze()'s copy where given."""
+        """Enqueue one batch's copies into buffer `turn`: (views, tag, wait for fingerprints)."""
+        if frozen is not None:
+            return self._copy_frozen(key, stream, turn, chunks, into, tag, frozen)
         offsets, used = stage_offsets(chunks)
         stage, capacity = self._device_buffers(key, used)
         stage = stage[turn]
         find = self.backend.space.find
         runs = copy_runs(chunks, offsets, [find(addr) for addr, _ in chunks])   # neighbouring chunks of one region: one copy
-        sources = [addr for addr, _, _ in runs]
-        if frozen is not None:
-            sources = frozen[1].source(frozen[0], sources)
-        _copies(_cuMemcpyDtoDAsync, [stage + off for _, off, _ in runs], sources, [n for _, _, n in runs],
+        _copies(_cuMemcpyDtoDAsync, [stage + off for _, off, _ in runs], [addr for addr, _, _ in runs], [n for _, _, n in runs],
                 stream, "cuMemcpyDtoDAsync")
         spans = np.array([(stage + off, size) for (_, size), off in zip(chunks, offsets)], np.uint64).reshape(-1, 2)
         if into is None:
@@ -899,6 +938,23 @@ class CudaSnapshotOps:
             _copies(_cuMemcpyDtoHAsync, _addresses(into), spans[:, 0], spans[:, 1], stream, "cuMemcpyDtoHAsync")
             views = into
         return views, tag, self._hash(spans, f"{key}{turn}", stream)
+
+    def _copy_frozen(self, key, stream, turn, chunks, into, tag, frozen):
+        """A batch from freeze()'s copy, which nothing writes: straight to the host, neither
+        staged nor hashed, as the cut's pass hashed these very bytes (its fingerprints stand:
+        None for each). The device's SMs stay the application's, and only the copy engines
+        work: staging and hashing each batch beside a training step held the copy to 23 GB/s."""
+        sources = frozen[1].source(frozen[0], [addr for addr, _ in chunks])
+        sizes = [size for _, size in chunks]
+        if into is None:
+            offsets, used = stage_offsets(chunks)
+            host = self._buffers(key, used)[turn]
+            into = [host[off:off + size] for off, size in zip(offsets, sizes)]
+            destinations, breaks = host.ctypes.data + np.asarray(offsets, np.uint64), ()
+        else:          # a store's slots: those side by side in one pinned piece take one copy
+            destinations, breaks = _addresses(into), self.pieces
+        _copies(_cuMemcpyDtoHAsync, *join_runs(destinations, sources, sizes, breaks), stream, "cuMemcpyDtoHAsync")
+        return into, tag, self._once_done(stream, lambda: [None] * len(chunks))
 
     def write(self, chunks, load, pool, urgent=False, sources=None):
         """Copy chunks to the device through a pinned buffer: pool threads read chunk i in

@@ -326,7 +326,8 @@ class EmuSnapshotOps:
                 data = source(a, n).copy() if into is None else into[i]
                 if into is not None:
                     data[:] = source(a, n)
-                copied.append((data, fingerprint(data)))
+                # the frozen copy holds the bytes the cut hashed: its fingerprint stands (None)
+                copied.append((data, None if frozen is not None else fingerprint(data)))
             yield tag, copied
 
     def write(self, chunks, load, pool, urgent=False, sources=None):

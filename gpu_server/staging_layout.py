@@ -31,6 +31,38 @@ def copy_runs(chunks, offsets, regions):
     return out
 
 
+def join_runs(dsts, srcs, sizes, breaks=()):
+    """Copies (destinations, sources, sizes) with each run of copies that follow one another at
+    both ends made one, but never across an address of `breaks` at the destination (sorted: a
+    host copy runs pinned only within one registration, CudaSnapshotOps.pin)."""
+    dsts, srcs, sizes = (np.asarray(a, np.uint64) for a in (dsts, srcs, sizes))
+    joined = np.zeros(len(sizes), bool)       # copy i continues copy i - 1
+    joined[1:] = (dsts[1:] == dsts[:-1] + sizes[:-1]) & (srcs[1:] == srcs[:-1] + sizes[:-1])
+    if len(breaks):
+        piece = np.searchsorted(np.asarray(breaks, np.uint64), dsts, side="right")
+        joined[1:] &= piece[1:] == piece[:-1]
+    first = np.flatnonzero(~joined)
+    total = np.add.reduceat(sizes, first) if len(first) else np.zeros(0, np.uint64)
+    return dsts[first], srcs[first], total.astype(np.uint64)
+
+
+def pieces(dsts, srcs, sizes, most):
+    """The copies (destination, source, bytes) as an (n, 3) uint64 table of pieces of at most
+    `most` bytes (a multiple of 16, so that a piece keeps its copy's alignment): one block of
+    the copy kernel each (snapshot/kernels/copy_pieces.cu), so that a big region is shared
+    out over the device."""
+    dsts, srcs, sizes = (np.asarray(a, np.uint64) for a in (dsts, srcs, sizes))
+    counts = np.maximum(1, (sizes + np.uint64(most - 1)) // np.uint64(most)).astype(np.int64)
+    copy = np.repeat(np.arange(len(sizes)), counts)
+    starts = np.cumsum(counts) - counts          # each copy's first piece
+    at = (np.arange(len(copy)) - starts[copy]).astype(np.uint64) * np.uint64(most)
+    table = np.empty((len(copy), 3), np.uint64)
+    table[:, 0] = dsts[copy] + at
+    table[:, 1] = srcs[copy] + at
+    table[:, 2] = np.minimum(sizes[copy] - at, np.uint64(most))
+    return table
+
+
 class FrozenLayout:
     """Where a checkpoint's copy of the context (SnapshotOps.freeze) holds each region: the
     regions side by side, each at a 256-byte boundary, in the order given. source() finds the
@@ -45,19 +77,12 @@ class FrozenLayout:
         self.order = np.argsort(self.starts, kind="stable")     # moved regions break the address order
         self.sorted_starts = self.starts[self.order]
 
-    def runs(self, base, lo, hi):
+    def runs(self, base):
         """The copies that fill a copy at `base`: (destinations, sources, sizes), one per run of
-        regions that lie end to end both on the device and in the copy, inside [lo, hi): one
-        range whose mappings a copy may cross (the driver refuses a copy over two of its own
-        allocations, such as two modules' globals, even where their addresses touch)."""
-        ends = self.starts + self.sizes
-        inside = (self.starts >= np.uint64(lo)) & (ends <= np.uint64(hi))
-        joined = np.zeros(len(self.starts), bool)       # region i continues region i - 1
-        joined[1:] = ((self.starts[1:] == ends[:-1]) & (self.offsets[1:] == self.offsets[:-1] + self.sizes[:-1])
-                      & inside[1:] & inside[:-1])
-        first = np.flatnonzero(~joined)
-        sizes = np.add.reduceat(self.sizes, first) if len(first) else np.zeros(0, np.uint64)
-        return np.uint64(base) + self.offsets[first], self.starts[first], sizes.astype(np.uint64)
+        regions that lie end to end both on the device and in the copy. For a kernel's copy
+        (pieces): the driver's own copies refuse to cross two of its allocations, such as two
+        modules' globals, even where their addresses touch."""
+        return join_runs(np.uint64(base) + self.offsets, self.starts, self.sizes)
 
     def source(self, base, addrs):
         """The addresses in a copy at `base` of each of addrs (device addresses in the regions)."""

@@ -55,7 +55,7 @@ from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTE
 from phos.snapshot.store import keys_of
 
 log = logging.getLogger("phos.snapshot")
-ASK_AT_ONCE = 256                # chunks a checkpoint's step asks the store about
+ASK_AT_ONCE = 2048               # chunks a checkpoint's step asks the store about (~0.5-1 ms)
 LOOK_EVERY = 500e-6              # seconds between a checkpoint's looks at a busy device (advance)
 STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls keep coming
 # a checkpoint reports its steps of this long from the cut (trace_ms); a benchmark may ask for
@@ -180,6 +180,19 @@ def kernel_pointers(session, params):
         return [w for w in struct.unpack_from(f"<{n}Q", params) if lo <= w < hi]
     words = np.frombuffer(params, np.uint64, n)
     return [int(w) for w in words[(words >= lo) & (words < hi)]]
+
+
+_image_hasher = None
+
+
+def hash_in_background(image):
+    """A future of a module image's fingerprint, hashed on a thread of its own: a module is
+    loaded as the application starts, long before a checkpoint names its image, and hashing
+    the tens of MB of PyTorch's libraries beside a checkpoint slowed its first steps."""
+    global _image_hasher
+    if _image_hasher is None:
+        _image_hasher = ThreadPoolExecutor(1, thread_name_prefix="phos-image-hash")
+    return _image_hasher.submit(fingerprint, image)
 
 
 def image_kind(data):
@@ -379,14 +392,15 @@ class Checkpoint(ChunkJob):
             self.copied_on_device = self.frozen is not None
             t = self.step("cut_freeze", t)
         self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)
-        self.step("cut_pass_launch", t)
+        t = self.step("cut_pass_launch", t)
         self.fps = None
         if self.prior is not None and self.prior[0] == self.chunks.regions:
             self.prior_keys = self.prior[1]
-        # A module's image is the same bytes every checkpoint: hashed once, off the cut (the
-        # libraries PyTorch loads hold tens of MB of them: hashed in the cut, they paused it 40 ms)
-        self.module_images = [(e, images[e["id"]], None if images[e["id"]].get("image_fp") else
-                               self.io.submit(fingerprint, images[e["id"]]["image"])) for e in self.fields["modules"]]
+        # A module's image is the same bytes every checkpoint: hashed once, after the cut (the
+        # libraries PyTorch loads hold tens of MB of them: hashed in the cut, they paused it 40
+        # ms; even handed to the I/O threads there, they held it 4 ms more)
+        self.module_images = [(e, images[e["id"]]) for e in self.fields["modules"]]
+        self.storing_images = None
         if paused:
             self.add_module_images()
         self.keys = [None] * len(self.chunks)
@@ -408,16 +422,31 @@ class Checkpoint(ChunkJob):
             self.step("copy", t)
         else:
             self.work = self.run()
+            self.step("cut_after_pass", t)
             self.step("cut", t0)
         self.pause_s += time.perf_counter() - t0
 
+    def store_module_images(self):
+        """Store each module's image (a chunk) on the I/O threads, beside the copy: PyTorch's
+        libraries hold tens of MB of them, which held a checkpoint's end 15-20 ms."""
+        if self.storing_images is None:
+            self.storing_images = [self.io.submit(self.store_module_image, facts) for _, facts in self.module_images]
+
+    def store_module_image(self, facts):
+        """(fingerprint, key) of a module's image, stored; hashed where neither an earlier
+        checkpoint nor its load (hash_in_background) did."""
+        fp = facts.get("image_fp")
+        if fp is None:
+            fp = facts["image_hashing"].result() if facts.get("image_hashing") else fingerprint(facts["image"])
+        return fp, self.writer.add_chunk(facts["image"], fp)
+
     def add_module_images(self):
-        """Name each module's image in the image (its chunk), hashed now if the cut did not."""
-        for e, facts, hashing in self.module_images:
-            fp = facts.get("image_fp") if hashing is None else hashing.result()
-            if hashing is not None:
+        """Name each module's image in the image."""
+        self.store_module_images()
+        for (e, facts), storing in zip(self.module_images, self.storing_images):
+            fp, e["image"] = storing.result()
+            if not facts.get("image_fp"):
                 self.session.note(e["id"], {"image_fp": fp})
-            e["image"] = self.writer.add_chunk(facts["image"], fp)
         self.module_images = []
 
     # -- copying -----------------------------------------------------------------------
@@ -532,6 +561,8 @@ class Checkpoint(ChunkJob):
             return
         direct, writes = [], []
         cut = self.fps if self.fps is not None or self.precopy else self.cut_fingerprints()
+        if self.frozen is not None:      # read from the cut's own copy: None is the cut's fingerprint
+            copied = [(data, cut[c] if fp is None else fp) for c, (data, fp) in zip(need, copied)]
         for j, (c, (data, fp)) in enumerate(zip(need, copied)):
             if self.precopy or fp == cut[c]:      # pre-copy: what was copied is what counts
                 if slots:
@@ -561,7 +592,11 @@ class Checkpoint(ChunkJob):
             drain(self.keep(batch, copied))
 
     def batches(self, idx, urgent=False):
-        return self.chunks.batches(idx, max(URGENT_BATCH_BYTES if urgent else BATCH_BYTES, self.chunk_size))
+        """Batches of idx to copy at once. From the cut's copy on the device straight into the
+        store's pinned slots, no buffer bounds a batch: bigger ones take fewer of the worker's
+        steps, which a busy application leaves far apart (snapshot.ops, read)."""
+        limit = URGENT_BATCH_BYTES if urgent else DIRECT_BATCH_BYTES if self.frozen is not None and self.direct else BATCH_BYTES
+        return self.chunks.batches(idx, max(limit, self.chunk_size))
 
     def save(self, idx, urgent=False):
         """Save claimed chunks now (a paused checkpoint, a call's copy-on-write)."""
@@ -569,6 +604,7 @@ class Checkpoint(ChunkJob):
 
     def run(self):
         """The background copy: every chunk nobody saved first, a step at a time (advance)."""
+        self.store_module_images()
         while (fps := self.fp_wait(block=False)) is None:
             yield
         self.fps = fps
@@ -658,9 +694,12 @@ class Checkpoint(ChunkJob):
         commit, which a handoff's target need not wait for."""
         while self.running:
             self.advance()
+        t = time.perf_counter()
         self.release_spare()
         self.release_frozen()
+        t = self.step("finish_release", t)
         if self.failure is not None:
+            self.io.shutdown()        # a module image being stored is stored before the abort takes it back
             self.writer.abort()
             raise self.failure if isinstance(self.failure, CudaError) else \
                 CudaError(CUresult.CUDA_ERROR_UNKNOWN, f"checkpoint {self.name!r} failed: {self.failure}")
@@ -678,6 +717,7 @@ class Checkpoint(ChunkJob):
         for e in fields["allocations"] + fields["globals"]:     # the chunks go by address, as Chunks sorts them
             span = self.chunks.covering(e["address"], e["size"])
             e["chunks"] = self.keys[span.start:span.stop]
+        self.step("finish_fields", t)
         elapsed = time.perf_counter() - self.started
         fields["cut_seq"] = self.cut_seq
         fields["metadata"] = {"mode": "precopy" if self.precopy else "concurrent" if self.concurrent else "paused",

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence, r
 
 BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
 URGENT_BATCH_BYTES = 16 << 20    # ... and a call's copy-on-write this much
-DIRECT_BATCH_BYTES = 512 << 20   # ... a restore's, straight from a pinned HostStore
+DIRECT_BATCH_BYTES = 512 << 20   # ... straight between the device and a pinned HostStore (a restore; a checkpoint from its device copy)
 
 Chunk = tuple                    # (device address, length in bytes)
 
@@ -46,8 +46,9 @@ class SnapshotOps(Protocol):
         bytes stay valid until the next item is asked for. into: a host view per chunk to
         copy it to (a HostStore's slots), or None for a buffer of its own. urgent: a call
         waits for it (a copy-on-write), beside the background copy. frozen: copy the chunks
-        from that copy of freeze()'s instead of from the context. Closing the generator waits
-        for the copies under way."""
+        from that copy of freeze()'s instead of from the context; a fingerprint may then be
+        None, for "as the cut's" (the cut hashed the very bytes that copy holds). Closing the
+        generator waits for the copies under way."""
 
     def write(self, chunks: Sequence[Chunk], load, pool, urgent=False, sources=None) -> list:
         """Copy chunks to the device: chunk i's bytes from load(i, out), which fills out (a

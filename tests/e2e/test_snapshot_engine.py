@@ -138,11 +138,19 @@ def region(store, name, address):
     return np.frombuffer(bytes(read_region(store, entry)), np.uint8)
 
 
+def shipped_ptx(name):
+    """snapshot/kernels/NAME.ptx, as the cuda backend loads it, checked to be NAME.cu's current build."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "snapshot", "kernels")
+    ptx = open(os.path.join(root, f"{name}.ptx"), "rb").read()
+    fresh = compile_ptx(os.path.abspath(os.path.join(root, f"{name}.cu")), "compute_75")
+    assert fresh.split("\n", 7)[-1] == ptx.decode().split("\n", 7)[-1], f"snapshot/kernels/{name}.ptx is stale: rebuild it from {name}.cu"
+    return ptx
+
+
 def test_pfp1_kernel_matches_the_reference():
     """The GPU hash kernel computes pfp1 exactly (run here on the emulator), and its PTX is current."""
     from phos.gpu_server.emu import EmuBackend
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "snapshot", "kernels")
-    ptx = open(os.path.join(root, "pfp1.ptx"), "rb").read()
+    ptx = shipped_ptx("pfp1")
     b = EmuBackend()
     fn = b.get_function(b.load_module(ptx), "pfp1_lane_sums")
     rng = np.random.default_rng(1)
@@ -176,8 +184,35 @@ def test_pfp1_kernel_matches_the_reference():
     expect = [d[4:], datas[2][1:8], datas[3][2:5]]
     assert finish_many(lane_sums(odd), odd[:, 1]) == [fingerprint(e.tobytes()) for e in expect]
     assert finish_many(whole, rows[:, 1]) == [fingerprint(d.tobytes()) for d in datas]
-    fresh = compile_ptx(os.path.abspath(os.path.join(root, "pfp1.cu")), "compute_75")
-    assert fresh.split("\n", 7)[-1] == ptx.decode().split("\n", 7)[-1], "snapshot/kernels/pfp1.ptx is stale: rebuild it from pfp1.cu"
+
+
+def test_copy_pieces_kernel_copies_each_piece_and_nothing_else():
+    """The cut's device copy kernel (run here on the emulator) copies every piece whole: 16
+    bytes at a time where both ends allow, a byte at a time elsewhere, the tail past the last
+    16-byte word too; bytes between pieces stay as they were. Its PTX is current."""
+    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.staging_layout import pieces
+    b = EmuBackend()
+    fn = b.get_function(b.load_module(shipped_ptx("copy_pieces")), "copy_pieces")
+    size = 1 << 16
+    data = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    src, dst = b.alloc(size), b.alloc(size)
+    b.htod(src, data.tobytes(), None)
+    b.htod(dst, bytes(size), None)
+    # aligned, split into pieces with a short last one; a 3-byte piece; ends at odd places
+    # (a module's 4-byte global); aligned with a tail of 7 bytes past the last whole word
+    copies = [(0, 0, 10000), (10016, 10016, 3), (12001, 14003, 77), (16384, 20480, 4096 + 7)]
+    table = pieces([dst + d for d, _, _ in copies], [src + s for _, s, _ in copies], [n for _, _, n in copies], 4096)
+    assert len(table) == 3 + 1 + 1 + 2
+    device_table = b.alloc(table.nbytes)
+    b.htod(device_table, table.tobytes(), None)
+    b.launch(fn, (len(table), 1, 1), (256, 1, 1), 0, None, struct.pack("<QII", device_table, len(table), 0))
+    out = np.zeros(size, np.uint8)
+    b.dtoh(dst, out, None)
+    expect = np.zeros(size, np.uint8)
+    for d, s, n in copies:
+        expect[d:d + n] = data[s:s + n]
+    assert (out == expect).all()
 
 
 def image_store(kind, tmp_path):
