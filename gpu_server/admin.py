@@ -286,9 +286,11 @@ class Admin(admin_pb2_grpc.AdminServicer):
     async def OpenInbox(self, request, context):
         return pb.OpenInboxReply(store=await asyncio.to_thread(self.front.inboxes.open, request.ctx))
 
-    async def PutChunks(self, request, context):
+    async def PutChunks(self, request, chunks, context):
+        """The network admin API's bulk call, not one of the gRPC service's: `chunks` are the
+        stored chunk blobs that came as frames of their own after the request (schema/admin_net.py)."""
         try:
-            stored = await asyncio.to_thread(self.front.inboxes.put_chunks, request.store, request.chunks)
+            stored = await self.front.inboxes.put_chunks(request.store, chunks)
         except CudaError as e:
             await self.fail(context, e)
         except OSError as e:

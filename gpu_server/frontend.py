@@ -750,7 +750,7 @@ class FrontEnd:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"no warm copy of context {ctx} here to take the delta of image {name}")
         return await self.restore(store, name, full=full, warm=not final)
 
-    def serve_admin_on_tcp(self, zctx, auth, bound):
+    def serve_admin_on_tcp(self, bound):
         """A TCP listener's admin API on the next port (admin_address), CURVE only, for the keys in
         the auth dir's admins/ (gpu_server/admin_net.py); None for an ipc:// listener, or without them."""
         if not bound.startswith("tcp://"):
@@ -762,7 +762,7 @@ class FrontEnd:
         from phos.gpu_server.admin_net import NetAdminServer
         from phos.schema.admin_net import admin_address
         try:
-            net = NetAdminServer(self.admin, zctx, auth, self.curve[1], self.curve[3], admin_address(bound))
+            net = NetAdminServer(self.admin, self.curve[1], self.curve[3], admin_address(bound))
         except zmq.ZMQError as e:
             raise ValueError(f"cannot serve the admin API on {admin_address(bound)} (the port after the "
                              f"listener's): {e}") from None
@@ -799,7 +799,7 @@ class FrontEnd:
         from phos.gpu_server.handoff_net import Inboxes
         self.inboxes = Inboxes()           # rounds of handoffs from servers on other hosts
         admin_server = await admin.start(self, admin_socket(self.listen))     # before we say we listen
-        net_admin = self.serve_admin_on_tcp(zctx, auth, sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        net_admin = self.serve_admin_on_tcp(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         log.warning("phos server (%s backend, %d device(s)) listening on %s", self.backend_name, len(self.devices), self.listen)
         self.fill_pool()
         print(f"phos server listening on {self.listen} ({self.backend_name})"

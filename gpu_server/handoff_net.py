@@ -4,12 +4,17 @@ The source (gpu_server/handoff.py) takes its rounds into a store of its own in /
 for any target without a shared store. RemoteTarget, the target party it talks to, sends each
 round to the target over the target's network admin API (gpu_server/admin_net.py; CURVE,
 this server's own key pair) before asking it to adopt the round: the chunks the target does
-not hold yet (PutChunks, in batches), then the manifest (PutManifest); the final round's
+not hold yet (PUT_CHUNKS, in batches), then the manifest (PutManifest); the final round's
 delta goes before its commit with only its changed chunks. The target keeps what it receives
 in an inbox of its own (Inboxes, below), checks each chunk as it lands and signs each manifest
 with its own image key once every chunk it names is there and sound, then restores from the
 inbox as from any store. A failure on either side or of the link is a CudaError, and the
 handoff leaves the context live here.
+
+The chunks are the bulk of a handoff, and they travel as fast as both machines' cores allow:
+on PHOS_HANDOFF_CONNECTIONS connections at once (ZeroMQ encrypts a connection on one I/O
+thread, here and at the target), each a thread here that reads its batches and keeps WINDOW of
+them in flight; each chunk a frame of its own, sent as read and verified where it lands.
 """
 import asyncio
 import concurrent.futures
@@ -17,20 +22,27 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import types
 
+import grpc
+
+from phos import settings
 from phos.gpu_server.admin import TargetServer
 from phos.schema import admin_pb2 as pb
 from phos.schema import wire
+from phos.schema.admin_net import PUT_CHUNKS, AdminCallError, NetAdminConnection, admin_address
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import DirStore, ImageError, read_image
 from phos.snapshot.image import put_received_chunk, put_received_manifest
 
 log = logging.getLogger("phos.admin")
-BATCH_BYTES = 32 << 20          # chunk bytes a PutChunks carries, about
+BATCH_BYTES = 16 << 20          # chunk bytes a PUT_CHUNKS carries, about
+WINDOW = 2                      # batches in flight on a connection: the next travels while the target stores one
 SEND_TIMEOUT = 120              # seconds the target may take to store one batch
-VERIFIERS = 4                   # threads that verify and store a batch's chunks on the target
-IN_FLIGHT = 3                   # batches on their way at once (send_chunks)
+# threads that verify and store chunks on the target: fingerprinting and writing leave the
+# interpreter's lock free for most of their time
+VERIFIERS = min(8, max(4, os.cpu_count() or 1))
 
 
 class RemoteTarget(TargetServer):
@@ -42,6 +54,15 @@ class RemoteTarget(TargetServer):
         self.inbox = None        # its store for this handoff's rounds, on the target
         self.sent = set()        # chunk keys the inbox holds
         self.sent_bytes = 0
+        self.links = []          # the connections chunks travel on (NetAdminConnection), once a round has sent some
+        self.senders = None      # a thread for each
+        self.tally = threading.Lock()       # the senders count into sent and sent_bytes
+
+    async def __aexit__(self, *exc):
+        await super().__aexit__(*exc)
+        if self.links:
+            self.senders.shutdown(wait=False)
+            await asyncio.to_thread(lambda: [link.close() for link in self.links])
 
     async def stats(self):
         info = await super().stats()
@@ -67,44 +88,80 @@ class RemoteTarget(TargetServer):
         return await super().restore(self.inbox, name, **how)
 
     async def send_chunks(self, local, keys):
-        """The chunks of `keys` the inbox lacks, in batches, IN_FLIGHT of them travelling at once
-        while the next is read: one at a time, the link waited for the target's verifying and
-        storing each batch, and the target for the link."""
+        """Send the chunks of `keys` the inbox lacks, on every link at once; the first failure
+        stops them all and fails the round (a CudaError saying the context stays here)."""
         todo = sorted(k for k in keys if k not in self.sent)
+        if not todo:
+            return
+        if not self.links:
+            n = settings.handoff_connections()
+            self.links = [NetAdminConnection(admin_address(self.address), self.curve) for _ in range(n)]
+            self.senders = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="handoff-send")
+        await self.ask(self.send_on_links, (local, todo), SEND_TIMEOUT)
 
-        def read_batch(start):
-            blobs, size, i = [], 0, start
-            while i < len(todo) and (not blobs or size < BATCH_BYTES):
-                blobs.append(local.get_chunk(todo[i]))
-                size += len(blobs[-1])
-                i += 1
-            return blobs, size, i
+    async def send_on_links(self, what, timeout):
+        """Every link sends part of the round, taking the next keys whenever it has room for a
+        batch, so that a slower link takes fewer. Called through ask: a link's failure becomes
+        the CudaError that says the context stays here."""
+        local, todo = what
+        keys, taking, stop = iter(todo), threading.Lock(), threading.Event()
 
-        async def put(blobs, sent, size):
-            await self.ask(self.stub.PutChunks, pb.PutChunksRequest(store=self.inbox, chunks=blobs), SEND_TIMEOUT)
-            self.sent.update(sent)
-            self.sent_bytes += size
-        travelling, i = set(), 0
+        def take():
+            with taking:
+                return next(keys, None)
+        loop = asyncio.get_running_loop()
+        sending = [loop.run_in_executor(self.senders, self.send_on, link, local, take, stop, timeout)
+                   for link in self.links]
         try:
-            while i < len(todo):
-                try:
-                    blobs, size, end = await asyncio.to_thread(read_batch, i)
-                except (OSError, ImageError) as e:
-                    raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"handoff of context {self.ctx}: a round's "
-                                    f"chunk cannot be read here: {e}") from None
-                while len(travelling) >= IN_FLIGHT:
-                    done, travelling = await asyncio.wait(travelling, return_when=asyncio.FIRST_COMPLETED)
-                    for d in done:
-                        d.result()          # a failed batch fails the round
-                travelling.add(asyncio.ensure_future(put(blobs, todo[i:end], size)))
-                i = end
-            while travelling:
-                done, travelling = await asyncio.wait(travelling, return_when=asyncio.FIRST_COMPLETED)
-                for d in done:
-                    d.result()
+            results = await asyncio.gather(*sending, return_exceptions=True)
         finally:
-            for t in travelling:
-                t.cancel()
+            stop.set()         # cancelled: the senders stop at their next answer or poll
+        # the failure that stopped the others, not theirs (CANCELLED)
+        failures = sorted((r for r in results if isinstance(r, BaseException)), key=stopped_by_another)
+        if failures:
+            raise failures[0]
+
+    def send_on(self, link, local, take, stop, timeout):
+        """One link's part of a round, on its thread: batches of the keys take() gives until none
+        is left, WINDOW of them in flight; the first failure sets `stop` for the other links."""
+        header = pb.PutChunksRequest(store=self.inbox).SerializeToString()
+        carried = []           # each batch's (keys, bytes), by its index
+
+        def batches():
+            while not stop.is_set():
+                keys, blobs, size = [], [], 0
+                while size < BATCH_BYTES:
+                    key = take()
+                    if key is None:
+                        break
+                    keys.append(key)
+                    blobs.append(self.read_chunk(local, key))
+                    size += len(blobs[-1])
+                if not keys:
+                    return
+                carried.append((keys, size))
+                yield [header, *blobs]
+        try:
+            for i, _ in link.calls(PUT_CHUNKS, batches(), timeout, WINDOW, stop):
+                keys, size = carried[i]
+                with self.tally:
+                    self.sent.update(keys)
+                    self.sent_bytes += size
+        except BaseException:
+            stop.set()
+            raise
+
+    def read_chunk(self, local, key):
+        try:
+            return local.get_chunk(key)
+        except (OSError, ImageError) as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"handoff of context {self.ctx}: a round's "
+                            f"chunk cannot be read here: {e}") from None
+
+
+def stopped_by_another(e):
+    """Whether a link's failure is its being stopped because another failed."""
+    return isinstance(e, AdminCallError) and e.code() == grpc.StatusCode.CANCELLED
 
 
 class Inboxes:
@@ -131,14 +188,21 @@ class Inboxes:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{path!r} is not a handoff inbox of this server")
         return DirStore(path, fsync=False, create=False)
 
-    def put_chunks(self, path, blobs):
-        """Verify and store a batch of chunks, several at a time: hashing one and writing it
-        leave the interpreter's lock free for much of their time (a batch is 32 MiB)."""
+    async def put_chunks(self, path, blobs):
+        """Verify and store a batch of chunks (views of the frames they came in) on the verifier
+        threads, a share of the batch each; the event loop goes on receiving meanwhile. Returns
+        how many the inbox lacked; a chunk that fails its check is refused by its key."""
         store = self.store(path)
-        try:
-            return sum(self.verifiers.map(lambda b: put_received_chunk(store, b), blobs))
-        except ImageError as e:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"a handoff's chunk was refused: {e}") from None
+        loop = asyncio.get_running_loop()
+        shares = [blobs[i::VERIFIERS] for i in range(min(VERIFIERS, len(blobs)))]
+        stored = await asyncio.gather(*(loop.run_in_executor(self.verifiers, put_share, store, share)
+                                        for share in shares), return_exceptions=True)
+        for result in stored:
+            if isinstance(result, ImageError):
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"a handoff's chunk was refused: {result}")
+            if isinstance(result, BaseException):
+                raise result
+        return sum(stored)
 
     def put_manifest(self, path, name, raw):
         store = self.store(path)
@@ -164,3 +228,7 @@ class Inboxes:
         for ctx in list(self.paths):
             self.drop(ctx)
         self.verifiers.shutdown(wait=False)
+
+
+def put_share(store, blobs):
+    return sum(put_received_chunk(store, blob) for blob in blobs)

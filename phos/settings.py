@@ -52,6 +52,12 @@ def _spin_default():
     return 1000.0 if (os.cpu_count() or 1) > 4 else 0.0
 
 
+def _handoff_connections_default():
+    # Each connection encrypts on one core of the source and decrypts on one of the target's;
+    # half the cores leaves the others to verify and store the chunks.
+    return max(2, min(8, (os.cpu_count() or 1) // 2))
+
+
 def _image_key_default():
     """The user's image key: in $XDG_CONFIG_HOME/phos, else ~/.config/phos, kept across reboots
     (a runtime directory is not), so that the user's servers restore each other's images."""
@@ -71,6 +77,13 @@ def tristate(raw):
 def present(raw):
     """On for any (non-empty) value."""
     return True
+
+
+def positive_int(raw):
+    value = int(raw)
+    if value < 1:
+        raise ValueError(raw)
+    return value
 
 
 class Setting(NamedTuple):
@@ -228,6 +241,11 @@ image_key = _declare("PHOS_IMAGE_KEY", str, _image_key_default, f"{SERVER}, {CLI
                      "checks it with (`phos server --image-key`'s default; `phos image inspect` reads with it): "
                      "servers sharing it restore each other's images; the default one is made (mode 0600) on first use",
                      shown="$XDG_CONFIG_HOME/phos/image.key, else ~/.config/phos/image.key")
+handoff_connections = _declare("PHOS_HANDOFF_CONNECTIONS", positive_int, _handoff_connections_default, SERVER,
+                                "connections a handoff to a tcp:// server sends its rounds' chunks on at once, "
+                                "ZeroMQ encrypting each on a core of its own; a server's network admin API decrypts "
+                                "this many connections at once (its I/O threads)",
+                                shown="half the cores, at least 2 and at most 8")
 emu_devices = _declare("PHOS_EMU_DEVICES", int, 1, SERVER,
                        "how many devices the emu backend has, each with a name, a UUID and PHOS_EMU_MEMORY bytes of "
                        "its own (`phos server --devices` picks those a server serves)")

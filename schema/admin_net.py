@@ -8,6 +8,13 @@ with its request serialized as protobuf; the server answers with the serialized 
 streaming call: several, then an end marker) or an error carrying a gRPC status code's name.
 The same `Admin` servicer (gpu_server/admin.py) serves both transports.
 
+One call is this transport's alone: PUT_CHUNKS, a handoff's chunks (gpu_server/handoff_net.py).
+Its request (a PutChunksRequest) is followed by one frame per chunk, each a stored chunk blob
+sent from the sender's memory as it is and verified where it lands on the server: in one
+protobuf message, every batch would be copied three times more on the way (serialized, parsed,
+listed). A handoff sends them on several connections at once, a few batches in flight on each
+(NetAdminConnection.calls), since ZeroMQ encrypts each connection's bytes on one I/O thread.
+
 open_admin(server) is the one way to reach any server's admin API: a gRPC stub over the Unix
 socket for ipc:// and unix: addresses (and a keyless loopback tcp:// server), a NetAdminStub
 for tcp:// ones. Both have a method per
@@ -31,6 +38,7 @@ from phos.schema import admin_pb2 as pb
 
 PROTOCOL = b"phos-admin-1"      # the first frame of every request: a peer of another version is told so
 REPLY, MORE, END, ERROR = b"reply", b"more", b"end", b"error"
+PUT_CHUNKS = "PutChunks"        # the bulk call: PutChunksRequest, then a frame per chunk (above)
 ZAP_DOMAIN = b"phos-admin"      # the admin socket's ZAP domain: its own allowlist (admins/), not the clients'
 DEFAULT_TIMEOUT = 60.0          # seconds a call without a timeout of its own waits for its answer
 METHODS = {m.name: m for m in pb.DESCRIPTOR.services_by_name["Admin"].methods}
@@ -96,8 +104,10 @@ def client_curve():
 
 class NetAdminConnection:
     """One DEALER socket to a server's network admin API, CURVE-authenticated. Calls go one at a
-    time (a lock); a call's answer is matched by its request id, so the answer to one that
-    timed out is dropped, not taken for the next one's."""
+    time (a lock), or several of one method in a row (calls); a call's answer is matched by its
+    request id, so the answer to one that timed out is dropped, not taken for the next one's.
+    A ZeroMQ context of its own: its one I/O thread encrypts this connection's bytes, so that
+    several connections encrypt on several cores."""
 
     def __init__(self, address, curve):
         self.address = address
@@ -139,52 +149,91 @@ class NetAdminConnection:
     def call(self, method, body, timeout):
         """Yield the serialized answers to one call (one, or a stream's); AdminCallError on failure."""
         with self.lock:
-            self._check_monitor()      # a drop between calls is no news for this one; a refusal is
-            self.lost = False
-            if self.refused:
-                raise AdminCallError(grpc.StatusCode.UNAUTHENTICATED, self.refused)
-            rid = next(self.ids).to_bytes(8, "little")
-            self.sock.send_multipart([PROTOCOL, rid, method.encode(), body])
-            deadline = time.monotonic() + (timeout or DEFAULT_TIMEOUT)
-            poller = zmq.Poller()
-            poller.register(self.sock, zmq.POLLIN)
-            poller.register(self.monitor, zmq.POLLIN)
+            self._begin()
+            rid = self._send(method, [body])
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._check_monitor()
-                    raise AdminCallError(grpc.StatusCode.UNAVAILABLE if self.refused else grpc.StatusCode.DEADLINE_EXCEEDED,
-                                         self.refused or f"no answer from the admin API at {self.address} within "
-                                         f"{timeout or DEFAULT_TIMEOUT:g} s (is the server up, and does it admit this "
-                                         "client's key?)")
-                ready = dict(poller.poll(min(left, 0.2) * 1000))
-                if self.monitor in ready or not ready:
-                    self._check_monitor()
-                    if self.refused:
-                        raise AdminCallError(grpc.StatusCode.UNAUTHENTICATED, self.refused)
-                    if self.lost and not self.sock.poll(0):
-                        raise AdminCallError(grpc.StatusCode.UNAVAILABLE, f"the connection to the admin API at "
-                                             f"{self.address} was lost during {method}")
-                if self.sock not in ready:
-                    continue
-                frames = self.sock.recv_multipart()
-                if len(frames) != 3 or frames[0] != rid:
-                    continue              # the answer to a call that timed out
-                kind, payload = frames[1], frames[2]
-                if kind == ERROR:
-                    try:
-                        err = json.loads(payload)
-                        code = grpc.StatusCode[err["code"]]
-                        details = str(err["details"])
-                    except (ValueError, KeyError, TypeError):
-                        code, details = grpc.StatusCode.INTERNAL, "a malformed error answer"
-                    raise AdminCallError(code, details)
+                kind, payload = self._answer({rid}, method, timeout)[1:]
                 if kind == END:
                     return
                 yield payload
                 if kind == REPLY:
                     return
-                deadline = time.monotonic() + (timeout or DEFAULT_TIMEOUT)   # a stream: each part has its time
+
+    def calls(self, method, bodies, timeout, window, stop=None):
+        """Unary calls of one method, `window` of them in flight at once, so that the link carries
+        the next while the server works on one. Each body is a list of frames, sent without a
+        copy: the caller leaves their memory unchanged until its answer came. Yields (the body's
+        index, its answer) as answers come, in any order; AdminCallError on the first failure,
+        or when the threading.Event `stop` is set. Each answer may take `timeout` seconds."""
+        with self.lock:
+            self._begin()
+            pending, bodies, more = {}, enumerate(bodies), True       # pending: request id -> index
+            while True:
+                while more and len(pending) < window:
+                    i, frames = next(bodies, (None, None))
+                    more = i is not None
+                    if more:
+                        pending[self._send(method, frames, copy=False)] = i
+                if not pending:
+                    return
+                rid, kind, payload = self._answer(pending, method, timeout, stop)
+                if kind != REPLY:
+                    raise AdminCallError(grpc.StatusCode.INTERNAL, f"{method}: a stream's answer to a unary call")
+                yield pending.pop(rid), payload
+
+    def _begin(self):
+        self._check_monitor()      # a drop between calls is no news for this one; a refusal is
+        self.lost = False
+        if self.refused:
+            raise AdminCallError(grpc.StatusCode.UNAUTHENTICATED, self.refused)
+
+    def _send(self, method, frames, copy=True):
+        """Send one call; its request id."""
+        rid = next(self.ids).to_bytes(8, "little")
+        self.sock.send_multipart([PROTOCOL, rid, method.encode(), *frames], copy=copy)
+        return rid
+
+    def _answer(self, rids, method, timeout, stop=None):
+        """(request id, kind, payload) of the next answer to one of the calls `rids` names, within
+        timeout seconds; an error answer, a refused handshake, a lost connection or `stop` raise
+        AdminCallError. Answers to other calls (ones that timed out) are dropped."""
+        deadline = time.monotonic() + (timeout or DEFAULT_TIMEOUT)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._check_monitor()
+                raise AdminCallError(grpc.StatusCode.UNAVAILABLE if self.refused else grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     self.refused or f"no answer from the admin API at {self.address} within "
+                                     f"{timeout or DEFAULT_TIMEOUT:g} s (is the server up, and does it admit this "
+                                     "client's key?)")
+            if stop is not None and stop.is_set():
+                raise AdminCallError(grpc.StatusCode.CANCELLED, f"{method} was cancelled")
+            ready = dict(poller.poll(min(left, 0.2) * 1000))
+            if self.monitor in ready or not ready:
+                self._check_monitor()
+                if self.refused:
+                    raise AdminCallError(grpc.StatusCode.UNAUTHENTICATED, self.refused)
+                if self.lost and not self.sock.poll(0):
+                    raise AdminCallError(grpc.StatusCode.UNAVAILABLE, f"the connection to the admin API at "
+                                         f"{self.address} was lost during {method}")
+            if self.sock not in ready:
+                continue
+            frames = self.sock.recv_multipart()
+            if len(frames) != 3 or frames[0] not in rids:
+                continue              # the answer to a call that timed out
+            rid, kind, payload = frames
+            if kind == ERROR:
+                try:
+                    err = json.loads(payload)
+                    code = grpc.StatusCode[err["code"]]
+                    details = str(err["details"])
+                except (ValueError, KeyError, TypeError):
+                    code, details = grpc.StatusCode.INTERNAL, "a malformed error answer"
+                raise AdminCallError(code, details)
+            return rid, kind, payload
 
 
 class NetAdminStub:

@@ -79,11 +79,6 @@ class AdminStub:
                 request_serializer=admin__pb2.OpenInboxRequest.SerializeToString,
                 response_deserializer=admin__pb2.OpenInboxReply.FromString,
                 _registered_method=True)
-        self.PutChunks = channel.unary_unary(
-                '/phos.admin.v1.Admin/PutChunks',
-                request_serializer=admin__pb2.PutChunksRequest.SerializeToString,
-                response_deserializer=admin__pb2.PutChunksReply.FromString,
-                _registered_method=True)
         self.PutManifest = channel.unary_unary(
                 '/phos.admin.v1.Admin/PutManifest',
                 request_serializer=admin__pb2.PutManifestRequest.SerializeToString,
@@ -157,14 +152,10 @@ class AdminServicer:
         it lands (its header, and its contents against its fingerprint); a manifest is checked
         (format, fields, every chunk it names there and sound) and signed with this server's own
         image key. Only a path OpenInbox gave is written; the inbox goes with the context's warm
-        copy (DropWarm), once the last round is adopted, or with the server.
+        copy (DropWarm), once the last round is adopted, or with the server. The chunks travel by
+        the network admin API's own bulk call, PutChunks (PutChunksRequest, then a frame per chunk:
+        schema/admin_net.py), not by a call of this service.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PutChunks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -222,11 +213,6 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.OpenInbox,
                     request_deserializer=admin__pb2.OpenInboxRequest.FromString,
                     response_serializer=admin__pb2.OpenInboxReply.SerializeToString,
-            ),
-            'PutChunks': grpc.unary_unary_rpc_method_handler(
-                    servicer.PutChunks,
-                    request_deserializer=admin__pb2.PutChunksRequest.FromString,
-                    response_serializer=admin__pb2.PutChunksReply.SerializeToString,
             ),
             'PutManifest': grpc.unary_unary_rpc_method_handler(
                     servicer.PutManifest,
@@ -477,33 +463,6 @@ class Admin:
             '/phos.admin.v1.Admin/OpenInbox',
             admin__pb2.OpenInboxRequest.SerializeToString,
             admin__pb2.OpenInboxReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PutChunks(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/phos.admin.v1.Admin/PutChunks',
-            admin__pb2.PutChunksRequest.SerializeToString,
-            admin__pb2.PutChunksReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -762,16 +762,20 @@ def list_images(store):
 # images received from another server (a handoff over the network)
 
 def put_received_chunk(store, blob):
-    """Store a chunk blob another server sent (header + payload), verified first: its key is its
-    header's fingerprint, and decode_chunk checks the header's fields and lengths and the contents
-    against that fingerprint. Returns 1 if the store lacked it, else 0; ImageError if it is bad."""
+    """Store a chunk blob another server sent (header + payload), verified first where it lies
+    (a frame as it arrived: no copy): its key is its header's fingerprint, decode_chunk checks
+    the header's fields and lengths, and the contents must fingerprint to the key. Returns 1 if
+    the store lacked it, else 0; ImageError naming the chunk if it is bad."""
     blob = memoryview(blob).cast("B")
     if len(blob) < HEADER_SIZE:
         raise ImageError(f"a received chunk of {len(blob)} bytes is shorter than its {HEADER_SIZE}-byte header")
     key = bytes(HEADER.unpack_from(blob)[5]).hex()
     if store.has_chunk(key):
         return 0
-    decode_chunk(blob, key)
+    data = decode_chunk(blob, key, check=False)      # a raw chunk's payload: a view of the blob
+    found = fingerprint(data).hex()
+    if found != key:
+        raise ImageError(f"chunk {key} is corrupt: its contents fingerprint to {found}")
     store.put_chunk(key, blob)
     return 1
 

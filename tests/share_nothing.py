@@ -4,8 +4,11 @@ tcp://127.0.0.1 (tests/e2e/test_handoff_net.py, perf/bench_handoff.py --via tcp)
 root's `unshare -m`; unshare_permitted() says why not."""
 import shlex
 import shutil
+import socket
+import struct
 import subprocess
 import sys
+import threading
 
 from phos.stub_run import LocalServer, free_port_pair, private_mounts  # noqa: F401 (free_port_pair: the tests')
 
@@ -52,3 +55,49 @@ def start_isolated(backend, directory, keys, pool=1):
     wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", isolate(keys), "sh"]
     return LocalServer(backend, directory, listen=f"tcp://127.0.0.1:{free_port_pair()}", pool=pool, wrap=wrap,
                        extra=("--auth-dir", f"{PRIVATE}/keys", "--image-key", f"{PRIVATE}/image.key"))
+
+
+class Relay:
+    """The link between two servers, made visible: a TCP relay from 127.0.0.1:`port` to
+    127.0.0.1:`to_port` that counts the bytes each connection carries toward `to_port`
+    (carried, in the order they were accepted). cut_after: the first connection to carry more
+    than that many bytes is reset there, both ways, as a link that fails mid-message."""
+
+    def __init__(self, port, to_port, cut_after=None):
+        self.to_port, self.cut_after = to_port, cut_after
+        self.carried = []
+        self.was_cut = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", port))
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def close(self):
+        self.listener.close()
+
+    def accept(self):
+        while True:
+            try:
+                near, _ = self.listener.accept()
+                far = socket.create_connection(("127.0.0.1", self.to_port))
+            except OSError:
+                return
+            self.carried.append(0)
+            threading.Thread(target=self.pump, args=(near, far, len(self.carried) - 1), daemon=True).start()
+            threading.Thread(target=self.pump, args=(far, near, None), daemon=True).start()
+
+    def pump(self, src, dst, counted):
+        try:
+            while data := src.recv(1 << 16):
+                if counted is not None:
+                    self.carried[counted] += len(data)
+                    if self.cut_after is not None and self.carried[counted] > self.cut_after and not self.was_cut.is_set():
+                        self.was_cut.set()
+                        for s in (src, dst):
+                            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                            s.close()      # a reset, not an orderly end
+                        return
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            for s in (src, dst):
+                s.close()
+

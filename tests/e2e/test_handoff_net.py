@@ -4,8 +4,9 @@ Each server runs in a mount namespace of its own, with its own tmpfs on /dev/shm
 /run, its own CURVE keys and its own image key: they talk only over tcp://127.0.0.1, with
 keys. The rounds stream over the target's network admin API; the application's stub (the
 native one and the Python client) learns the target's worker and key from Reply.moved and
-carries on with the same results. A target killed mid-handoff leaves the context live on the
-source. Needs root's `unshare -m` (skipped with the reason where it is not permitted).
+carries on with the same results. A target killed mid-handoff, or the link to it cut in the
+middle of a batch of chunks, leaves the context live on the source. Needs root's `unshare -m`
+(skipped with the reason where it is not permitted).
 """
 import os
 import signal
@@ -18,8 +19,8 @@ import pytest
 
 from conftest import wait_until
 from phos.schema import admin_pb2 as pb
-from phos.schema.admin_net import close_admin, open_admin, read_key_file
-from share_nothing import key_pairs, start_isolated, unshare_permitted
+from phos.schema.admin_net import admin_address, close_admin, open_admin, read_key_file
+from share_nothing import Relay, free_port_pair, key_pairs, start_isolated, unshare_permitted
 from test_handoff import compute_while
 from test_snapshot_engine import App
 from test_stub_reattach import PAUSE, Program, iterate  # noqa: F401 (iterate: a fixture)
@@ -64,9 +65,10 @@ def contexts(server, keys, env):
         close_admin(stub)
 
 
-def phos_handoff(ctx, a, b, b_keys, env):
-    """`phos handoff CTX --to tcp://B --to-key B's key --server tcp://A`, as an operator runs it."""
-    return subprocess.run(["phos", "handoff", str(ctx), "--to", b.address, "--to-key", str(b_keys / "server.key"),
+def phos_handoff(ctx, a, b, b_keys, env, to=None):
+    """`phos handoff CTX --to tcp://B --to-key B's key --server tcp://A`, as an operator runs it
+    (to: another address for B)."""
+    return subprocess.run(["phos", "handoff", str(ctx), "--to", to or b.address, "--to-key", str(b_keys / "server.key"),
                            "--server", a.address, "--json"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, **env))
 
@@ -175,3 +177,32 @@ def test_target_killed_mid_handoff_leaves_the_context_live_on_the_source(pair, k
     assert done["r"].returncode != 0 and "stays live here" in done["r"].stderr, done["r"].stderr
     assert app.get(x, N).tobytes() == expected.tobytes()
     assert contexts(a, a_keys, env).get(app.id) == "running"
+
+
+def test_a_link_cut_mid_batch_leaves_the_context_live_on_the_source(pair, keyed_client):
+    """A reaches B's admin API through a relay that resets the first connection to carry 64 KiB
+    (a batch of the first round's chunks, on one of the links they travel on) in the middle of
+    it: the handoff fails saying the context stays, B keeps no copy of the context, and the
+    application, which kept computing, finishes on A with its results intact."""
+    a, b, a_keys, b_keys, env = pair
+    cu = keyed_client(a, env)
+    rhs = np.cos(np.arange(N, dtype=np.float32)) * 2
+    expected = reference_run(cu, rhs)
+    app = App(cu)
+    x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    port = free_port_pair()
+    relay = Relay(port + 1, int(admin_address(b.address).rsplit(":", 1)[1]), cut_after=64 << 10)
+    done = {}
+    mover = threading.Thread(target=lambda: done.update(r=phos_handoff(app.id, a, b, b_keys, env,
+                                                                         to=f"tcp://127.0.0.1:{port}")))
+    try:
+        x, _ = compute_while(app, x, y, r, mover, steps=TOTAL, wait=300)
+    finally:
+        relay.close()
+    assert relay.was_cut.is_set()
+    assert done["r"].returncode != 0 and "stays live here" in done["r"].stderr, done["r"].stderr
+    assert "was lost during PutChunks" in done["r"].stderr, done["r"].stderr
+    assert app.get(x, N).tobytes() == expected.tobytes()
+    assert contexts(a, a_keys, env).get(app.id) == "running"
+    assert app.id not in contexts(b, b_keys, env)
+
