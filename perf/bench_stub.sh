@@ -61,7 +61,12 @@ def runs(path):     # figure: its values, one a run
             figures.setdefault(k, []).append(v)
     return figures
 native, phos = runs("native"), runs("phos")
-targets = {"sync_rtt_us": lambda n, p: p <= 25, "launch_us": lambda n, p: n is not None and p <= 2 * n}
+# issue 23's targets: a sync round trip within 10 µs, launches within 1.5x native, pinned copies
+# at 80% of native and pageable ones at 90% (256 MiB)
+at_least = lambda share: lambda n, p: n is not None and p >= share * n
+targets = {"sync_rtt_us": lambda n, p: p <= 10, "launch_us": lambda n, p: n is not None and p <= 1.5 * n,
+           **{f"copy_pinned_{d}_256MiB_GBps": at_least(0.8) for d in ("h2d", "d2h")},
+           **{f"copy_pageable_{d}_256MiB_GBps": at_least(0.9) for d in ("h2d", "d2h")}}
 print(f"{repeat} runs each; least / median / most")
 print(f"{'figure':34} {'native':>22} {'phos':>22} {'phos/native':>12}  {'target':7}")
 for name, p in phos.items():
