@@ -91,6 +91,7 @@ def check_listen(address, curve_secret, insecure=False):
 
 
 ASKER = contextvars.ContextVar("asker", default="")    # the client a front-end call serves (answer)
+MOVED = "moved"          # a handler's field that goes to its Reply's `moved`, not to its result
 
 
 def served_devices(spec, count):
@@ -253,7 +254,7 @@ class FrontEnd:
         self.client_keys = None     # with CURVE: the admitted clients (gpu_server/client_keys.py)
         self.killed = set()         # contexts the operator ended: never restored for their clients
         self.counts = {"checkpoints": 0, "checkpoint_seconds": 0.0, "restores": 0, "handoffs": 0}
-        self.moved = {}             # ctx id -> (data endpoint of the worker a handoff gave it to, its server's standby)
+        self.moved = {}             # ctx id -> (data endpoint of the worker a handoff gave it to, its server's standby, its server's CURVE key)
         self.waiting = {}           # client (ROUTER identity) -> its Replies waiting for room in its queue
         self.draining = set()       # the tasks sending them (FrontEnd.drain)
         self.overrun = set()        # clients told of in the log for losing Replies (once each)
@@ -335,9 +336,12 @@ class FrontEnd:
         if a.ctx in self.killed:      # final: its client stops looking
             raise CudaError(CUresult.CUDA_ERROR_NOT_PERMITTED, f"context {a.ctx} was ended by the server's operator")
         if a.ctx in self.moved:      # handed off: its worker is elsewhere, and whom to ask if that died
-            endpoint, standby = self.moved[a.ctx]
+            endpoint, standby, server_key = self.moved[a.ctx]
             if self.recovery is None or await accepts_connections(endpoint):
-                return {"u64s": [a.ctx], "text": endpoint, "data": standby.encode()}
+                # as Reply.moved too: a client that missed its worker's (it was not waiting) learns
+                # the key of a server with keys of its own, which authenticates its worker
+                return {"u64s": [a.ctx], "text": endpoint, "data": standby.encode(),
+                        MOVED: (endpoint, standby, server_key) if server_key else None}
             # where it went is gone (that server died): it comes back here, from its recovery images,
             # as a pool asks of a server when the one it went to is lost
             log.info("context %d: the worker it was handed off to, at %s, is gone", a.ctx, endpoint)
@@ -622,7 +626,7 @@ class FrontEnd:
             with wire.decode(wire.Request, body) as req:
                 if (why := wire.too_many_calls(req)) is not None:
                     return await self.reply(sock, peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, why))
-                results = []
+                results, moved = [], None
                 for call in req.calls:
                     name = call.which()
                     handler = self.CALLS.get(name)
@@ -635,10 +639,12 @@ class FrontEnd:
                             raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED,
                                             f"protocol version {req.version}; this server speaks {wire.PROTOCOL_VERSION}")
                         fields = await handler(self, getattr(call, name))
+                        if fields and MOVED in fields:
+                            moved = fields.pop(MOVED) or moved
                         results.append((call.seq, CUresult.CUDA_SUCCESS, "", fields))
                     except CudaError as e:
                         results.append((call.seq, e.status, f"{name}: {e.message}", {}))
-                frames = build_reply(req.calls[-1].seq if len(req.calls) else 0, results)
+                frames = build_reply(req.calls[-1].seq if len(req.calls) else 0, results, moved=moved)
         except wire.MALFORMED as e:
             log.warning("malformed frame from a client: %s", wire.describe(e))
             frames = error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}")

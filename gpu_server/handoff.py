@@ -83,11 +83,13 @@ class Handoff:
             rounds.append(copied)
             round_ms.append(ms)
             warm = False              # it is the live context there now
+            # the target's key: a client of a server with other keys authenticates it by that
+            target_key = getattr(info, "server_key", "")
             if not self.target.same_server:     # else the front end's table names the new worker already
-                self.source.moved[self.ctx] = (reply.endpoint, info.standby)
+                self.source.moved[self.ctx] = (reply.endpoint, info.standby, target_key)
             t = time.perf_counter()
-            try:    # the target's key: a client of a server with other keys authenticates it by that
-                await self.source.retire(w, reply.endpoint, info.standby, getattr(info, "server_key", ""))
+            try:
+                await self.source.retire(w, reply.endpoint, info.standby, target_key)
             except CudaError:
                 if self.source.worker_alive(w):
                     raise

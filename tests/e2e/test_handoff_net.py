@@ -117,6 +117,28 @@ def test_python_client_carries_on_across_a_share_nothing_handoff(pair, keyed_cli
     assert connection.SERVER_KEYS, "the client did not learn B's key from the move"
 
 
+def test_a_client_that_missed_the_move_learns_b_key_from_a(pair, keyed_client):
+    """A client that did not hear its retiring worker name B (it was reconnecting, say) asks A's
+    front end, which answers with B's worker and, as Reply.moved, B's own key: without it the
+    client could not authenticate B. The context then carries on there with its data intact."""
+    a, b, a_keys, b_keys, env = pair
+    cu = keyed_client(a, env)
+    app = App(cu)
+    data = np.arange(N, dtype=np.float32)
+    p = app.put(data)
+    app.sync()
+    r = phos_handoff(app.id, a, b, b_keys, env)
+    assert r.returncode == 0, r.stderr
+    from phos.client_stub import connection, driver
+    conn = driver._contexts[app.id]
+    connection.SERVER_KEYS.clear()
+    conn.moved_to = None
+    endpoint, _ = conn.find_again(False)
+    assert connection.SERVER_KEYS.get(endpoint) == read_key_file(str(b_keys / "server.key")), connection.SERVER_KEYS
+    assert (app.get(p, N) == data).all()
+    assert contexts(b, b_keys, env).get(app.id) == "running"
+
+
 def test_native_program_carries_on_across_a_share_nothing_handoff(pair, iterate):
     """An unmodified CUDA program on the native stub, keyed (CURVE), is moved at its pause from A
     to B; it goes on at B and prints what an uninterrupted run prints."""
