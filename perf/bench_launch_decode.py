@@ -12,6 +12,10 @@ the same launches. Needs no GPU.
 With --backend cuda the launches reach the GPU (an empty kernel, synchronized after each
 round), which splits a remote launch's cost into the worker's and the transport's; the
 table then also has the backend's launch alone (the driver through ctypes) called from Python in a loop.
+A second table times --back-to-back launches (10,000) with one synchronize at the end, as
+perf/bench_stub.cu's launch figure does through the stub: the worker's batches of 64, and the
+backend alone. Through the stub that figure is ~3x the first table's; this says whether the
+worker loses it with a deep queue on the device or on the way to it.
 """
 import argparse
 import struct
@@ -19,6 +23,7 @@ import time
 
 import zmq
 
+from phos.gpu_server.address_space import AddressSpace
 from phos.gpu_server.backend import Function
 from phos.gpu_server.worker import Session, Worker
 from phos.schema import wire
@@ -29,9 +34,9 @@ PARAMS = [(0, 8), (8, 8), (16, 4)]          # two pointers and an int, like most
 
 class NullBackend:
     """Benchmark only: accepts every launch and does nothing, so only the worker is timed."""
-    space = None
+    space = AddressSpace(1 << 30, 1 << 21)      # nothing moved: the launches' words go as they are
 
-    def launch(self, function, grid, block, shared_bytes, stream, params):
+    def launch(self, function, grid, block, shared_bytes, stream, params, options=0):
         pass
 
     def take_output(self):
@@ -60,7 +65,7 @@ def worker_with_kernel(backend_name="null"):
     return worker, session.add("function", fn)
 
 
-def driver_alone_us(worker, fid, n, repeat):
+def driver_alone_us(worker, fid, n, repeat, budget=0.2):
     """The backend's launch (the driver's, through ctypes) from Python in a loop, with nothing
     decoded or checked: the floor under the worker."""
     session = worker.session
@@ -71,7 +76,7 @@ def driver_alone_us(worker, fid, n, repeat):
         for _ in range(n):
             launch(fn, (1, 1, 1), (32, 1, 1), 0, 0, params)
         session.backend.synchronize()
-    return per_launch_us(run, n, repeat)
+    return per_launch_us(run, n, repeat, budget)
 
 
 def launches(fid, n):
@@ -123,6 +128,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--sizes", default="1,64,256", help="launches per Request")
     ap.add_argument("--backend", choices=["null", "cuda"], default="null")
+    ap.add_argument("--back-to-back", type=int, default=10000, help="launches before one synchronize (0: none)")
     opts = ap.parse_args()
     worker, fid = worker_with_kernel(opts.backend)
     cuda = opts.backend == "cuda"
@@ -143,6 +149,15 @@ def main():
         enc_batch = per_launch_us(lambda: encode_batch(calls), n, opts.repeat)
         alone = f" {driver_alone_us(worker, fid, n, opts.repeat):.2f} |" if cuda else ""
         print(f"| {n} | {single:.2f} | {batch:.2f} | {single / batch:.1f}× | {enc_single:.2f} | {enc_batch:.2f} |{alone}")
+    if opts.back_to_back:
+        n = opts.back_to_back
+        batch = [zmq.Frame(PEER), zmq.Frame(encode_batch(launches(fid, 64)))]
+        worker_us = per_launch_us(lambda: ([worker.handle(batch) for _ in range(n // 64)], sync()), n // 64 * 64, opts.repeat, 1.0)
+        alone = f" {driver_alone_us(worker, fid, n, opts.repeat, 1.0):.2f} |" if cuda else ""
+        print(f"\n| {n} launches, then one synchronize | worker: launchBatch of 64 (µs/launch) |"
+              + (" backend launch alone (µs/launch) |" if cuda else ""))
+        print("|---|---|" + ("---|" if cuda else ""))
+        print(f"| back to back | {worker_us:.2f} |{alone}")
 
 
 if __name__ == "__main__":
