@@ -99,7 +99,8 @@ def test_rounds_shrink_then_the_target_adopts_the_delta():
                                ("round2", {"warm": True, "full": True, "advance": True}),
                                ("round3", {"advance": True, "full": True, "delta": b"packed delta of round3"})]
     assert source.calls[-1] == ("retire", "ipc:///target.ctx1", "ipc:///standby")
-    assert source.moved == {1: ("ipc:///target.ctx1", "ipc:///standby")} and source.counts["handoffs"] == 1
+    # where it went, whom to ask if that dies, and the key of its server (this target has none)
+    assert source.moved == {1: ("ipc:///target.ctx1", "ipc:///standby", "")} and source.counts["handoffs"] == 1
     assert {"pre_copy", "last_round_delta", "last_round_copy", "last_round", "target_adopt", "target_load",
             "retire"} <= set(r.phase_ms)
     assert r.chunk_size == handoff.DEFAULT_CHUNK_SIZE and len(r.round_ms) == 4 and r.recovery_image == ""
