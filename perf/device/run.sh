@@ -14,6 +14,7 @@
 # handoff (perf/bench_image_ops.py, perf/bench_fingerprint.py, perf/bench_handoff.py; handoff-bench: the last alone),
 # bench (the other perf/* benchmarks), pool (perf/bench_pool.py on Ray; needs .ray/, see docs/device.md),
 # probe-freeze (perf/probe_freeze_alloc.py: what the cut's device copy costs to allocate),
+# tcp-rounds (perf/bench_tcp_rounds.py: a handoff's chunks over TCP against the bare connection, a sweep of connections),
 # locust (perf/locustfile.py, 5 minutes),
 # torch (perf/torch_ladder.py natively, then through phos's libcuda.so.1 under NVIDIA's own runtime;
 # PHOS_TORCH_STEPS picks steps, PHOS_TORCH_TRAIN_STEPS the training steps; then perf/torch_recovery.py,
@@ -155,6 +156,10 @@ if want pool; then
         step bench-pool env -C /tmp PYTHONPATH="/tmp/ray-site:$PYTHONPATH" timeout "${PHOS_POOL_TIMEOUT:-420}" python3 "$PWD/perf/bench_pool.py" \
             --backend cuda --nodes 2 --private-mounts --contexts 64 --server-pool 40 --checkpoint-every 600 \
             --sizes "${PHOS_POOL_SIZES:-1,8}" --unit GiB --json "$OUT/bench_pool.json" ${PHOS_POOL_ARGS:-}
+fi
+if want tcp-rounds; then
+    step bench-tcp-rounds python3 perf/bench_tcp_rounds.py --mib "${PHOS_TCP_ROUNDS_MIB:-2048}" \
+        --connections "${PHOS_TCP_ROUNDS_CONNECTIONS:-1,2,4,8}"
 fi
 if want probe-freeze; then
     step probe-freeze-alloc python3 perf/probe_freeze_alloc.py --gib 1,9.65
