@@ -207,17 +207,19 @@ def _check_header(key, blob_len, head, expected_len, max_len):
     return comp, raw_len
 
 
-def decode_chunk(blob, key, expected_len=None, max_len=MAX_CHUNK_BYTES, check=True):
+def decode_chunk(blob, key, expected_len=None, max_len=MAX_CHUNK_BYTES, check=True, view=False):
     """The verified contents of a stored chunk blob; ImageError on any mismatch.
 
     check=False skips only the last step, fingerprinting the contents: for a caller that
-    fingerprints them itself (the snapshot engine does it on the device after loading)."""
+    fingerprints them itself (the snapshot engine does it on the device after loading).
+    view: a raw chunk's contents as a view of the blob, not bytes of their own (always where
+    unchecked: the caller copies them on anyway)."""
     check_key(key)
     blob = memoryview(blob).cast("B")
     comp, raw_len = _check_header(key, len(blob), blob, expected_len, max_len)
     payload = blob[HEADER_SIZE:]
     if comp == COMP_RAW:
-        data = bytes(payload) if check else payload     # unchecked: the caller copies it on anyway
+        data = payload if view or not check else bytes(payload)
     else:
         try:
             declared = zstandard.frame_content_size(payload)
@@ -772,10 +774,7 @@ def put_received_chunk(store, blob):
     key = bytes(HEADER.unpack_from(blob)[5]).hex()
     if store.has_chunk(key):
         return 0
-    data = decode_chunk(blob, key, check=False)      # a raw chunk's payload: a view of the blob
-    found = fingerprint(data).hex()
-    if found != key:
-        raise ImageError(f"chunk {key} is corrupt: its contents fingerprint to {found}")
+    decode_chunk(blob, key, view=True)      # checked where it lies: the blob is stored as it came
     store.put_chunk(key, blob)
     return 1
 
