@@ -52,6 +52,12 @@ def _spin_default():
     return 1000.0 if (os.cpu_count() or 1) > 4 else 0.0
 
 
+def _copy_threads_default():
+    # The stub's (client_stub/native/settings.cpp): a few threads copy where one falls short; a core
+    # is left to the worker on the same host.
+    return min(4, max(1, (os.cpu_count() or 1) - 1))
+
+
 def _handoff_connections_default():
     # Each connection encrypts on one core of the source and decrypts on one of the target's;
     # half the cores leaves the others to verify and store the chunks.
@@ -182,6 +188,11 @@ batch_bytes = _declare("PHOS_BATCH_BYTES", int, 1 << 20, STUB, "... or this many
 batch_age_us = _declare("PHOS_BATCH_AGE_US", int, 1000, STUB, "... or when its first call is this many microseconds old")
 inline_copy_max = _declare("PHOS_INLINE_COPY_MAX", int, 64 << 10, STUB,
                            "host-to-device copies up to this many bytes are captured and sent asynchronously")
+copy_threads = _declare("PHOS_COPY_THREADS", int, _copy_threads_default, STUB,
+                        "threads that copy a staged copy's bytes between the application's memory and the staging "
+                        "area (4 MiB and more at once), the calling thread one of them, the others started at the "
+                        "first such copy; `0` or `1`: the calling thread alone",
+                        shown="the cores less one, 1 to 4")
 exit_timeout = _declare("PHOS_EXIT_TIMEOUT", float, 10.0, STUB,
                         "seconds the stub waits at exit for each context's ctxDestroy")
 

@@ -39,6 +39,8 @@ struct Settings {
     int mailbox;                 // PHOS_MAILBOX: synchronous calls through the staging area's mailbox:
                                  // 1 always, 0 never, -1 (default) while we spin and the worker is awake
     double spin;                 // PHOS_SPIN_US (as seconds): spin this long for a reply before sleeping
+    long copy_threads;           // PHOS_COPY_THREADS: threads that copy bulk host bytes, the caller included
+                                 // (parallel_copy.h); 1: memcpy on the caller's thread alone
     bool verbose;                // PHOS_VERBOSE or PHOS_DEBUG: a non-zero number
     bool trace;                  // PHOS_VERBOSE=2: name each call made through cuGetProcAddress's answers
     std::string server_key;      // PHOS_SERVER_KEY: the server's CURVE public key file ("" none)

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common.h"
+#include "parallel_copy.h"
 #include "phos.capnp.h"   // generated at build time by `capnp compile -oc++`
 
 namespace phos {
@@ -373,7 +374,7 @@ wire::Result Connection::take_deferred() {
 
 static void copy_payload(Message* message, uint32_t index, const HostDestination& to) {
     if (!message || index == 0 || index >= message->count() || !to.dst) return;
-    std::memcpy(to.dst, message->data(index), std::min(to.size, message->size(index)));
+    copy_bulk(to.dst, message->data(index), std::min(to.size, message->size(index)));
 }
 
 // Applies one Reply (from the socket, with its frames, or from the reply box, without):
@@ -641,9 +642,10 @@ wire::Result Connection::attach(uint64_t ctx, std::string token, double timeout)
         if (r.status == 0 && r.u64s.size() > 1 && r.u64s[1] == 1) {
             shm_ = area;
             const int mode = settings().mailbox;
-            log_verbose("%s: the worker mapped the staging area (mailbox %s, spin %g us)", endpoint().c_str(),
-                        mode == 1 ? "always" : mode == 0 ? "off" : "while both spin",
-                        settings().spin * 1e6);
+            const long threads = settings().copy_threads;
+            log_verbose("%s: the worker mapped the staging area (mailbox %s, spin %g us, host copies on %ld thread%s)",
+                        endpoint().c_str(), mode == 1 ? "always" : mode == 0 ? "off" : "while both spin",
+                        settings().spin * 1e6, threads, threads == 1 ? "" : "s");
         } else {
             munmap(area, staging::kAreaSize);
             log_verbose("%s: the worker did not map the staging area: copies travel in frames", endpoint().c_str());
@@ -810,7 +812,7 @@ void Connection::copy_to_device_staged(uint64_t dst, const void* src, size_t n, 
             return;
         }
         const size_t offset = staging::kSlotsOffset + i * staging::kSlotSize;
-        std::memcpy(shm_ + offset, from + done, size);
+        copy_bulk(shm_ + offset, from + done, size);   // on several threads: one core's memcpy is the bound
         const uint64_t seq = send_now(wire::Call::memcpy_htod_staged(dst + done, size, stream, offset, done, n));
         kept_.insert(seq);
         slot_seq_[i] = seq;
@@ -864,7 +866,7 @@ wire::Result Connection::copy_from_device_staged(void* dst, uint64_t src, size_t
         } else if (!failed && f.area) {
             const size_t begin = f.chunk * staging::kSlotSize;
             const size_t size = std::min(staging::kSlotSize, n - begin);
-            std::memcpy(to + begin, f.area + staging::kSlotsOffset + (f.chunk % 2) * staging::kSlotSize, size);
+            copy_bulk(to + begin, f.area + staging::kSlotsOffset + (f.chunk % 2) * staging::kSlotSize, size);
             staged_bytes_ += size;
         }
         if (!failed && f.chunk + 2 < chunks) issue(f.chunk + 2);

@@ -72,6 +72,9 @@ const Settings& settings() {
         // Python client); on small machines it would starve the worker the spinning thread waits for.
         const long cores = sysconf(_SC_NPROCESSORS_ONLN);
         t.spin = std::max(0L, env_long("PHOS_SPIN_US", cores > 4 ? 1000 : 0)) * 1e-6;
+        // A staged copy's memcpy on one core is slower than the DMA behind it (parallel_copy.cpp);
+        // a few threads suffice where one falls short, and a core is left to the worker on our host.
+        t.copy_threads = std::clamp(env_long("PHOS_COPY_THREADS", std::min(4L, cores - 1)), 1L, 64L);
         t.verbose = env_long("PHOS_VERBOSE", 0) != 0 || env_long("PHOS_DEBUG", 0) != 0;
         t.trace = env_long("PHOS_VERBOSE", 0) >= 2;
         t.server_key = env_string("PHOS_SERVER_KEY", "");

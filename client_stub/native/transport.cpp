@@ -191,7 +191,7 @@ bool Socket::greeted() {
 
 // zmq calls this (from its I/O thread) once it no longer needs an owned payload.
 static void release_owned(void*, void* hint) {
-    delete static_cast<std::shared_ptr<const std::string>*>(hint);
+    delete static_cast<std::shared_ptr<const char[]>*>(hint);
 }
 
 bool Socket::send(const std::string& request, const std::vector<const wire::Payload*>& payloads) {
@@ -207,8 +207,8 @@ bool Socket::send(const std::string& request, const std::vector<const wire::Payl
     for (size_t i = 0; i < payloads.size(); i++) {
         const wire::Payload& p = *payloads[i];
         if (p.owned) {
-            auto* keep = new std::shared_ptr<const std::string>(p.owned);
-            zmq_msg_init_data(&msg, const_cast<char*>(p.owned->data()), p.size, release_owned, keep);
+            auto* keep = new std::shared_ptr<const char[]>(p.owned);
+            zmq_msg_init_data(&msg, const_cast<char*>(p.owned.get()), p.size, release_owned, keep);
         } else {
             zmq_msg_init_data(&msg, const_cast<void*>(p.borrowed), p.size, nullptr, nullptr);
         }

@@ -34,11 +34,11 @@ struct Dim3 {
 
 // Bulk bytes that travel as their own frame after the Request frame.
 struct Payload {
-    std::shared_ptr<const std::string> owned;  // bytes captured from the caller
+    std::shared_ptr<const char[]> owned;        // bytes captured from the caller (not zeroed first: copy_of)
     const void* borrowed = nullptr;             // caller memory, unchanged until acknowledged
     size_t size = 0;
 
-    const void* data() const { return owned ? static_cast<const void*>(owned->data()) : borrowed; }
+    const void* data() const { return owned ? static_cast<const void*>(owned.get()) : borrowed; }
     static Payload copy_of(const void* src, size_t n);
     static Payload borrow(const void* src, size_t n);
 };

@@ -391,6 +391,23 @@ def test_large_copies_without_the_staging_area(big_copies, server):
     assert stats["mailbox"] == stats["doorbells"] == stats["staged"] == stats["in_place"] == 0, stats
 
 
+PAGEABLE_COPIES_OUT = ["sync: device samples wrong=0, back wrong=0", "async: back wrong=0"]
+
+
+@pytest.mark.parametrize("threads, started", [("4", 3), ("1", 0), ("0", 0)])
+def test_large_pageable_copies_on_several_threads(apps, server, threads, started):
+    """tests/apps/pageable_copies.cu: 100 MiB + odd bytes between pageable memory at odd offsets and
+    the device, both ways, sync and async, every byte checked. The stub copies each staged chunk
+    into and out of its slot on PHOS_COPY_THREADS threads (client_stub/native/parallel_copy.cpp),
+    the caller one of them: the helpers start at the first large copy; 0 or 1, none."""
+    r = run_stub(server, apps / "pageable_copies", PHOS_COPY_THREADS=threads)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines() == PAGEABLE_COPIES_OUT + [f"threads started by the copies: {started}", "PASS"], \
+        r.stdout + r.stderr
+    assert f"host copies on {max(1, int(threads))} thread" in r.stderr, r.stderr
+    assert stub_stats(r.stderr)["staged"] >= 4 * (100 << 20)
+
+
 @pytest.mark.parametrize("app", ["streams_events", "errors", "threads"])
 def test_programs_through_the_mailbox(apps, server, app):
     """Synchronous calls through the mailbox: same output as over the socket, errors included."""

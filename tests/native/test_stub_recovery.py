@@ -9,6 +9,7 @@ tests/native/test_stub_reattach.py where the stub or the program cannot be built
 """
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -17,7 +18,7 @@ from conftest import recovery_images as images, wait_until
 from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
 from phos.snapshot import DirStore, latest_image
-from test_stub_reattach import PAUSE, Program, iterate, kill, reference  # noqa: F401 (iterate: the fixture)
+from test_stub_reattach import PAUSE, STUB, Program, iterate, kill, reference  # noqa: F401 (iterate: the fixture)
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
@@ -166,3 +167,35 @@ def test_target_server_lost_after_a_handoff_recovers_on_its_standby(iterate, ser
     kill(two)          # perhaps before the stub re-attached there: `one` names two's standby then
     err = finish(prog, expected, ctx.id, three, one)
     assert f"context {ctx.id} re-attached at {three.address}" in err, err
+
+
+def test_large_pageable_upload_replayed_from_the_log(iterate, servers, tmp_path):
+    """tests/apps/pageable_copies.cu, 100 MiB + odd bytes, its staged chunks logged as copies of their
+    slots (Payload::copy_of, on PHOS_COPY_THREADS=4 threads, as the slots are filled). The worker is
+    SIGKILLed at the pause, after the upload, whose source the program then zeroed: the server restores
+    the context from the image of the new context and the stub replays the upload from its log; every
+    byte read back after is the upload's."""
+    from test_stub import APPS, NVCC
+    exe = tmp_path / "pageable_copies"
+    r = subprocess.run([NVCC, "-cudart", "shared", "-gencode", "arch=compute_90,code=compute_90", "-I", APPS,
+                        "-o", str(exe), os.path.join(APPS, "pageable_copies.cu")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    one = recovering(servers, "one", tmp_path / "rec", 600)
+    env = dict(os.environ, PHOS_SERVER=one.address, PHOS_STAGING="1", PHOS_COPY_THREADS="4", PHOS_VERBOSE="1",
+               LD_LIBRARY_PATH=os.pathsep.join(p for p in (STUB, os.environ.get("LD_LIBRARY_PATH")) if p))
+    proc = subprocess.Popen([str(exe), "100", "pause"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline() == "READY\n"
+        ctx = the_context(one)
+        assert wait_until(lambda: images(tmp_path / "rec", ctx.id), 20), "no recovery image of the new context"
+        kill_worker(one, ctx)
+        out, err = proc.communicate("go\n", timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out + err + one.output()[-4000:]
+    assert out.splitlines() == ["sync: device samples wrong=0, back wrong=0", "async: back wrong=0",
+                                "threads started by the copies: 3", "PASS"], out + err
+    assert f"context {ctx.id} re-attached" in err and "host copies on 4 threads" in err, err
