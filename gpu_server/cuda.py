@@ -748,6 +748,7 @@ class CudaSnapshotOps:
         base = mapped[0]
         table = pieces(*layout.runs(base), FREEZE_PIECE)
         self._copy_pieces(table, self.handles["bulk"])
+        self._fence(self.streams["bulk"])       # the application's later work waits for the copy alone
         if step:
             step(f"cut_freeze_{len(table)}_pieces_of_{len(layout.sizes)}_regions", t)
         return base, layout, mapped
@@ -801,17 +802,25 @@ class CudaSnapshotOps:
         ok(cu.cuStreamSynchronize(self.streams["bulk"]), "cuStreamSynchronize")
         self._unmap(frozen[2])
 
-    def fingerprints(self, chunks, fence):
+    def fingerprints(self, chunks, fence, frozen=None):
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        if frozen is not None:      # the copy's bytes, after it on the same stream; freeze fenced it
+            rows = np.asarray(chunks, np.uint64).reshape(-1, 2)
+            copied = np.column_stack([frozen[1].source(frozen[0], rows[:, 0]), rows[:, 1]])
+            return self._hash(copied, "cut", self.handles["bulk"])
         self._after_application()
         wait = self._hash(chunks, "cut", self.handles["bulk"])
         if fence:                            # and the application's later work after the hash
-            event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-            ok(cu.cuEventRecord(event, self.streams["bulk"]), "cuEventRecord")
-            for app in self._app_streams():
-                ok(cu.cuStreamWaitEvent(app, event, 0), "cuStreamWaitEvent")
-            cu.cuEventDestroy(event)
+            self._fence(self.streams["bulk"])
         return wait
+
+    def _fence(self, stream):
+        """The application's later work waits for what `stream` holds now."""
+        event = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        ok(cu.cuEventRecord(event, stream), "cuEventRecord")
+        for app in self._app_streams():
+            ok(cu.cuStreamWaitEvent(app, event, 0), "cuStreamWaitEvent")
+        cu.cuEventDestroy(event)
 
     def prepare(self):
         """Pin the copy buffers now (a pre-started worker, before any application uses it):

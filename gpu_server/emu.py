@@ -285,8 +285,9 @@ class EmuSnapshotOps:
     def view(self, addr, n):
         return self.mem.arena[addr - self.mem.base:addr - self.mem.base + n]
 
-    def fingerprints(self, chunks, fence):
-        fps = [fingerprint(self.view(a, n)) for a, n in chunks]   # calls run in order: the cut is now
+    def fingerprints(self, chunks, fence, frozen=None):
+        # calls run in order: the cut is now, and the memory holds what a frozen copy does
+        fps = [fingerprint(self.view(a, n)) for a, n in chunks]
         return lambda block=True: fps
 
     def freeze(self, regions, step=None):

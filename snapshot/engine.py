@@ -391,7 +391,9 @@ class Checkpoint(ChunkJob):
             self.frozen = s.backend.snap.freeze(self.chunks.device_regions(), self.step)
             self.copied_on_device = self.frozen is not None
             t = self.step("cut_freeze", t)
-        self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy)
+        # from the device copy, if any: the application's next kernel then waits for that copy alone
+        self.fp_wait = s.backend.snap.fingerprints(self.chunks.table, fence=self.concurrent and not self.precopy,
+                                                   frozen=self.frozen)
         t = self.step("cut_pass_launch", t)
         self.fps = None
         if self.prior is not None and self.prior[0] == self.chunks.regions:

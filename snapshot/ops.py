@@ -23,17 +23,20 @@ class SnapshotOps(Protocol):
     length) pairs of device memory, or an (n, 2) uint64 array of them; a fingerprint is the
     16-byte pfp1 digest of a chunk's contents (snapshot/fingerprint.py)."""
 
-    def fingerprints(self, chunks, fence) -> Callable[..., Optional[list]]:
+    def fingerprints(self, chunks, fence, frozen=None) -> Callable[..., Optional[list]]:
         """Start fingerprinting each chunk as the device holds it now (a checkpoint's cut);
         returns wait: wait() gives the fingerprints, in order, once they are done;
         wait(block=False) gives None until then. fence: later application work waits for
-        the fingerprinting, so that none of it can change a chunk before it is read."""
+        the fingerprinting, so that none of it can change a chunk before it is read.
+        frozen: freeze()'s copy of the cut, just made: the chunks are hashed there, and need
+        no fence (freeze's covers them)."""
 
     def freeze(self, regions, step=None) -> Optional[object]:
         """Copy each region [(device address, length)] as the device holds it now (a
-        checkpoint's cut, just before fingerprints(), whose fence then covers this copy too)
-        into memory of the backend's own, where later application work cannot change it.
-        Returns that copy, for read() and release(); None where memory is short for it.
+        checkpoint's cut, just before fingerprints()) into memory of the backend's own, where
+        later application work cannot change it: that work waits for the copy alone (a
+        fence), not for the hashing after it. Returns that copy, for read(), fingerprints()
+        and release(); None where memory is short for it.
         step(name, since) -> now, if given, is told where the time went (Checkpoint.step)."""
 
     def release(self, frozen) -> None:

@@ -388,8 +388,8 @@ def test_a_copy_on_write_before_the_cuts_fingerprints_is_checked_once_they_are_i
         def __getattr__(self, name):
             return getattr(ops, name)
 
-        def fingerprints(self, chunks, fence):
-            wait = ops.fingerprints(chunks, fence)
+        def fingerprints(self, chunks, fence, frozen=None):
+            wait = ops.fingerprints(chunks, fence, frozen)
             return lambda block=True: wait() if pass_done.is_set() else None
     s.backend.snap = SlowPass()
     cp = Checkpoint(s, store, "a", chunk_size=1 << 20)
@@ -487,8 +487,8 @@ def slow_cut_fingerprints(session, looks):
     snap = session.backend.snap
     taken = snap.fingerprints
 
-    def fingerprints(chunks, fence):
-        wait, left = taken(chunks, fence), [looks]
+    def fingerprints(chunks, fence, frozen=None):
+        wait, left = taken(chunks, fence, frozen), [looks]
 
         def slow(block=True):
             left[0] -= 1
