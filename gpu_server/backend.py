@@ -53,6 +53,10 @@ class Backend(Protocol):
     name: str
     """The backend's name, as `--backend` gives it and an image records it."""
 
+    launcher: object
+    """The compiled launch path that launchBatch offers its batches to first (a
+    gpu_server/native_launch.NativeLauncher), or None: every launch goes through launch()."""
+
     pins_host_memory: bool
     """Whether host memory must be pinned for the device to copy it at full speed, and
     pinning is slow: a pre-started worker then prepares its snapshot copy buffers and pins

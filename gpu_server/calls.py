@@ -10,12 +10,11 @@ import numpy as np
 
 from phos.gpu_server.module_cache import image_digest
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
-from phos.schema.wire import LAUNCH_CONFIG, TENSOR_MAP_IM2COL, TENSOR_MAP_TILED, WireError, phos_capnp, read_launch_batch
+from phos.schema.wire import (LAUNCH_CONFIG, STREAM_ALIASES, TENSOR_MAP_IM2COL, TENSOR_MAP_TILED, WireError, phos_capnp,
+                              read_launch_batch)
 from phos.snapshot import engine
 
 STEP_AFTER = 0.0005    # seconds into a wait for the device before a running checkpoint takes its steps
-
-STREAM_ALIASES = (0, 1, 2)   # default stream, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
 
 def _payload(payloads, index, size):
@@ -266,7 +265,10 @@ def launch_batch(s, blob, p):
     """Run the records as that many `launch` calls (phos.capnp, "Launch batches").
 
     A failed launch does not stop the later ones: the first failure is raised at the end,
-    and Session.execute defers it to the next synchronizing call. A sticky one stops the rest."""
+    and Session.execute defers it to the next synchronizing call. A sticky one stops the rest.
+    The backend's compiled launch path, where it has one, takes the batches it can."""
+    if s.backend.launcher is not None and s.backend.launcher.run(s, blob):
+        return
     try:
         records = read_launch_batch(blob)
     except WireError as e:

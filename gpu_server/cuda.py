@@ -14,12 +14,14 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
+from phos import settings
+from phos.gpu_server import native_launch
 from phos.gpu_server.address_space import DEVICE_SPAN, AddressSpace, device_base
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.fatbin import module_variables
 from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, join_runs, pieces, stage_offsets
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.schema.wire import LAUNCH_COOPERATIVE, launch_cluster
+from phos.schema.wire import LAUNCH_COOPERATIVE, STREAM_ALIASES, launch_cluster
 from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES
 
 log = logging.getLogger("phos.cuda")
@@ -133,6 +135,21 @@ def _launch_attributes(options):
     return (_LaunchAttribute * len(attrs))(*attrs) if attrs else None
 
 
+def _native_launcher():
+    """A NativeLauncher over this driver's cuLaunchKernelEx, or None where its library was not
+    built (PHOS_NATIVE_LAUNCH=0: none, every launch through launch())."""
+    lib = native_launch.load() if settings.native_launch() else None
+    if lib is None:
+        return None
+
+    def failure(err, what):
+        try:
+            ok((err,), what)
+        except CudaError as e:
+            return e
+    return native_launch.NativeLauncher(lib, ctypes.cast(_cuLaunchKernelEx, ctypes.c_void_p).value, failure, STREAM_ALIASES)
+
+
 def _init():
     ok(cu.cuInit(0), "cuInit")
 
@@ -200,6 +217,7 @@ class CudaBackend:
         self.closing = False         # close() began: pinning stops
         self.streams = set()         # the streams we created: a checkpoint's cut fences them
         self.launch_configs = {}     # (grid, block, shared bytes, stream) -> (CUlaunchConfig, its address)
+        self.launcher = _native_launcher()   # launchBatch's compiled path, where it was built
         self.pinning = []            # threads pinning staging areas
         self.ordinal = device
         self._snap = None
@@ -543,6 +561,8 @@ class CudaBackend:
             _cuMemRelease(handle)
         cu.cuMemAddressFree(self.space.base, self.reserved)
         cu.cuDevicePrimaryCtxRelease(self.device)
+        if self.launcher is not None:
+            self.launcher.close()
 
 
 def _wait_event(event):

@@ -48,6 +48,7 @@ class EmuBackend:
     """The Backend (gpu_server/backend.py) of an emulated device."""
     name = "emu"
     pins_host_memory = False     # the CPU reads any host memory as it is
+    launcher = None              # the interpreter's launches have no compiled path
 
     @staticmethod
     def devices():

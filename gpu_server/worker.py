@@ -222,6 +222,8 @@ class Session:
     def drop(self, hid):
         self.objects.pop(hid, None)
         self.meta.pop(hid, None)
+        if self.backend.launcher is not None:
+            self.backend.launcher.forget(hid)
 
     # -- SnapshotSession (snapshot/ops.py): what the snapshot engine reads and changes
     def listing(self):
@@ -232,6 +234,8 @@ class Session:
 
     def place(self, hid, kind, obj, facts=None):
         self.objects[hid] = (kind, obj)
+        if self.backend.launcher is not None:
+            self.backend.launcher.forget(hid)
         if facts:
             self.meta[hid] = facts
 

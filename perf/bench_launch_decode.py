@@ -10,12 +10,12 @@ Session.execute, as they come off the socket. Also times the Python client's enc
 the same launches. Needs no GPU.
 
 With --backend cuda the launches reach the GPU (an empty kernel, synchronized after each
-round), which splits a remote launch's cost into the worker's and the transport's; the
+round), batches through the worker's compiled launch path (gpu_server/native_launch.py) where
+it was built, which splits a remote launch's cost into the worker's and the transport's; the
 table then also has the backend's launch alone (the driver through ctypes) called from Python in a loop.
 A second table times --back-to-back launches (10,000) with one synchronize at the end, as
-perf/bench_stub.cu's launch figure does through the stub: the worker's batches of 64, and the
-backend alone. Through the stub that figure is ~3x the first table's; this says whether the
-worker loses it with a deep queue on the device or on the way to it.
+perf/bench_stub.cu's launch figure does through the stub: the worker's batches of 64, through
+the compiled path and through Python, and the backend alone.
 """
 import argparse
 import struct
@@ -35,6 +35,7 @@ PARAMS = [(0, 8), (8, 8), (16, 4)]          # two pointers and an int, like most
 class NullBackend:
     """Benchmark only: accepts every launch and does nothing, so only the worker is timed."""
     space = AddressSpace(1 << 30, 1 << 21)      # nothing moved: the launches' words go as they are
+    launcher = None                             # the worker's Python path, timed alone
 
     def launch(self, function, grid, block, shared_bytes, stream, params, options=0):
         pass
@@ -152,12 +153,22 @@ def main():
     if opts.back_to_back:
         n = opts.back_to_back
         batch = [zmq.Frame(PEER), zmq.Frame(encode_batch(launches(fid, 64)))]
-        worker_us = per_launch_us(lambda: ([worker.handle(batch) for _ in range(n // 64)], sync()), n // 64 * 64, opts.repeat, 1.0)
+        backend = worker.session.backend
+
+        def back_to_back():
+            return per_launch_us(lambda: ([worker.handle(batch) for _ in range(n // 64)], sync()), n // 64 * 64, opts.repeat, 1.0)
+        worker_us = back_to_back()
+        python_us = ""
+        if backend.launcher is not None:      # the same batches through the worker's Python path
+            backend.launcher, native = None, backend.launcher
+            python_us = f" {back_to_back():.2f} |"
+            backend.launcher = native
         alone = f" {driver_alone_us(worker, fid, n, opts.repeat, 1.0):.2f} |" if cuda else ""
         print(f"\n| {n} launches, then one synchronize | worker: launchBatch of 64 (µs/launch) |"
+              + (" the same, Python path (PHOS_NATIVE_LAUNCH=0) |" if python_us else "")
               + (" backend launch alone (µs/launch) |" if cuda else ""))
-        print("|---|---|" + ("---|" if cuda else ""))
-        print(f"| back to back | {worker_us:.2f} |{alone}")
+        print("|---|---|" + ("---|" if python_us else "") + ("---|" if cuda else ""))
+        print(f"| back to back | {worker_us:.2f} |{python_us}{alone}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ TRAVERSAL_LIMIT_WORDS = MAX_CONTROL_FRAME // 8 * 2
 
 LAUNCH_CONFIG = struct.Struct("<8IQ")   # Launch.config: grid xyz, block xyz, shared bytes, options, stream
 LAUNCH_COOPERATIVE = 1 << 24            # Launch.config's options (phos.capnp): bit 24, and the cluster below
+STREAM_ALIASES = (0, 1, 2)              # stream ids of the default stream: itself, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
 
 TENSOR_MAP_TILED = struct.Struct("<IIQ5Q4Q5I5IIIII")       # TensorMapEncode.args (phos.capnp)
