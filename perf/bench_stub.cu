@@ -11,13 +11,18 @@
 //                       --big-mib, four times larger each (perf/plots.py draws it; 0: no sweep)
 //
 // Prints one `name value` line per figure, so runs can be joined by name.
-//   bench_stub [--big-mib N] [--launches N] [--rtt N] [--sweep-min-kib N]
+//   bench_stub [--big-mib N] [--launches N] [--rtt N] [--sweep-min-kib N] [--settle-ms N]
+// --settle-ms (250): wait this long after creating the context, natively and through phos alike.
+// The figures are steady-state ones: a phos worker pins the client's staging area in the
+// background for ~100 ms after it attaches, and each piece it pins holds the driver's lock
+// (gpu_server/cuda.py, register_host) that the launches and syncs measured here take too.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -101,14 +106,16 @@ static void bandwidth(const char* kind, bool pinned, size_t bytes, int repeats, 
 
 int main(int argc, char** argv) {
     size_t big_mib = 256, sweep_min_kib = 64;
-    int launches = 10000, rtt = 2000;
+    int launches = 10000, rtt = 2000, settle_ms = 250;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--big-mib")) big_mib = strtoul(argv[i + 1], nullptr, 10);
         else if (!strcmp(argv[i], "--launches")) launches = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--rtt")) rtt = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--sweep-min-kib")) sweep_min_kib = strtoul(argv[i + 1], nullptr, 10);
+        else if (!strcmp(argv[i], "--settle-ms")) settle_ms = atoi(argv[i + 1]);
     }
     CHECK(cudaFree(nullptr));   // create the context outside the measurements
+    std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
     sync_round_trip(rtt);
     launch_rate(launches);
     const size_t mib = size_t(1) << 20, big = big_mib << 20;

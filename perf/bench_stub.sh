@@ -3,7 +3,7 @@
 # runs it natively, then through phos's native stub (NVIDIA's libcudart, as phos/stub holds
 # it, over phos's libcuda.so.1) against a `cuda` server over ipc, --repeat times (3) taking turns;
 # prints one table of each figure's least / median / most. PHOS_BENCH_BACKEND=emu: the phos columns alone, on emu.
-#   perf/bench_stub.sh [--server ADDR] [--repeat N] [--json FILE] [bench_stub options: --big-mib N --launches N --rtt N --sweep-min-kib N]
+#   perf/bench_stub.sh [--server ADDR] [--repeat N] [--json FILE] [bench_stub options: --big-mib N --launches N --rtt N --sweep-min-kib N --settle-ms N]
 # --json: every run's figures, and the copy bandwidth over sizes (64 KiB to --big-mib) that perf/plots.py draws.
 # Targets: sync_rtt_us <= 25 over ipc; launch_us <= 2x native (medians).
 set -eu
