@@ -40,6 +40,12 @@ class NullBackend:
     def launch(self, function, grid, block, shared_bytes, stream, params, options=0):
         pass
 
+    def synchronize(self):
+        pass
+
+    def idle(self):
+        return True
+
     def take_output(self):
         return ""
 
@@ -78,6 +84,25 @@ def driver_alone_us(worker, fid, n, repeat, budget=0.2):
             launch(fn, (1, 1, 1), (32, 1, 1), 0, 0, params)
         session.backend.synchronize()
     return per_launch_us(run, n, repeat, budget)
+
+
+def mailbox_sync_us(worker, repeat, budget=0.5):
+    """A bare cuCtxSynchronize through the staging area's mailbox, as the native stub sends it,
+    served by Worker.serve_box (the worker's side of bench_stub's sync round trip, with no
+    client and no spinning): the request put, served, its reply read."""
+    import numpy as np
+    s = worker.session
+    s.shm = np.zeros(wire.SLOTS_OFFSET, np.uint8)
+    s.box = box = wire.Mailbox(s.shm)
+    worker.box_peer = PEER
+    bare = wire.BARE_CALLS["ctxSynchronize"]
+
+    def run():
+        seq = worker.ack + 1
+        box.put(0, seq, bare.fill(seq))
+        worker.serve_box()
+        assert box.seq(1) == seq and box.take(1) == wire.PLAIN_REPLY.fill(seq, seq), "no success in the mailbox"
+    return per_launch_us(run, 1, repeat, budget)
 
 
 def launches(fid, n):
@@ -169,6 +194,16 @@ def main():
               + (" backend launch alone (µs/launch) |" if cuda else ""))
         print("|---|---|" + ("---|" if python_us else "") + ("---|" if cuda else ""))
         print(f"| back to back | {worker_us:.2f} |{python_us}{alone}")
+    print_sync_table(worker, opts.repeat, cuda)
+
+
+def print_sync_table(worker, repeat, cuda):
+    s = worker.session
+    served = mailbox_sync_us(worker, repeat)
+    alone = per_launch_us(s.backend.synchronize, 1, repeat, 0.5) if cuda else None
+    print("\n| a synchronize through the mailbox | worker: served (µs) |" + (" backend synchronize alone, from Python (µs) |" if cuda else ""))
+    print("|---|---|" + ("---|" if cuda else ""))
+    print(f"| bare cuCtxSynchronize | {served:.2f} |" + (f" {alone:.2f} |" if cuda else ""))
 
 
 if __name__ == "__main__":
