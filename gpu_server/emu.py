@@ -7,6 +7,7 @@ one valid schedule of the streams, so stream and event ordering holds; events re
 """
 import time
 import uuid
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -282,6 +283,10 @@ class EmuSnapshotOps:
 
     def __init__(self, mem):
         self.mem = mem
+        # What a device would have mapped, counted: tests see that the cut took the memory
+        # mapped ahead, and that none of it outlives its checkpoint.
+        self.mapped_ahead = 0    # map_ahead()'s buffers not yet released
+        self.copies_ahead = 0    # freeze()s that copied into one
 
     def view(self, addr, n):
         return self.mem.arena[addr - self.mem.base:addr - self.mem.base + n]
@@ -291,18 +296,37 @@ class EmuSnapshotOps:
         fps = [fingerprint(self.view(a, n)) for a, n in chunks]
         return lambda block=True: fps
 
-    def freeze(self, regions, step=None):
-        """The regions copied now, in arrival order (the cut is now): a NumPy copy, not device memory."""
+    def map_ahead(self, nbytes):
+        """A buffer, at once: there is nothing to map, yet the worker waits for it as for a device's."""
+        done = Future()
+        done.set_result(np.empty(nbytes, np.uint8))
+        self.mapped_ahead += 1
+        return done
+
+    def freeze(self, regions, step=None, ahead=None):
+        """The regions copied now, in arrival order (the cut is now): a NumPy copy, not device
+        memory; into map_ahead()'s buffer where they fit there. Its third item says whether
+        they did (release)."""
         layout = FrozenLayout(regions)
-        if not layout.nbytes:
+        buffer = None if ahead is None else ahead.result()
+        fits = buffer is not None and len(buffer) >= layout.nbytes > 0
+        if ahead is not None and not fits:
+            self.release(ahead)
+        if not layout.nbytes or ahead is not None and buffer is None:    # none mapped ahead: no copy, as on a device
             return None
-        copy = np.empty(layout.nbytes, np.uint8)
+        copy = buffer[:layout.nbytes] if fits else np.empty(layout.nbytes, np.uint8)
         for start, off, size in zip(layout.starts.tolist(), layout.offsets.tolist(), layout.sizes.tolist()):
             copy[off:off + size] = self.view(start, size)
-        return copy, layout
+        self.copies_ahead += fits
+        return copy, layout, fits
 
     def release(self, frozen):
-        pass                    # the copy goes with its last reference
+        # the memory goes with its last reference: only what was mapped ahead is counted
+        if isinstance(frozen, Future):
+            if frozen.exception() is None and frozen.result() is not None:
+                self.mapped_ahead -= 1
+        elif frozen[2]:
+            self.mapped_ahead -= 1
 
     def maps(self, host):
         return True             # no copy engines: any host memory will do

@@ -721,10 +721,22 @@ class Worker:
                                chunk_size=chunk_size or engine.DEFAULT_CHUNK_SIZE, precopy=precopy,
                                known=last_keys if ours else (), prior=last_layout if ours else None)
         try:
-            cp.cut(self.ack, paused=paused)
+            cp.map_ahead()
+            if cp.before_cut:
+                # Its cut waits for the memory it maps ahead (tick), the application's calls
+                # served meanwhile. It is the session's checkpoint already: other checkpoints
+                # and restores are refused or queued as while it runs.
+                s.checkpoint, s.snapshotting = cp, True
+            else:
+                self.take_cut(cp, paused)
         except BaseException:
             cp.abort()
             raise
+
+    def take_cut(self, cp, paused=False):
+        """Take checkpoint cp's cut now, at the last call answered: it runs from then on."""
+        cp.cut(self.ack, paused=paused)
+        s = self.session
         s.checkpoint, s.snapshotting = cp, True
         self.served_before, self.serving = self.serving, [0, 0.0]
         if PROFILE_DIR and not PROFILE_WORKER:
@@ -852,6 +864,16 @@ class Worker:
         """Finish or report on a running checkpoint; retire a restore whose loading ended."""
         s = self.session
         cp = s.checkpoint
+        if cp is not None and cp.before_cut:
+            if not cp.mapped:
+                cp = None              # nothing to step, finish or report before its cut
+            else:
+                try:
+                    self.take_cut(cp)
+                except Exception as e:     # answered below, as a checkpoint that failed while copying
+                    if not isinstance(e, CudaError):
+                        log.exception("context %d: a checkpoint's cut failed", s.ctx_id)
+                    cp.fail(e)
         if cp is not None:             # its copies run in steps on this thread, between calls
             cp.advance(busy=self.call_waiting)
         if cp is not None and not cp.running:
@@ -983,6 +1005,8 @@ class Worker:
             timeout = 20 if self.session.snapshotting else 250
             if self.session.checkpoint is not None and self.session.checkpoint.running:
                 timeout = 0                # its next step is ours to take
+            elif self.session.checkpoint is not None:
+                timeout = 1                # its cut follows its memory's mapping (tick)
             if self.session.restoring is not None and self.session.restoring.loader_held:
                 timeout = 1                # its loader starts once we are quiet (tick)
             ready = dict(poller.poll(timeout))

@@ -8,6 +8,7 @@ member with the same parameters.
 The batch sizes are here, not in the engine or a backend: the engine cuts its copies into
 batches of them, and a backend sizes its copy buffers to hold one.
 """
+from concurrent.futures import Future
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
@@ -31,16 +32,28 @@ class SnapshotOps(Protocol):
         frozen: freeze()'s copy of the cut, just made: the chunks are hashed there, and need
         no fence (freeze's covers them)."""
 
-    def freeze(self, regions, step=None) -> Optional[object]:
+    def map_ahead(self, nbytes) -> Future:
+        """Start mapping nbytes of memory of the backend's own for a coming freeze(), on a
+        thread of its own: mapping takes milliseconds per GiB, which a cut that mapped it would
+        hold the application for. Returns a concurrent.futures.Future whose result is that
+        memory, for freeze()'s ahead, or None where the device has too little free for it or
+        mapping failed (logged as freeze() logs it). Memory that no freeze() took goes back
+        through release()."""
+
+    def freeze(self, regions, step=None, ahead=None) -> Optional[object]:
         """Copy each region [(device address, length)] as the device holds it now (a
         checkpoint's cut, just before fingerprints()) into memory of the backend's own, where
         later application work cannot change it: that work waits for the copy alone (a
         fence), not for the hashing after it. Returns that copy, for read(), fingerprints()
         and release(); None where memory is short for it.
-        step(name, since) -> now, if given, is told where the time went (Checkpoint.step)."""
+        step(name, since) -> now, if given, is told where the time went (Checkpoint.step).
+        ahead: a done map_ahead() Future, which this call takes over: the copy goes into its
+        memory where the regions fit there, else that memory is released and the copy's mapped
+        now; where its result is None, there is no copy (None)."""
 
     def release(self, frozen) -> None:
-        """Free a copy that freeze() made, once no read() from it is under way."""
+        """Free a copy that freeze() made, once no read() from it is under way; or the memory
+        of a map_ahead() Future that no freeze() took, once it is mapped."""
 
     def read(self, batches: Iterable, urgent=False, frozen=None) -> Iterator[Optional[tuple]]:
         """Copy batches of chunks to the host. Pulls (chunks, into, tag) from the iterable

@@ -875,7 +875,7 @@ def test_a_concurrent_cut_saves_from_a_device_copy_where_the_device_has_room(tmp
     at_cut = filler(8 << 20)
     s, ptr = emu_session_holding(at_cut)
     if not room:
-        monkeypatch.setattr(s.backend.snap, "freeze", lambda regions, step=None: None)
+        monkeypatch.setattr(s.backend.snap, "freeze", lambda regions, step=None, ahead=None: None)
     saved = []
     real_save = Checkpoint.save
     monkeypatch.setattr(Checkpoint, "save", lambda self, idx, urgent=False: (saved.append(urgent), real_save(self, idx, urgent))[1])
@@ -889,3 +889,234 @@ def test_a_concurrent_cut_saves_from_a_device_copy_where_the_device_has_room(tmp
     assert (True in saved) == (not room), "copy-on-write saves: expected only without room for a device copy"
     assert read_image(store, "a").metadata["device_copy"] == room and result["bytes"] == 8 << 20
     assert region(store, "a", ptr).tobytes() == at_cut.tobytes()
+
+
+# -- the cut's device copy, mapped ahead of the cut (SnapshotOps.map_ahead) -----------------
+class Sent(list):
+    """A worker's socket, in process: what it sent. No call ever waits on it."""
+
+    def send_multipart(self, frames, copy=True, flags=0):
+        self.append([bytes(f) for f in frames])
+
+    def getsockopt(self, option):
+        return 0
+
+
+def worker_holding(data):
+    """A worker in process (emu) whose context holds data (emu_session_holding), with the
+    front end attached to its control socket."""
+    from phos.gpu_server.worker import Worker
+    s, ptr = emu_session_holding(data)
+    w = Worker(s, Sent(), Sent())
+    w.ctl_peers.add(b"front end")
+    return w, s, ptr
+
+
+def ask_checkpoint(w, seq, store, name):
+    """A concurrent checkpoint asked for on the control socket, as the front end asks."""
+    import types
+    w.control_call(b"front end", seq, "checkpoint", types.SimpleNamespace(
+        store=str(store), name=name, parent="", paused=False, compress=False, chunkSize=1 << 20, freeze=False,
+        precopy=False, noSync=True, early=False))
+
+
+def answers(w):
+    """[(seq, kind, value)] of the worker's control replies so far."""
+    from phos.schema import wire
+    return [wire.read_control_reply(frame) for _, frame in w.ctl]
+
+
+def mapping_held(snap):
+    """map_ahead's memory comes only once the test hands it over (hand_over), as a device's
+    mapping takes milliseconds: [(the Future the checkpoint got, the real one)]."""
+    from concurrent.futures import Future
+    real, held = snap.map_ahead, []
+
+    def map_ahead(nbytes):
+        held.append((Future(), real(nbytes)))
+        return held[-1][0]
+    snap.map_ahead = map_ahead
+    return held
+
+
+def hand_over(held):
+    for given, real in held:
+        if not given.done():
+            given.set_result(real.result())
+
+
+@pytest.mark.parametrize("growth", ["none", "within its room", "past its room"])
+def test_a_concurrent_checkpoint_maps_its_device_copy_ahead_of_the_cut(tmp_path, monkeypatch, growth):
+    """Asked for, a concurrent checkpoint maps the memory for its cut's device copy first, the
+    application's calls served meanwhile, and the worker takes the cut once it is mapped: the
+    cut copies into it, and the trace shows the mapping as a step before the cut. A checkpoint
+    or restore asked for meanwhile is refused as while one runs. A context that grew past that
+    memory by the cut is copied into memory mapped then. Either way the image is the state at
+    the cut, and nothing mapped is left."""
+    import types
+    from phos.snapshot import engine
+    from phos.schema.cuda_types import CUresult
+    monkeypatch.setattr(engine, "DEVICE_COPY", True)
+    if growth == "past its room":                # memory for the context's bytes then, none more
+        monkeypatch.setattr(engine, "AHEAD_SPARE", 0)
+        monkeypatch.setattr(engine, "AHEAD_ROOM", 1 << 40)
+    w, s, ptr = worker_holding(filler(8 << 20))
+    snap = s.backend.snap
+    held = mapping_held(snap)
+    store = tmp_path / "images"
+    ask_checkpoint(w, 1, store, "a")
+    cp = s.checkpoint
+    assert cp is not None and cp.before_cut and len(held) == 1 and not answers(w), "the cut did not wait for the mapping"
+    s.backend.htod(ptr, b"\xff" * 8, None)      # the application's calls, served while it maps
+    more = None
+    if growth != "none":
+        more = s.backend.alloc(1 << 20)
+        s.backend.htod(more, filler(1 << 20, seed=3).tobytes(), None)
+    ask_checkpoint(w, 2, tmp_path / "other", "b")
+    w.control_call(b"front end", 3, "restore", types.SimpleNamespace(
+        store=str(store), name="a", full=False, advance=False, warm=False, delta=None))
+    refused = {seq: (kind, value) for seq, kind, value in answers(w)}
+    assert refused == {2: ("failed", (CUresult.CUDA_ERROR_ILLEGAL_STATE,
+                                      "checkpoint: a checkpoint or restore of this context is still running")),
+                       3: ("failed", (CUresult.CUDA_ERROR_ILLEGAL_STATE, "restore: this worker already holds a context"))}
+    assert len(held) == 1 and snap.mapped_ahead == 1, "a refused checkpoint mapped memory"
+    for _ in range(3):
+        w.tick()
+    assert s.checkpoint is cp and cp.before_cut and not cp.running, "cut before its memory was mapped"
+    w.ack = 7                                   # the last call answered: the cut's
+    at_cut = snap.view(ptr, 8 << 20).copy()
+    hand_over(held)
+    w.tick()
+    assert not cp.before_cut and cp.cut_seq == 7
+    s.touch(ptr, 8 << 20)                       # a call after the cut writes it all
+    s.backend.htod(ptr, filler(8 << 20, seed=5).tobytes(), None)
+    while s.checkpoint is not None:
+        w.tick()
+    seq, kind, result = answers(w)[-1]
+    assert (seq, kind) == (1, "checkpointed") and result["cut_seq"] == 7 and result["mode"] == "concurrent"
+    assert read_image(DirStore(store), "a").metadata["device_copy"]
+    assert region(DirStore(store), "a", ptr).tobytes() == at_cut.tobytes()
+    if more is not None:
+        assert region(DirStore(store), "a", more).tobytes() == filler(1 << 20, seed=3).tobytes()
+    [(at, _, ms)] = [step for step in result["trace_ms"] if step[1] == "freeze_map_ahead"]
+    assert at < 0 < ms and result["phase_ms"]["freeze_map_ahead"] > 0, "the mapping is not traced before the cut"
+    assert snap.copies_ahead == (growth != "past its room"), "the cut copied elsewhere than into the memory mapped ahead"
+    assert snap.mapped_ahead == 0, "memory mapped ahead was left"
+
+
+@pytest.mark.parametrize("end", ["context gone", "cut failed"])
+def test_a_checkpoint_ended_before_its_cut_leaves_nothing_mapped(tmp_path, monkeypatch, end):
+    """A checkpoint that ends before its cut gives back what it was mapping, once mapped: the
+    worker's teardown aborts it (the context went away), or its cut failed (answered as a
+    failed checkpoint; the context lives on, and the next checkpoint is taken)."""
+    from phos.snapshot import engine
+    from phos.schema.cuda_types import CudaError, CUresult
+    monkeypatch.setattr(engine, "DEVICE_COPY", True)
+    w, s, ptr = worker_holding(filler(4 << 20))
+    snap = s.backend.snap
+    held = mapping_held(snap)
+    store = tmp_path / "images"
+    ask_checkpoint(w, 1, store, "a")
+    assert s.checkpoint.before_cut and snap.mapped_ahead == 1
+    if end == "context gone":
+        handing = threading.Timer(0.2, hand_over, [held])    # still mapping as the context goes
+        handing.start()
+        s.checkpoint.abort("the context went away during the checkpoint")     # as worker.main's teardown
+        handing.join()
+        assert held[0][0].done() and snap.mapped_ahead == 0
+        assert not DirStore(store).list_images()
+        return
+
+    def describe(*_):
+        raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, "no description")
+    described = engine.describe
+    monkeypatch.setattr(engine, "describe", describe)
+    hand_over(held)
+    w.tick()
+    assert s.checkpoint is None and not s.snapshotting and snap.mapped_ahead == 0
+    assert answers(w)[-1] == (1, "failed", (CUresult.CUDA_ERROR_UNKNOWN, "checkpoint: no description"))
+    monkeypatch.setattr(engine, "describe", described)
+    ask_checkpoint(w, 2, store, "b")
+    hand_over(held)
+    while s.checkpoint is not None:
+        w.tick()
+    assert answers(w)[-1][1] == "checkpointed" and snap.copies_ahead == 1 and snap.mapped_ahead == 0
+
+
+def test_a_checkpoint_whose_device_copy_could_not_be_mapped_saves_by_copy_on_write(tmp_path, monkeypatch):
+    """Where the device had no room for the copy mapped ahead (or mapping it failed), the cut
+    makes no device copy, as it would find itself: calls save what they write first."""
+    from concurrent.futures import Future
+    from phos.snapshot import engine
+    from phos.snapshot.engine import Checkpoint
+    monkeypatch.setattr(engine, "DEVICE_COPY", True)
+    w, s, ptr = worker_holding(filler(8 << 20))
+    none = Future()
+    none.set_result(None)
+    monkeypatch.setattr(s.backend.snap, "map_ahead", lambda nbytes: none)
+    saved = []
+    real_save = Checkpoint.save
+    monkeypatch.setattr(Checkpoint, "save", lambda self, idx, urgent=False: (saved.append(urgent), real_save(self, idx, urgent))[1])
+    at_cut = filler(8 << 20)
+    ask_checkpoint(w, 1, tmp_path, "a")
+    assert s.checkpoint.running                  # cut at once: nothing to wait for
+    s.touch(ptr, 8 << 20)
+    s.backend.htod(ptr, filler(8 << 20, seed=5).tobytes(), None)
+    while s.checkpoint is not None:
+        w.tick()
+    assert answers(w)[-1][1] == "checkpointed" and True in saved, "no copy-on-write without a device copy"
+    assert not read_image(DirStore(tmp_path), "a").metadata["device_copy"]
+    assert region(DirStore(tmp_path), "a", ptr).tobytes() == at_cut.tobytes()
+
+
+def test_a_checkpoint_asked_for_while_a_recovery_image_maps_ahead_waits_for_it(tmp_path, monkeypatch):
+    """A recovery image whose cut waits for its memory is the running checkpoint: a checkpoint
+    asked for meanwhile is queued behind it, as behind one that copies, and taken once it ends."""
+    from phos.gpu_server import worker
+    from phos.snapshot import engine
+    monkeypatch.setattr(engine, "DEVICE_COPY", True)
+    monkeypatch.setattr(worker, "RECOVERY_PAUSED_BYTES", 0)        # concurrent, as a big context's
+    w, s, ptr = worker_holding(filler(4 << 20))
+    snap = s.backend.snap
+    held = mapping_held(snap)
+    w.recovery_options = (str(tmp_path / "recovery"), 600.0, 0)
+    w.start_recovery()
+    try:
+        w.take_recovery_image()
+        assert s.checkpoint.before_cut and w.recovering
+        ask_checkpoint(w, 1, tmp_path / "images", "a")
+        assert w.queued_checkpoint is not None and not answers(w) and len(held) == 1
+        w.ack = 3                               # the recovery image's cut
+        hand_over(held)
+        assert wait_until(lambda: w.tick() or s.checkpoint is None or len(held) == 2, 30, 0)
+        assert len(held) == 2 and s.recovery.latest is not None and s.recovery.durable == 3, \
+            "the recovery image was not committed first"
+        hand_over(held)
+        while s.checkpoint is not None:
+            w.tick()
+        assert [(seq, kind) for seq, kind, _ in answers(w)] == [(1, "checkpointed")]
+        assert snap.copies_ahead == 2 and snap.mapped_ahead == 0
+    finally:
+        s.recovery.prune_done()
+
+
+def test_a_servers_concurrent_checkpoint_maps_its_device_copy_before_the_cut(servers, client, tmp_path):
+    """Through a server: the memory for the cut's device copy is mapped before the cut (its
+    trace shows that step ahead of it), so the cut itself maps nothing; the image holds the
+    program's memory, and the program goes on."""
+    one = servers("one")
+    app = App(client(one))
+    n = 1 << 18
+    before = np.arange(n, dtype=np.float32)
+    x = app.put(before)
+    app.put(filler(8 * MiB))
+    app.sync()
+    store = tmp_path / "images"
+    done = checkpoint(one, app.id, store)
+    assert done["mode"] == "concurrent" and not done["paused"]
+    assert read_image(open_store(store), done["name"]).metadata["device_copy"]
+    ahead = [step for step in done["trace_ms"] if step[1] == "freeze_map_ahead"]
+    assert len(ahead) == 1 and ahead[0][0] <= 0 and "freeze_map_ahead" in done["phase_ms"], done["trace_ms"]
+    assert "cut_freeze_alloc" not in done["phase_ms"], "the cut mapped its copy's memory itself"
+    assert region(open_store(store), done["name"], int(x)).tobytes() == before.tobytes()
+    assert app.get(x, n).tobytes() == before.tobytes()
