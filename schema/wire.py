@@ -197,30 +197,33 @@ class Mailbox:
         self.area = area
         self.awake = area[AWAKE_OFFSET:AWAKE_OFFSET + 8].view(np.uint64)
         self.asleep = area[ASLEEP_OFFSET:ASLEEP_OFFSET + 8].view(np.uint64)
-        self.boxes = [area[o:o + 16].view(np.uint64) for o in (BOX_OFFSET, BOX_OFFSET + BOX_SIZE)]
+        # Each box's head (seq, len) and bytes through memoryviews: a synchronous call's round
+        # trip goes through put, seq and take on both sides, and a NumPy slice costs several
+        # times a memoryview's there.
+        view = memoryview(area).cast("B")
+        self.heads = [view[o:o + 16].cast("Q") for o in (BOX_OFFSET, BOX_OFFSET + BOX_SIZE)]
+        self.frames = [view[o + 16:o + BOX_SIZE] for o in (BOX_OFFSET, BOX_OFFSET + BOX_SIZE)]
 
     def put(self, box, seq, frame):
         """Write a frame into box 0 (requests) or 1 (replies); False if it does not fit."""
         n = len(frame)
         if n > BOX_SIZE - 16:
             return False
-        start = BOX_OFFSET + box * BOX_SIZE + 16
-        self.area[start:start + n] = np.frombuffer(frame, np.uint8)
-        head = self.boxes[box]
+        self.frames[box][:n] = frame
+        head = self.heads[box]
         head[1] = n
         head[0] = seq
         return True
 
     def seq(self, box):
-        return int(self.boxes[box][0])
+        return self.heads[box][0]
 
     def take(self, box):
         """The frame in a box, copied out."""
-        n = int(self.boxes[box][1])
+        n = self.heads[box][1]
         if n > BOX_SIZE - 16:
             raise WireError(f"mailbox frame of {n} bytes exceeds the box")
-        start = BOX_OFFSET + box * BOX_SIZE + 16
-        return self.area[start:start + n].tobytes()
+        return self.frames[box][:n].tobytes()
 
 
 class Template:
@@ -237,16 +240,16 @@ class Template:
     def __init__(self, make, fields):
         frame = make(*self.SENTINELS[:fields])
         self.offsets = [frame.index(self.U64.pack(v)) for v in self.SENTINELS[:fields]]
+        assert self.offsets == sorted(self.offsets), "the sentinels come in field order"
         blank = bytearray(frame)
         for off in self.offsets:
             blank[off:off + 8] = bytes(8)
         self.blank = bytes(blank)
-
-    def fill(self, *values):
-        out = bytearray(self.blank)
-        for off, v in zip(self.offsets, values):
-            self.U64.pack_into(out, off, v)
-        return bytes(out)
+        # fill(*values): the frame in one struct call, the fixed bytes around the fields as `s` items
+        ends = [0, *(off + 8 for off in self.offsets)]
+        f = [self.blank[a:off] for a, off in zip(ends, self.offsets)] + [self.blank[ends[-1]:]]
+        pack = struct.Struct("<" + "".join(f"{len(x)}sQ" for x in f[:-1]) + f"{len(f[-1])}s").pack
+        self.fill = (lambda a: pack(f[0], a, f[1])) if fields == 1 else (lambda a, b: pack(f[0], a, f[1], b, f[2]))
 
     def read(self, frame):
         """The field values if frame has this template's shape, else None."""
