@@ -1,5 +1,5 @@
-"""The launchBatch hot path in C++ (gpu_server/native/launch_batch.cpp, built beside the stub as
-libphos_launch.so), for a backend whose launches go to a driver's cuLaunchKernelEx.
+"""The launchBatch hot path in C++ (gpu_server/native/launch_batch.cpp, in phos/native.py's
+library), for a backend whose launches go to a driver's cuLaunchKernelEx.
 
 calls.launch_batch offers each batch here first. run() answers False where the Python path
 must take the batch, with nothing launched: a checkpoint or restore watching the launches
@@ -10,28 +10,20 @@ always has. The functions and streams batches name are registered here on first 
 forgotten when the context drops or replaces their ids (Session.drop, Session.place).
 """
 import ctypes
-import logging
-import os
 
-from phos import settings
+from phos import native
 from phos.schema.cuda_types import STICKY, CudaError
 from phos.schema.wire import read_launch_batch
 
-log = logging.getLogger("phos.worker")
-
-LIBRARY = "libphos_launch.so"
 LAUNCHED, UNKNOWN_FUNCTION, UNKNOWN_STREAM, REFUSED, DRIVER_ERROR = range(5)   # launch_batch.cpp's outcomes
 _U64 = ctypes.c_uint64
 
 
 def load(path=None):
-    """The library (default: beside the stub, PHOS_STUB_DIR), or None where it was not built:
-    every launch then takes the Python path."""
-    path = path or os.path.join(settings.stub_dir(), LIBRARY)
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError as e:
-        log.info("no compiled launch path (%s): launches take the Python path", e)
+    """The native library (phos/native.py) with the launcher's calls declared, or None where it
+    was not built: every launch then takes the Python path."""
+    lib = native.library(path)
+    if lib is None:
         return None
     lib.phos_launcher_new.argtypes, lib.phos_launcher_new.restype = [ctypes.c_void_p], ctypes.c_void_p
     lib.phos_launcher_free.argtypes, lib.phos_launcher_free.restype = [ctypes.c_void_p], None

@@ -230,7 +230,7 @@ recovery_paused_bytes = _declare("PHOS_RECOVERY_PAUSED_BYTES", int, 256 << 20, S
                                   "bytes), else concurrently (0: always concurrently)", shown="268435456 (256 MiB)")
 native_launch = _declare("PHOS_NATIVE_LAUNCH", int, 1, SERVER,
                          "a cuda worker launches a launchBatch's kernels through its compiled path "
-                         "(libphos_launch.so beside the stub) where it was built (0: through Python always)")
+                         "(libphos_server.so beside the stub) where it was built (0: through Python always)")
 checkpoint_device_copy = _declare("PHOS_CHECKPOINT_DEVICE_COPY", int, 1, SERVER,
                                   "a concurrent checkpoint first copies the context on the device, where the device has "
                                   "room, and saves from that copy: the application waits for that copy only, not for "

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT
+from phos import native
 from phos.gpu_server import native_launch
 from phos.gpu_server.backend import Function
 from phos.gpu_server.emu import EmuBackend
@@ -21,7 +22,7 @@ from phos.gpu_server.worker import Session
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 
-LIBRARY = os.path.join(ROOT, "phos", "stub", native_launch.LIBRARY)
+LIBRARY = os.path.join(ROOT, "phos", "stub", native.LIBRARY)
 ILLEGAL_ADDRESS = 700          # CUDA_ERROR_ILLEGAL_ADDRESS: sticky
 LAUNCH_OUT_OF_RESOURCES = 701  # not sticky
 

@@ -1,0 +1,28 @@
+"""The server's native hot paths (gpu_server/native/*.cpp), built beside the stub as
+libphos_server.so (`make -C client_stub/native`, PHOS_STUB_DIR): the worker's launch batches
+(gpu_server/native_launch.py) and pfp1 fingerprints on the host (snapshot/fingerprint.py).
+
+Loaded once. Where it was not built, library() is None and each caller takes its Python path.
+ctypes lets the interpreter's lock go for each call into it.
+"""
+import ctypes
+import logging
+import os
+
+from phos import settings
+
+log = logging.getLogger("phos.native")
+LIBRARY = "libphos_server.so"
+_loaded = {}
+
+
+def library(path=None):
+    """The library at path (default: beside the stub), or None where it cannot be loaded."""
+    path = path or os.path.join(settings.stub_dir(), LIBRARY)
+    if path not in _loaded:
+        try:
+            _loaded[path] = ctypes.CDLL(path)
+        except OSError as e:
+            log.info("no native library (%s): Python paths instead", e)
+            _loaded[path] = None
+    return _loaded[path]
