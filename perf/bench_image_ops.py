@@ -81,7 +81,7 @@ def rounds(root, n, chunk=4096):
     base.finish(1)
     s.backend.htod(ptr, secrets.token_bytes(max(1, n // 100) * chunk), None)
     now = s.backend.snap.fingerprints(base.chunks.table, False)()
-    s.backend.snap.fingerprints = lambda chunks, fence: lambda: now    # the emulator hashes on the CPU: not timed
+    s.backend.snap.fingerprints = lambda chunks, fence, frozen=None: lambda: now    # the emulator hashes on the CPU: not timed
     times = {"frozen round": [], "... to its delta": [], "advance": [], "advance by delta": []}
     for i in range(5):
         cp = Checkpoint(s, store, f"round{i}", parent="base", paused=True, chunk_size=chunk, known=base.chunk_keys(),
