@@ -1001,6 +1001,11 @@ class Worker:
                     t = time.perf_counter()
                     if self.handle(self.sock.recv_multipart(copy=False)) is not False:
                         self.served(t)
+                elif self.session.snapshotting:
+                    # Spinning, this thread keeps the interpreter's lock: a restore's loader and
+                    # a checkpoint's I/O threads would then get it once a switch interval, and
+                    # run 15x slower (perf/probe_gil_spin.py). Let go of it for them.
+                    time.sleep(0)
                 continue
             timeout = 20 if self.session.snapshotting else 250
             if self.session.checkpoint is not None and self.session.checkpoint.running:
