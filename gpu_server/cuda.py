@@ -768,17 +768,23 @@ class CudaSnapshotOps:
             t = step("cut_freeze_unmap_ahead", t) if step else t
         if not layout.nbytes or ahead is not None and mapped is None:      # none could be mapped ahead (logged)
             return None
-        self._after_application()
-        t = step("cut_freeze_layout", t) if step else t
-        if mapped is None:
-            mapped = self._map_copy(layout.nbytes)
+        try:
+            self._after_application()
+            t = step("cut_freeze_layout", t) if step else t
             if mapped is None:
-                return None
-            t = step("cut_freeze_alloc", t) if step else t
-        base = mapped[0]
-        table = pieces(*layout.runs(base), FREEZE_PIECE)
-        self._copy_pieces(table, self.handles["bulk"])
-        self._fence(self.streams["bulk"])       # the application's later work waits for the copy alone
+                mapped = self._map_copy(layout.nbytes)
+                if mapped is None:
+                    return None
+                t = step("cut_freeze_alloc", t) if step else t
+            base = mapped[0]
+            table = pieces(*layout.runs(base), FREEZE_PIECE)
+            self._copy_pieces(table, self.handles["bulk"])
+            self._fence(self.streams["bulk"])       # the application's later work waits for the copy alone
+        except BaseException:      # a driver call failed: the memory goes with the cut, once our stream is done
+            if mapped is not None:
+                cu.cuStreamSynchronize(self.streams["bulk"])
+                self._unmap(mapped)
+            raise
         if step:
             step(f"cut_freeze_{len(table)}_pieces_of_{len(layout.sizes)}_regions", t)
         return base, layout, mapped
