@@ -70,6 +70,7 @@ class NativeLauncher:
         failure is raised at the end; a sticky one is raised at once."""
         if s.snapshotting or s.space.moved:
             return False
+        blob = blob if isinstance(blob, bytes) else bytes(blob)      # ctypes passes bytes without a copy
         first, failed = 0, None
         while True:
             outcome = self.lib.phos_launcher_run(self.handle, blob, len(blob), first, *self.out)
