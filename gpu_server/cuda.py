@@ -44,8 +44,13 @@ def ok(result, what):
     """Unpack a cuda-python result tuple, raising CudaError on failure."""
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        raise CudaError(int(err), f"{what} failed: {_error_string(err)}")
+        raise _failure(err, what)
     return rest[0] if len(rest) == 1 else tuple(rest) if rest else None
+
+
+def _failure(err, what):
+    """The CudaError of the driver's error err in `what`."""
+    return CudaError(int(err), f"{what} failed: {_error_string(err)}")
 
 
 def _limit(number):
@@ -143,13 +148,7 @@ def _native_launcher():
     lib = native_launch.load() if settings.native_launch() else None
     if lib is None:
         return None
-
-    def failure(err, what):
-        try:
-            ok((err,), what)
-        except CudaError as e:
-            return e
-    return native_launch.NativeLauncher(lib, ctypes.cast(_cuLaunchKernelEx, ctypes.c_void_p).value, failure, STREAM_ALIASES)
+    return native_launch.NativeLauncher(lib, ctypes.cast(_cuLaunchKernelEx, ctypes.c_void_p).value, _failure, STREAM_ALIASES)
 
 
 def _init():
