@@ -38,18 +38,18 @@ constexpr unsigned kAttributeClusterDimension = 4;  // CU_LAUNCH_ATTRIBUTE_CLUST
 constexpr uint32_t kOptionCooperative = 1u << 24;   // schema/wire.py, LAUNCH_COOPERATIVE
 constexpr size_t kHead = 52;                        // schema/wire.py, LAUNCH_RECORD.size
 
-struct Record {                 // one record's head, read field by field (the blob is unaligned)
-    uint64_t function;
-    uint32_t grid[3], block[3], shared, options;
-    uint64_t stream;
-    uint32_t param_bytes;
-    const unsigned char* params;
-};
-
 struct Function {
     void* handle;
     uint32_t param_bytes;
     std::vector<uint32_t> offsets;     // each parameter's offset in the packed parameter bytes
+};
+
+struct Record {                 // one record, checked: its head read field by field (the blob is unaligned)
+    const Function* function;   // its ids found (check): the registry does not change while a batch runs
+    void* stream;
+    uint32_t grid[3], block[3], shared, options;
+    uint32_t param_bytes;
+    const unsigned char* params;
 };
 
 struct Launcher {
@@ -86,26 +86,28 @@ int check(Launcher& l, const unsigned char* blob, size_t size, uint64_t* at, uin
         if (size - off < kHead) return kRefused;
         Record r;
         const unsigned char* h = blob + off;
-        r.function = read<uint64_t>(h);
+        const uint64_t function = read<uint64_t>(h), stream = read<uint64_t>(h + 40);
         for (int i = 0; i < 3; i++) r.grid[i] = read<uint32_t>(h + 8 + 4 * i);
         for (int i = 0; i < 3; i++) r.block[i] = read<uint32_t>(h + 20 + 4 * i);
         r.shared = read<uint32_t>(h + 32);
         r.options = read<uint32_t>(h + 36);
-        r.stream = read<uint64_t>(h + 40);
         r.param_bytes = read<uint32_t>(h + 48);
         if (r.param_bytes > size - off - kHead) return kRefused;
         r.params = h + kHead;
         off += kHead + r.param_bytes;
         *at = l.records.size();
-        auto fn = l.functions.find(r.function);
+        auto fn = l.functions.find(function);
         if (fn == l.functions.end()) {
-            *value = r.function;
+            *value = function;
             return kUnknownFunction;
         }
-        if (r.stream && l.streams.find(r.stream) == l.streams.end()) {
-            *value = r.stream;
+        auto st = l.streams.find(stream);      // the default stream's ids are registered too
+        if (st == l.streams.end()) {
+            *value = stream;
             return kUnknownStream;
         }
+        r.function = &fn->second;
+        r.stream = st->second;
         const uint64_t threads = uint64_t(r.block[0]) * r.block[1] * r.block[2];
         if (!(r.grid[0] && r.grid[1] && r.grid[2] && threads) || threads > 1024 || r.param_bytes != fn->second.param_bytes)
             return kRefused;
@@ -118,9 +120,9 @@ int run(Launcher& l, uint64_t first, uint64_t* at, uint64_t* value) {
     LaunchAttribute attrs[2];
     for (uint64_t i = first; i < l.records.size(); i++) {
         const Record& r = l.records[i];
-        const Function& fn = l.functions.find(r.function)->second;
+        const Function& fn = *r.function;
         LaunchConfig config{{r.grid[0], r.grid[1], r.grid[2]}, {r.block[0], r.block[1], r.block[2]}, r.shared,
-                            r.stream ? l.streams.find(r.stream)->second : nullptr, attrs, 0};
+                            r.stream, attrs, 0};
         const uint32_t cluster[3] = {r.options & 0xFF, (r.options >> 8) & 0xFF, (r.options >> 16) & 0xFF};
         if (cluster[0] || cluster[1] || cluster[2]) {   // as cuda.py's _launch_attributes: 0 stands for 1
             LaunchAttribute& a = attrs[config.num_attrs++];
