@@ -65,6 +65,7 @@ Known answers (pinned in tests/unit/test_snapshot_image.py):
 at 0 in every chunk.
 """
 import ctypes
+import functools
 import sys
 
 import numpy as np
@@ -210,21 +211,17 @@ def _words(mv):
     return body
 
 
+@functools.cache
 def _native():
     """phos_pfp1_lane_sums of the server's native library (gpu_server/native/fingerprint.cpp),
     or None: not built, or a big-endian host (it reads words as they lie in memory)."""
-    global _native_sums
-    if _native_sums is False:
-        from phos import native
-        lib = native.library() if sys.byteorder == "little" else None
-        _native_sums = None
-        if lib is not None:
-            _native_sums = lib.phos_pfp1_lane_sums
-            _native_sums.argtypes, _native_sums.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], None
-    return _native_sums
-
-
-_native_sums = False     # not looked for yet
+    from phos import native
+    lib = native.library() if sys.byteorder == "little" else None
+    if lib is None:
+        return None
+    sums = lib.phos_pfp1_lane_sums
+    sums.argtypes, sums.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], None
+    return sums
 
 
 def native_lane_sums(mv):
