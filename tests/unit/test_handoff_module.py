@@ -142,3 +142,29 @@ def test_a_failed_commit_without_the_delta_thaws_the_context():
     with pytest.raises(CudaError, match="store is full"):
         run(source, target)
     assert ("thaw",) in source.calls and target.dropped and source.moved == {}
+
+
+def test_a_dropped_inbox_is_refused_at_once_and_its_files_go_after():
+    """A handoff's answer does not wait for its inbox's files to go (gigabytes of /dev/shm take
+    ~0.25 s a GiB to free); the path is refused from the drop on, and the files do go."""
+    import os
+    import time
+
+    from phos.gpu_server.handoff_net import Inboxes
+    inboxes = Inboxes()
+    try:
+        path = inboxes.open(7)
+        with open(os.path.join(path, "chunk"), "wb") as f:
+            f.write(b"x" * MiB)
+        inboxes.drop_path(path)
+        assert not inboxes.is_inbox(path)
+        with pytest.raises(CudaError, match="not a handoff inbox"):
+            inboxes.store(path)
+        deadline = time.monotonic() + 10
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists(path)
+        kept = inboxes.open(8)
+    finally:
+        inboxes.close()          # waits for the removal: nothing is left behind
+    assert not os.path.exists(kept)
