@@ -71,6 +71,7 @@ struct CUfunc_st {
     std::map<std::tuple<int, uint64_t, uint64_t, uint32_t, uint64_t>, std::vector<uint64_t>> occupancy;   // answers asked
     int max_dynamic_shared = 48 << 10;   // cuFuncSetAttribute's opt-in
     int shared_carveout = -1;
+    std::map<int, int> set;              // attribute -> the value cuFuncSetAttribute gave the server last
 };
 
 struct CUmod_st {

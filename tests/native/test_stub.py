@@ -638,3 +638,34 @@ def test_cuda_python_runs_unmodified(stub, server):
         print("cuda-python ok")
     """, env=stub_env(server.address))
     assert r.returncode == 0 and "cuda-python ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_setting_a_function_attribute_to_its_value_again_costs_no_round_trip(stub, server):
+    """Flash attention sets its kernels' dynamic shared memory before every launch: the same
+    value again is answered here (the server holds it), a new one still goes there."""
+    pytest.importorskip("cuda.bindings.driver")
+    r = _python("""
+        from cuda.bindings import driver as cu
+        ptx = b'''
+        .version 8.0
+        .target sm_90
+        .address_size 64
+        .visible .entry nothing() { ret; }
+        '''
+        MAX_SHARED = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        assert cu.cuInit(0)[0] == 0
+        err, ctx = cu.cuCtxCreate(None, 0, cu.cuDeviceGet(0)[1]); assert err == 0, err
+        err, fn = cu.cuModuleGetFunction(cu.cuModuleLoadData(ptx)[1], b"nothing"); assert err == 0, err
+        for value in [64 << 10] * 200 + [32 << 10]:
+            assert cu.cuFuncSetAttribute(fn, MAX_SHARED, value)[0] == 0
+        assert cu.cuFuncGetAttribute(MAX_SHARED, fn) == (cu.CUresult.CUDA_SUCCESS, 32 << 10)
+        # the server checks the launch's shared memory against the last value it was given
+        assert cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 40 << 10, 0, 0, 0)[0] == 0
+        err, = cu.cuCtxSynchronize()
+        assert err != cu.CUresult.CUDA_SUCCESS, err
+        cu.cuCtxDestroy(ctx)
+        print("attributes ok")
+    """, env=stub_env(server.address, PHOS_VERBOSE="1"))
+    assert r.returncode == 0 and "attributes ok" in r.stdout, r.stdout + r.stderr
+    stats = stub_stats(r.stderr)
+    assert stats["mailbox"] + stats["socket"] < 50, stats      # not 200 round trips
