@@ -98,7 +98,8 @@ void Connection::post(wire::Call call, const HostDestination* write_back) {
     const Settings& s = settings();
     if (!batching_ || batch_calls_ >= static_cast<size_t>(s.batch_calls) ||
         batch_payload_bytes_ >= static_cast<size_t>(s.batch_bytes) || batch_frame_estimate_ >= kMaxFrameEstimate ||
-        seconds_since(batch_started_) >= s.batch_age) {
+        seconds_since(batch_started_) >= std::min(batch_age_, s.batch_age)) {
+        batch_age_ = std::min(2 * batch_age_, s.batch_age);
         send_batch(false);
     }
 }
@@ -172,6 +173,10 @@ bool Connection::send_batch(bool want_reply, bool use_box) {
         }
     }
     if (!boxed && sent) sent = send_socket(0, batch_.size(), want_reply);
+    // A call that waits for its answer may leave the device idle: the calls after it go out
+    // once the first is kRampAge old, not PHOS_BATCH_AGE_US (1 ms of a PyTorch step's kernels
+    // held back behind each sync), and each batch may wait twice as long as the last.
+    if (want_reply) batch_age_ = kRampAge;
     if (want_reply) batch_.back().wanted = true;   // a re-attach resends it last in a Request too
     batch_.back().ends = true;
     for (auto& c : batch_) log_call(std::move(c));

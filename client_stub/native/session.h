@@ -170,6 +170,9 @@ private:
     size_t batch_frame_estimate_ = 0;
     size_t batch_calls_ = 0;                            // calls in batch_, each launch of a launchBatch counted
     std::chrono::steady_clock::time_point batch_started_;
+    static constexpr double kRampAge = 50e-6;           // seconds: see send_batch
+    double batch_age_ = kRampAge;                       // seconds a batch waits at most: short after a call
+                                                        // that waited for the device (see post)
     std::deque<wire::Call> unacked_;                    // sent, for replay: not yet acknowledged (with
                                                         // recovery: after the latest image's cut)
     size_t unacked_calls_ = 0;                          // the calls they stand for (Call::calls)
