@@ -7,6 +7,8 @@ against a `cuda` server started here:
 
   gpt2_train   a GPT-2-small-sized model (124M parameters, tied embeddings), batch 8 x 1024
                tokens, bf16 autocast, AdamW: the median training step
+  gpt2_parts   where gpt2_train's step goes on the device: forward, backward, optimizer; and
+               single operations of its shapes (matmuls, attention, layer norm, AdamW)
   gpt2_infer   the same model, batch 1 x 128 tokens, no grad: the median forward pass
   mlp_train    a small MLP (3 x 512, batch 64), launch-bound: a step's mean over 200 steps
   load_4gib    4 GiB of weights host to device: from pageable memory, and from pinned
@@ -94,6 +96,57 @@ def gpt2_train(torch, steps, say):
             "step_ms_min": min(warm), "reserved_gib": torch.cuda.memory_reserved() / GiB}
 
 
+def gpt2_parts(torch, steps, say):
+    """Where gpt2_train's step goes, in the device's time (CUDA events): its forward pass,
+    backward pass and optimizer step; then single operations of its shapes, each run 50
+    times back to back so that the device, not the launches, sets the pace."""
+    torch.manual_seed(0)
+    model = gpt2(torch)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    x = torch.randint(0, 50257, (8, 1024), device="cuda")
+    y = torch.randint(0, 50257, (8, 1024), device="cuda")
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    parts = {"forward_ms": [], "backward_ms": [], "optimizer_ms": []}
+    for i in range(max(steps, 8)):
+        marks[0].record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        marks[1].record()
+        loss.backward()
+        marks[2].record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        marks[3].record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            for (key, times), a, b in zip(parts.items(), marks, marks[1:]):
+                times.append(a.elapsed_time(b))
+    out = {key: statistics.median(times) for key, times in parts.items()}
+
+    def each(fn, n=50):
+        fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / n
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    h, w_up, w_down = torch.randn(8192, 768, **bf16), torch.randn(3072, 768, **bf16), torch.randn(768, 3072, **bf16)
+    out["matmul_up_ms"] = each(lambda: torch.nn.functional.linear(h, w_up))
+    up = torch.nn.functional.linear(h, w_up)
+    out["matmul_down_ms"] = each(lambda: torch.nn.functional.linear(up, w_down))
+    q, k, v = (torch.randn(8, 12, 1024, 64, requires_grad=True, **bf16) for _ in range(3))
+    out["attention_fwd_bwd_ms"] = each(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
+    out["layernorm_ms"] = each(lambda: torch.nn.functional.layer_norm(up, (3072,)))
+    with torch.autocast("cuda", dtype=torch.bfloat16):     # gradients for the optimizer's step to apply
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    out["adamw_ms"] = each(opt.step, n=10)
+    return out
+
+
 def gpt2_infer(torch, steps, say):
     torch.manual_seed(0)
     model = gpt2(torch).eval()
@@ -134,7 +187,7 @@ def load_4gib(torch, steps, say):
     return out
 
 
-WORKLOADS = {"gpt2_train": gpt2_train, "gpt2_infer": gpt2_infer, "mlp_train": mlp_train, "load_4gib": load_4gib}
+WORKLOADS = {"gpt2_train": gpt2_train, "gpt2_parts": gpt2_parts, "gpt2_infer": gpt2_infer, "mlp_train": mlp_train, "load_4gib": load_4gib}
 
 
 def one(name, steps, say):
@@ -269,6 +322,11 @@ def print_table(report):
             fmt = lambda r: f"{r[key]:.3f}" if key in r else r.get("error", "-")[:60]
             target = f" (target <= {TARGETS[name]}x)" if name in TARGETS else ""
             print(f"| {name} | {key} | {fmt(row['native'])} | {fmt(row['phos'])} | {ratio(row, key)}{target} |")
+    parts = report.get("gpt2_parts")
+    if parts and not any("error" in r for r in parts.values()):
+        print("\n| gpt2_parts (device time) | native (ms) | phos (ms) | phos / native |\n|---|---|---|---|")
+        for key, n in parts["native"].items():
+            print(f"| {key} | {n:.3f} | {parts['phos'][key]:.3f} | {ratio(parts, key)} |")
     c = report.get("checkpoint")
     if c and "error" not in c:
         print(f"\ncheckpoint while training: {c['bytes'] / GiB:.2f} GiB in {c['seconds']:.3f} s ({c['GBps']:.1f} GB/s, "
