@@ -262,6 +262,7 @@ class FrontEnd:
         self.recovering = {}        # ctx id -> the task restoring it from its recovery images
         self.stopping = asyncio.Event()
         self.zctx = None
+        self.module_cache = None    # the modules' cache directory workers share, once serving (open_module_cache)
 
     # -- calls served here, one row each --------------------------------------------------
     def device(self, ordinal):
@@ -469,17 +470,15 @@ class FrontEnd:
               if self.tenant_quota > 0 else []),
             *(["--client-keys", self.curve[2]] if self.curve else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        secret = self.curve[1].decode() if self.curve else ""
         try:
-            proc.stdin.write(f"{token.hex()}\n{secret}\n{ctl_token.hex()}\n".encode())
-            await proc.stdin.drain()
-            proc.stdin.close()
-        except (ConnectionError, RuntimeError) as e:     # it died before reading: its exit says why
-            log.warning("a new worker closed its stdin: %s", e)
-        try:
-            line = (await asyncio.wait_for(proc.stdout.readline(), WORKER_START_TIMEOUT)).decode().strip()
-        except asyncio.TimeoutError:
-            line = ""
+            line = await self.worker_ready(proc, token, ctl_token)
+        except BaseException:
+            # Its caller gave up (a failed handoff cancels the warm copy's start): a worker that
+            # started nonetheless would hold a process and a device's memory, owned by no one.
+            if proc.returncode is None:
+                proc.kill()
+            asyncio.get_running_loop().create_task(self.remove_sockets_after(proc, endpoint, ctx_id))
+            raise
         if not line.startswith("READY "):
             if proc.returncode is None:
                 proc.kill()
@@ -493,6 +492,26 @@ class FrontEnd:
         asyncio.get_running_loop().create_task(self.watch(worker))
         log.info("context %d: worker %d at %s", ctx_id, proc.pid, worker.endpoint)
         return worker
+
+    async def remove_sockets_after(self, proc, endpoint, ctx_id):
+        """Once a killed worker that never became ours is gone, the socket files it may have bound."""
+        await proc.wait()
+        for e in (endpoint, control_endpoint(self.listen, ctx_id)):
+            remove_socket_file(e)
+
+    async def worker_ready(self, proc, token, ctl_token):
+        """Hand a new worker its secrets; its READY line, or what it said instead ("" for nothing)."""
+        secret = self.curve[1].decode() if self.curve else ""
+        try:
+            proc.stdin.write(f"{token.hex()}\n{secret}\n{ctl_token.hex()}\n".encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (ConnectionError, RuntimeError) as e:     # it died before reading: its exit says why
+            log.warning("a new worker closed its stdin: %s", e)
+        try:
+            return (await asyncio.wait_for(proc.stdout.readline(), WORKER_START_TIMEOUT)).decode().strip()
+        except asyncio.TimeoutError:
+            return ""
 
     async def watch(self, worker):
         code = await worker.proc.wait()

@@ -425,3 +425,36 @@ def test_a_worker_whose_client_dies_mid_kernel_stops(servers, monkeypatch):
         child.kill()
         child.wait()
     assert wait_until(lambda: ctx.pid not in srv.workers(), 10), "the worker computes on for a client that is gone"
+
+
+def test_a_worker_whose_start_is_cancelled_does_not_outlive_it(tmp_path):
+    """A handoff that fails while its warm copy's worker starts cancels that start: the worker
+    process goes with it, and the socket files it bound, instead of living on, owned by no one."""
+    import asyncio
+    import glob
+
+    from phos.gpu_server.frontend import FrontEnd
+    front = FrontEnd("emu", f"ipc://{tmp_path}/phos.sock")
+    started, ready = [], front.worker_ready
+
+    async def slow(proc, token, ctl_token):     # a real worker, whose READY reaches the front end late
+        started.append((proc, await ready(proc, token, ctl_token)))
+        await asyncio.Event().wait()
+
+    async def scenario():
+        front.worker_ready = slow
+        start = asyncio.ensure_future(front.start_worker(0, 0, standby=True))
+        while not started and not start.done():
+            await asyncio.sleep(0.01)
+        assert started, start.exception()
+        assert started[0][1].startswith("READY "), started
+        assert glob.glob(f"{tmp_path}/phos.sock.ct[xl]*"), "the worker bound its sockets"
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        code = await asyncio.wait_for(started[0][0].wait(), 10)
+        await asyncio.sleep(0.1)        # the sockets' removal, a task after its exit
+        return code
+
+    assert asyncio.run(scenario()) == -9
+    assert not glob.glob(f"{tmp_path}/phos.sock.ct[xl]*"), os.listdir(tmp_path)
