@@ -646,12 +646,7 @@ def test_setting_a_function_attribute_to_its_value_again_costs_no_round_trip(stu
     pytest.importorskip("cuda.bindings.driver")
     r = _python("""
         from cuda.bindings import driver as cu
-        ptx = b'''
-        .version 8.0
-        .target sm_90
-        .address_size 64
-        .visible .entry nothing() { ret; }
-        '''
+        ptx = b".version 8.0\\n.target sm_90\\n.address_size 64\\n.visible .entry nothing() { ret; }\\n"
         MAX_SHARED = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         assert cu.cuInit(0)[0] == 0
         err, ctx = cu.cuCtxCreate(None, 0, cu.cuDeviceGet(0)[1]); assert err == 0, err
