@@ -185,7 +185,8 @@ batch_calls = _declare("PHOS_BATCH_CALLS", int, 64, STUB,
                        "send a batch of asynchronous calls at this many calls (at most phos.capnp's maxRequestCalls, 4096)")
 batch_bytes = _declare("PHOS_BATCH_BYTES", int, 1 << 20, STUB, "... or this many payload bytes",
                           shown="1048576 (1 MiB)")
-batch_age_us = _declare("PHOS_BATCH_AGE_US", int, 1000, STUB, "... or when its first call is this many microseconds old")
+batch_age_us = _declare("PHOS_BATCH_AGE_US", int, 1000, STUB, "... or when its first call is this many microseconds old; "
+                        "after a call that waited for its answer (the device may be idle), 50 µs, doubling each batch up to this")
 inline_copy_max = _declare("PHOS_INLINE_COPY_MAX", int, 64 << 10, STUB,
                            "host-to-device copies up to this many bytes are captured and sent asynchronously")
 copy_threads = _declare("PHOS_COPY_THREADS", int, _copy_threads_default, STUB,
