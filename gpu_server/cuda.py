@@ -23,7 +23,7 @@ from phos.gpu_server.fatbin import module_variables
 from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, join_runs, pieces, stage_offsets
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import LAUNCH_COOPERATIVE, STREAM_ALIASES, launch_cluster
-from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES
+from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES, ahead_memory
 
 log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
@@ -852,8 +852,9 @@ class CudaSnapshotOps:
         Memory mapped ahead that no freeze() took was never read: it goes once it is mapped."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         if isinstance(frozen, Future):
-            if frozen.exception() is None and frozen.result() is not None:
-                self._unmap(frozen.result())
+            mapped = ahead_memory(frozen)
+            if mapped is not None:
+                self._unmap(mapped)
             return
         ok(cu.cuStreamSynchronize(self.streams["bulk"]), "cuStreamSynchronize")
         self._unmap(frozen[2])

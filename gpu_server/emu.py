@@ -20,6 +20,7 @@ from phos.gpu_server.staging_layout import FrozenLayout
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import launch_cluster
 from phos.snapshot.fingerprint import fingerprint
+from phos.snapshot.ops import ahead_memory
 
 MAX_DYNAMIC_SHARED = 8      # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 P2P_ATTRIBUTES = range(1, 5)  # CUdevice_P2PAttribute: performance rank, access, native atomics, CUDA arrays
@@ -323,7 +324,7 @@ class EmuSnapshotOps:
     def release(self, frozen):
         # the memory goes with its last reference: only what was mapped ahead is counted
         if isinstance(frozen, Future):
-            if frozen.exception() is None and frozen.result() is not None:
+            if ahead_memory(frozen) is not None:
                 self.mapped_ahead -= 1
         elif frozen[2]:
             self.mapped_ahead -= 1

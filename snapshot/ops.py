@@ -18,6 +18,12 @@ DIRECT_BATCH_BYTES = 512 << 20   # ... straight between the device and a pinned 
 Chunk = tuple                    # (device address, length in bytes)
 
 
+def ahead_memory(ahead: Future):
+    """The memory a done map_ahead() Future holds, or None where it holds none (the device had
+    too little free, or mapping failed)."""
+    return ahead.result() if ahead.exception() is None else None
+
+
 @runtime_checkable
 class SnapshotOps(Protocol):
     """A backend's device operations for snapshots (`backend.snap`). Chunks are (address,
