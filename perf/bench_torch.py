@@ -72,17 +72,26 @@ def timed(torch, fn):
     return (time.perf_counter() - t) * 1e3
 
 
-def gpt2_train(torch, steps, say):
+def gpt2_training(torch):
+    """GPT-2's training, as gpt2_train and gpt2_parts run it: (model, its fused AdamW, loss()),
+    loss() the forward pass of a batch of 8 x 1024 tokens under bf16 autocast."""
     torch.manual_seed(0)
     model = gpt2(torch)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     x = torch.randint(0, 50257, (8, 1024), device="cuda")
     y = torch.randint(0, 50257, (8, 1024), device="cuda")
 
-    def step():
+    def loss():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+            return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return model, opt, loss
+
+
+def gpt2_train(torch, steps, say):
+    model, opt, loss = gpt2_training(torch)
+
+    def step():
+        loss().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -100,19 +109,14 @@ def gpt2_parts(torch, steps, say):
     """Where gpt2_train's step goes, in the device's time (CUDA events): its forward pass,
     backward pass and optimizer step; then single operations of its shapes, each run 50
     times back to back so that the device, not the launches, sets the pace."""
-    torch.manual_seed(0)
-    model = gpt2(torch)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    x = torch.randint(0, 50257, (8, 1024), device="cuda")
-    y = torch.randint(0, 50257, (8, 1024), device="cuda")
+    _, opt, loss = gpt2_training(torch)
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     parts = {"forward_ms": [], "backward_ms": [], "optimizer_ms": []}
     for i in range(max(steps, 8)):
         marks[0].record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        forward = loss()
         marks[1].record()
-        loss.backward()
+        forward.backward()
         marks[2].record()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -141,8 +145,7 @@ def gpt2_parts(torch, steps, say):
     out["attention_fwd_bwd_ms"] = each(
         lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
     out["layernorm_ms"] = each(lambda: torch.nn.functional.layer_norm(up, (3072,)))
-    with torch.autocast("cuda", dtype=torch.bfloat16):     # gradients for the optimizer's step to apply
-        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    loss().backward()         # gradients for the optimizer's step to apply
     out["adamw_ms"] = each(opt.step, n=10)
     return out
 
