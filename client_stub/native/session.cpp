@@ -173,11 +173,13 @@ bool Connection::send_batch(bool want_reply, bool use_box) {
         }
     }
     if (!boxed && sent) sent = send_socket(0, batch_.size(), want_reply);
-    // A call that waits for its answer may leave the device idle: the calls after it go out
-    // once the first is kRampAge old, not PHOS_BATCH_AGE_US (1 ms of a PyTorch step's kernels
-    // held back behind each sync), and each batch may wait twice as long as the last.
-    if (want_reply) batch_age_ = kRampAge;
-    if (want_reply) batch_.back().wanted = true;   // a re-attach resends it last in a Request too
+    if (want_reply) {
+        batch_.back().wanted = true;   // a re-attach resends it last in a Request too
+        // A call that waits for its answer may leave the device idle: the calls after it go out
+        // once the first is kRampAge old, not PHOS_BATCH_AGE_US (1 ms of a PyTorch step's kernels
+        // held back behind each sync), and each batch may wait twice as long as the last.
+        batch_age_ = kRampAge;
+    }
     batch_.back().ends = true;
     for (auto& c : batch_) log_call(std::move(c));
     batch_.clear();
