@@ -6,6 +6,7 @@ restored or handed-off context keeps its addresses, on whichever device.
 """
 import collections
 import ctypes
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 import logging
 import os
@@ -31,6 +32,11 @@ PIN_PIECE = 2 << 20      # staging areas are pinned in pieces this big (see regi
 PIN_AFTER = 0.02         # ... beginning this long after the client attached
 STORE_PIN_PIECE = 16 << 20   # a HostStore is pinned in pieces of whole slots about this big (see CudaSnapshotOps.pin) ...
 PIN_PAUSE = 0.001        # ... and pinned and unpinned a piece at a time, this long apart
+# Batches of a read from freeze()'s copy into a store's slots under way at once (others: two, in
+# buffers that take turns). A training step's calls can hold the worker's thread ~35 ms, and the
+# link idles once the batches under way are copied (512 MiB, ~10 ms each); with four, enqueueing
+# a batch's copies waited up to 29 ms for room in the driver's queue, the application held.
+FROZEN_IN_FLIGHT = 3
 DEVICEMAP = 0x02         # CU_MEMHOSTREGISTER_DEVICEMAP
 HASH_PART = 1 << 20      # a chunk bigger than this is hashed in parts of this size ...
 SPLIT_BELOW = 1024       # ... when fewer chunks than this are hashed at once (a cut's thousands fill the GPU as they are)
@@ -960,15 +966,19 @@ class CudaSnapshotOps:
         from there: the fingerprint is that of the bytes handed on even if the application
         writes a chunk meanwhile, and the hash reads device memory, not the host copy (which
         held the copies to ~9.6 GB/s on the H200). Two batches are under way at a time, in
-        buffers that take turns: the next copies while the caller stores this one. Without
+        buffers that take turns: the next copies while the caller stores this one (from
+        freeze()'s copy into a store's slots, FROZEN_IN_FLIGHT). Without
         into, a batch lands in one of two pinned host buffers; with it (views of pinned memory,
         one per chunk), the chunks land there."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
         stream, batches, under_way, n = self.handles[key], iter(batches), collections.deque(), 0
+        first = next(batches, None)
+        depth = FROZEN_IN_FLIGHT if frozen is not None and first is not None and first[1] is not None else 2
+        batches = itertools.chain([first] if first is not None else [], batches)
         try:
             while True:
-                while len(under_way) < 2 and (batch := next(batches, None)) is not None:
+                while len(under_way) < depth and (batch := next(batches, None)) is not None:
                     yield None    # a batch's bookkeeping, its copies and storing the last: steps apart,
                     under_way.append(self._copy_out(key, stream, n % 2, *batch, frozen))     # a call may come between
                     n += 1

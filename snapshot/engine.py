@@ -516,6 +516,8 @@ class Checkpoint(ChunkJob):
         try:
             t = time.perf_counter()
             for got in copies:
+                if self.fps is None and self.copies_before_fingerprints:
+                    self.fingerprints_in()
                 if got is None:
                     yield
                     continue
@@ -591,8 +593,9 @@ class Checkpoint(ChunkJob):
         """Store a copied batch: publish its slots, or write its chunks (I/O threads; yields
         until they are written). A chunk that differs from the cut was written behind our back.
         Before the cut's fingerprints are in, a batch copied into store slots (a call's
-        copy-on-write, right after the cut) is kept aside, to be checked once they are: the
-        call goes on meanwhile, its kernel queued behind the fingerprint pass (check_kept)."""
+        copy-on-write right after the cut, or the background copy's first batches from the
+        cut's device copy) is kept aside, to be checked once they are: the call goes on
+        meanwhile, its kernel queued behind the fingerprint pass (check_kept)."""
         t = time.perf_counter()
         mine, need, slots = batch
         if self.fps is None and slots and not self.precopy:
@@ -640,12 +643,42 @@ class Checkpoint(ChunkJob):
         limit = URGENT_BATCH_BYTES if urgent else DIRECT_BATCH_BYTES if self.frozen is not None and self.direct else BATCH_BYTES
         return self.chunks.batches(idx, max(limit, self.chunk_size))
 
+    @property
+    def copies_before_fingerprints(self):
+        """Whether the background copy starts before the cut's fingerprints are in: from the
+        cut's own copy on the device into the store's slots, where nothing can change the bytes,
+        its first batches follow the fingerprint pass on the device and wait in `kept` to be
+        checked (keep). On the H200 a training step's calls held this thread ~35 ms after the
+        cut (launches waiting for room in the device's queue) while the link idled. Not with a
+        parent of the same layout: the store holds most chunks then, and the fingerprints say
+        which before anything is copied."""
+        return self.frozen is not None and self.direct and self.prior_keys is None
+
+    def fingerprints_in(self):
+        """Whether the cut's fingerprints are in: taken once the device is done, and the
+        batches copied before them checked and published then."""
+        if self.fps is None:
+            fps = self.fp_wait(block=False)
+            if fps is None:
+                return False
+            self.fps = fps
+            self.step("cut_fingerprints_ready", time.perf_counter())
+            self.check_kept()
+            self.store_module_images()     # on the I/O threads, now that the copy is under way
+        return True
+
     def save(self, idx, urgent=False):
         """Save claimed chunks now (a paused checkpoint, a call's copy-on-write)."""
         drain(self.saving(self.batches(idx, urgent), urgent=urgent))
 
     def run(self):
         """The background copy: every chunk nobody saved first, a step at a time (advance)."""
+        n = len(self.chunks)
+        if self.copies_before_fingerprints:
+            yield from self.saving(self.batches(range(n)), claim=True)
+            while not self.fingerprints_in():        # every batch was copied before they came
+                yield
+            return
         self.store_module_images()
         while (fps := self.fp_wait(block=False)) is None:
             yield
@@ -655,7 +688,6 @@ class Checkpoint(ChunkJob):
         # kernel ran right behind the pass, answers before the copies kept aside are checked
         yield
         self.check_kept()
-        n = len(self.chunks)
         for start in range(0, n, ASK_AT_ONCE):     # the store's questions in a few steps, not one a batch
             self.ask_store(range(start, min(start + ASK_AT_ONCE, n)))
             yield
@@ -736,9 +768,17 @@ class Checkpoint(ChunkJob):
         commit, which a handoff's target need not wait for."""
         while self.running:
             self.advance()
+        try:
+            return self.commit_image(seq_now, before_commit)
+        finally:
+            # the device copy's memory (as much as the context's) goes last: its bytes are on the
+            # host by then, and unmapping it (~7 ms for 10 GiB on the H200) held the commit
+            self.release_frozen()
+
+    def commit_image(self, seq_now, before_commit):
+        """finish() once copying ended: the image checked, described and committed."""
         t = time.perf_counter()
         self.release_spare()
-        self.release_frozen()
         self.release_ahead()         # a cut that failed before freeze() took it
         t = self.step("finish_release", t)
         if self.failure is not None:

@@ -891,6 +891,52 @@ def test_a_concurrent_cut_saves_from_a_device_copy_where_the_device_has_room(tmp
     assert region(store, "a", ptr).tobytes() == at_cut.tobytes()
 
 
+def fingerprints_held(snap):
+    """The cut's fingerprint pass stays under way (its wait says None) until the test sets the
+    Event it returns, as a device's pass takes milliseconds behind the application's kernels."""
+    real, ready = snap.fingerprints, threading.Event()
+
+    def fingerprints(chunks, fence, frozen=None):
+        wait = real(chunks, fence, frozen)
+        return lambda block=True: wait(block) if block or ready.is_set() else None
+    snap.fingerprints = fingerprints
+    return ready
+
+
+@pytest.mark.parametrize("parent", [False, True])
+def test_a_device_copy_goes_to_a_host_store_before_the_cuts_fingerprints_are_in(tmp_path, parent):
+    """From the cut's device copy into a HostStore's slots, the background copy starts before
+    the cut's fingerprints are in (nothing can change those bytes); its batches are checked
+    and published once they are, and the image holds the cut's bytes. After a parent of the
+    same layout it waits for them: they say which chunks the store holds already."""
+    from phos.snapshot.engine import Checkpoint
+    at_cut = filler(8 << 20)
+    s, ptr = emu_session_holding(at_cut)
+    store = HostStore.create(tmp_path / "host", 24 * ((1 << 20) + 4096), capacity=1 << 20)
+    if parent:
+        first = Checkpoint(s, store, "parent", chunk_size=1 << 20)
+        first.cut(1, paused=False)
+        s.checkpoint = first
+        first.finish(1)
+    ready = fingerprints_held(s.backend.snap)
+    # with the parent's regions and keys, as a worker keeps them of its last image (Worker.remember)
+    cp = Checkpoint(s, store, "a", chunk_size=1 << 20, **({"parent": "parent", "prior": (first.chunks.regions, first.keys),
+                                                           "known": first.chunk_keys()} if parent else {}))
+    cp.cut(2, paused=False)
+    s.checkpoint = cp
+    assert cp.frozen is not None and cp.direct
+    for _ in range(50):
+        cp.advance()
+    copied_early = sum(len(batch[0]) for batch, _ in cp.kept)
+    assert copied_early == (0 if parent else 8), "chunks copied before the cut's fingerprints"
+    s.backend.htod(ptr, filler(8 << 20, seed=5).tobytes(), None)      # the application writes after the cut
+    ready.set()
+    result = cp.finish(3)
+    assert not cp.kept and result["recopied_chunks"] == 0 and result["device_copy"]
+    assert region(store, "a", ptr).tobytes() == at_cut.tobytes()
+    assert result["copied_bytes"] == (0 if parent else 8 << 20)
+
+
 # -- the cut's device copy, mapped ahead of the cut (SnapshotOps.map_ahead) -----------------
 class Sent(list):
     """A worker's socket, in process: what it sent. No call ever waits on it."""
