@@ -556,6 +556,8 @@ class CudaBackend:
         cu.cuCtxSynchronize()
         for thread in self.pinning:
             thread.join()
+        if self._snap is not None:
+            self._snap.mapper.shutdown()     # its mappings made and released, before the context goes
         # Piece by piece, a moment apart: unpinning holds a driver lock that every process on
         # the GPU shares, and a process pinning meanwhile stalls its own launches behind it. A
         # handoff's target pins its client's staging area just as the retiring source lets go:
@@ -785,6 +787,8 @@ class CudaSnapshotOps:
             table = pieces(*layout.runs(base), FREEZE_PIECE)
             self._copy_pieces(table, self.handles["bulk"])
             self._fence(self.streams["bulk"])       # the application's later work waits for the copy alone
+            copied = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            ok(cu.cuEventRecord(copied, self.streams["bulk"]), "cuEventRecord")      # read() starts after it
         except BaseException:      # a driver call failed: the memory goes with the cut, once our stream is done
             if mapped is not None:
                 cu.cuStreamSynchronize(self.streams["bulk"])
@@ -792,7 +796,7 @@ class CudaSnapshotOps:
             raise
         if step:
             step(f"cut_freeze_{len(table)}_pieces_of_{len(layout.sizes)}_regions", t)
-        return base, layout, mapped
+        return base, layout, mapped, copied
 
     def _copy_pieces(self, table, stream):
         """Enqueue the copies of a pieces() table on stream, in one launch of copy_pieces. Its
@@ -854,16 +858,24 @@ class CudaSnapshotOps:
             _cuMemRelease(handle)
 
     def release(self, frozen):
-        """Once the bulk stream's reads of the copy are done: unmapping does not wait for them.
+        """Once our streams' reads of the copy are done: unmapping does not wait for them.
         Memory mapped ahead that no freeze() took was never read: it goes once it is mapped."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         if isinstance(frozen, Future):
             mapped = ahead_memory(frozen)
-            if mapped is not None:
-                self._unmap(mapped)
-            return
-        ok(cu.cuStreamSynchronize(self.streams["bulk"]), "cuStreamSynchronize")
-        self._unmap(frozen[2])
+        else:
+            for stream in self.streams.values():      # read() copies from it on the urgent one
+                ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+            cu.cuEventDestroy(frozen[3])
+            mapped = frozen[2]
+        if mapped is not None:
+            # on the mapping thread: unmapping a context's copy takes as long as mapping it (26 ms
+            # for 32 GiB on the H200), which held the application's calls on this one
+            self.mapper.submit(self._unmap_current, mapped)
+
+    def _unmap_current(self, mapped):
+        ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
+        self._unmap(mapped)
 
     def fingerprints(self, chunks, fence, frozen=None):
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
@@ -973,6 +985,11 @@ class CudaSnapshotOps:
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
         stream, batches, under_way, n = self.handles[key], iter(batches), collections.deque(), 0
+        if frozen is not None:
+            # from freeze()'s copy, once it is made: on the urgent stream (no call's copy-on-write
+            # needs it then), beside the cut's fingerprint pass, which follows the copy on the bulk one
+            ok(cu.cuStreamWaitEvent(self.streams["urgent"], frozen[3], 0), "cuStreamWaitEvent")
+            stream = self.handles["urgent"]
         first = next(batches, None)
         depth = FROZEN_IN_FLIGHT if frozen is not None and first is not None and first[1] is not None else 2
         batches = itertools.chain([first] if first is not None else [], batches)

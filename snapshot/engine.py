@@ -771,9 +771,7 @@ class Checkpoint(ChunkJob):
         try:
             return self.commit_image(seq_now, before_commit)
         finally:
-            # the device copy's memory (as much as the context's) goes last: its bytes are on the
-            # host by then, and unmapping it (~7 ms for 10 GiB on the H200) held the commit
-            self.release_frozen()
+            self.release_frozen()      # the device copy: last, its bytes are on the host by then
 
     def commit_image(self, seq_now, before_commit):
         """finish() once copying ended: the image checked, described and committed."""
