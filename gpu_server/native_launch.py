@@ -68,7 +68,7 @@ class NativeLauncher:
         """Launch every record of blob (bytes) as calls.launch_batch would. False: nothing ran,
         the Python path must take it. A failed launch does not stop the later ones: the first
         failure is raised at the end; a sticky one is raised at once."""
-        if s.snapshotting or s.space.moved:
+        if s.watches_launches or s.space.moved:
             return False
         blob = blob if isinstance(blob, bytes) else bytes(blob)      # ctypes passes bytes without a copy
         first, failed = 0, None

@@ -206,11 +206,18 @@ class Session:
                     "pointers to it are stale", self.ctx_id, name, old, ptr)
         return False
 
+    @property
+    def watches_launches(self):
+        """Whether a launch must say what it may touch before it runs (touch_kernel): while a
+        restore loads on demand, or a checkpoint saves what calls write first. Not while one
+        saves from the cut's device copy, which no launch can change."""
+        return self.restoring is not None or self.checkpoint is not None and self.checkpoint.watches_writes
+
     def touch_kernel(self, fn, params):
         """A launch may write anywhere in each allocation its parameters point into, and in
         every global of its module (which it names without a pointer)."""
-        if self.restoring is None and (self.checkpoint is None or not self.checkpoint.watches_writes):
-            return                   # saved from the cut's device copy: nothing to do per launch
+        if not self.watches_launches:
+            return
         for ptr in engine.kernel_pointers(self, params):
             self.touch(ptr, 0, whole=True)
         for _, ptr, size in self.backend.module_globals(self.handle("module", fn.module_id)):

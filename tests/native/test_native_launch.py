@@ -172,16 +172,33 @@ def test_batches_the_native_path_must_not_judge_go_to_python_whole(session):
     assert s.driver.launches == [] and len(s.python_launches) == 2      # of the earlier case; none of these
 
 
-def test_while_snapshotting_or_moved_launches_take_the_python_path(session):
+@pytest.mark.parametrize("state", ["checkpoint by copy-on-write", "restore on demand", "moved global",
+                                   "checkpoint from its device copy"])
+def test_launches_that_must_say_what_they_touch_take_the_python_path(session, state):
+    """The Python path tells a snapshot what a launch may write (touch_kernel); a checkpoint
+    saving from the cut's device copy needs nothing of it, and launches stay compiled."""
     s = session
     k = add_function(s, 0x1000, "k", [(0, 8), (8, 4)])
-    s.snapshotting = True
-    s.touch_kernel = lambda fn, params: None          # no checkpoint object here: the path is what is checked
+    touched = []
+    s.touch_kernel = lambda fn, params: touched.append(fn.name)    # the stand-ins below hold no memory
+    if state == "checkpoint by copy-on-write":
+        s.checkpoint = SimpleNamespace(watches_writes=True)
+    elif state == "restore on demand":
+        s.restoring = SimpleNamespace()
+    elif state == "moved global":
+        s.space.moved[0x7000_0000], s.space.sizes[0x7000_0000] = 0x7100_0000, 64
+    else:
+        s.checkpoint = SimpleNamespace(watches_writes=False)
+    s.snapshotting = s.checkpoint is not None or s.restoring is not None
     assert batch(s, record(k, bytes(12))) == (0, "")
+    python = state != "checkpoint from its device copy"
+    assert (len(s.python_launches), len(s.driver.launches)) == ((1, 0) if python else (0, 1))
+    s.checkpoint = s.restoring = None
     s.snapshotting = False
-    assert (len(s.python_launches), len(s.driver.launches)) == (1, 0)
+    s.space.moved.clear()
+    s.space.sizes.pop(0x7000_0000, None)
     assert batch(s, record(k, bytes(12))) == (0, "")
-    assert (len(s.python_launches), len(s.driver.launches)) == (1, 1)
+    assert (len(s.python_launches), len(s.driver.launches)) == ((1, 1) if python else (0, 2))
 
 
 def test_dropped_and_replaced_ids_are_forgotten(session):
