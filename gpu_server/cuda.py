@@ -787,8 +787,6 @@ class CudaSnapshotOps:
             table = pieces(*layout.runs(base), FREEZE_PIECE)
             self._copy_pieces(table, self.handles["bulk"])
             self._fence(self.streams["bulk"])       # the application's later work waits for the copy alone
-            copied = ok(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-            ok(cu.cuEventRecord(copied, self.streams["bulk"]), "cuEventRecord")      # read() starts after it
         except BaseException:      # a driver call failed: the memory goes with the cut, once our stream is done
             if mapped is not None:
                 cu.cuStreamSynchronize(self.streams["bulk"])
@@ -796,7 +794,7 @@ class CudaSnapshotOps:
             raise
         if step:
             step(f"cut_freeze_{len(table)}_pieces_of_{len(layout.sizes)}_regions", t)
-        return base, layout, mapped, copied
+        return base, layout, mapped
 
     def _copy_pieces(self, table, stream):
         """Enqueue the copies of a pieces() table on stream, in one launch of copy_pieces. Its
@@ -858,15 +856,13 @@ class CudaSnapshotOps:
             _cuMemRelease(handle)
 
     def release(self, frozen):
-        """Once our streams' reads of the copy are done: unmapping does not wait for them.
+        """Once the bulk stream's reads of the copy are done: unmapping does not wait for them.
         Memory mapped ahead that no freeze() took was never read: it goes once it is mapped."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         if isinstance(frozen, Future):
             mapped = ahead_memory(frozen)
         else:
-            for stream in self.streams.values():      # read() copies from it on the urgent one
-                ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
-            cu.cuEventDestroy(frozen[3])
+            ok(cu.cuStreamSynchronize(self.streams["bulk"]), "cuStreamSynchronize")
             mapped = frozen[2]
         if mapped is not None:
             # on the mapping thread: unmapping a context's copy takes as long as mapping it (26 ms
@@ -879,7 +875,11 @@ class CudaSnapshotOps:
 
     def fingerprints(self, chunks, fence, frozen=None):
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
-        if frozen is not None:      # the copy's bytes, after it on the same stream; freeze fenced it
+        if frozen is not None:
+            # The copy's bytes, after it on the same stream (freeze fenced it), and before the copy
+            # to the host, which follows on it: with that copy on another stream, its queue of
+            # batches held the pass's lane sums back to its end (219-233 ms into checkpoints of
+            # 270-310 ms on the H200), and left its batches unchecked until then.
             rows = np.asarray(chunks, np.uint64).reshape(-1, 2)
             copied = np.column_stack([frozen[1].source(frozen[0], rows[:, 0]), rows[:, 1]])
             return self._hash(copied, "cut", self.handles["bulk"])
@@ -985,11 +985,6 @@ class CudaSnapshotOps:
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         key = "urgent" if urgent else "bulk"
         stream, batches, under_way, n = self.handles[key], iter(batches), collections.deque(), 0
-        if frozen is not None:
-            # from freeze()'s copy, once it is made: on the urgent stream (no call's copy-on-write
-            # needs it then), beside the cut's fingerprint pass, which follows the copy on the bulk one
-            ok(cu.cuStreamWaitEvent(self.streams["urgent"], frozen[3], 0), "cuStreamWaitEvent")
-            stream = self.handles["urgent"]
         first = next(batches, None)
         depth = FROZEN_IN_FLIGHT if frozen is not None and first is not None and first[1] is not None else 2
         batches = itertools.chain([first] if first is not None else [], batches)
