@@ -59,6 +59,7 @@ class TargetServer:
     address: its admin API (unix:PATH, or the tcp:// server, with curve: see open_admin).
     Its failures become CudaErrors that say the context stays here."""
     same_server = False
+    remote = False           # on this host: it reads the rounds where we put them
 
     def __init__(self, address, ctx, to, curve=None):
         self.address, self.ctx, self.to, self.curve = address, ctx, to, curve

@@ -15,6 +15,7 @@ Plain code over two parties, so that it runs without gRPC or processes (tests fa
           gpu_server/handoff_net.py RemoteTarget, over the network), or another device of the
           same server (DeviceTarget, below):
           same_server: whether the target is the source's front end itself;
+          remote: whether it reads the rounds only as the source sends them (another host);
           async stats() -> .recovery_dir, .host_store, .standby, .server_key (z85 or "");
           async restore(store, name, **how) -> .endpoint, .phase_ms (how: warm, advance, full, delta);
           async drop_warm(); async wait_loaded(timeout)
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 
 from phos.gpu_server.handoff_store import HandoffStore
 from phos.schema.cuda_types import CudaError
+from phos.snapshot import open_store
 from phos.snapshot.image import DEFAULT_CHUNK_SIZE
 
 MAX_ROUNDS = 12                  # pre-copy rounds of a handoff, at most
@@ -71,9 +73,8 @@ class Handoff:
         w = self.worker
         try:
             info = await self.target.stats()
-            # a host store both servers pin: the rounds go device to device through it
-            shared = info.host_store if info.host_store and info.host_store == self.source.host_store else ""
-            store = self.store = self.make_store(self.ctx, info.recovery_dir, shared)
+            store = self.store = self.make_store(self.ctx, info.recovery_dir, await self.host_store_for(info))
+            log.info("context %d: the handoff's rounds go to %s", self.ctx, store.path)
             warm = True
             rounds, round_ms, parent = await self.pre_copy()
             frozen = time.perf_counter()
@@ -112,6 +113,22 @@ class Handoff:
         finally:
             if not loading and self.store is not None:
                 await asyncio.to_thread(self.store.remove)     # off the loop: it may be gigabytes of files
+
+    async def host_store_for(self, info):
+        """The source's host store where the rounds go there, else "": where the target pins
+        it too (device to device through it), or where the target reads the rounds only as we
+        send them (another host) and the store has room for the context twice over (its first
+        round, and the later ones beside it): the device copies them straight into its slots,
+        not through buffers into files (~2.5 GB/s on the H200)."""
+        mine = self.source.host_store or ""
+        if mine and info.host_store == mine:
+            return mine
+        if not (mine and self.target.remote):
+            return ""
+        chunks = 2 * -(-(await self.source.ctx_stats(self.worker))["bytes"] // self.chunk)
+        store = await asyncio.to_thread(open_store, mine, create=False)
+        free = (await asyncio.to_thread(store.stats))["free_slots"]
+        return mine if self.chunk <= store.capacity and free >= chunks else ""
 
     async def adopt(self, name, **how):
         return await self.target.restore(self.store.path, name, **how)
@@ -220,6 +237,7 @@ class DeviceTarget:
     The restore puts the context's allocations at their addresses, in its range (worker.py
     take_base), so the application's pointers stay valid on the new device."""
     same_server = True
+    remote = False
     DROP_WAIT = 3.0             # seconds drop_warm waits for the copy's worker to be gone
 
     def __init__(self, front, ctx, device):

@@ -1,7 +1,8 @@
 """A handoff to a server that shares nothing with this one but the network (a tcp:// target).
 
-The source (gpu_server/handoff.py) takes its rounds into a store of its own in /dev/shm, as
-for any target without a shared store. RemoteTarget, the target party it talks to, sends each
+The source (gpu_server/handoff.py) takes its rounds into its own host store where it has one
+(--host-store: the device copies them straight into its slots), else into a directory in
+/dev/shm, as for any target without a shared store. RemoteTarget, the target party it talks to, sends each
 round to the target over the target's network admin API (gpu_server/admin_net.py; CURVE,
 this server's own key pair) before asking it to adopt the round: the chunks the target does
 not hold yet (PUT_CHUNKS, in batches), then the manifest (PutManifest); the final round's
@@ -33,7 +34,7 @@ from phos.schema import admin_pb2 as pb
 from phos.schema import wire
 from phos.schema.admin_net import PUT_CHUNKS, AdminCallError, NetAdminConnection, admin_address
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.snapshot import DirStore, ImageError, read_image
+from phos.snapshot import DirStore, ImageError, open_store, read_image
 from phos.snapshot.image import put_received_chunk, put_received_manifest
 
 log = logging.getLogger("phos.admin")
@@ -48,6 +49,7 @@ VERIFIERS = min(8, max(4, os.cpu_count() or 1))
 class RemoteTarget(TargetServer):
     """TargetServer over the network: rounds are sent before they are adopted (see above).
     curve: (the target's public key, this server's public key, this server's secret key)."""
+    remote = True
 
     def __init__(self, to, ctx, curve):
         super().__init__(to, ctx, to, curve)
@@ -74,7 +76,7 @@ class RemoteTarget(TargetServer):
     async def restore(self, store, name, **how):
         if self.inbox is None:
             self.inbox = (await self.ask(self.stub.OpenInbox, pb.OpenInboxRequest(ctx=self.ctx), 10)).store
-        local = DirStore(store, create=False)
+        local = open_store(store, create=False)      # our host store, or a directory in /dev/shm
         if how.get("delta"):          # the last round, not committed yet: its changed chunks alone
             keys = {key for _, _, key in wire.read_delta(how["delta"])["changes"]}
             await self.send_chunks(local, keys)

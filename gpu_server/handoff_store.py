@@ -6,9 +6,10 @@ the moment it adopts it, its own recovery images follow it incrementally, and a 
 dies before it took one loses nothing. The path must be one this server can write, as a
 handoff's store always had to be (the same host, or a shared file system). Otherwise, when
 both servers pin the same HostStore (--host-store), the rounds go there: the device copies
-them into its shared memory and the target's device straight out of it, with no files.
-Else they go to a directory in /dev/shm named for this process (frontend.sweep_shm removes
-what a killed one left).
+them into its shared memory and the target's device straight out of it, with no files. A
+target on another host reads the rounds as the source sends them: they go to the source's
+own HostStore where it has one with room (handoff.Handoff.host_store_for). Else they go to a
+directory in /dev/shm named for this process (frontend.sweep_shm removes what a killed one left).
 """
 import logging
 import os

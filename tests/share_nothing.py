@@ -50,11 +50,12 @@ def key_pairs(a_keys, b_keys):
     shutil.copy(a_keys / "server.key", b_keys / "admins" / "server-a.key")
 
 
-def start_isolated(backend, directory, keys, pool=1):
-    """A `phos server` in a namespace of its own, on a free tcp://127.0.0.1 port, with the keys in `keys`."""
+def start_isolated(backend, directory, keys, pool=1, extra=()):
+    """A `phos server` in a namespace of its own, on a free tcp://127.0.0.1 port, with the keys in
+    `keys`; extra: more of its arguments (paths in PRIVATE are its own)."""
     wrap = ["unshare", "-m", "--propagation", "private", "sh", "-c", isolate(keys), "sh"]
     return LocalServer(backend, directory, listen=f"tcp://127.0.0.1:{free_port_pair()}", pool=pool, wrap=wrap,
-                       extra=("--auth-dir", f"{PRIVATE}/keys", "--image-key", f"{PRIVATE}/image.key"))
+                       extra=("--auth-dir", f"{PRIVATE}/keys", "--image-key", f"{PRIVATE}/image.key", *extra))
 
 
 class Relay:

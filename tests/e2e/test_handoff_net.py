@@ -20,17 +20,22 @@ import pytest
 from conftest import wait_until
 from phos.schema import admin_pb2 as pb
 from phos.schema.admin_net import admin_address, close_admin, open_admin, read_key_file
-from share_nothing import Relay, free_port_pair, key_pairs, start_isolated, unshare_permitted
+from share_nothing import PRIVATE, Relay, free_port_pair, key_pairs, start_isolated, unshare_permitted
 from test_handoff import compute_while
 from test_snapshot_engine import App
 from test_stub_reattach import PAUSE, Program, iterate  # noqa: F401 (iterate: a fixture)
 
 N, TOTAL = 1 << 15, 200
 
+# A's own host store, in its private /dev/shm (pair's parameter: A's extra arguments)
+HOST_STORE = ("--host-store", f"{PRIVATE}/host", "--host-memory", "64M")
+
+
 @pytest.fixture
-def pair(tmp_path, backend):
+def pair(tmp_path, backend, request):
     """Two isolated servers, A and B, each with keys of its own; the test's client key (A's
-    client pair) is admitted by both, and A's server key by B's admin API (A calls B)."""
+    client pair) is admitted by both, and A's server key by B's admin API (A calls B).
+    Parametrized (indirect): A's extra arguments."""
     why = unshare_permitted()
     if why:
         pytest.skip(f"mount namespaces are not permitted here (unshare -m: {why})")
@@ -38,12 +43,12 @@ def pair(tmp_path, backend):
     key_pairs(a_keys, b_keys)
     started = []
 
-    def start(name, keys):
+    def start(name, keys, extra=()):
         (tmp_path / name).mkdir()
-        srv = start_isolated(backend, tmp_path / name, keys)
+        srv = start_isolated(backend, tmp_path / name, keys, extra=extra)
         started.append(srv)
         return srv
-    a, b = start("a", a_keys), start("b", b_keys)
+    a, b = start("a", a_keys, getattr(request, "param", ())), start("b", b_keys)
     env = {"PHOS_SERVER_KEY": str(a_keys / "server.key"), "PHOS_CLIENT_KEY": str(a_keys / "client.key_secret")}
     yield a, b, a_keys, b_keys, env
     for srv in started:
@@ -115,6 +120,22 @@ def test_python_client_carries_on_across_a_share_nothing_handoff(pair, keyed_cli
     assert app.id not in contexts(a, a_keys, env)
     from phos.client_stub import connection
     assert connection.SERVER_KEYS, "the client did not learn B's key from the move"
+
+
+@pytest.mark.parametrize("pair", [HOST_STORE], indirect=True)
+def test_a_source_with_a_host_store_sends_the_rounds_from_it(pair, keyed_client):
+    """A source with a host store of its own takes a share-nothing handoff's rounds there (the
+    device copies into its slots), sends them from there, and the client's data is intact."""
+    a, b, a_keys, b_keys, env = pair
+    cu = keyed_client(a, env)
+    app = App(cu)
+    data = np.random.default_rng(3).standard_normal(4 * N).astype(np.float32)
+    ptr = app.put(data)
+    r = phos_handoff(app.id, a, b, b_keys, env)
+    assert r.returncode == 0, r.stderr
+    assert app.get(ptr, 4 * N).tobytes() == data.tobytes()
+    assert contexts(b, b_keys, env).get(app.id) == "running"
+    assert f"the handoff's rounds go to {PRIVATE}/host" in a.output()
 
 
 def test_a_client_that_missed_the_move_learns_b_key_from_a(pair, keyed_client):

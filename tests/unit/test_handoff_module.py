@@ -36,16 +36,22 @@ class Source:
     def worker_alive(self, worker):
         return True
 
+    async def ctx_stats(self, worker):
+        return {"bytes": self.context_bytes}
+
+    context_bytes = 64 * MiB
+
 
 class Target:
     same_server = False
+    remote = False
 
-    def __init__(self, recovery_dir="", refuse=()):
-        self.recovery_dir, self.refuse = recovery_dir, refuse
+    def __init__(self, recovery_dir="", refuse=(), host_store=""):
+        self.recovery_dir, self.refuse, self.host_store = recovery_dir, refuse, host_store
         self.restores, self.dropped, self.waited = [], False, False
 
     async def stats(self):
-        return types.SimpleNamespace(recovery_dir=self.recovery_dir, host_store="", standby="ipc:///standby")
+        return types.SimpleNamespace(recovery_dir=self.recovery_dir, host_store=self.host_store, standby="ipc:///standby")
 
     async def restore(self, store, name, **how):
         self.restores.append((name, how))
@@ -65,6 +71,7 @@ class Store:
 
     def __init__(self, ctx, recovery_dir, host_store):
         self.path, self.recovery, self.rounds, self.removed = "/rounds", bool(recovery_dir), [], []
+        self.host_store = host_store
         Store.made.append(self)
 
     def round_name(self, i):
@@ -168,3 +175,23 @@ def test_a_dropped_inbox_is_refused_at_once_and_its_files_go_after():
     finally:
         inboxes.close()          # waits for the removal: nothing is left behind
     assert not os.path.exists(kept)
+
+
+@pytest.mark.parametrize("target, context_mib, rounds_in_our_host_store", [
+    ("on another host", 8, True),
+    ("on another host", 64, False),        # 2 x 32 chunks of 2 MiB: more than its 16 free slots
+    ("on this host", 8, False),            # it reads the rounds where we put them: files in /dev/shm
+    ("sharing our host store", 64, True),  # it pins it too, whatever the room
+])
+def test_the_rounds_go_to_the_sources_host_store_where_the_target_cannot_read_ours(tmp_path, target, context_mib,
+                                                                                   rounds_in_our_host_store):
+    """A target on another host reads the rounds only as we send them: with room in our host
+    store for the context twice over, the device copies them straight into its slots."""
+    from phos.snapshot import HostStore
+    ours = HostStore.create(tmp_path / "host", 16 * (4096 + 2 * MiB), capacity=2 * MiB)
+    source = Source([100 * MiB, 1 * MiB, 1 * MiB])
+    source.host_store, source.context_bytes = ours.path, context_mib * MiB
+    t = Target(host_store=ours.path if target == "sharing our host store" else "")
+    t.remote = target == "on another host"
+    run(source, t)
+    assert Store.made[-1].host_store == (ours.path if rounds_in_our_host_store else "")
