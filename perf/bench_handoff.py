@@ -10,7 +10,8 @@ memory per second, between two server processes on one GPU (issue 6).
 --via tcp: each server in a mount namespace of its own (own /dev/shm, /tmp, /run, keys and
 image key: tests/share_nothing.py), on tcp://127.0.0.1 with CURVE keys; the rounds stream
 over the target's network admin API (gpu_server/handoff_net.py) and the client follows with
-the target's key. Needs root's `unshare -m`.
+the target's key. The source has a host store of its own, where the rounds go (unless
+--no-source-host-store). Needs root's `unshare -m`.
 
 Downtime is the longest gap between two of the application's completed synchronizing calls
 during the handoff; the loop without a handoff gives the baseline gap. That gap includes the
@@ -55,11 +56,13 @@ def writer(app, stop, ends, starts, step, share=0.1):
         time.sleep(max(0.0, step - (time.perf_counter() - t)))
 
 
-def share_nothing_servers(backend, work_dir):
+def share_nothing_servers(backend, work_dir, source_host_memory=0):
     """Two servers in mount namespaces of their own, on TCP with keys of their own (tests/share_nothing.py);
-    returns them, the client's environment and the Handoff's to_server_key."""
+    returns them, the client's environment and the Handoff's to_server_key. source_host_memory:
+    the first (the source) has a host store of its own that big, in its own /dev/shm, as a GPU
+    server is set up (README): the rounds go there (gpu_server/handoff.py, host_store_for)."""
     import pathlib
-    from share_nothing import key_pairs, start_isolated, unshare_permitted
+    from share_nothing import PRIVATE, key_pairs, start_isolated, unshare_permitted
     from phos.schema.admin_net import read_key_file
     why = unshare_permitted()
     if why:
@@ -67,20 +70,21 @@ def share_nothing_servers(backend, work_dir):
     a_keys, b_keys = pathlib.Path(work_dir) / "a-keys", pathlib.Path(work_dir) / "b-keys"
     key_pairs(a_keys, b_keys)
     servers = []
-    for name, keys in (("one", a_keys), ("two", b_keys)):
+    host = ("--host-store", f"{PRIVATE}/host", "--host-memory", str(source_host_memory)) if source_host_memory else ()
+    for name, keys, extra in (("one", a_keys, host), ("two", b_keys, ())):
         os.makedirs(os.path.join(work_dir, name))
-        servers.append(start_isolated(backend, os.path.join(work_dir, name), keys))
+        servers.append(start_isolated(backend, os.path.join(work_dir, name), keys, extra=extra))
     env = {"PHOS_SERVER_KEY": str(a_keys / "server.key"), "PHOS_CLIENT_KEY": str(a_keys / "client.key_secret")}
     return servers, env, read_key_file(str(b_keys / "server.key")).decode()
 
 
-def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store="", step=0.001, tcp=False):
+def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store="", step=0.001, tcp=False, host_memory=0):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
     to_key = ""
     if tcp:
-        (one, two), env, to_key = share_nothing_servers(backend, work_dir)
+        (one, two), env, to_key = share_nothing_servers(backend, work_dir, host_memory)
         os.environ.update(env)
     else:
         # a target taking recovery images gets the rounds in its recovery directory; else servers
@@ -156,6 +160,9 @@ def main():
     ap.add_argument("--via", default="host store", choices=["host store", "shm", "tcp"],
                     help="where the rounds go: a HostStore both servers pin (twice the context's size, on /dev/shm), "
                     "chunk files in /dev/shm, or over TCP between two servers that share nothing (see above)")
+    ap.add_argument("--source-host-store", action=argparse.BooleanOptionalAction, default=True,
+                    help="--via tcp: the source server has a host store of its own (twice the context's size), "
+                    "where the rounds go; --no-source-host-store: chunk files in its /dev/shm")
     ap.add_argument("--step-ms", type=float, default=1.0, help="the application's pace: a write and a sync this often")
     ap.add_argument("--repeat", type=int, default=REPEAT,
                     help="runs of each size (a fresh pair of servers each): the device's figures vary from run to run")
@@ -176,7 +183,7 @@ def main():
             row = {"size": f"{size} {args.unit}", "via": args.via,
                    **measure(args.backend, nbytes, tempfile.mkdtemp(prefix="phos-handoff-bench-"),
                              args.chunk_kib << 10, args.target_recovery_dir, host, args.step_ms / 1e3,
-                             tcp=args.via == "tcp")}
+                             tcp=args.via == "tcp", host_memory=(2 * nbytes + 512 * MiB) * args.source_host_store)}
         finally:
             if host:
                 shutil.rmtree(host, ignore_errors=True)
