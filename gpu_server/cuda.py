@@ -33,9 +33,10 @@ PIN_AFTER = 0.02         # ... beginning this long after the client attached
 STORE_PIN_PIECE = 16 << 20   # a HostStore is pinned in pieces of whole slots about this big (see CudaSnapshotOps.pin) ...
 PIN_PAUSE = 0.001        # ... and pinned and unpinned a piece at a time, this long apart
 # Batches of a read from freeze()'s copy into a store's slots under way at once (others: two, in
-# buffers that take turns). A training step's calls can hold the worker's thread ~35 ms, and the
-# link idles once the batches under way are copied (512 MiB, ~10 ms each); with four, enqueueing
-# a batch's copies waited up to 29 ms for room in the driver's queue, the application held.
+# buffers that take turns): the link idles once those are copied (512 MiB, ~10 ms each), and the
+# worker's steps can come that far apart (a batch's bookkeeping took 8-10 ms beside the module
+# images being stored, on the H200). Not more: enqueueing a batch's copies can wait for room in
+# the driver's queue, the application's calls held meanwhile (16 and 29 ms with four under way).
 FROZEN_IN_FLIGHT = 3
 DEVICEMAP = 0x02         # CU_MEMHOSTREGISTER_DEVICEMAP
 HASH_PART = 1 << 20      # a chunk bigger than this is hashed in parts of this size ...
