@@ -650,7 +650,7 @@ class Checkpoint(ChunkJob):
         its first batches follow the fingerprint pass on the device and wait in `kept` to be
         checked (keep). Waiting for them first, a training context's copy began 68 ms after its
         cut on the H200 (the fingerprints in at 21 ms, then a call of 36 ms, then the store's
-        questions), at a third of the checkpoint. Not with a parent of the same layout: the
+        questions), a quarter into the checkpoint. Not with a parent of the same layout: the
         store holds most chunks then, and the fingerprints say which before anything is copied."""
         return self.frozen is not None and self.direct and self.prior_keys is None
 
