@@ -516,7 +516,7 @@ class Checkpoint(ChunkJob):
         try:
             t = time.perf_counter()
             for got in copies:
-                if self.fps is None and self.copies_before_fingerprints:
+                if self.copies_before_fingerprints:
                     self.fingerprints_in()
                 if got is None:
                     yield
@@ -654,18 +654,22 @@ class Checkpoint(ChunkJob):
         store holds most chunks then, and the fingerprints say which before anything is copied."""
         return self.frozen is not None and self.direct and self.prior_keys is None
 
-    def fingerprints_in(self):
-        """Whether the cut's fingerprints are in: taken once the device is done, and the
-        batches copied before them checked and published then."""
+    def take_fingerprints(self):
+        """Whether the cut's fingerprints are in: taken from the device once it is done."""
         if self.fps is None:
             fps = self.fp_wait(block=False)
             if fps is None:
                 return False
             self.fps = fps
             self.step("cut_fingerprints_ready", time.perf_counter())
+        return True
+
+    def fingerprints_in(self):
+        """take_fingerprints, and the batches copied before them checked and published then."""
+        if self.fps is None and self.take_fingerprints():
             self.check_kept()
             self.store_module_images()     # on the I/O threads, now that the copy is under way
-        return True
+        return self.fps is not None
 
     def save(self, idx, urgent=False):
         """Save claimed chunks now (a paused checkpoint, a call's copy-on-write)."""
@@ -680,10 +684,8 @@ class Checkpoint(ChunkJob):
                 yield
             return
         self.store_module_images()
-        while (fps := self.fp_wait(block=False)) is None:
+        while not self.take_fingerprints():
             yield
-        self.fps = fps
-        self.step("cut_fingerprints_ready", time.perf_counter())
         # a call's copy-on-write may be waiting for them; and a call waiting on the device, whose
         # kernel ran right behind the pass, answers before the copies kept aside are checked
         yield

@@ -193,6 +193,7 @@ def test_launches_that_must_say_what_they_touch_take_the_python_path(session, st
     assert batch(s, record(k, bytes(12))) == (0, "")
     python = state != "checkpoint from its device copy"
     assert (len(s.python_launches), len(s.driver.launches)) == ((1, 0) if python else (0, 1))
+    assert touched == (["k"] if state in ("checkpoint by copy-on-write", "restore on demand") else [])
     s.checkpoint = s.restoring = None
     s.snapshotting = False
     s.space.moved.clear()
