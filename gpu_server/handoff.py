@@ -8,6 +8,13 @@ it loads only what the last round changed. Pre-copy rounds hold nothing up (no c
 they go on while what they copy shrinks. Any failure before the target holds the
 context leaves it running here.
 
+What paces the rounds is what the frozen round must wait for: a target on this host reads
+each round where it lies, so its loading paces them; a target on another host needs each
+round sent first, and the link paces them while the target loads the round before (the
+loads go in order, each after its round arrived). What the application writes between a
+round's copy and the freeze is what the frozen round carries: kept off that window, the
+target's loads shrink the rounds the link must carry, and the frozen one with them.
+
 Plain code over two parties, so that it runs without gRPC or processes (tests fake both):
   source  the front end holding the context (gpu_server/frontend.py FrontEnd): checkpoint,
           thaw and retire on the worker's control socket, worker_alive, host_store, moved, counts
@@ -17,7 +24,10 @@ Plain code over two parties, so that it runs without gRPC or processes (tests fa
           same_server: whether the target is the source's front end itself;
           remote: whether it reads the rounds only as the source sends them (another host);
           async stats() -> .recovery_dir, .host_store, .standby, .server_key (z85 or "");
-          async restore(store, name, **how) -> .endpoint, .phase_ms (how: warm, advance, full, delta);
+          async send(store, name, delta=b""): a round, or the last one's delta, reaches it
+          (nothing to do where it reads our store);
+          async restore(store, name, **how) -> .endpoint, .phase_ms (how: warm, advance, full, delta),
+          once the round was sent;
           async drop_warm(); async wait_loaded(timeout)
 Either side's failure is a CudaError.
 """
@@ -64,6 +74,8 @@ class Handoff:
         self.chunk = chunk_size or DEFAULT_CHUNK_SIZE
         self.make_store = make_store
         self.store = None          # a HandoffStore, once the target said where
+        self.sending = None        # the last round on its way to the target
+        self.loading = None        # the target's load of it, in order after the one before
 
     async def run(self):
         """Move the context; returns a HandoffResult, or raises CudaError with the context
@@ -104,6 +116,7 @@ class Handoff:
                                  self.chunk, *((store.path, name) if store.recovery else ("", "")), cleanup=cleanup)
         except CudaError as e:
             log.warning("context %d: the handoff to %s failed, the context stays here: %s", self.ctx, self.to, e.message)
+            await self.stop_loading()
             if warm:
                 await self.target.drop_warm()
             if self.store is not None:      # gone before the caller hears of the failure
@@ -130,14 +143,32 @@ class Handoff:
         free = (await asyncio.to_thread(store.stats))["free_slots"]
         return mine if self.chunk <= store.capacity and free >= chunks else ""
 
-    async def adopt(self, name, **how):
+    def adopt(self, name, **how):
+        """Send round `name` (or, with how's delta, the last round's delta) to the target; its
+        load follows the load before it. Returns (the sending, the loading: its restore reply)."""
+        self.sending = asyncio.ensure_future(self.target.send(self.store.path, name, how.get("delta", b"")))
+        self.loading = asyncio.ensure_future(self.load_after(self.sending, self.loading, name, how))
+        return self.sending, self.loading
+
+    async def load_after(self, sending, before, name, how):
+        await sending
+        if before is not None:
+            await before
         return await self.target.restore(self.store.path, name, **how)
+
+    async def stop_loading(self):
+        """A failed handoff: what is still on its way to the target, or loading there, is of no use."""
+        pending = [f for f in (self.sending, self.loading) if f is not None]
+        self.sending = self.loading = None
+        for f in pending:
+            f.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     async def pre_copy(self):
         """Pre-copy rounds while the application runs; the target's warm copy loads each round
-        (adopt) while the next one copies. Returns the bytes and milliseconds of each round,
-        and the last round's name."""
-        rounds, round_ms, name, warming = [], [], "", None
+        while the next one copies. Returns the bytes and milliseconds of each round, and the
+        last round's name."""
+        rounds, round_ms, name, pace = [], [], "", None
         smallest, grew = None, 0      # the smallest round after the first; rounds since it
         try:
             for i in range(max(2, self.max_rounds)):
@@ -146,9 +177,10 @@ class Handoff:
                 log.info("context %d: handoff pre-copy round %d: %d bytes in %.1f ms", self.ctx, i, copied, ms)
                 rounds.append(copied)
                 round_ms.append(ms)
-                if warming is not None:
-                    await warming
-                warming = asyncio.ensure_future(self.adopt(name, warm=True, full=True, advance=i > 0))
+                if pace is not None:
+                    await pace
+                sending, loading = self.adopt(name, warm=True, full=True, advance=i > 0)
+                pace = sending if self.target.remote else loading
                 if i == 0:
                     continue
                 # On while they shrink, with a round's grace: one may grow while the target
@@ -159,10 +191,11 @@ class Handoff:
                     grew += 1
                 if copied <= SMALL_ROUND or grew >= 2:
                     break
-            await warming        # before the freeze: after it, the target loads the last round alone
-        finally:
-            if warming is not None and not warming.done():
-                warming.cancel()
+            # before the freeze: the last round at the target (a remote one loads it meanwhile)
+            await pace
+        except BaseException:
+            await self.stop_loading()
+            raise
         return rounds, round_ms, name
 
     async def last_round(self, name, parent, frozen, phases):
@@ -175,12 +208,13 @@ class Handoff:
         source sends it as a delta before committing, and the target adopts that while the
         source commits."""
         early, commit_failed, adopt_began = None, None, frozen    # early: the target adopting the delta
+        loaded_before = self.loading       # the last pre-copy round's load, which a fallback follows
 
         def on_delta(delta):
             nonlocal early, adopt_began
             adopt_began = time.perf_counter()
             phases["last_round_delta"] = (adopt_began - frozen) * 1e3
-            early = asyncio.ensure_future(self.adopt(name, advance=True, full=True, delta=delta))
+            _, early = self.adopt(name, advance=True, full=True, delta=delta)
         try:
             copied, steps, ms = await self.round(name, parent, final=True,
                                                  on_delta=None if self.store.recovery else on_delta)
@@ -202,7 +236,9 @@ class Handoff:
                 if commit_failed is not None:
                     raise commit_failed
                 adopt_began = time.perf_counter()
-                reply = await self.adopt(name, advance=True, full=True)
+                self.loading = loaded_before
+                _, loading = self.adopt(name, advance=True, full=True)
+                reply = await loading
             except CudaError:
                 await self.source.thaw(self.worker)
                 raise
@@ -255,6 +291,9 @@ class DeviceTarget:
         return types.SimpleNamespace(recovery_dir=recovery.directory if recovery else "",
                                      host_store=self.front.host_store or "",
                                      standby=recovery.standby if recovery else "", server_key="")
+
+    async def send(self, store, name, delta=b""):
+        """Nothing to send: the copy reads the rounds where they lie."""
 
     async def restore(self, store, name, warm=False, advance=False, full=False, delta=b""):
         """As the admin API's Restore does on a target server (FrontEnd.restore and advance)."""

@@ -4,7 +4,8 @@ The source (gpu_server/handoff.py) takes its rounds into its own host store wher
 (--host-store: the device copies them straight into its slots), else into a directory in
 /dev/shm, as for any target without a shared store. RemoteTarget, the target party it talks to, sends each
 round to the target over the target's network admin API (gpu_server/admin_net.py; CURVE,
-this server's own key pair) before asking it to adopt the round: the chunks the target does
+this server's own key pair) before asking it to adopt the round (send, then restore; it loads
+one round while the next travels): the chunks the target does
 not hold yet (PUT_CHUNKS, in batches), then the manifest (PutManifest); the final round's
 delta goes before its commit with only its changed chunks. The target keeps what it receives
 in an inbox of its own (Inboxes, below), checks each chunk as it lands and signs each manifest
@@ -73,20 +74,25 @@ class RemoteTarget(TargetServer):
         return types.SimpleNamespace(recovery_dir="", host_store="", standby=info.standby,
                                      server_key=self.curve[0].decode())
 
-    async def restore(self, store, name, **how):
+    async def send(self, store, name, delta=b""):
+        """Round `name` into the target's inbox: the chunks it lacks, then its manifest; or, for
+        the last round not yet committed, its delta's changed chunks alone."""
         if self.inbox is None:
             self.inbox = (await self.ask(self.stub.OpenInbox, pb.OpenInboxRequest(ctx=self.ctx), 10)).store
         local = open_store(store, create=False)      # our host store, or a directory in /dev/shm
-        if how.get("delta"):          # the last round, not committed yet: its changed chunks alone
-            keys = {key for _, _, key in wire.read_delta(how["delta"])["changes"]}
+        if delta:
+            keys = {key for _, _, key in wire.read_delta(delta)["changes"]}
             await self.send_chunks(local, keys)
-        else:
-            try:
-                man = await asyncio.to_thread(read_image, local, name)
-            except ImageError as e:
-                raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"handoff round {name}: {e}") from None
-            await self.send_chunks(local, man.chunk_keys())
-            await self.ask(self.stub.PutManifest, pb.PutManifestRequest(store=self.inbox, name=name, manifest=man.raw), 60)
+            return
+        try:
+            man = await asyncio.to_thread(read_image, local, name)
+        except ImageError as e:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"handoff round {name}: {e}") from None
+        await self.send_chunks(local, man.chunk_keys())
+        await self.ask(self.stub.PutManifest, pb.PutManifestRequest(store=self.inbox, name=name, manifest=man.raw), 60)
+
+    async def restore(self, store, name, **how):
+        """The target restores from its inbox, where send() put the round."""
         return await super().restore(self.inbox, name, **how)
 
     async def send_chunks(self, local, keys):

@@ -26,6 +26,7 @@ from test_snapshot_engine import App
 from test_stub_reattach import PAUSE, Program, iterate  # noqa: F401 (iterate: a fixture)
 
 N, TOTAL = 1 << 15, 200
+SCRATCH = 2 << 20              # words: 8 MiB, twice handoff.SMALL_ROUND
 
 # A's own host store, in its private /dev/shm (pair's parameter: A's extra arguments)
 HOST_STORE = ("--host-store", f"{PRIVATE}/host", "--host-memory", "64M")
@@ -184,13 +185,16 @@ def test_native_program_carries_on_across_a_share_nothing_handoff(pair, iterate)
 def test_target_killed_mid_handoff_leaves_the_context_live_on_the_source(pair, keyed_client):
     """B is stopped once its warm copy of the context exists (rounds landed, the handoff going
     on), then killed: the link drops, A's handoff fails saying the context stays, and the
-    application, which kept computing, finishes on A with its results intact."""
+    application, which kept computing, finishes on A with its results intact. The application
+    also rewrites a scratch buffer of SCRATCH words each step, so that every round copies more
+    than a round that ends the pre-copy: the handoff is still going on when B stops."""
     a, b, a_keys, b_keys, env = pair
     cu = keyed_client(a, env)
     rhs = np.cos(np.arange(N, dtype=np.float32)) + 1
     expected = reference_run(cu, rhs)
     app = App(cu)
     x, y, r = app.put(np.zeros(N, np.float32)), app.put(np.zeros(N, np.float32)), app.put(rhs)
+    scratch = app.ok(cu.cuMemAlloc(4 * SCRATCH))
     done = {}
     watcher = admin(b, b_keys, env)
 
@@ -211,6 +215,7 @@ def test_target_killed_mid_handoff_leaves_the_context_live_on_the_source(pair, k
             killer.start()
             mover.start()
         app.jacobi(x, y, r, N, 1)
+        app.ok(cu.cuMemsetD32(scratch, i, SCRATCH))
         x, y = y, x
         if i % 5 == 4:
             app.sync()

@@ -48,10 +48,13 @@ class Target:
 
     def __init__(self, recovery_dir="", refuse=(), host_store=""):
         self.recovery_dir, self.refuse, self.host_store = recovery_dir, refuse, host_store
-        self.restores, self.dropped, self.waited = [], False, False
+        self.restores, self.sent, self.dropped, self.waited = [], [], False, False
 
     async def stats(self):
         return types.SimpleNamespace(recovery_dir=self.recovery_dir, host_store=self.host_store, standby="ipc:///standby")
+
+    async def send(self, store, name, delta=b""):
+        self.sent.append(name)
 
     async def restore(self, store, name, **how):
         self.restores.append((name, how))
@@ -111,6 +114,7 @@ def test_rounds_shrink_then_the_target_adopts_the_delta():
     assert {"pre_copy", "last_round_delta", "last_round_copy", "last_round", "target_adopt", "target_load",
             "retire"} <= set(r.phase_ms)
     assert r.chunk_size == handoff.DEFAULT_CHUNK_SIZE and len(r.round_ms) == 4 and r.recovery_image == ""
+    assert target.sent == ["round0", "round1", "round2", "round3"]       # each before its restore
     assert target.waited and Store.made[-1].removed == [None] and not target.dropped
 
 
@@ -195,3 +199,60 @@ def test_the_rounds_go_to_the_sources_host_store_where_the_target_cannot_read_ou
     t.remote = target == "on another host"
     run(source, t)
     assert Store.made[-1].host_store == (ours.path if rounds_in_our_host_store else "")
+
+
+class SlowTarget(Target):
+    """A target whose loads take `load_s`, its rounds arriving at once; records what happened in order."""
+
+    def __init__(self, source, remote, load_s=0.05, refuse=()):
+        super().__init__(refuse=refuse)
+        self.source, self.remote, self.load_s, self.log = source, remote, load_s, source.calls
+
+    async def send(self, store, name, delta=b""):
+        self.log.append(("sent", name))
+
+    async def restore(self, store, name, **how):
+        self.log.append(("load", name))
+        await asyncio.sleep(self.load_s)
+        self.log.append(("loaded", name))
+        return await super().restore(store, name, **how)
+
+
+def events(calls):
+    """The source's and the target's calls in order: ("copy", round), ("sent", round), ("load", round), ..."""
+    return [("copy", c[1]["name"]) if c[0] == "checkpoint" else c for c in calls]
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_remote_targets_loads_do_not_pace_the_rounds_but_go_in_order(remote):
+    """The frozen round carries what the application wrote since the round before it: a target
+    on another host loads each round while the next one travels, so the freeze waits for the
+    link, not for its load; a target on this host reads the rounds where they lie, and its
+    loads pace them."""
+    source = Source([100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB])
+    target = SlowTarget(source, remote)
+    r = run(source, target)
+    assert r.round_bytes == [100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB]
+    seen = events(source.calls)
+    at = {e: i for i, e in enumerate(seen)}
+    frozen = at[("copy", "round3")]
+    # the loads go one after another, each after its round was sent, the delta's last
+    loads = [e for e in seen if e[0] in ("load", "loaded")]
+    assert loads == [(k, f"round{i}") for i in range(4) for k in ("load", "loaded")]
+    assert all(at[("sent", f"round{i}")] < at[("load", f"round{i}")] for i in range(4))
+    if remote:      # the freeze came while the target still loaded the last pre-copy round
+        assert at[("sent", "round2")] < frozen < at[("loaded", "round2")]
+    else:           # it waited for that load
+        assert at[("loaded", "round2")] < frozen
+    assert ("retire", "ipc:///target.ctx1", "ipc:///standby") == source.calls[-1]
+
+
+def test_a_remote_targets_failed_load_after_the_freeze_thaws_the_context():
+    """The last pre-copy round's load may fail after the freeze (a remote target loads it
+    meanwhile): the delta cannot follow it, and the context thaws here."""
+    source = Source([100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB])
+    target = SlowTarget(source, remote=True, refuse=("warm",))
+    with pytest.raises(CudaError, match="stays live here"):
+        run(source, target)
+    assert ("thaw",) in source.calls and not [c for c in source.calls if c[0] == "retire"]
+    assert target.dropped and source.moved == {}
