@@ -64,6 +64,7 @@ class TargetServer:
     def __init__(self, address, ctx, to, curve=None):
         self.address, self.ctx, self.to, self.curve = address, ctx, to, curve
         self.stub = None
+        self.loads = None        # where restores go, if not on stub (handoff_net.RemoteTarget)
 
     async def __aenter__(self):
         self.stub = self.open()
@@ -93,8 +94,8 @@ class TargetServer:
         """Nothing to send: it reads the rounds where we put them."""
 
     async def restore(self, store, name, **how):
-        return await self.ask(self.stub.Restore, pb.RestoreRequest(store=store, name=name, ctx=self.ctx, **how),
-                              HANDOFF_RESTORE_TIMEOUT)
+        return await self.ask((self.loads or self.stub).Restore,
+                              pb.RestoreRequest(store=store, name=name, ctx=self.ctx, **how), HANDOFF_RESTORE_TIMEOUT)
 
     async def drop_warm(self):
         """A failed handoff: the target frees its warm copy now (if it still has one, and lives).

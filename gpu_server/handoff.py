@@ -11,9 +11,10 @@ context leaves it running here.
 What paces the rounds is what the frozen round must wait for: a target on this host reads
 each round where it lies, so its loading paces them; a target on another host needs each
 round sent first, and the link paces them while the target loads the round before (the
-loads go in order, each after its round arrived). What the application writes between a
-round's copy and the freeze is what the frozen round carries: kept off that window, the
-target's loads shrink the rounds the link must carry, and the frozen one with them.
+loads go in order, each after its round arrived; one at most is pending as the next round
+goes, or as the frozen one is taken). What the application writes between a round's copy
+and the freeze is what the frozen round carries: kept off that window, the target's loads
+shrink the rounds the link must carry, and the frozen one with them.
 
 Plain code over two parties, so that it runs without gRPC or processes (tests fake both):
   source  the front end holding the context (gpu_server/frontend.py FrontEnd): checkpoint,
@@ -76,6 +77,7 @@ class Handoff:
         self.store = None          # a HandoffStore, once the target said where
         self.sending = None        # the last round on its way to the target
         self.loading = None        # the target's load of it, in order after the one before
+        self.loading_before = None     # the target's load of the round before it
 
     async def run(self):
         """Move the context; returns a HandoffResult, or raises CudaError with the context
@@ -147,6 +149,7 @@ class Handoff:
         """Send round `name` (or, with how's delta, the last round's delta) to the target; its
         load follows the load before it. Returns (the sending, the loading: its restore reply)."""
         self.sending = asyncio.ensure_future(self.target.send(self.store.path, name, how.get("delta", b"")))
+        self.loading_before = self.loading
         self.loading = asyncio.ensure_future(self.load_after(self.sending, self.loading, name, how))
         return self.sending, self.loading
 
@@ -156,10 +159,21 @@ class Handoff:
             await before
         return await self.target.restore(self.store.path, name, **how)
 
+    async def caught_up(self):
+        """Until the target is near enough to take the next round: the last round reached it,
+        and it loaded that one (where it reads the rounds in place, on this host) or every one
+        before it (where it receives them: it loads one while the next travels). The frozen
+        round then never waits behind more than one load."""
+        if self.sending is not None:
+            await self.sending
+        wait = self.loading if not self.target.remote else self.loading_before
+        if wait is not None:
+            await wait
+
     async def stop_loading(self):
         """A failed handoff: what is still on its way to the target, or loading there, is of no use."""
-        pending = [f for f in (self.sending, self.loading) if f is not None]
-        self.sending = self.loading = None
+        pending = [f for f in (self.sending, self.loading, self.loading_before) if f is not None]
+        self.sending = self.loading = self.loading_before = None
         for f in pending:
             f.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -168,7 +182,7 @@ class Handoff:
         """Pre-copy rounds while the application runs; the target's warm copy loads each round
         while the next one copies. Returns the bytes and milliseconds of each round, and the
         last round's name."""
-        rounds, round_ms, name, pace = [], [], "", None
+        rounds, round_ms, name = [], [], ""
         smallest, grew = None, 0      # the smallest round after the first; rounds since it
         try:
             for i in range(max(2, self.max_rounds)):
@@ -177,10 +191,8 @@ class Handoff:
                 log.info("context %d: handoff pre-copy round %d: %d bytes in %.1f ms", self.ctx, i, copied, ms)
                 rounds.append(copied)
                 round_ms.append(ms)
-                if pace is not None:
-                    await pace
-                sending, loading = self.adopt(name, warm=True, full=True, advance=i > 0)
-                pace = sending if self.target.remote else loading
+                await self.caught_up()
+                self.adopt(name, warm=True, full=True, advance=i > 0)
                 if i == 0:
                     continue
                 # On while they shrink, with a round's grace: one may grow while the target
@@ -191,8 +203,7 @@ class Handoff:
                     grew += 1
                 if copied <= SMALL_ROUND or grew >= 2:
                     break
-            # before the freeze: the last round at the target (a remote one loads it meanwhile)
-            await pace
+            await self.caught_up()     # before the freeze
         except BaseException:
             await self.stop_loading()
             raise

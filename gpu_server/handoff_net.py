@@ -39,7 +39,7 @@ from phos.snapshot import DirStore, ImageError, open_store, read_image
 from phos.snapshot.image import put_received_chunk, put_received_manifest
 
 log = logging.getLogger("phos.admin")
-BATCH_BYTES = 16 << 20          # chunk bytes a PUT_CHUNKS carries, about
+BATCH_BYTES = 16 << 20          # chunk bytes a PUT_CHUNKS carries, about, at most
 WINDOW = 2                      # batches in flight on a connection: the next travels while the target stores one
 SEND_TIMEOUT = 120              # seconds the target may take to store one batch
 # threads that verify and store chunks on the target: fingerprinting and writing leave the
@@ -63,6 +63,8 @@ class RemoteTarget(TargetServer):
 
     async def __aexit__(self, *exc):
         await super().__aexit__(*exc)
+        if self.loads is not None:
+            await self.loads.close()
         if self.links:
             self.senders.shutdown(wait=False)
             await asyncio.to_thread(lambda: [link.close() for link in self.links])
@@ -92,7 +94,11 @@ class RemoteTarget(TargetServer):
         await self.ask(self.stub.PutManifest, pb.PutManifestRequest(store=self.inbox, name=name, manifest=man.raw), 60)
 
     async def restore(self, store, name, **how):
-        """The target restores from its inbox, where send() put the round."""
+        """The target restores from its inbox, where send() put the round. On a connection of
+        their own: a call holds its connection until answered, and the next round's manifest
+        must not wait behind the target's load of this one."""
+        if self.loads is None:
+            self.loads = self.open()
         return await super().restore(self.inbox, name, **how)
 
     async def send_chunks(self, local, keys):
@@ -113,12 +119,14 @@ class RemoteTarget(TargetServer):
         the CudaError that says the context stays here."""
         local, todo = what
         keys, taking, stop = iter(todo), threading.Lock(), threading.Event()
+        # a round smaller than a batch a link (the frozen one, often) is shared out among them all
+        per_batch = -(-len(todo) // (len(self.links) * WINDOW))
 
         def take():
             with taking:
                 return next(keys, None)
         loop = asyncio.get_running_loop()
-        sending = [loop.run_in_executor(self.senders, self.send_on, link, local, take, stop, timeout)
+        sending = [loop.run_in_executor(self.senders, self.send_on, link, local, take, per_batch, stop, timeout)
                    for link in self.links]
         try:
             results = await asyncio.gather(*sending, return_exceptions=True)
@@ -129,16 +137,17 @@ class RemoteTarget(TargetServer):
         if failures:
             raise failures[0]
 
-    def send_on(self, link, local, take, stop, timeout):
+    def send_on(self, link, local, take, per_batch, stop, timeout):
         """One link's part of a round, on its thread: batches of the keys take() gives until none
-        is left, WINDOW of them in flight; the first failure sets `stop` for the other links."""
+        is left, WINDOW of them in flight, each of per_batch chunks or BATCH_BYTES at most; the
+        first failure sets `stop` for the other links."""
         header = pb.PutChunksRequest(store=self.inbox).SerializeToString()
         carried = []           # each batch's (keys, bytes), by its index
 
         def batches():
             while not stop.is_set():
                 keys, blobs, size = [], [], 0
-                while size < BATCH_BYTES:
+                while size < BATCH_BYTES and len(keys) < per_batch:
                     key = take()
                     if key is None:
                         break

@@ -202,11 +202,12 @@ def test_the_rounds_go_to_the_sources_host_store_where_the_target_cannot_read_ou
 
 
 class SlowTarget(Target):
-    """A target whose loads take `load_s`, its rounds arriving at once; records what happened in order."""
+    """A target whose loads take `load_s`, its rounds arriving at once; records what happened in
+    order. fail_load: a round whose load fails."""
 
-    def __init__(self, source, remote, load_s=0.05, refuse=()):
-        super().__init__(refuse=refuse)
-        self.source, self.remote, self.load_s, self.log = source, remote, load_s, source.calls
+    def __init__(self, source, remote, load_s=0.05, fail_load=""):
+        super().__init__()
+        self.source, self.remote, self.load_s, self.log, self.fail_load = source, remote, load_s, source.calls, fail_load
 
     async def send(self, store, name, delta=b""):
         self.log.append(("sent", name))
@@ -214,6 +215,8 @@ class SlowTarget(Target):
     async def restore(self, store, name, **how):
         self.log.append(("load", name))
         await asyncio.sleep(self.load_s)
+        if name == self.fail_load:
+            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "handoff of context 1 failed, it stays live here: no")
         self.log.append(("loaded", name))
         return await super().restore(store, name, **how)
 
@@ -240,8 +243,11 @@ def test_a_remote_targets_loads_do_not_pace_the_rounds_but_go_in_order(remote):
     loads = [e for e in seen if e[0] in ("load", "loaded")]
     assert loads == [(k, f"round{i}") for i in range(4) for k in ("load", "loaded")]
     assert all(at[("sent", f"round{i}")] < at[("load", f"round{i}")] for i in range(4))
-    if remote:      # the freeze came while the target still loaded the last pre-copy round
+    if remote:      # the freeze came while the target still loaded the last pre-copy round,
         assert at[("sent", "round2")] < frozen < at[("loaded", "round2")]
+        assert at[("loaded", "round1")] < frozen        # but none before it
+        # and each round travelled while the target still loaded the one before
+        assert all(at[("sent", f"round{i}")] < at[("loaded", f"round{i - 1}")] for i in (1, 2))
     else:           # it waited for that load
         assert at[("loaded", "round2")] < frozen
     assert ("retire", "ipc:///target.ctx1", "ipc:///standby") == source.calls[-1]
@@ -251,8 +257,49 @@ def test_a_remote_targets_failed_load_after_the_freeze_thaws_the_context():
     """The last pre-copy round's load may fail after the freeze (a remote target loads it
     meanwhile): the delta cannot follow it, and the context thaws here."""
     source = Source([100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB])
-    target = SlowTarget(source, remote=True, refuse=("warm",))
+    target = SlowTarget(source, remote=True, fail_load="round2")
     with pytest.raises(CudaError, match="stays live here"):
         run(source, target)
     assert ("thaw",) in source.calls and not [c for c in source.calls if c[0] == "retire"]
     assert target.dropped and source.moved == {}
+
+
+class FakeLink:
+    """A connection chunks travel on (NetAdminConnection.calls): records each batch's chunks."""
+
+    def __init__(self):
+        self.batches = []
+
+    def calls(self, method, bodies, timeout, window, stop):
+        for i, frames in enumerate(bodies):
+            self.batches.append(frames[1:])
+            yield i, b""
+
+
+class FakeStore:
+    def get_chunk(self, key):
+        return key.encode() * 1000
+
+
+@pytest.mark.parametrize("chunks, most_per_batch", [(12, 2), (5, 1), (600, 100)])
+def test_a_rounds_chunks_are_shared_out_among_the_links(monkeypatch, chunks, most_per_batch):
+    """A round smaller than a batch a link (the frozen one's delta, often) goes on every link,
+    not on the first alone, which would carry it at a third of the rate of three: a batch holds
+    the round's share of a link (WINDOW batches in flight on each), or BATCH_BYTES at most."""
+    import concurrent.futures
+
+    from phos.gpu_server import handoff_net
+    monkeypatch.setattr(handoff_net, "BATCH_BYTES", 100 * 4000)      # 100 of FakeStore's chunks
+    target = handoff_net.RemoteTarget("tcp://127.0.0.1:1", 1, (b"k", b"k", b"k"))
+    target.inbox = "/inbox"
+    target.links = [FakeLink() for _ in range(3)]
+    target.senders = concurrent.futures.ThreadPoolExecutor(3)
+    keys = [f"{i:04d}" for i in range(chunks)]
+    try:
+        asyncio.run(target.send_on_links((FakeStore(), keys), 10))
+    finally:
+        target.senders.shutdown()
+    batches = [b for link in target.links for b in link.batches]
+    assert sorted(bytes(c[:4]).decode() for b in batches for c in b) == keys      # each chunk once
+    assert max(len(b) for b in batches) == most_per_batch
+    assert target.sent == set(keys)
