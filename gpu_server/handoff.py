@@ -180,18 +180,27 @@ class Handoff:
 
     async def pre_copy(self):
         """Pre-copy rounds while the application runs; the target's warm copy loads each round
-        while the next one copies. Returns the bytes and milliseconds of each round, and the
-        last round's name."""
+        while the next one copies (on this host) or travels (to another). Returns the bytes and
+        milliseconds of each round, and the last round's name.
+
+        What the application writes while we wait for the target goes into the next round: to
+        another host, a round is taken once the target is near (caught_up), so that the wait
+        is in it, and a small one ends the rounds only where the load still pending at the
+        freeze is small too."""
         rounds, round_ms, name = [], [], ""
         smallest, grew = None, 0      # the smallest round after the first; rounds since it
+        remote = self.target.remote
         try:
             for i in range(max(2, self.max_rounds)):
                 name, parent = self.store.round_name(i), name
+                if remote:
+                    await self.caught_up()
                 copied, _, ms = await self.round(name, parent, final=False)
                 log.info("context %d: handoff pre-copy round %d: %d bytes in %.1f ms", self.ctx, i, copied, ms)
                 rounds.append(copied)
                 round_ms.append(ms)
-                await self.caught_up()
+                if not remote:
+                    await self.caught_up()
                 self.adopt(name, warm=True, full=True, advance=i > 0)
                 if i == 0:
                     continue
@@ -201,7 +210,8 @@ class Handoff:
                     smallest, grew = copied, 0
                 else:
                     grew += 1
-                if copied <= SMALL_ROUND or grew >= 2:
+                pending = rounds[-2] if remote and not self.loading_before.done() else 0
+                if max(copied, pending) <= SMALL_ROUND or grew >= 2:
                     break
             await self.caught_up()     # before the freeze
         except BaseException:

@@ -231,33 +231,38 @@ def test_a_remote_targets_loads_do_not_pace_the_rounds_but_go_in_order(remote):
     """The frozen round carries what the application wrote since the round before it: a target
     on another host loads each round while the next one travels, so the freeze waits for the
     link, not for its load; a target on this host reads the rounds where they lie, and its
-    loads pace them."""
-    source = Source([100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB])
+    loads pace them. The remote target's small round 2 does not end the rounds: the load of
+    round 1 (40 MiB) is still pending, and the freeze would wait for it."""
+    sizes = [100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB] + ([1 * MiB] if remote else [])
+    source = Source(sizes)
     target = SlowTarget(source, remote)
     r = run(source, target)
-    assert r.round_bytes == [100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB]
+    assert r.round_bytes == sizes
     seen = events(source.calls)
     at = {e: i for i, e in enumerate(seen)}
-    frozen = at[("copy", "round3")]
+    last = len(sizes) - 2                 # the last pre-copy round
+    frozen = at[("copy", f"round{last + 1}")]
     # the loads go one after another, each after its round was sent, the delta's last
     loads = [e for e in seen if e[0] in ("load", "loaded")]
-    assert loads == [(k, f"round{i}") for i in range(4) for k in ("load", "loaded")]
-    assert all(at[("sent", f"round{i}")] < at[("load", f"round{i}")] for i in range(4))
+    assert loads == [(k, f"round{i}") for i in range(len(sizes)) for k in ("load", "loaded")]
+    assert all(at[("sent", f"round{i}")] < at[("load", f"round{i}")] for i in range(len(sizes)))
     if remote:      # the freeze came while the target still loaded the last pre-copy round,
-        assert at[("sent", "round2")] < frozen < at[("loaded", "round2")]
-        assert at[("loaded", "round1")] < frozen        # but none before it
-        # and each round travelled while the target still loaded the one before
-        assert all(at[("sent", f"round{i}")] < at[("loaded", f"round{i - 1}")] for i in (1, 2))
+        assert at[("sent", f"round{last}")] < frozen < at[("loaded", f"round{last}")]
+        assert at[("loaded", f"round{last - 1}")] < frozen        # but none before it
+        # each round travelled while the target still loaded the one before, and was taken
+        # once the target had loaded the one before that
+        assert all(at[("sent", f"round{i}")] < at[("loaded", f"round{i - 1}")] for i in range(1, last + 1))
+        assert all(at[("loaded", f"round{i - 2}")] < at[("copy", f"round{i}")] for i in range(2, last + 1))
     else:           # it waited for that load
-        assert at[("loaded", "round2")] < frozen
+        assert at[("loaded", f"round{last}")] < frozen
     assert ("retire", "ipc:///target.ctx1", "ipc:///standby") == source.calls[-1]
 
 
 def test_a_remote_targets_failed_load_after_the_freeze_thaws_the_context():
     """The last pre-copy round's load may fail after the freeze (a remote target loads it
     meanwhile): the delta cannot follow it, and the context thaws here."""
-    source = Source([100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB])
-    target = SlowTarget(source, remote=True, fail_load="round2")
+    source = Source([100 * MiB, 40 * MiB, 3 * MiB, 1 * MiB, 1 * MiB])
+    target = SlowTarget(source, remote=True, fail_load="round3")
     with pytest.raises(CudaError, match="stays live here"):
         run(source, target)
     assert ("thaw",) in source.calls and not [c for c in source.calls if c[0] == "retire"]
