@@ -86,8 +86,8 @@ class RemoteTarget(TargetServer):
             keys = {key for _, _, key in wire.read_delta(delta)["changes"]}
             await self.send_chunks(local, keys)
             return
-        try:
-            man = await asyncio.to_thread(read_image, local, name)
+        try:     # its chunks are not looked at here: each is read as it goes, and checked where it lands
+            man = await asyncio.to_thread(read_image, local, name, check_chunks=False)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"handoff round {name}: {e}") from None
         await self.send_chunks(local, man.chunk_keys())
@@ -188,6 +188,7 @@ class Inboxes:
 
     def __init__(self):
         self.paths = {}          # ctx -> path
+        self.landed = {}         # path -> {key: raw length} of the chunks verified into it
         self.verifiers = concurrent.futures.ThreadPoolExecutor(VERIFIERS, thread_name_prefix="inbox")
 
     def open(self, ctx):
@@ -195,7 +196,7 @@ class Inboxes:
         path = tempfile.mkdtemp(prefix=f"phos-handoff-{os.getpid()}-in{ctx}-",
                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         DirStore(path, fsync=False)      # in memory: a lost one is a failed handoff, the context stays at the source
-        self.paths[ctx] = path
+        self.paths[ctx], self.landed[path] = path, {}
         return path
 
     def store(self, path):
@@ -212,7 +213,8 @@ class Inboxes:
         store = self.store(path)
         loop = asyncio.get_running_loop()
         shares = [blobs[i::VERIFIERS] for i in range(min(VERIFIERS, len(blobs)))]
-        stored = await asyncio.gather(*(loop.run_in_executor(self.verifiers, put_share, store, share)
+        landed = self.landed[path]
+        stored = await asyncio.gather(*(loop.run_in_executor(self.verifiers, put_share, store, share, landed)
                                         for share in shares), return_exceptions=True)
         for result in stored:
             if isinstance(result, ImageError):
@@ -224,7 +226,7 @@ class Inboxes:
     def put_manifest(self, path, name, raw):
         store = self.store(path)
         try:
-            put_received_manifest(store, name, raw)
+            put_received_manifest(store, name, raw, known=self.landed[path])
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"a handoff's manifest was refused: {e}") from None
 
@@ -236,6 +238,7 @@ class Inboxes:
         freeing gigabytes of /dev/shm takes ~0.25 s a GiB, which a handoff's answer (and its
         application) must not wait for."""
         path = self.paths.pop(ctx, None)
+        self.landed.pop(path, None)
         if path and wait:
             shutil.rmtree(path, ignore_errors=True)
         elif path:
@@ -253,5 +256,5 @@ class Inboxes:
         self.verifiers.shutdown(wait=False)
 
 
-def put_share(store, blobs):
-    return sum(put_received_chunk(store, blob) for blob in blobs)
+def put_share(store, blobs, landed):
+    return sum(put_received_chunk(store, blob, landed) for blob in blobs)
