@@ -213,7 +213,7 @@ class Inboxes:
         store = self.store(path)
         loop = asyncio.get_running_loop()
         shares = [blobs[i::VERIFIERS] for i in range(min(VERIFIERS, len(blobs)))]
-        landed = self.landed[path]
+        landed = self.landed.get(path)
         stored = await asyncio.gather(*(loop.run_in_executor(self.verifiers, put_share, store, share, landed)
                                         for share in shares), return_exceptions=True)
         for result in stored:
@@ -226,7 +226,8 @@ class Inboxes:
     def put_manifest(self, path, name, raw):
         store = self.store(path)
         try:
-            put_received_manifest(store, name, raw, known=self.landed[path])
+            # dropped meanwhile (this runs on a thread): no record, every chunk is looked at
+            put_received_manifest(store, name, raw, known=self.landed.get(path))
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"a handoff's manifest was refused: {e}") from None
 
