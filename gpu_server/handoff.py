@@ -147,11 +147,12 @@ class Handoff:
 
     def adopt(self, name, **how):
         """Send round `name` (or, with how's delta, the last round's delta) to the target; its
-        load follows the load before it. Returns (the sending, the loading: its restore reply)."""
+        load follows the load before it. Returns the loading (its restore reply); the sending is
+        self.sending, which caught_up waits for."""
         self.sending = asyncio.ensure_future(self.target.send(self.store.path, name, how.get("delta", b"")))
         self.loading_before = self.loading
         self.loading = asyncio.ensure_future(self.load_after(self.sending, self.loading, name, how))
-        return self.sending, self.loading
+        return self.loading
 
     async def load_after(self, sending, before, name, how):
         await sending
@@ -235,7 +236,7 @@ class Handoff:
             nonlocal early, adopt_began
             adopt_began = time.perf_counter()
             phases["last_round_delta"] = (adopt_began - frozen) * 1e3
-            _, early = self.adopt(name, advance=True, full=True, delta=delta)
+            early = self.adopt(name, advance=True, full=True, delta=delta)
         try:
             copied, steps, ms = await self.round(name, parent, final=True,
                                                  on_delta=None if self.store.recovery else on_delta)
@@ -258,8 +259,7 @@ class Handoff:
                     raise commit_failed
                 adopt_began = time.perf_counter()
                 self.loading = loaded_before
-                _, loading = self.adopt(name, advance=True, full=True)
-                reply = await loading
+                reply = await self.adopt(name, advance=True, full=True)
             except CudaError:
                 await self.source.thaw(self.worker)
                 raise
