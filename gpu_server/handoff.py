@@ -78,6 +78,7 @@ class Handoff:
         self.sending = None        # the last round on its way to the target
         self.loading = None        # the target's load of it, in order after the one before
         self.loading_before = None     # the target's load of the round before it
+        self.dropping = None           # deleting rounds the target holds already (drop_held_rounds)
 
     async def run(self):
         """Move the context; returns a HandoffResult, or raises CudaError with the context
@@ -202,6 +203,8 @@ class Handoff:
                 round_ms.append(ms)
                 if not remote:
                     await self.caught_up()
+                if i >= 2:
+                    self.drop_held_rounds(parent)
                 self.adopt(name, warm=True, full=True, advance=i > 0)
                 if i == 0:
                     continue
@@ -218,7 +221,19 @@ class Handoff:
         except BaseException:
             await self.stop_loading()
             raise
+        finally:
+            if self.dropping is not None:      # its collection holds the store: not in the frozen round
+                await self.dropping
         return rounds, round_ms, name
+
+    def drop_held_rounds(self, before):
+        """The rounds before round `before` reached the target, and it loaded them (the rounds
+        before the last one it was sent, which caught_up waited for): delete them in the
+        background, so that the store keeps room for the rounds to come (a HostStore's slots are
+        few: twice the context, host_store_for). One deletion at a time; a later one takes what
+        an earlier one skipped."""
+        if self.dropping is None or self.dropping.done():
+            self.dropping = asyncio.ensure_future(asyncio.to_thread(self.store.drop_rounds_before, before))
 
     async def last_round(self, name, parent, frozen, phases):
         """The frozen last round, and the target's adopting it. Returns (the target's restore

@@ -30,6 +30,7 @@ class HandoffStore:
     def __init__(self, ctx, recovery_dir="", host_store=""):
         self.tag = secrets.token_hex(4)    # a later handoff of the context into the same store names its own rounds
         self.rounds = []                   # names of the rounds begun
+        self.dropped = set()               # ... and of those deleted (drop_rounds_before)
         self.recovery = False
         self.shared = False                # a store others use too: remove our images, not the store
         if recovery_dir:
@@ -52,6 +53,33 @@ class HandoffStore:
         self.rounds.append(name)
         return name
 
+    def drop_rounds_before(self, name):
+        """Delete the rounds begun before round `name` and collect the chunks no image names any
+        more, while the handoff goes on: the target holds those rounds already, and a store of
+        fixed size (a HostStore) must keep room for the next ones. A round a restore still
+        reads stays (remove() takes it)."""
+        try:
+            store = open_store(self.path, create=False)
+            older = self.rounds[:self.rounds.index(name)]
+            self._delete(store, [r for r in older if r not in self.dropped])
+            gc(store)        # None while another writes to the store: the next drop collects
+        except (OSError, ImageError, ValueError) as e:
+            log.warning("could not drop the handoff's earlier rounds from %s: %s", self.path, e)
+
+    def _delete(self, store, names):
+        """Delete images `names`; returns those a restore reads still."""
+        in_use = []
+        for name in names:
+            try:
+                store.delete_image(name)
+            except ImageInUse:        # a warm copy dropped a moment ago still lets go of it
+                in_use.append(name)
+                continue
+            except ImageError:
+                pass
+            self.dropped.add(name)
+        return in_use
+
     def remove(self, keep=None):
         """Remove the rounds, but `keep` (the last, the target's recovery image now): the
         whole directory in /dev/shm; in a recovery or host store, our images and the chunks no
@@ -61,17 +89,10 @@ class HandoffStore:
             return
         try:
             store = open_store(self.path)
-            left, deadline = [name for name in self.rounds if name != keep], time.monotonic() + IN_USE_WAIT
+            left, deadline = [name for name in self.rounds if name != keep and name not in self.dropped], \
+                time.monotonic() + IN_USE_WAIT
             while left:
-                in_use = []
-                for name in left:
-                    try:
-                        store.delete_image(name)
-                    except ImageInUse:        # a warm copy dropped a moment ago still lets go of it
-                        in_use.append(name)
-                    except ImageError:
-                        pass
-                left = in_use
+                left = self._delete(store, left)
                 if left and time.monotonic() > deadline:
                     log.warning("handoff rounds %s stay in %s: a restore still reads them", ", ".join(left), self.path)
                     break

@@ -84,10 +84,15 @@ class Store:
     def remove(self, keep=None):
         self.removed.append(keep)
 
+    def drop_rounds_before(self, name):
+        Store.drops.append(name)
 
-def run(source, target, **kw):
+    drops = []
+
+
+def run(source, target, make_store=Store, **kw):
     async def go():
-        h = handoff.Handoff(source, "worker", target, 1, "ipc:///two", make_store=Store, **kw)
+        h = handoff.Handoff(source, "worker", target, 1, "ipc:///two", make_store=make_store, **kw)
         result = await h.run()
         await result.cleanup
         return result
@@ -308,3 +313,28 @@ def test_a_rounds_chunks_are_shared_out_among_the_links(monkeypatch, chunks, mos
     assert sorted(bytes(c[:4]).decode() for b in batches for c in b) == keys      # each chunk once
     assert max(len(b) for b in batches) == most_per_batch
     assert target.sent == set(keys)
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_rounds_the_target_holds_are_dropped_as_the_handoff_goes(remote):
+    """A store of fixed size (the source's HostStore) must keep room for the rounds to come:
+    the rounds before the last one the target was sent and loaded go while the handoff runs,
+    in the background, and before the freeze (their collection holds the store)."""
+    sizes = [100 * MiB, 40 * MiB, 20 * MiB, 10 * MiB] + [1 * MiB] * 8
+    source = Source(sizes)
+    target = SlowTarget(source, remote, load_s=0.02)
+
+    class LoggedStore(Store):
+        def drop_rounds_before(self, name):
+            source.calls.append(("drop before", name))
+    run(source, target, make_store=LoggedStore)
+    seen = events(source.calls)
+    at = {e: i for i, e in enumerate(seen)}
+    drops = [e[1] for e in seen if e[0] == "drop before"]
+    assert drops, seen
+    frozen = next(i for i, c in enumerate(source.calls) if c[0] == "checkpoint" and c[1]["freeze"])
+    for name in drops:
+        k = int(name.removeprefix("round"))
+        # what goes is rounds 0..k-1: the target holds them, and has loaded them all
+        assert at[("sent", f"round{k}")] < at[("drop before", name)] < frozen
+        assert at[("loaded", f"round{k - 1}")] < at[("drop before", name)]
