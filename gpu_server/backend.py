@@ -214,6 +214,11 @@ class Backend(Protocol):
     def idle(self) -> bool:
         """Whether the application's work is done (what synchronize waits for)."""
 
+    def native_synchronize(self) -> int | None:
+        """The address of an `int f(void)` that waits as synchronize does while no snapshot
+        runs, for the worker's compiled mailbox (gpu_server/native_box.py); None: only
+        synchronize() will do now."""
+
     def close(self) -> None:
         """Free the context's device memory and everything else it holds."""
 

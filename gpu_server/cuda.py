@@ -103,6 +103,7 @@ _cuMemRelease = _driver_call("cuMemRelease", _U64)
 _cuEventQuery = _driver_call("cuEventQuery", _P)
 _cuStreamQuery = _driver_call("cuStreamQuery", _P)
 _cuCtxSynchronize = _driver_call("cuCtxSynchronize")     # the sync round trip's call: ctypes is ~1 µs quicker
+_CTX_SYNCHRONIZE_ADDRESS = ctypes.cast(_cuCtxSynchronize, ctypes.c_void_p).value     # ... and native_box's
 _cuOccupancyMaxActiveClusters = _driver_call("cuOccupancyMaxActiveClusters", _P, _P, _P)
 # The tensor maps a client's libraries encode for the device (the format is the driver's own).
 _I, _UI = ctypes.c_int, ctypes.c_uint
@@ -547,6 +548,10 @@ class CudaBackend:
             return
         for stream in (0, *self.streams):
             ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def native_synchronize(self):
+        # cuCtxSynchronize also waits for a snapshot's streams: idle while none runs (the worker asks then)
+        return _CTX_SYNCHRONIZE_ADDRESS
 
     def idle(self):
         """Whether the application's work is done (what synchronize waits for)."""

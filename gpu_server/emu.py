@@ -12,6 +12,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from phos import settings
+from phos.gpu_server import native_box
 from phos.gpu_server.address_space import device_base
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
@@ -274,6 +275,10 @@ class EmuBackend:
 
     def idle(self):
         return True
+
+    def native_synchronize(self):
+        # nothing to wait for; printed output is told by the Python path's reply
+        return None if self.output else native_box.no_wait_address()
 
     def close(self):
         self.mem.close()

@@ -35,6 +35,7 @@ from phos import settings
 from phos.gpu_server.calls import CONNECTION_CALLS, WORKER_CALLS
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
 from phos.gpu_server.device_ledger import check_tenant_name, tenant_ledger
+from phos.gpu_server import native_box
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
@@ -61,6 +62,7 @@ CATCH_UP_WAIT = 30.0     # seconds a mailbox request waits, with nothing arrivin
 PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = settings.spin_us() / 1e6
+NATIVE_BOX_SLICE_NS = 200_000  # a spin on the mailbox in compiled code, unless a socket has a message
 PROFILE_DIR = settings.profile_dir()   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
 PROFILE_WORKER = bool(PROFILE_DIR and settings.profile_workers())   # ... or the whole loop into DIR/worker-PID.prof
 FIRST_HANDLE = 0x1000
@@ -447,6 +449,8 @@ class Worker:
         self.profiler = None               # PROFILE_DIR's, while a checkpoint runs
         self.serving = [0, 0.0]            # messages served and their seconds, since a checkpoint began or ended
         self.served_before = self.serving  # ... and before the running one began
+        self.native_box = None             # the compiled server of the mailbox (box_serves_natively)
+        self.native_box_lib = native_box.load() if settings.native_box() else None
 
     def handle(self, frames):
         """Serve one message: [routing id, Request, payload...]. False: it was a doorbell and
@@ -617,6 +621,35 @@ class Worker:
         except wire.MALFORMED as e:
             log.warning("malformed mailbox request: %s", wire.describe(e))
             self.send(BOX, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
+
+    def box_serves_natively(self):
+        """Spin on the mailbox in compiled code for a slice, answering the client's plain
+        synchronizes there (gpu_server/native_box.py), where the context has nothing else going
+        on: no checkpoint, restore or recovery image (they watch the calls), nothing frozen, no
+        reply, result or error waiting. False where it may not: the Python loop serves."""
+        s = self.session
+        if self.native_box_lib is None or s.box is None or self.box_peer is None or s.snapshotting \
+                or s.recovery is not None or s.sticky or s.deferred or self.frozen or self.backlog or self.pending:
+            return False
+        synchronize = s.backend.native_synchronize()
+        if not synchronize:
+            return False
+        if self.native_box is None or self.native_box.area is not s.shm:      # a re-attach maps a new area
+            self.native_box = native_box.NativeBox(self.native_box_lib, s.shm,
+                                                   [sock for sock in (self.sock, self.ctl) if sock is not None])
+        self.busy_since = time.monotonic()       # ClientWatch: a synchronize that never ends
+        try:
+            outcome, self.box_seen, self.ack, served, seconds = self.native_box.serve(
+                synchronize, self.box_seen, self.ack, NATIVE_BOX_SLICE_NS)
+        finally:
+            self.busy_since = None
+        if served:
+            self.last_call = time.perf_counter()
+            self.serving[0] += served
+            self.serving[1] += seconds
+        if outcome == native_box.WAKE:      # it fell asleep as we answered
+            self.send_to(self.box_peer, build_reply(self.ack, []))
+        return True
 
     def check_attach(self, attach):
         return attach.ctx == self.session.ctx_id and check_token(attach.token, self.session.token_digest)
@@ -1013,6 +1046,8 @@ class Worker:
                     # a checkpoint's I/O threads would then get it once a switch interval, and
                     # run 15x slower (perf/probe_gil_spin.py). Let go of it for them.
                     time.sleep(0)
+                else:
+                    self.box_serves_natively()
                 continue
             timeout = 20 if self.session.snapshotting else 250
             if self.session.checkpoint is not None and self.session.checkpoint.running:

@@ -232,6 +232,10 @@ recovery_paused_bytes = _declare("PHOS_RECOVERY_PAUSED_BYTES", int, 256 << 20, S
 native_launch = _declare("PHOS_NATIVE_LAUNCH", int, 1, SERVER,
                          "a cuda worker launches a launchBatch's kernels through its compiled path "
                          "(libphos_server.so beside the stub) where it was built (0: through Python always)")
+native_box = _declare("PHOS_NATIVE_BOX", int, 1, SERVER,
+                      "a worker answers its client's plain synchronizes in the mailbox through its compiled path "
+                      "(libphos_server.so beside the stub) where it was built, while nothing else goes on in the "
+                      "context (0: through Python always)")
 checkpoint_device_copy = _declare("PHOS_CHECKPOINT_DEVICE_COPY", int, 1, SERVER,
                                   "a concurrent checkpoint first copies the context on the device, where the device has "
                                   "room, and saves from that copy: the application waits for that copy only, not for "
