@@ -104,6 +104,10 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         assert cu.cuInit(0)[0] == 0
         reattaches = timed_reattach()
         app = App(cu, nbytes)
+        # its worker came from the source's pool: the handoff starts once the pool has another,
+        # as on a server that runs long (a worker starting pins its copy buffers and the host
+        # store, under a driver lock that every process on the GPU shares)
+        pool_full(one.address)
         stop, ends, starts = threading.Event(), [], []
         loop = threading.Thread(target=writer, args=(app, stop, ends, starts, step))
         loop.start()
