@@ -195,10 +195,13 @@ class Handoff:
         try:
             for i in range(max(2, self.max_rounds)):
                 name, parent = self.store.round_name(i), name
+                t = time.perf_counter()
                 if remote:
                     await self.caught_up()
+                waited = (time.perf_counter() - t) * 1e3
                 copied, _, ms = await self.round(name, parent, final=False)
-                log.info("context %d: handoff pre-copy round %d: %d bytes in %.1f ms", self.ctx, i, copied, ms)
+                log.info("context %d: handoff pre-copy round %d: %d bytes in %.1f ms, after %.1f ms waiting for the "
+                         "target", self.ctx, i, copied, ms, waited)
                 rounds.append(copied)
                 round_ms.append(ms)
                 if not remote:

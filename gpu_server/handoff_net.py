@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import types
 
 import grpc
@@ -84,14 +85,23 @@ class RemoteTarget(TargetServer):
         local = open_store(store, create=False)      # our host store, or a directory in /dev/shm
         if delta:
             keys = {key for _, _, key in wire.read_delta(delta)["changes"]}
+            t, before = time.perf_counter(), self.sent_bytes
             await self.send_chunks(local, keys)
+            log.info("context %d: the last round's delta sent: %.1f MiB of chunks in %.1f ms", self.ctx,
+                     (self.sent_bytes - before) / (1 << 20), (time.perf_counter() - t) * 1e3)
             return
+        t0 = time.perf_counter()
         try:     # its chunks are not looked at here: each is read as it goes, and checked where it lands
             man = await asyncio.to_thread(read_image, local, name, check_chunks=False)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, f"handoff round {name}: {e}") from None
+        t1, before = time.perf_counter(), self.sent_bytes
         await self.send_chunks(local, man.chunk_keys())
+        t2 = time.perf_counter()
         await self.ask(self.stub.PutManifest, pb.PutManifestRequest(store=self.inbox, name=name, manifest=man.raw), 60)
+        log.info("context %d: round %s sent: %.1f MiB of chunks in %.1f ms, its manifest read in %.1f ms and put in "
+                 "%.1f ms", self.ctx, name, (self.sent_bytes - before) / (1 << 20), (t2 - t1) * 1e3, (t1 - t0) * 1e3,
+                 (time.perf_counter() - t2) * 1e3)
 
     async def restore(self, store, name, **how):
         """The target restores from its inbox, where send() put the round. On a connection of
