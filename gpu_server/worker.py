@@ -450,6 +450,7 @@ class Worker:
         self.serving = [0, 0.0]            # messages served and their seconds, since a checkpoint began or ended
         self.served_before = self.serving  # ... and before the running one began
         self.native_box = None             # the compiled server of the mailbox (box_serves_natively)
+        self.box_answers = [0, 0]          # mailbox requests answered in compiled code, and by Python
         self.native_box_lib = native_box.load() if settings.native_box() else None
 
     def handle(self, frames):
@@ -607,6 +608,7 @@ class Worker:
         box = self.session.box
         self.box_seen = box.seq(0)
         self.box_by_socket = by_socket
+        self.box_answers[1] += 1
         try:
             frame = box.take(0)
             bare = wire.read_bare_call(frame)
@@ -644,6 +646,7 @@ class Worker:
         finally:
             self.busy_since = None
         if served:
+            self.box_answers[0] += served
             self.last_call = time.perf_counter()
             self.serving[0] += served
             self.serving[1] += seconds
@@ -1267,6 +1270,9 @@ def main(argv=None):
         else:
             worker.serve(monitor, standby=opts.standby)
         ended = True
+        if any(worker.box_answers):      # how much of the synchronous traffic the compiled path took
+            log.info("context %d: mailbox requests answered in compiled code %d, by Python %d", session.ctx_id,
+                     *worker.box_answers)
     finally:
         if session.checkpoint is not None:
             session.checkpoint.abort("the context went away during the checkpoint")

@@ -1,6 +1,7 @@
 """The server's native hot paths (gpu_server/native/*.cpp), built beside the stub as
 libphos_server.so (`make -C client_stub/native`, PHOS_STUB_DIR): the worker's launch batches
-(gpu_server/native_launch.py) and pfp1 fingerprints on the host (snapshot/fingerprint.py).
+(gpu_server/native_launch.py), its mailbox's synchronizes (gpu_server/native_box.py) and pfp1
+fingerprints on the host (snapshot/fingerprint.py).
 
 Loaded once. Where it was not built, library() is None and each caller takes its Python path.
 ctypes lets the interpreter's lock go for each call into it.
