@@ -538,6 +538,10 @@ class FrontEnd:
     async def thaw(self, worker):
         await self.control(worker, "thaw")
 
+    async def pace(self, worker, hold):
+        """Hold the worker's client's calls for `hold` of the time (0: no longer)."""
+        await self.control(worker, "pace", {"hold": hold})
+
     async def retire(self, worker, endpoint, standby, server_key=""):
         """A frozen worker's context lives at endpoint now: it tells its client (with the CURVE
         public key of the server there, z85) and exits."""

@@ -8,6 +8,14 @@ it loads only what the last round changed. Pre-copy rounds hold nothing up (no c
 they go on while what they copy shrinks. Any failure before the target holds the
 context leaves it running here.
 
+Where the application writes about as fast as the rounds travel (a target on another host,
+over a link not much faster than its writes), the rounds stop shrinking, and the frozen
+round would carry a second or more of its writes. Then, as live migration of virtual
+machines does (QEMU's auto-converge), the handoff slows the application: its worker holds
+its calls for a share of every few milliseconds (Worker.set_pace), a larger share each
+round that fails to halve, up to PHOS_HANDOFF_THROTTLE. Each hold is a few milliseconds, far
+below the downtime it saves; the result's phase_ms says for how long and how much.
+
 What paces the rounds is what the frozen round must wait for: a target on this host reads
 each round where it lies, so its loading paces them; a target on another host needs each
 round sent first, and the link paces them while the target loads the round before (the
@@ -38,6 +46,7 @@ import time
 import types
 from dataclasses import dataclass, field
 
+from phos import settings
 from phos.gpu_server.handoff_store import HandoffStore
 from phos.schema.cuda_types import CudaError
 from phos.snapshot import open_store
@@ -45,6 +54,7 @@ from phos.snapshot.image import DEFAULT_CHUNK_SIZE
 
 MAX_ROUNDS = 12                  # pre-copy rounds of a handoff, at most
 SMALL_ROUND = 4 << 20            # a pre-copy round this small ends them: the frozen one will be small too
+THROTTLE_AIM = 0.25              # a round that did not halve: hold the application so that the next is this share of it
 LOADED_TIMEOUT = 600             # seconds the target may load on demand from the rounds before they go
 
 log = logging.getLogger("phos.admin")
@@ -79,6 +89,8 @@ class Handoff:
         self.loading = None        # the target's load of it, in order after the one before
         self.loading_before = None     # the target's load of the round before it
         self.dropping = None           # deleting rounds the target holds already (drop_held_rounds)
+        self.max_hold = settings.handoff_throttle()
+        self.hold, self.throttled_at = 0.0, None     # the share of the time the application is held, since when
 
     async def run(self):
         """Move the context; returns a HandoffResult, or raises CudaError with the context
@@ -94,6 +106,8 @@ class Handoff:
             rounds, round_ms, parent = await self.pre_copy()
             frozen = time.perf_counter()
             phases = {"pre_copy": (frozen - t0) * 1e3}
+            if self.throttled_at is not None:
+                phases.update(throttled=(frozen - self.throttled_at) * 1e3, throttled_hold_pct=self.hold * 100)
             name = store.round_name(len(rounds))
             reply, copied, ms = await self.last_round(name, parent, frozen, phases)
             rounds.append(copied)
@@ -120,6 +134,7 @@ class Handoff:
         except CudaError as e:
             log.warning("context %d: the handoff to %s failed, the context stays here: %s", self.ctx, self.to, e.message)
             await self.stop_loading()
+            await self.unthrottle()
             if warm:
                 await self.target.drop_warm()
             if self.store is not None:      # gone before the caller hears of the failure
@@ -209,6 +224,8 @@ class Handoff:
                 if i >= 2:
                     self.drop_held_rounds(parent)
                 self.adopt(name, warm=True, full=True, advance=i > 0)
+                if i >= 2:
+                    await self.throttle(copied, rounds[-2])
                 if i == 0:
                     continue
                 # On while they shrink, with a round's grace: one may grow while the target
@@ -228,6 +245,30 @@ class Handoff:
             if self.dropping is not None:      # its collection holds the store: not in the frozen round
                 await self.dropping
         return rounds, round_ms, name
+
+    async def throttle(self, copied, before):
+        """A round that did not halve against the one `before` it: hold the application's calls
+        for more of the time, so that the next round is about THROTTLE_AIM of this one (what it
+        writes scales with the share it runs), up to max_hold."""
+        if not before or copied <= before / 2 or self.hold >= self.max_hold:
+            return
+        unheld = copied / before / (1 - self.hold)       # the shrink, were the application not held
+        hold = min(self.max_hold, 1 - THROTTLE_AIM / unheld)
+        if hold < self.hold + 0.01:
+            return
+        await self.source.pace(self.worker, hold)
+        log.info("context %d: a handoff round of %d bytes after one of %d: the application is held %.0f%% of "
+                 "the time", self.ctx, copied, before, hold * 100)
+        self.hold, self.throttled_at = hold, self.throttled_at or time.perf_counter()
+
+    async def unthrottle(self):
+        """A failed handoff: the application runs at its full speed again."""
+        if self.hold and self.source.worker_alive(self.worker):
+            try:
+                await self.source.pace(self.worker, 0.0)
+            except CudaError as e:
+                log.warning("context %d: the application is still held part of the time: %s", self.ctx, e.message)
+        self.hold = 0.0
 
     def drop_held_rounds(self, before):
         """The rounds before round `before` reached the target, and it loaded them (the rounds

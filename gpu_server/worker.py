@@ -63,6 +63,9 @@ PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
 SPIN = settings.spin_us() / 1e6
 NATIVE_BOX_SLICE_NS = 200_000  # a spin on the mailbox in compiled code, unless a socket has a message
+# A paced worker (a handoff's rounds must converge) holds its client's calls for a share of
+# each period this long: short, so that each hold stays far below a handoff's downtime.
+PACE_PERIOD = 0.005
 PROFILE_DIR = settings.profile_dir()   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
 PROFILE_WORKER = bool(PROFILE_DIR and settings.profile_workers())   # ... or the whole loop into DIR/worker-PID.prof
 FIRST_HANDLE = 0x1000
@@ -424,6 +427,7 @@ class Worker:
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
         self.accepted_at = time.perf_counter()     # when the socket last accepted a connection (the monitor says)
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
+        self.pace = None           # (since, share): hold the client's calls for that share of each PACE_PERIOD
         self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
         self.client_keys = None    # with CURVE: the admitted clients (gpu_server/client_keys.py)
@@ -631,7 +635,8 @@ class Worker:
         reply, result or error waiting. False where it may not: the Python loop serves."""
         s = self.session
         if self.native_box_lib is None or s.box is None or self.box_peer is None or s.snapshotting \
-                or s.recovery is not None or s.sticky or s.deferred or self.frozen or self.backlog or self.pending:
+                or s.recovery is not None or s.sticky or s.deferred or self.frozen or self.pace or self.backlog \
+                or self.pending:
             return False
         synchronize = s.backend.native_synchronize()
         if not synchronize:
@@ -875,8 +880,24 @@ class Worker:
         return "done", None
 
     def thaw(self, peer, seq, a):
-        self.frozen = False
+        self.frozen, self.pace = False, None
         return "done", None
+
+    def set_pace(self, peer, seq, a):
+        """Hold the client's calls for a.hold of each PACE_PERIOD from now on (0: no longer): a
+        handoff slows an application that writes about as fast as its rounds travel, so that
+        they shrink, and its last one (the downtime) is small. Control messages and a running
+        checkpoint go on meanwhile."""
+        if not 0.0 <= a.hold <= 0.95:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"pace: a hold of {a.hold:g} of the time; 0 to 0.95")
+        self.pace = (time.perf_counter(), a.hold) if a.hold > 0 else None
+        return "done", None
+
+    def held_by_pace(self):
+        """Seconds the client's calls wait still in the current period, or 0."""
+        since, hold = self.pace
+        into = (time.perf_counter() - since) % PACE_PERIOD
+        return hold * PACE_PERIOD - into if into < hold * PACE_PERIOD else 0.0
 
     def retire(self, peer, seq, a):
         """The context lives at a.endpoint now: say so to the client, which attaches there at
@@ -1022,6 +1043,14 @@ class Worker:
                 if self.ctl is not None and self.ctl in ready:
                     self.handle_control(self.ctl.recv_multipart(copy=False))
                 continue
+            if self.pace is not None and (left := self.held_by_pace()):
+                # the client's calls wait; a running checkpoint's next step is ours to take (tick)
+                ready = dict(held.poll(0 if self.session.snapshotting else max(1, round(left * 1e3))))
+                if self.ctl is not None and self.ctl in ready:
+                    self.handle_control(self.ctl.recv_multipart(copy=False))
+                elif self.session.snapshotting:
+                    time.sleep(0)          # the interpreter's lock, for the checkpoint's threads
+                continue
             hot = SPIN and time.perf_counter() - self.last_call < SPIN
             box = self.session.box
             if box is not None and hot != awake:
@@ -1088,6 +1117,7 @@ CONTROL_CALLS = {
     "thaw": Worker.thaw,
     "retireTo": Worker.retire,
     "tenant": Worker.set_tenant,
+    "pace": Worker.set_pace,
 }
 
 

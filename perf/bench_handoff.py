@@ -142,8 +142,9 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
                     "syncs_after": [(e - frozen) * 1e3 for e in after]}
         # the loop ran a second alone before the call and after its answer: the rate on both sides
         rate = rate_timeline(ends, t0, t0 - 0.9, t1 + 1.0, marks={"frozen": frozen, "answered": t1})
-        for srv in (one, two):        # the workers' attach lines (PHOS_LOG=INFO), beside the stub's
-            print("".join(line for line in srv.output().splitlines(True) if "attached" in line or "freed" in line), end="")
+        for srv in (one, two):        # the workers' attach lines and the rounds' (PHOS_LOG=INFO), beside the stub's
+            print("".join(line for line in srv.output().splitlines(True)
+                          if any(w in line for w in ("attached", "freed", "round", "held"))), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
                 "baseline_gap_ms": baseline, "longest_step_ms": step, "baseline_step_ms": baseline_step, "round_bytes": list(reply.round_bytes),
                 "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms],

@@ -85,6 +85,14 @@ def present(raw):
     return True
 
 
+def hold_share(raw):
+    """A share of the time, 0 to 0.95 (a worker answers its client for the rest)."""
+    value = float(raw)
+    if not 0.0 <= value <= 0.95:
+        raise ValueError(raw)
+    return value
+
+
 def positive_int(raw):
     value = int(raw)
     if value < 1:
@@ -265,6 +273,10 @@ handoff_connections = _declare("PHOS_HANDOFF_CONNECTIONS", positive_int, _handof
                                 "ZeroMQ encrypting each on a core of its own; a server's network admin API decrypts "
                                 "this many connections at once (its I/O threads)",
                                 shown="half the cores, at least 2 and at most 8")
+handoff_throttle = _declare("PHOS_HANDOFF_THROTTLE", hold_share, 0.9, SERVER,
+                             "the largest share of the time a handoff may hold the application's calls when its "
+                             "pre-copy rounds do not shrink (the application writes about as fast as the rounds "
+                             "travel): then the last round, the downtime, would be large; 0: never hold them")
 emu_devices = _declare("PHOS_EMU_DEVICES", int, 1, SERVER,
                        "how many devices the emu backend has, each with a name, a UUID and PHOS_EMU_MEMORY bytes of "
                        "its own (`phos server --devices` picks those a server serves)")

@@ -105,7 +105,7 @@
 # Snapshots (snapshot/engine.py). Each worker also binds a control socket, known only to
 # the front end, that speaks the control plane (ControlRequest and ControlReply, at the end of
 # this file), not the application's calls. Its first request is attach{ctx, token = the control
-# token}; then the front end sends tenant, checkpoint, restore, ctxStats, thaw and retireTo.
+# token}; then the front end sends tenant, checkpoint, restore, ctxStats, pace, thaw and retireTo.
 # A restored context keeps its ctx id, handles and addresses; its client finds the new worker
 # by sending reattach{ctx, token} to the front end, attaches with its session token (attach's
 # u64s[2] is the worker's last executed seq, the image's cut), and resends its unacknowledged
@@ -397,6 +397,7 @@ struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool;
 # quota: `name` is a digest of the tenant's identity (gpu_server/device_ledger.py tenant_name), its
 # ledger directory's name. The context's images carry it, so a restore charges the same tenant.
 struct Tenant { name @0 :Text; }
+struct Pace { hold @0 :Float32; }    # the share of each few milliseconds the client's calls wait, 0 to 0.95
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
 struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }
@@ -421,6 +422,8 @@ struct ControlRequest {
     retireTo @6 :Moved;        # a frozen worker's context lives there now: tell the client
                                # (Reply.moved) and exit
     tenant @7 :Tenant;         # a new context's tenant, before its client can attach
+    pace @8 :Pace;             # hold the client's calls for a share of the time (a handoff that
+                               # must converge), or no longer (hold 0)
   }
 }
 
@@ -428,7 +431,7 @@ struct ControlReply {
   seq @0 :UInt64;              # the request's; 0 for a frame that could not be read
   union {
     failed @1 :Failure;
-    done @2 :Void;             # attach, thaw, retireTo, tenant
+    done @2 :Void;             # attach, thaw, retireTo, tenant, pace
     progress @3 :Progress;     # a checkpoint is running
     delta @4 :ImageDelta;      # a checkpoint with early: its image before it is committed
     checkpointed @5 :CheckpointResult;

@@ -354,7 +354,7 @@ STATS_FIELDS = (("bytes", "bytes"), ("allocations", "allocations"), ("last_seq",
 def encode_control(seq, kind, args=None):
     """A ControlRequest frame. kind: attach ({ctx, token}), checkpoint (CHECKPOINT_ARGS),
     restore (RESTORE_ARGS and delta: a packed ImageDelta, see pack_delta), ctxStats, thaw,
-    retireTo ({endpoint, standby, serverKey}) or tenant ({name}); args: a dict of its fields
+    retireTo ({endpoint, standby, serverKey}), tenant ({name}) or pace ({hold}); args: a dict of its fields
     (those left out are zero).
     Raises WireError for a delta that cannot be read."""
     req = ControlRequest.new_message(seq=seq)
@@ -392,6 +392,8 @@ def read_control(frame):
             args = types.SimpleNamespace(endpoint=a.endpoint, standby=a.standby, server_key=a.serverKey)
         elif kind == "tenant":
             args = types.SimpleNamespace(name=a.name)
+        elif kind == "pace":
+            args = types.SimpleNamespace(hold=a.hold)
         else:
             args = None
         return req.seq, kind, args

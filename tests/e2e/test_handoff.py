@@ -460,3 +460,46 @@ def test_a_program_making_only_asynchronous_calls_follows_a_handoff(servers, cli
     assert not t.is_alive(), f"the program blocked after {len(sent)} messages, sending to the retired worker"
     assert app.get(out["x"], N).tobytes() == expected.tobytes()
     assert app.id in contexts(two)
+
+
+def test_a_program_rewriting_its_memory_between_rounds_is_held_until_they_converge(servers, client, monkeypatch):
+    """The program rewrites all of its 24 MiB again and again (a memset a step), so no round
+    halves: the handoff holds its calls for part of each few milliseconds, as much as
+    PHOS_HANDOFF_THROTTLE allows at most, the program's calls go on meanwhile, and its data
+    arrives intact."""
+    monkeypatch.setenv("PHOS_HANDOFF_THROTTLE", "0.8")
+    one, two = servers("one"), servers("two")
+    cu = client(one)
+    app = App(cu)
+    words = 6 << 20
+    buf = app.ok(cu.cuMemAlloc(4 * words))
+    done = {}
+    mover = threading.Thread(target=lambda: done.update(
+        reply=stub(one.address).Handoff(pb.HandoffRequest(ctx=app.id, to=two.address))))
+    mover.start()
+    writes = 0
+    while mover.is_alive():
+        writes += 1
+        app.ok(cu.cuMemsetD32(buf, writes, words))
+        app.sync()
+    mover.join()
+    reply = done["reply"]
+    assert len(reply.round_bytes) >= 4 and writes > len(reply.round_bytes)
+    assert 50 <= reply.phase_ms["throttled_hold_pct"] <= 80 and reply.phase_ms["throttled"] > 0, dict(reply.phase_ms)
+    assert "the application is held" in one.output()
+    assert app.id in contexts(two)
+    assert (app.get(buf, words, np.uint32) == writes).all()
+
+
+def test_a_pace_outside_its_range_is_refused():
+    import types
+
+    from phos.gpu_server.worker import Worker
+    from phos.schema.cuda_types import CudaError
+    worker = types.SimpleNamespace(pace=None)
+    with pytest.raises(CudaError, match="0 to 0.95"):
+        Worker.set_pace(worker, b"front end", 1, types.SimpleNamespace(hold=0.99))
+    assert Worker.set_pace(worker, b"front end", 2, types.SimpleNamespace(hold=0.5)) == ("done", None)
+    assert worker.pace[1] == 0.5 and 0 < Worker.held_by_pace(worker) <= 0.0025
+    Worker.set_pace(worker, b"front end", 3, types.SimpleNamespace(hold=0.0))
+    assert worker.pace is None

@@ -33,7 +33,7 @@ def test_requests_round_trip():
              ("retireTo", {"endpoint": "ipc:///w", "standby": "ipc:///s", "serverKey": "k" * 40},
               {"endpoint": "ipc:///w", "standby": "ipc:///s", "server_key": "k" * 40}),
              ("tenant", {"name": "ab" * 32}, {"name": "ab" * 32}),
-             ("ctxStats", None, None), ("thaw", None, None)]
+             ("pace", {"hold": 0.75}, {"hold": 0.75}), ("ctxStats", None, None), ("thaw", None, None)]
     for seq, (kind, args, read) in enumerate(cases, 1):
         got_seq, got_kind, got = wire.read_control(wire.encode_control(seq, kind, args))
         assert (got_seq, got_kind) == (seq, kind)
@@ -85,7 +85,7 @@ def test_no_snapshot_calls_on_the_data_plane():
     calls = set(wire.phos_capnp.Call.schema.union_fields)
     assert not calls & {"checkpoint", "restore", "ctxStats", "thaw", "retireTo", "unusedRetire"}
     assert set(wire.ControlRequest.schema.union_fields) == {"attach", "checkpoint", "restore", "ctxStats", "thaw", "retireTo",
-                                                            "tenant"}
+                                                            "tenant", "pace"}
 
 
 def test_admin_socket():

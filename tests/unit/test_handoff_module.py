@@ -30,6 +30,9 @@ class Source:
     async def thaw(self, worker):
         self.calls.append(("thaw",))
 
+    async def pace(self, worker, hold):
+        self.calls.append(("pace", round(hold, 3)))
+
     async def retire(self, worker, endpoint, standby, server_key=""):
         self.calls.append(("retire", endpoint, standby))
 
@@ -127,6 +130,41 @@ def test_rounds_that_grow_twice_end_the_pre_copy():
     source = Source([100 * MiB, 50 * MiB, 60 * MiB, 70 * MiB, 80 * MiB, 2 * MiB])
     r = run(source, Target(), max_rounds=12)
     assert r.round_bytes == [100 * MiB, 50 * MiB, 60 * MiB, 70 * MiB, 80 * MiB]
+
+
+def paces(source):
+    return [c[1] for c in source.calls if c[0] == "pace"]
+
+
+def test_rounds_that_do_not_halve_hold_the_application_more_each_time(monkeypatch):
+    """An application writing about as fast as the rounds travel: each round that is more than
+    half the one before raises the share of the time its calls are held, so that the next
+    round would be a quarter of it (THROTTLE_AIM), up to PHOS_HANDOFF_THROTTLE; rounds that
+    halve leave it as it is."""
+    monkeypatch.setenv("PHOS_HANDOFF_THROTTLE", "0.9")
+    source = Source([800 * MiB, 500 * MiB, 400 * MiB, 100 * MiB, 40 * MiB, 30 * MiB, 28 * MiB, 3 * MiB, 1 * MiB])
+    r = run(source, Target())
+    # 400 after 500 (0.8): 1 - 0.25/0.8; 100 after 400 halved; 40 after 100 (0.4) too; 30 after
+    # 40 (0.75 held 0.6875, 2.4 unheld): 1 - 0.25/2.4; 28 after 30 would be held 0.9 at most, a
+    # step too small to ask for
+    assert paces(source) == [0.688, 0.896]
+    assert r.round_bytes[-1] == 1 * MiB and source.calls[-1][0] == "retire"      # no pace 0: the worker retired
+    assert r.phase_ms["throttled_hold_pct"] == pytest.approx(89.6, abs=0.1) and r.phase_ms["throttled"] > 0
+
+
+def test_a_failed_handoff_lets_the_held_application_run_at_full_speed(monkeypatch):
+    monkeypatch.setenv("PHOS_HANDOFF_THROTTLE", "0.5")
+    source = Source([100 * MiB, 80 * MiB, 70 * MiB, 60 * MiB, 2 * MiB, 1 * MiB])
+    with pytest.raises(CudaError, match="stays live here"):
+        run(source, Target(refuse=("delta", "final")))
+    assert paces(source) == [0.5, 0.0] and ("thaw",) in source.calls
+
+
+def test_no_throttle_when_it_is_off(monkeypatch):
+    monkeypatch.setenv("PHOS_HANDOFF_THROTTLE", "0")
+    source = Source([100 * MiB, 80 * MiB, 70 * MiB, 60 * MiB, 2 * MiB, 1 * MiB])
+    r = run(source, Target())
+    assert paces(source) == [] and "throttled" not in r.phase_ms
 
 
 def test_into_the_targets_recovery_store_the_last_round_is_committed_first():
