@@ -224,7 +224,7 @@ class Handoff:
                 if i >= 2:
                     self.drop_held_rounds(parent)
                 self.adopt(name, warm=True, full=True, advance=i > 0)
-                if i >= 2:
+                if i >= 1:        # round 1 holds what was written while round 0 (all of it) travelled
                     await self.throttle(copied, rounds[-2])
                 if i == 0:
                     continue

@@ -144,12 +144,12 @@ def test_rounds_that_do_not_halve_hold_the_application_more_each_time(monkeypatc
     monkeypatch.setenv("PHOS_HANDOFF_THROTTLE", "0.9")
     source = Source([800 * MiB, 500 * MiB, 400 * MiB, 100 * MiB, 40 * MiB, 30 * MiB, 28 * MiB, 3 * MiB, 1 * MiB])
     r = run(source, Target())
-    # 400 after 500 (0.8): 1 - 0.25/0.8; 100 after 400 halved; 40 after 100 (0.4) too; 30 after
-    # 40 (0.75 held 0.6875, 2.4 unheld): 1 - 0.25/2.4; 28 after 30 would be held 0.9 at most, a
-    # step too small to ask for
-    assert paces(source) == [0.688, 0.896]
+    # 500 after 800 (0.625): 1 - 0.25/0.625; 400 after 500 (0.8 held 0.6, 2 unheld): 1 - 0.25/2;
+    # 100 after 400 halved, 40 after 100 too; 30 after 40 (0.75 held 0.875): past 0.9, so 0.9; then
+    # 28 after 30 changes nothing
+    assert paces(source) == [0.6, 0.875, 0.9]
     assert r.round_bytes[-1] == 1 * MiB and source.calls[-1][0] == "retire"      # no pace 0: the worker retired
-    assert r.phase_ms["throttled_hold_pct"] == pytest.approx(89.6, abs=0.1) and r.phase_ms["throttled"] > 0
+    assert r.phase_ms["throttled_hold_pct"] == pytest.approx(90) and r.phase_ms["throttled"] > 0
 
 
 def test_a_failed_handoff_lets_the_held_application_run_at_full_speed(monkeypatch):
