@@ -18,6 +18,9 @@ during the handoff; the loop without a handoff gives the baseline gap. That gap 
 loop's own wait between its steps (--step-ms, 1 ms: kept short, since a wait of 10 ms would put
 10 ms of the loop's own sleep into every gap); "longest step" is how long one step (its
 launches and the synchronize after them) took from its first call to its end: the stall itself.
+Where the rounds did not halve, the source held the application's calls part of the time until
+the freeze (PHOS_HANDOFF_THROTTLE): the table says for how long, how much, and the
+application's rate of synchronizes then against the second before the handoff.
 """
 import argparse
 import json
@@ -140,12 +143,18 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
                     "last_sync_before": (last - frozen) * 1e3, "source_let_go": reply.downtime_ms,
                     "reattach": [[(a - frozen) * 1e3, (b - frozen) * 1e3, said] for a, b, said in reattaches],
                     "syncs_after": [(e - frozen) * 1e3 for e in after]}
+        # where the rounds did not halve, the source held the application part of the time until
+        # the freeze (Handoff.throttle): its rate then, against the second before the call
+        held_s = p.get("throttled", 0.0) / 1e3
+        rate_held = (sum(frozen - held_s <= e < frozen for e in ends) / held_s) / (sum(t0 - 1.0 <= e < t0 for e in ends) / 1.0) \
+            if held_s else None
         # the loop ran a second alone before the call and after its answer: the rate on both sides
         rate = rate_timeline(ends, t0, t0 - 0.9, t1 + 1.0, marks={"frozen": frozen, "answered": t1})
         for srv in (one, two):        # the workers' attach lines and the rounds' (PHOS_LOG=INFO), beside the stub's
             print("".join(line for line in srv.output().splitlines(True)
                           if any(w in line for w in ("attached", "freed", "round", "held"))), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
+                "held_s": held_s, "held_pct": p.get("throttled_hold_pct", 0.0), "rate_held": rate_held,
                 "baseline_gap_ms": baseline, "longest_step_ms": step, "baseline_step_ms": baseline_step, "round_bytes": list(reply.round_bytes),
                 "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms],
                 "timeline_ms": timeline, "rate_timeline": rate}
@@ -201,12 +210,13 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| size | handoff total (s) | application downtime (ms) | gap without handoff (ms) | longest step (ms) "
-          "| without handoff (ms) | calls held by the source (ms) | bytes per round |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| without handoff (ms) | calls held by the source (ms) | bytes per round | throttled: for, at most, its rate |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         rounds = ", ".join(f"{b / MiB:.0f} MiB" for b in r["round_bytes"])
+        held = f"{r['held_s']:.2f} s, {r['held_pct']:.0f}% held, {100 * r['rate_held']:.0f}% of its rate" if r["held_s"] else "no"
         print(f"| {r['size']} | {r['handoff_s']:.3f} | {r['downtime_ms']:.1f} | {r['baseline_gap_ms']:.1f} | "
-              f"{r['longest_step_ms']:.1f} | {r['baseline_step_ms']:.1f} | {r['server_hold_ms']:.1f} | {rounds} |")
+              f"{r['longest_step_ms']:.1f} | {r['baseline_step_ms']:.1f} | {r['server_hold_ms']:.1f} | {rounds} | {held} |")
     # where the downtime went: the source's frozen last round, the target adopting it, and
     # after the source let go (the stub re-attaching, replaying, the first calls loading)
     steps = ["last_round_describe", "last_round_fingerprint", "last_round_copy", "last_round_copy_device", "last_round_copy_store",
