@@ -250,7 +250,7 @@ class Handoff:
         """A round that did not halve against the one `before` it: hold the application's calls
         for more of the time, so that the next round is about THROTTLE_AIM of this one (what it
         writes scales with the share it runs), up to max_hold."""
-        if copied <= SMALL_ROUND or copied <= before / 2 or self.hold >= self.max_hold:
+        if copied <= SMALL_ROUND or not before or copied <= before / 2 or self.hold >= self.max_hold:
             return              # a round this small ends them
         unheld = copied / before / (1 - self.hold)       # the shrink, were the application not held
         hold = min(self.max_hold, 1 - THROTTLE_AIM / unheld)
