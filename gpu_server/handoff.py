@@ -104,10 +104,12 @@ class Handoff:
             log.info("context %d: the handoff's rounds go to %s", self.ctx, store.path)
             warm = True
             rounds, round_ms, parent = await self.pre_copy()
+            held = self.hold
+            await self.unthrottle()     # the calls held at the freeze would wait out their hold on top of it
             frozen = time.perf_counter()
             phases = {"pre_copy": (frozen - t0) * 1e3}
             if self.throttled_at is not None:
-                phases.update(throttled=(frozen - self.throttled_at) * 1e3, throttled_hold_pct=self.hold * 100)
+                phases.update(throttled=(frozen - self.throttled_at) * 1e3, throttled_hold_pct=held * 100)
             name = store.round_name(len(rounds))
             reply, copied, ms = await self.last_round(name, parent, frozen, phases)
             rounds.append(copied)
@@ -213,10 +215,13 @@ class Handoff:
                 t = time.perf_counter()
                 if remote:
                     await self.caught_up()
-                waited = (time.perf_counter() - t) * 1e3
-                copied, _, ms = await self.round(name, parent, final=False)
-                log.info("context %d: handoff pre-copy round %d: %d bytes in %.1f ms, after %.1f ms waiting for the "
-                         "target", self.ctx, i, copied, ms, waited)
+                asked = time.perf_counter()
+                waited = (asked - t) * 1e3
+                copied, steps, ms = await self.round(name, parent, final=False)
+                longest = sorted(steps.items(), key=lambda kv: -kv[1])[:4]
+                log.info("context %d: handoff pre-copy round %d: %d bytes in %.1f ms (%.1f ms from the ask to the "
+                         "answer; %s), after %.1f ms waiting for the target", self.ctx, i, copied, ms,
+                         (time.perf_counter() - asked) * 1e3, ", ".join(f"{k} {v:.1f}" for k, v in longest), waited)
                 rounds.append(copied)
                 round_ms.append(ms)
                 if not remote:
@@ -262,7 +267,7 @@ class Handoff:
         self.hold, self.throttled_at = hold, self.throttled_at or time.perf_counter()
 
     async def unthrottle(self):
-        """A failed handoff: the application runs at its full speed again."""
+        """The application runs at its full speed again: for the freeze, or after a failure."""
         if self.hold and self.source.worker_alive(self.worker):
             try:
                 await self.source.pace(self.worker, 0.0)

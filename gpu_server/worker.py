@@ -58,6 +58,7 @@ RECOVERY_PAUSED_BYTES = settings.recovery_paused_bytes()   # a recovery image th
 # down, competing for the interpreter), or by the deadline, whoever attached.
 LOADER_QUIET, LOADER_DEADLINE = 0.002, 0.1
 SLOW_MESSAGE = 0.1       # seconds: a message served slower than this is logged (INFO)
+SLOW_CONTROL = 0.005     # ... and a control call (a checkpoint's start, say) slower than this
 CATCH_UP_WAIT = 30.0     # seconds a mailbox request waits, with nothing arriving, for calls sent before it
 PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 # After a message, keep checking for the next one this long before sleeping in poll.
@@ -427,6 +428,7 @@ class Worker:
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
         self.accepted_at = time.perf_counter()     # when the socket last accepted a connection (the monitor says)
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
+        self.control_steps = {}    # where a control call's time went (ms), for its log line if it was slow
         self.pace = None           # (since, share): hold the client's calls for that share of each PACE_PERIOD
         self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
@@ -717,6 +719,7 @@ class Worker:
         self.control_call(peer, seq, kind, args)
 
     def control_call(self, peer, seq, kind, args):
+        t = time.perf_counter()
         try:
             if kind == "attach":
                 if args.token != self.control_token or not self.control_token:
@@ -736,6 +739,10 @@ class Worker:
         except Exception as e:     # a bug of ours: fail the call loudly, keep the context
             log.exception("context %d: control call %s raised", self.session.ctx_id, kind)
             self.answer_control(peer, seq, "failed", (CUresult.CUDA_ERROR_UNKNOWN, f"{kind}: internal error: {type(e).__name__}: {e}"))
+        if time.perf_counter() - t > SLOW_CONTROL:      # the client's calls waited for it
+            log.info("context %d: control call %s took %.1f ms%s", self.session.ctx_id, kind, (time.perf_counter() - t) * 1e3,
+                     "".join(f", {k} {v:.1f}" for k, v in self.control_steps.items()))
+        self.control_steps = {}
 
     def answer_control(self, peer, seq, kind, value=None):
         """One ControlReply (wire.control_reply's kinds and values)."""
@@ -759,15 +766,18 @@ class Worker:
     def begin_checkpoint(self, store_path, name, parent="", paused=False, compress=False, chunk_size=0, precopy=False,
                          sync=True):
         s = self.session
+        t = time.perf_counter()
         try:
             store = open_store(store_path, fsync=sync)
         except (OSError, ImageError) as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"image store {store_path!r}: {e}") from None
+        opened = time.perf_counter()
         last_store, last_name, last_keys, last_layout = self.last_image     # its chunks need no asking the store
         ours = bool(parent) and (last_store, last_name) == (store.path, parent)
         cp = engine.Checkpoint(s, store, name, parent=parent or None, paused=paused, compress=compress,
                                chunk_size=chunk_size or engine.DEFAULT_CHUNK_SIZE, precopy=precopy,
                                known=last_keys if ours else (), prior=last_layout if ours else None)
+        self.control_steps = {"open_store": (opened - t) * 1e3, "new_checkpoint": (time.perf_counter() - opened) * 1e3}
         try:
             cp.map_ahead()
             if cp.before_cut:

@@ -152,7 +152,7 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         rate = rate_timeline(ends, t0, t0 - 0.9, t1 + 1.0, marks={"frozen": frozen, "answered": t1})
         for srv in (one, two):        # the workers' attach lines and the rounds' (PHOS_LOG=INFO), beside the stub's
             print("".join(line for line in srv.output().splitlines(True)
-                          if any(w in line for w in ("attached", "freed", "round", "held"))), end="")
+                          if any(w in line for w in ("attached", "freed", "round", "held", "control call"))), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
                 "held_s": held_s, "held_pct": p.get("throttled_hold_pct", 0.0), "rate_held": rate_held,
                 "baseline_gap_ms": baseline, "longest_step_ms": step, "baseline_step_ms": baseline_step, "round_bytes": list(reply.round_bytes),
