@@ -12,8 +12,9 @@ Where the application writes about as fast as the rounds travel (a target on ano
 over a link not much faster than its writes), the rounds stop shrinking, and the frozen
 round would carry a second or more of its writes. Then, as live migration of virtual
 machines does (QEMU's auto-converge), the handoff slows the application: its worker holds
-its calls for a share of every few milliseconds (Worker.set_pace), a larger share each
-round that fails to halve, up to PHOS_HANDOFF_THROTTLE. Each hold is a few milliseconds, far
+its calls for a share of every few milliseconds and serves one of its messages in each at
+most (Worker.set_pace), a larger share each round that fails to halve, up to
+PHOS_HANDOFF_THROTTLE. Each hold is a few milliseconds, far
 below the downtime it saves; the result's phase_ms says for how long and how much.
 
 What paces the rounds is what the frozen round must wait for: a target on this host reads

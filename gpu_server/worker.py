@@ -65,7 +65,8 @@ PROGRESS_EVERY = 0.2     # seconds between progress Results of a checkpoint
 SPIN = settings.spin_us() / 1e6
 NATIVE_BOX_SLICE_NS = 200_000  # a spin on the mailbox in compiled code, unless a socket has a message
 # A paced worker (a handoff's rounds must converge) holds its client's calls for a share of
-# each period this long: short, so that each hold stays far below a handoff's downtime.
+# each period this long, and serves one of its messages a period at most: short, so that each
+# hold stays far below a handoff's downtime.
 PACE_PERIOD = 0.005
 PROFILE_DIR = settings.profile_dir()   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
 PROFILE_WORKER = bool(PROFILE_DIR and settings.profile_workers())   # ... or the whole loop into DIR/worker-PID.prof
@@ -430,6 +431,7 @@ class Worker:
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
         self.control_steps = {}    # where a control call's time went (ms), for its log line if it was slow
         self.pace = None           # (since, share): hold the client's calls for that share of each PACE_PERIOD
+        self.paced_served = -1     # ... and the period in which the last of its messages was served
         self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
         self.client_keys = None    # with CURVE: the admitted clients (gpu_server/client_keys.py)
@@ -581,6 +583,8 @@ class Worker:
         """A message was served since `since`: counted (serving), and a running checkpoint's
         trace shows it beside its steps (phase `calls`)."""
         self.last_call = now = time.perf_counter()
+        if self.pace is not None:
+            self.paced_served = (now - self.pace[0]) // PACE_PERIOD
         self.serving[0] += 1
         self.serving[1] += now - since
         if now - since > SLOW_MESSAGE:
@@ -894,10 +898,11 @@ class Worker:
         return "done", None
 
     def set_pace(self, peer, seq, a):
-        """Hold the client's calls for a.hold of each PACE_PERIOD from now on (0: no longer): a
-        handoff slows an application that writes about as fast as its rounds travel, so that
-        they shrink, and its last one (the downtime) is small. Control messages and a running
-        checkpoint go on meanwhile."""
+        """Hold the client's calls for a.hold of each PACE_PERIOD from now on (0: no longer), and
+        serve one of its messages a period at most (else a client that fell behind catches up in
+        the rest of the period): a handoff slows an application that writes about as fast as its
+        rounds travel, so that they shrink, and its last one (the downtime) is small. Control
+        messages and a running checkpoint go on meanwhile."""
         if not 0.0 <= a.hold <= 0.95:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"pace: a hold of {a.hold:g} of the time; 0 to 0.95")
         self.pace = (time.perf_counter(), a.hold) if a.hold > 0 else None
@@ -906,8 +911,10 @@ class Worker:
     def held_by_pace(self):
         """Seconds the client's calls wait still in the current period, or 0."""
         since, hold = self.pace
-        into = (time.perf_counter() - since) % PACE_PERIOD
-        return hold * PACE_PERIOD - into if into < hold * PACE_PERIOD else 0.0
+        period, into = divmod(time.perf_counter() - since, PACE_PERIOD)
+        if into < hold * PACE_PERIOD:
+            return hold * PACE_PERIOD - into
+        return PACE_PERIOD - into if period == self.paced_served else 0.0
 
     def retire(self, peer, seq, a):
         """The context lives at a.endpoint now: say so to the client, which attaches there at

@@ -496,10 +496,15 @@ def test_a_pace_outside_its_range_is_refused():
 
     from phos.gpu_server.worker import Worker
     from phos.schema.cuda_types import CudaError
-    worker = types.SimpleNamespace(pace=None)
+    worker = types.SimpleNamespace(pace=None, paced_served=-1)
     with pytest.raises(CudaError, match="0 to 0.95"):
         Worker.set_pace(worker, b"front end", 1, types.SimpleNamespace(hold=0.99))
     assert Worker.set_pace(worker, b"front end", 2, types.SimpleNamespace(hold=0.5)) == ("done", None)
     assert worker.pace[1] == 0.5 and 0 < Worker.held_by_pace(worker) <= 0.0025
+    # past the held half of the period, a message is served; then none until the next period
+    worker.pace = (time.perf_counter() - 0.003, 0.5)
+    assert Worker.held_by_pace(worker) == 0.0
+    worker.paced_served = 0
+    assert 0 < Worker.held_by_pace(worker) <= 0.002
     Worker.set_pace(worker, b"front end", 3, types.SimpleNamespace(hold=0.0))
     assert worker.pace is None
