@@ -216,6 +216,10 @@ class Handoff:
                 t = time.perf_counter()
                 if remote:
                     await self.caught_up()
+                if self.dropping is not None:
+                    # a round's start takes the store's session, which waits for a collection
+                    # holding its lock: the worker, and the application's calls, would wait with it
+                    await self.dropping
                 asked = time.perf_counter()
                 waited = (asked - t) * 1e3
                 copied, steps, ms = await self.round(name, parent, final=False)

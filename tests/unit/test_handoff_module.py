@@ -1,6 +1,7 @@
 """The handoff's algorithm (gpu_server/handoff.py) driven without gRPC, processes or a device:
 a fake front end whose checkpoints copy given byte counts, and a fake target."""
 import asyncio
+import time
 import types
 
 import pytest
@@ -368,6 +369,8 @@ def test_rounds_the_target_holds_are_dropped_as_the_handoff_goes(remote):
     class LoggedStore(Store):
         def drop_rounds_before(self, name):
             source.calls.append(("drop before", name))
+            time.sleep(0.1)         # longer than a round takes here
+            source.calls.append(("dropped", name))
     run(source, target, make_store=LoggedStore)
     seen = events(source.calls)
     at = {e: i for i, e in enumerate(seen)}
@@ -379,3 +382,6 @@ def test_rounds_the_target_holds_are_dropped_as_the_handoff_goes(remote):
         # what goes is rounds 0..k-1: the target holds them, and has loaded them all
         assert at[("sent", f"round{k}")] < at[("drop before", name)] < frozen
         assert at[("loaded", f"round{k - 1}")] < at[("drop before", name)]
+        # and it ends before the next round starts: that round's store session would wait for
+        # its collection, and the application's calls with it
+        assert at[("dropped", name)] < min(i for i, e in enumerate(seen) if e[0] == "copy" and i > at[("drop before", name)])
