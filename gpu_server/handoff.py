@@ -14,8 +14,8 @@ round would carry a second or more of its writes. Then, as live migration of vir
 machines does (QEMU's auto-converge), the handoff slows the application: its worker holds
 its calls for a share of every few milliseconds and serves one of its messages in each at
 most (Worker.set_pace), a larger share each round that fails to halve, up to
-PHOS_HANDOFF_THROTTLE. Each hold is a few milliseconds, far
-below the downtime it saves; the result's phase_ms says for how long and how much.
+PHOS_HANDOFF_THROTTLE, and lets go at the freeze. Each hold is a few milliseconds, far below
+the downtime it saves; the result's phase_ms says for how long and how much.
 
 What paces the rounds is what the frozen round must wait for: a target on this host reads
 each round where it lies, so its loading paces them; a target on another host needs each
@@ -261,12 +261,17 @@ class Handoff:
         for more of the time, so that the next round is about THROTTLE_AIM of this one (what it
         writes scales with the share it runs), up to max_hold."""
         if copied <= SMALL_ROUND or not before or copied <= before / 2 or self.hold >= self.max_hold:
-            return              # a round this small ends them
+            return              # the rounds end at a round this small, or shrink fast enough
         unheld = copied / before / (1 - self.hold)       # the shrink, were the application not held
         hold = min(self.max_hold, 1 - THROTTLE_AIM / unheld)
         if hold < self.hold + 0.01:
             return
-        await self.source.pace(self.worker, hold)
+        try:
+            await self.source.pace(self.worker, hold)
+        except CudaError as e:       # the handoff goes on unthrottled; its worker's trouble shows next round
+            log.warning("context %d: the application cannot be held: %s", self.ctx, e.message)
+            self.max_hold = self.hold
+            return
         log.info("context %d: a handoff round of %d bytes after one of %d: the application is held %.0f%% of "
                  "the time", self.ctx, copied, before, hold * 100)
         self.hold, self.throttled_at = hold, self.throttled_at or time.perf_counter()

@@ -723,7 +723,7 @@ class Worker:
         self.control_call(peer, seq, kind, args)
 
     def control_call(self, peer, seq, kind, args):
-        t = time.perf_counter()
+        t, self.control_steps = time.perf_counter(), {}
         try:
             if kind == "attach":
                 if args.token != self.control_token or not self.control_token:
@@ -746,7 +746,6 @@ class Worker:
         if time.perf_counter() - t > SLOW_CONTROL:      # the client's calls waited for it
             log.info("context %d: control call %s took %.1f ms%s", self.session.ctx_id, kind, (time.perf_counter() - t) * 1e3,
                      "".join(f", {k} {v:.1f}" for k, v in self.control_steps.items()))
-        self.control_steps = {}
 
     def answer_control(self, peer, seq, kind, value=None):
         """One ControlReply (wire.control_reply's kinds and values)."""

@@ -164,6 +164,17 @@ def test_a_failed_handoff_lets_the_held_application_run_at_full_speed(monkeypatc
     assert paces(source) == [0.5, 0.0] and ("thaw",) in source.calls
 
 
+def test_a_worker_that_cannot_be_paced_is_handed_off_unthrottled(monkeypatch):
+    class Unpaced(Source):
+        async def pace(self, worker, hold):
+            self.calls.append(("pace", round(hold, 3)))
+            raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, "request 'pace' is not served on the control socket")
+    monkeypatch.setenv("PHOS_HANDOFF_THROTTLE", "0.9")
+    source = Unpaced([100 * MiB, 80 * MiB, 70 * MiB, 60 * MiB, 2 * MiB, 1 * MiB])
+    r = run(source, Target())
+    assert paces(source) == [0.688] and source.calls[-1][0] == "retire" and "throttled" not in r.phase_ms
+
+
 def test_no_throttle_when_it_is_off(monkeypatch):
     monkeypatch.setenv("PHOS_HANDOFF_THROTTLE", "0")
     source = Source([100 * MiB, 80 * MiB, 70 * MiB, 60 * MiB, 2 * MiB, 1 * MiB])
