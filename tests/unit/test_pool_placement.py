@@ -39,3 +39,14 @@ def test_frees_a_few_mib_apart_tie_so_a_burst_spreads_by_contexts():
     pool = [server("a", 8 * GiB + (3 << 20), 2), server("b", 8 * GiB, 0), server("c", 8 * GiB + (1 << 20), 1)]
     assert choose(pool, "most-free")["address"] == "b"
     assert choose(pool, "pack")["address"] == "a"
+
+
+def test_contexts_placed_since_a_servers_snapshot_count_against_its_free_memory():
+    """A server whose snapshot lags (a slow poll) still shows the memory the others' snapshots
+    show taken by the burst's first contexts: each context placed there since counts a step
+    less free, so the burst does not all go to it."""
+    stale, fresh = server("a", 16 * GiB, 2), server("b", 16 * GiB - (300 << 20), 2)
+    stale["unpolled"] = 2                       # both of its contexts came after its snapshot
+    assert choose([stale, fresh], "most-free")["address"] == "b"
+    stale["unpolled"] = 0
+    assert choose([stale, fresh], "most-free")["address"] == "a"
