@@ -902,8 +902,9 @@ class Worker:
         the rest of the period): a handoff slows an application that writes about as fast as its
         rounds travel, so that they shrink, and its last one (the downtime) is small. Control
         messages and a running checkpoint go on meanwhile."""
-        if not 0.0 <= a.hold <= 0.95:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"pace: a hold of {a.hold:g} of the time; 0 to 0.95")
+        if not 0.0 <= a.hold <= settings.MOST_HOLD:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE,
+                            f"pace: a hold of {a.hold:g} of the time; 0 to {settings.MOST_HOLD:g}")
         self.pace = (time.perf_counter(), a.hold) if a.hold > 0 else None
         return "done", None
 

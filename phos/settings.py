@@ -85,10 +85,13 @@ def present(raw):
     return True
 
 
+MOST_HOLD = 0.95      # the largest share of the time a worker may hold its client's calls
+
+
 def hold_share(raw):
-    """A share of the time, 0 to 0.95 (a worker answers its client for the rest)."""
+    """A share of the time, 0 to MOST_HOLD (a worker answers its client for the rest)."""
     value = float(raw)
-    if not 0.0 <= value <= 0.95:
+    if not 0.0 <= value <= MOST_HOLD:
         raise ValueError(raw)
     return value
 
