@@ -234,10 +234,10 @@ class Handoff:
                 if i >= 2:
                     self.drop_held_rounds(parent)
                 self.adopt(name, warm=True, full=True, advance=i > 0)
-                if i >= 1:        # round 1 holds what was written while round 0 (all of it) travelled
-                    await self.throttle(copied, rounds[-2])
                 if i == 0:
                     continue
+                # from round 1, which holds what was written while round 0 (all of it) travelled
+                await self.throttle(copied, rounds[-2])
                 # On while they shrink, with a round's grace: one may grow while the target
                 # catches up (round 2 waits for round 0's long load).
                 if smallest is None or copied < smallest:
