@@ -326,6 +326,8 @@ class Connection:
             while self.monitor.poll(0):
                 event = zmq.utils.monitor.recv_monitor_message(self.monitor)["event"]
                 gone_since = None if event == zmq.EVENT_CONNECTED else now
+                if gone_since is not None:
+                    log.info("the connection to the worker at %s closed, waiting for call %d", self.endpoint, seq)
             if self.moved_to is not None:     # handed off: no need to wait until the worker has gone
                 gone_since = gone_since or now
             if deadline is not None and now > deadline:
@@ -438,10 +440,14 @@ class Connection:
             time.sleep(0.1)
         cut = res.u64s[2]
         floor = self.log_floor()
-        if floor > cut or seq <= cut:
+        if floor > cut:
             raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED,
                             f"the context was restored from an image taken at call {cut}, but calls {cut + 1}..{floor} "
                             "are no longer held to replay: it cannot continue")
+        if seq <= cut:        # it ran there, and its answer (a copy's bytes, say) is lost with the worker
+            raise CudaError(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED,
+                            f"the context was restored from an image taken at call {cut}, which ran call {seq}, but "
+                            f"its answer never came ({'told by its old worker' if told else 'found'}): it cannot continue")
         replay = [c for c in self.log if c[0] > cut]     # a batch runs whole, so none straddles the cut
         self.log.clear()
         self.log_bytes, self.durable, self.answered = 0, cut, max(self.answered, self.acked)

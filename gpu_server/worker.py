@@ -928,6 +928,8 @@ class Worker:
             moved = build_reply(self.ack, [], moved=(a.endpoint, a.standby, a.server_key))
             for client in self.attached:
                 self.send_to(client, moved)
+        log.info("context %d: retired at call %d, its clients told of %s (%d replies wait for room)", self.session.ctx_id,
+                 self.ack, a.endpoint or "nowhere", len(self.backlog))
         return "done", None
 
     def ctx_stats(self, peer, seq, a):
@@ -1060,8 +1062,12 @@ class Worker:
                 if self.ctl is not None and self.ctl in ready:
                     self.handle_control(self.ctl.recv_multipart(copy=False))
                 continue
+            box = self.session.box
             if self.pace is not None and (left := self.held_by_pace()):
-                # the client's calls wait; a running checkpoint's next step is ours to take (tick)
+                # the client's calls wait; a running checkpoint's next step is ours to take (tick).
+                # The mailbox is looked at as the hold ends: a doorbell would only queue up unread.
+                if box is not None and not awake:
+                    box.awake[0] = awake = True
                 ready = dict(held.poll(0 if self.session.snapshotting else max(1, round(left * 1e3))))
                 if self.ctl is not None and self.ctl in ready:
                     self.handle_control(self.ctl.recv_multipart(copy=False))
@@ -1069,7 +1075,6 @@ class Worker:
                     time.sleep(0)          # the interpreter's lock, for the checkpoint's threads
                 continue
             hot = SPIN and time.perf_counter() - self.last_call < SPIN
-            box = self.session.box
             if box is not None and hot != awake:
                 box.awake[0] = awake = hot      # clients ring the doorbell only while we sleep
                 if not awake:
@@ -1125,6 +1130,26 @@ class Worker:
             if not self.standby and not self.client_fds and time.monotonic() - self.alone_since > self.grace:
                 log.info("context %d: client gone, freeing it", self.session.ctx_id)
                 return
+
+
+def client_socket(zctx):
+    """The socket clients attach on.
+
+    A peer that vanished without closing (its host gone) is found by TCP keepalive, not by
+    ZeroMQ's heartbeats: a heartbeat's answer waits behind the messages queued before it, and
+    where we read none for a while (a paced or frozen context, a long call) and the client's
+    queue to us is full, it never comes, and the connection would be dropped with the answers
+    on their way to the client (the client stub does the same, client_stub/native/transport.cpp)."""
+    sock = zctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    for option, value in KEEPALIVE.items():
+        sock.setsockopt(option, value)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # a reply that cannot be queued waits (Worker.send_to)
+    return sock
+
+
+# probes after 5 idle seconds, one a second, 5 unanswered: a vanished peer is found in ~10 s
+KEEPALIVE = {zmq.TCP_KEEPALIVE: 1, zmq.TCP_KEEPALIVE_IDLE: 5, zmq.TCP_KEEPALIVE_INTVL: 1, zmq.TCP_KEEPALIVE_CNT: 5}
 
 
 CONTROL_CALLS = {
@@ -1262,11 +1287,7 @@ def main(argv=None):
         print(f"ERROR {int(CUresult.CUDA_ERROR_UNKNOWN)} {opts.backend} backend failed to start: {e}", flush=True)
         return 1
     zctx = zmq.Context()
-    sock = zctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)      # find peers that vanished without closing
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # a reply that cannot be queued waits (Worker.send_to)
+    sock = client_socket(zctx)
     client_keys = None
     if curve_secret:
         # the front end's allowlist, here too: a client may reach a worker without it

@@ -36,9 +36,17 @@ from bench_snapshot import GiB, MiB, App, pool_full, rate_timeline, start_server
 from spread import REPEAT, spread_text  # noqa: E402
 
 
-def writer(app, stop, ends, starts, step, share=0.1):
+def writer(app, stop, ends, starts, step, failed, share=0.1):
     """Every `step` seconds rewrite share*step of the context's memory (the next slice of its
-    buffers) and synchronize; record when each step began and when its sync completed."""
+    buffers) and synchronize; record when each step began and when its sync completed, and in
+    `failed` the error that stopped the loop, if one did."""
+    try:
+        write_steps(app, stop, ends, starts, step, share)
+    except Exception as e:     # the handoff lost the application: measure() says so, with the servers' logs
+        failed.append(e)
+
+
+def write_steps(app, stop, ends, starts, step, share):
     app.ok(app.cu.cuCtxSetCurrent(app.ctx))
     per_step = int(sum(n for _, n in app.buffers) * share * step) // 8 * 8
     b, off, i = 0, 0, 0
@@ -91,7 +99,7 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
-    to_key = ""
+    to_key, failed = "", []
     if tcp:
         (one, two), env, to_key = share_nothing_servers(backend, work_dir, host_memory)
         os.environ.update(env)
@@ -112,7 +120,7 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         # store, under a driver lock that every process on the GPU shares)
         pool_full(one.address)
         stop, ends, starts = threading.Event(), [], []
-        loop = threading.Thread(target=writer, args=(app, stop, ends, starts, step))
+        loop = threading.Thread(target=writer, args=(app, stop, ends, starts, step, failed))
         loop.start()
         time.sleep(1.0)
         baseline = float(np.diff(ends).max()) * 1e3
@@ -124,6 +132,9 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
         time.sleep(1.0)
         stop.set()
         loop.join()
+        if failed:
+            raise RuntimeError(f"the application failed during the handoff: {failed[0]}; its re-attaches said: "
+                               f"{[said for _, _, said in reattaches]}")
         during = [e for e in ends if t0 <= e <= t1 + 1.0]
         before = max(e for e in ends if e < t0)
         marks = [before] + during
@@ -150,15 +161,16 @@ def measure(backend, nbytes, work_dir, chunk_size=0, recovery_dir="", host_store
             if held_s else None
         # the loop ran a second alone before the call and after its answer: the rate on both sides
         rate = rate_timeline(ends, t0, t0 - 0.9, t1 + 1.0, marks={"frozen": frozen, "answered": t1})
-        for srv in (one, two):        # the workers' attach lines and the rounds' (PHOS_LOG=INFO), beside the stub's
-            print("".join(line for line in srv.output().splitlines(True)
-                          if any(w in line for w in ("attached", "freed", "round", "held", "control call"))), end="")
         return {"handoff_s": reply.seconds, "server_hold_ms": reply.downtime_ms, "downtime_ms": gap, "freeze_gap_ms": at_freeze,
                 "held_s": held_s, "held_pct": p.get("throttled_hold_pct", 0.0), "rate_held": rate_held,
                 "baseline_gap_ms": baseline, "longest_step_ms": step, "baseline_step_ms": baseline_step, "round_bytes": list(reply.round_bytes),
                 "phase_ms": {k: round(v, 2) for k, v in reply.phase_ms.items()}, "round_ms": [round(v, 1) for v in reply.round_ms],
                 "timeline_ms": timeline, "rate_timeline": rate}
     finally:
+        for srv in (one, two):        # the workers' attach lines and the rounds' (PHOS_LOG=INFO), beside the stub's;
+            # everything they said where the application failed
+            print("".join(line for line in srv.output().splitlines(True) if failed
+                          or any(w in line for w in ("attached", "freed", "round", "held", "control call", "retir"))), end="")
         cu._reset_for_tests()
         one.stop()
         two.stop()

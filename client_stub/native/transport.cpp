@@ -143,8 +143,14 @@ void Socket::open() {
     set_int(socket_, ZMQ_LINGER, 0);
     set_int(socket_, ZMQ_SNDHWM, 0);              // never drop or block on a long batch queue
     set_int(socket_, ZMQ_RCVHWM, 0);
-    set_int(socket_, ZMQ_HEARTBEAT_IVL, 1000);    // notice a server that vanished without closing
-    set_int(socket_, ZMQ_HEARTBEAT_TIMEOUT, 5000);
+    // Notice a server that vanished without closing by TCP keepalive (~10 s), not ZeroMQ's
+    // heartbeats: a heartbeat waits behind our queued messages, which a worker that reads none
+    // for a while (paced, frozen, in a long call) leaves queued, and the connection would be
+    // dropped with its answers on their way (gpu_server/worker.py client_socket does the same).
+    set_int(socket_, ZMQ_TCP_KEEPALIVE, 1);
+    set_int(socket_, ZMQ_TCP_KEEPALIVE_IDLE, 5);
+    set_int(socket_, ZMQ_TCP_KEEPALIVE_INTVL, 1);
+    set_int(socket_, ZMQ_TCP_KEEPALIVE_CNT, 5);
     set_int(socket_, ZMQ_RECONNECT_IVL, 50);
     set_int(socket_, ZMQ_RECONNECT_IVL_MAX, 1000);
     apply_curve(socket_, endpoint);
