@@ -107,6 +107,24 @@ def _configure_curve(sock, endpoint=""):
     sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(client)
 
 
+def connect(endpoint):
+    """A DEALER connected (in the background) to a worker or front end, and its monitor socket."""
+    sock = zmq_context().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    _configure_curve(sock, endpoint)
+    # a unique name: pyzmq's default reuses the fd number, which a closed socket may still hold
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
+                                      f"inproc://phos-monitor-{next(_monitor_ids)}")
+    sock.connect(endpoint)
+    return sock, monitor
+
+
+def close_socket(sock, monitor):
+    sock.disable_monitor()
+    monitor.close()
+    sock.close()
+
+
 def release_later(holder, after=1.0):
     """Drop the staging area in holder (its only reference) a moment later, on a thread of its
     own. Its last unmapping frees its 64 MiB of pages: 4-12 ms, which a re-attach after its
@@ -119,6 +137,7 @@ def release_later(holder, after=1.0):
 
 class Connection:
     def __init__(self, endpoint):
+        self.ahead = None        # (endpoint, socket, monitor) connected ahead to where a handoff moves it (Reply.movingTo)
         self.open_socket(endpoint)
         self.seq = 0
         self.batch = []          # (seq, name, args, payload) not yet sent; args of launchBatch: its blob
@@ -146,22 +165,31 @@ class Connection:
         self.acked = 0           # the highest seq the worker acknowledged: we hold every call after it
 
     def open_socket(self, endpoint):
+        """Connect to endpoint; or take the connection made ahead to it, whose handshake is done."""
         self.endpoint = endpoint
-        self.sock = zmq_context().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        _configure_curve(self.sock, endpoint)
-        # a unique name: pyzmq's default reuses the fd number, which a closed socket may still hold
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED,
-                                                    f"inproc://phos-monitor-{next(_monitor_ids)}")
-        self.sock.connect(endpoint)
+        if self.ahead is not None and self.ahead[0] == endpoint:
+            _, self.sock, self.monitor = self.ahead
+            self.ahead = None
+        else:
+            self.sock, self.monitor = connect(endpoint)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
 
-    def close(self):
-        self.sock.disable_monitor()
-        self.monitor.close()
-        self.sock.close()
+    def close(self, keep_ahead=False):
+        close_socket(self.sock, self.monitor)
+        if self.ahead is not None and not keep_ahead:
+            close_socket(*self.ahead[1:])
+            self.ahead = None
+
+    def connect_ahead(self, endpoint):
+        """A handoff is about to move the context to endpoint (Reply.movingTo): connect now, so
+        that the handshake is done by the time the re-attach needs it."""
+        if self.ahead is not None:
+            if self.ahead[0] == endpoint:
+                return
+            close_socket(*self.ahead[1:])
+        self.ahead = (endpoint, *connect(endpoint))
 
     # -- sending ---------------------------------------------------------------------------
     def post(self, name, args=None, payload=None, on_bytes=None, want_reply=False, via_box=False):
@@ -367,6 +395,10 @@ class Connection:
                 self.moved_to = (reply.moved.endpoint, reply.moved.standby)
                 if reply.moved.serverKey:     # a server with keys of its own: authenticate it by them
                     SERVER_KEYS[reply.moved.endpoint] = reply.moved.serverKey.encode()
+            if reply._has("movingTo"):
+                if reply.movingTo.serverKey:
+                    SERVER_KEYS[reply.movingTo.endpoint] = reply.movingTo.serverKey.encode()
+                self.connect_ahead(reply.movingTo.endpoint)
             for r in reply.results:
                 mine = self.route(read_result(r, frames), seq) or mine
         return mine
@@ -421,7 +453,8 @@ class Connection:
             else:
                 found = time.perf_counter()
                 old_staging = self.staging if self.staging is not None else old_staging
-                self.close()
+                ahead = self.ahead is not None and self.ahead[0] == endpoint
+                self.close(keep_ahead=True)
                 self.open_socket(endpoint)
                 self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
                 try:
@@ -429,9 +462,10 @@ class Connection:
                 except CudaError as e:
                     res = Result(0, e.status, e.message, [], 0.0, "", b"", None, [])
                 if res.status == 0:
-                    log.info("context re-attached at %s in %.1f ms (%s in %.1f, attached in %.1f)", endpoint,
+                    log.info("context re-attached at %s in %.1f ms (%s in %.1f, attached in %.1f%s)", endpoint,
                              (time.perf_counter() - started) * 1e3, "told by its old worker" if told else "found",
-                             (found - started) * 1e3, (time.perf_counter() - found) * 1e3)
+                             (found - started) * 1e3, (time.perf_counter() - found) * 1e3,
+                             ", connected ahead" if ahead else "")
                     break
                 why, passed_over = res.message, True      # where it pointed, nobody answered for the context
             if time.monotonic() > deadline:

@@ -547,6 +547,10 @@ class FrontEnd:
         public key of the server there, z85) and exits."""
         await self.control(worker, "retireTo", {"endpoint": endpoint, "standby": standby, "serverKey": server_key})
 
+    async def moving_to(self, worker, endpoint, standby, server_key=""):
+        """A handoff is about to move the worker's context to endpoint: its client connects there ahead."""
+        await self.control(worker, "movingTo", {"endpoint": endpoint, "standby": standby, "serverKey": server_key})
+
     @staticmethod
     def worker_alive(worker):
         return alive(worker.proc)

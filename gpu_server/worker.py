@@ -932,6 +932,13 @@ class Worker:
                  self.ack, a.endpoint or "nowhere", len(self.backlog))
         return "done", None
 
+    def tell_moving_to(self, peer, seq, a):
+        """A handoff is about to freeze the context for its move to a.endpoint: the client
+        connects there ahead (Reply.movingTo), so that its re-attach finds the handshake done."""
+        for client in self.attached:
+            self.send_to(client, build_reply(self.ack, [], moving_to=(a.endpoint, a.standby, a.server_key)))
+        return "done", None
+
     def ctx_stats(self, peer, seq, a):
         s = self.session
         if self.warm is not None and self.warm.failure is not None:
@@ -1160,6 +1167,7 @@ CONTROL_CALLS = {
     "retireTo": Worker.retire,
     "tenant": Worker.set_tenant,
     "pace": Worker.set_pace,
+    "movingTo": Worker.tell_moving_to,
 }
 
 

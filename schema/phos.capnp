@@ -168,6 +168,9 @@ struct Reply {
   moved @4 :Moved;             # handed off: the context lives at moved.endpoint now (sent by the
                                # old worker as it retires, with no results): attach there and
                                # resend the calls after its cut, without asking a front end
+  movingTo @5 :Moved;          # a handoff is about to freeze the context; it will move there:
+                               # connect ahead (the handshake, ~5 ms with CURVE over TCP, is then
+                               # done by the moment it moves), and attach only once it has moved
 }
 
 struct Moved {
@@ -424,6 +427,7 @@ struct ControlRequest {
     tenant @7 :Tenant;         # a new context's tenant, before its client can attach
     pace @8 :Pace;             # hold the client's calls for a share of the time (a handoff that
                                # must converge), or no longer (hold 0)
+    movingTo @9 :Moved;        # the context will move there: tell the client (Reply.movingTo)
   }
 }
 
@@ -431,7 +435,7 @@ struct ControlReply {
   seq @0 :UInt64;              # the request's; 0 for a frame that could not be read
   union {
     failed @1 :Failure;
-    done @2 :Void;             # attach, thaw, retireTo, tenant, pace
+    done @2 :Void;             # attach, thaw, retireTo, tenant, pace, movingTo
     progress @3 :Progress;     # a checkpoint is running
     delta @4 :ImageDelta;      # a checkpoint with early: its image before it is committed
     checkpointed @5 :CheckpointResult;

@@ -293,9 +293,9 @@ def read_bare_call(frame):
 
 
 # -- Replies of the data plane -----------------------------------------------------------------
-def build_reply(ack_seq, results, output="", durable=0, moved=None):
-    """Encode a Reply; results are (seq, status, message, fields); moved: (endpoint, standby, server key).
-    Returns the frames."""
+def build_reply(ack_seq, results, output="", durable=0, moved=None, moving_to=None):
+    """Encode a Reply; results are (seq, status, message, fields); moved and moving_to: (endpoint,
+    standby, server key). Returns the frames."""
     if len(results) == 1 and not output and not durable and not results[0][1] and not results[0][2] and not results[0][3]:
         return [PLAIN_REPLY.fill(ack_seq, results[0][0])]
     reply = Reply.new_message(ackSeq=ack_seq, durableSeq=durable)
@@ -303,6 +303,8 @@ def build_reply(ack_seq, results, output="", durable=0, moved=None):
         reply.output = output
     if moved:
         reply.moved.endpoint, reply.moved.standby, reply.moved.serverKey = moved
+    if moving_to:
+        reply.movingTo.endpoint, reply.movingTo.standby, reply.movingTo.serverKey = moving_to
     frames = [None]
     out = reply.init("results", len(results))
     for r, (seq, status, message, fields) in zip(out, results):
@@ -354,7 +356,8 @@ STATS_FIELDS = (("bytes", "bytes"), ("allocations", "allocations"), ("last_seq",
 def encode_control(seq, kind, args=None):
     """A ControlRequest frame. kind: attach ({ctx, token}), checkpoint (CHECKPOINT_ARGS),
     restore (RESTORE_ARGS and delta: a packed ImageDelta, see pack_delta), ctxStats, thaw,
-    retireTo ({endpoint, standby, serverKey}), tenant ({name}) or pace ({hold}); args: a dict of its fields
+    retireTo and movingTo ({endpoint, standby, serverKey}), tenant ({name}) or pace ({hold}); args: a
+    dict of its fields
     (those left out are zero).
     Raises WireError for a delta that cannot be read."""
     req = ControlRequest.new_message(seq=seq)
@@ -388,7 +391,7 @@ def read_control(frame):
         elif kind == "restore":
             args = types.SimpleNamespace(**{k: getattr(a, k) for k in RESTORE_ARGS},
                                          delta=_read_delta(a.delta) if a._has("delta") else None)
-        elif kind == "retireTo":
+        elif kind in ("retireTo", "movingTo"):
             args = types.SimpleNamespace(endpoint=a.endpoint, standby=a.standby, server_key=a.serverKey)
         elif kind == "tenant":
             args = types.SimpleNamespace(name=a.name)

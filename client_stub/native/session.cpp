@@ -402,6 +402,10 @@ bool Connection::apply_reply(const void* frame, size_t size, Message* message, u
         // a server with keys of its own: its worker is authenticated by them
         if (!reply.moved_server_key.empty()) remember_server_key(reply.moved_endpoint, reply.moved_server_key);
     }
+    if (!reply.moving_endpoint.empty()) {   // a handoff is about to move it there: connect ahead (attach_again)
+        if (!reply.moving_server_key.empty()) remember_server_key(reply.moving_endpoint, reply.moving_server_key);
+        if (!ahead_ || ahead_->endpoint() != reply.moving_endpoint) ahead_ = std::make_unique<Socket>(reply.moving_endpoint);
+    }
     if (!reply.output.empty()) {   // device-side printf, shown at synchronization as CUDA does
         fwrite(reply.output.data(), 1, reply.output.size(), stdout);
         fflush(stdout);
@@ -969,8 +973,9 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     }
     resend_after(cut, old_area);
     reattaching_ = false;   // only now: resending must not stop to bound the log
-    log_error("context %llu re-attached at %s%s (image cut at call %llu): resent %zu call(s)", (unsigned long long)ctx_,
-              endpoint().c_str(), told ? ", told by its old worker" : "", (unsigned long long)cut, unacked_calls_);
+    log_error("context %llu re-attached at %s%s%s (image cut at call %llu): resent %zu call(s)", (unsigned long long)ctx_,
+              endpoint().c_str(), told ? ", told by its old worker" : "", attached_ahead_ ? ", connected ahead" : "",
+              (unsigned long long)cut, unacked_calls_);
     return true;
 }
 
@@ -1042,7 +1047,10 @@ void Connection::give_up(const std::string& why) {
 // Connects to the restored worker and attaches as seq 0 (it takes no place in the call
 // stream), offering a new staging area. `cut`: the last call the worker has executed.
 bool Connection::attach_again(const std::string& endpoint, double timeout, uint64_t& cut, std::string& why) {
-    socket_.reopen(endpoint);
+    attached_ahead_ = ahead_ && ahead_->ok() && ahead_->endpoint() == endpoint;
+    if (attached_ahead_) socket_.take(*ahead_);   // its handshake is done
+    else socket_.reopen(endpoint);
+    ahead_.reset();
     if (!socket_.ok()) {
         why = socket_.error();
         return false;

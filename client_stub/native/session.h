@@ -201,6 +201,8 @@ private:
     std::string found_at_;                              // the front end that last found the context
     std::string passed_over_;                           // ...where it pointed, nobody answered: asked last
     std::string moved_to_;                              // where a retiring worker said the context went
+    std::unique_ptr<Socket> ahead_;                     // connected ahead to where a handoff moves it (Reply.movingTo)
+    bool attached_ahead_ = false;                       // the last re-attach used it
     bool bounding_ = false;                             // bound_log is waiting for an image
     std::vector<char*> old_areas_;
     std::string dead_;                                  // why the context is lost, once it is

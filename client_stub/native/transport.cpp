@@ -131,6 +131,20 @@ void Socket::reopen(const std::string& endpoint) {
     open();
 }
 
+void Socket::take(Socket& other) {
+    close();
+    endpoint_ = other.endpoint_;
+    error_ = other.error_;
+    socket_ = other.socket_;
+    monitor_ = other.monitor_;
+    connected_ = other.connected_;
+    greeted_ = other.greeted_;
+    ever_connected_ = other.ever_connected_;
+    dropped_ = other.dropped_;
+    disconnected_since_ = other.disconnected_since_;
+    other.socket_ = other.monitor_ = nullptr;
+}
+
 void Socket::open() {
     static std::atomic<unsigned> next_monitor{0};
     const std::string& endpoint = endpoint_;

@@ -50,6 +50,9 @@ public:
     // Closes the socket (dropping whatever it still queues) and connects a new one to
     // `endpoint`: how a connection moves to a restored context's new worker.
     void reopen(const std::string& endpoint);
+    // Closes the socket and takes `other`'s connection instead (one made ahead to where a
+    // handoff moves the context, its handshake done), leaving `other` closed.
+    void take(Socket& other);
 
     bool ok() const { return socket_ != nullptr; }
     // The peer was connected and has been disconnected since, even if zmq has connected

@@ -567,6 +567,12 @@ bool decode_reply(const void* frame, size_t size, Reply& reply, std::string& err
             reply.moved_standby = text_of(r.getMoved().getStandby());
             reply.moved_server_key = text_of(r.getMoved().getServerKey());
         }
+        reply.moving_endpoint.clear();
+        reply.moving_server_key.clear();
+        if (r.hasMovingTo()) {
+            reply.moving_endpoint = text_of(r.getMovingTo().getEndpoint());
+            reply.moving_server_key = text_of(r.getMovingTo().getServerKey());
+        }
         reply.results.clear();
         for (auto in : r.getResults()) {
             Result out;

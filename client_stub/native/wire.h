@@ -160,6 +160,8 @@ struct Reply {
     std::string moved_endpoint;   // handed off: the worker that holds the context now ("" none)
     std::string moved_standby;    // ...and the standby of its server
     std::string moved_server_key; // ...and its server's CURVE public key (z85; "" none)
+    std::string moving_endpoint;  // a handoff is about to move the context to this worker: connect ahead
+    std::string moving_server_key;    // ...and its server's CURVE public key (z85; "" none)
 };
 
 extern const uint32_t kProtocolVersion;

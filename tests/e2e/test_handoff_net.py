@@ -8,6 +8,7 @@ carries on with the same results. A target killed mid-handoff, or the link to it
 middle of a batch of chunks, leaves the context live on the source. Needs root's `unshare -m`
 (skipped with the reason where it is not permitted).
 """
+import logging
 import os
 import signal
 import subprocess
@@ -103,9 +104,11 @@ def keyed_client(monkeypatch):
     driver._reset_for_tests()
 
 
-def test_python_client_carries_on_across_a_share_nothing_handoff(pair, keyed_client):
+def test_python_client_carries_on_across_a_share_nothing_handoff(pair, keyed_client, caplog):
     """The application computes (and synchronizes) while `phos handoff` moves its context from A to
-    B over TCP; it re-attaches at B, authenticated by B's own key, with results bit-exact."""
+    B over TCP; it re-attaches at B, authenticated by B's own key, on the connection it made
+    there ahead of the move (Reply.movingTo), with results bit-exact."""
+    caplog.set_level(logging.INFO, logger="phos.client")
     a, b, a_keys, b_keys, env = pair
     cu = keyed_client(a, env)
     rhs = np.sin(np.arange(N, dtype=np.float32))
@@ -121,6 +124,8 @@ def test_python_client_carries_on_across_a_share_nothing_handoff(pair, keyed_cli
     assert app.id not in contexts(a, a_keys, env)
     from phos.client_stub import connection
     assert connection.SERVER_KEYS, "the client did not learn B's key from the move"
+    said = [r.getMessage() for r in caplog.records if "re-attached" in r.getMessage()]
+    assert len(said) == 1 and "connected ahead" in said[0], said
 
 
 @pytest.mark.parametrize("pair", [HOST_STORE], indirect=True)
@@ -179,6 +184,7 @@ def test_native_program_carries_on_across_a_share_nothing_handoff(pair, iterate)
     prog.go_on()
     code, out, err = prog.finish()
     assert code == 0 and out == expected, f"{out}\n{err}"
+    assert "told by its old worker, connected ahead" in err, err
     assert not contexts(a, a_keys, env)
 
 

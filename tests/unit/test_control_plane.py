@@ -32,6 +32,8 @@ def test_requests_round_trip():
                                                        "warm": False, "delta": None}),
              ("retireTo", {"endpoint": "ipc:///w", "standby": "ipc:///s", "serverKey": "k" * 40},
               {"endpoint": "ipc:///w", "standby": "ipc:///s", "server_key": "k" * 40}),
+             ("movingTo", {"endpoint": "tcp://b:7", "standby": "", "serverKey": "k" * 40},
+              {"endpoint": "tcp://b:7", "standby": "", "server_key": "k" * 40}),
              ("tenant", {"name": "ab" * 32}, {"name": "ab" * 32}),
              ("pace", {"hold": 0.75}, {"hold": 0.75}), ("ctxStats", None, None), ("thaw", None, None)]
     for seq, (kind, args, read) in enumerate(cases, 1):
@@ -83,9 +85,9 @@ def test_checkpoint_result_through_the_admin_api():
 
 def test_no_snapshot_calls_on_the_data_plane():
     calls = set(wire.phos_capnp.Call.schema.union_fields)
-    assert not calls & {"checkpoint", "restore", "ctxStats", "thaw", "retireTo", "unusedRetire"}
+    assert not calls & {"checkpoint", "restore", "ctxStats", "thaw", "retireTo", "unusedRetire", "movingTo"}
     assert set(wire.ControlRequest.schema.union_fields) == {"attach", "checkpoint", "restore", "ctxStats", "thaw", "retireTo",
-                                                            "tenant", "pace"}
+                                                            "tenant", "pace", "movingTo"}
 
 
 def test_admin_socket():

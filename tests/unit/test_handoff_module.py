@@ -16,8 +16,8 @@ class Source:
     """The front end holding the context: checkpoints copy `sizes` bytes, one a round."""
     host_store = None
 
-    def __init__(self, sizes, commit_fails=False):
-        self.sizes, self.commit_fails = list(sizes), commit_fails
+    def __init__(self, sizes, commit_fails=False, cannot_tell=False):
+        self.sizes, self.commit_fails, self.cannot_tell = list(sizes), commit_fails, cannot_tell
         self.moved, self.counts, self.calls = {}, {"handoffs": 0}, []
 
     async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):
@@ -36,6 +36,11 @@ class Source:
 
     async def retire(self, worker, endpoint, standby, server_key=""):
         self.calls.append(("retire", endpoint, standby))
+
+    async def moving_to(self, worker, endpoint, standby, server_key=""):
+        self.calls.append(("moving_to", endpoint, standby))
+        if self.cannot_tell:
+            raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, "movingTo: the worker is busy")
 
     def worker_alive(self, worker):
         return True
@@ -118,6 +123,9 @@ def test_rounds_shrink_then_the_target_adopts_the_delta():
                                ("round2", {"warm": True, "full": True, "advance": True}),
                                ("round3", {"advance": True, "full": True, "delta": b"packed delta of round3"})]
     assert source.calls[-1] == ("retire", "ipc:///target.ctx1", "ipc:///standby")
+    # the client connects ahead to the warm copy's worker just before the freeze
+    frozen = next(i for i, (what, *args) in enumerate(source.calls) if what == "checkpoint" and args[0]["freeze"])
+    assert source.calls[frozen - 1] == ("moving_to", "ipc:///target.ctx1", "ipc:///standby")
     # where it went, whom to ask if that dies, and the key of its server (this target has none)
     assert source.moved == {1: ("ipc:///target.ctx1", "ipc:///standby", "")} and source.counts["handoffs"] == 1
     assert {"pre_copy", "last_round_delta", "last_round_copy", "last_round", "target_adopt", "target_load",
@@ -396,3 +404,12 @@ def test_rounds_the_target_holds_are_dropped_as_the_handoff_goes(remote):
         # and it ends before the next round starts: that round's store session would wait for
         # its collection, and the application's calls with it
         assert at[("dropped", name)] < min(i for i, e in enumerate(seen) if e[0] == "copy" and i > at[("drop before", name)])
+
+
+def test_a_client_that_cannot_connect_ahead_is_handed_off_all_the_same():
+    """The worker fails to tell its client where to connect ahead: the handoff goes on, and the
+    client re-attaches as it would without."""
+    source, target = Source([100 * MiB, 3 * MiB, 1 * MiB], cannot_tell=True), Target()
+    r = run(source, target)
+    assert ("moving_to", "ipc:///target.ctx1", "ipc:///standby") in source.calls
+    assert source.calls[-1] == ("retire", "ipc:///target.ctx1", "ipc:///standby") and r.round_bytes[-1] == 1 * MiB
