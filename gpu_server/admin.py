@@ -293,10 +293,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
 
     async def PutChunks(self, request, chunks, context):
         """The network admin API's bulk call, not one of the gRPC service's: `chunks` are the
-        stored chunk blobs, or the pieces of chunks the request names, that came as frames of
-        their own after the request (schema/admin_net.py)."""
+        stored chunk blobs that came as frames of their own after the request (schema/admin_net.py)."""
         try:
-            stored = await self.front.inboxes.put_chunks(request.store, chunks, request.pieces)
+            stored = await self.front.inboxes.put_chunks(request.store, chunks)
         except CudaError as e:
             await self.fail(context, e)
         except OSError as e:

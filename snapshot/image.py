@@ -767,19 +767,16 @@ def list_images(store):
 # ---------------------------------------------------------------------------------
 # images received from another server (a handoff over the network)
 
-def put_received_chunk(store, blob, landed=None, key=None):
+def put_received_chunk(store, blob, landed=None):
     """Store a chunk blob another server sent (header + payload), verified first where it lies
     (a frame as it arrived: no copy): its key is its header's fingerprint, decode_chunk checks
     the header's fields and lengths, and the contents must fingerprint to the key. Returns 1 if
     the store lacked it, else 0; ImageError naming the chunk if it is bad. landed: a dict that
-    gets {key: raw length} of each chunk verified here (put_received_manifest's known). key:
-    the key the sender said it has, which its header must bear."""
+    gets {key: raw length} of each chunk verified here (put_received_manifest's known)."""
     blob = memoryview(blob).cast("B")
     if len(blob) < HEADER_SIZE:
         raise ImageError(f"a received chunk of {len(blob)} bytes is shorter than its {HEADER_SIZE}-byte header")
-    said, key = key, bytes(HEADER.unpack_from(blob)[5]).hex()
-    if said is not None and said != key:
-        raise ImageError(f"a received chunk said to be {said} is {key}")
+    key = bytes(HEADER.unpack_from(blob)[5]).hex()
     if store.has_chunk(key):
         return 0
     data = decode_chunk(blob, key, view=True)      # checked where it lies: the blob is stored as it came

@@ -49,13 +49,6 @@ def put_chunks(link, store, blobs):
     return pb.PutChunksReply.FromString(answer).stored
 
 
-def put_pieces(link, store, pieces):
-    """The bulk call with pieces: (key, offset, total, bytes) each, a frame a piece."""
-    header = pb.PutChunksRequest(store=store, pieces=[pb.ChunkPiece(key=k, offset=o, total=t) for k, o, t, _ in pieces])
-    [(_, answer)] = link.calls(PUT_CHUNKS, [[header.SerializeToString(), *(b for *_, b in pieces)]], 10, 1)
-    return pb.PutChunksReply.FromString(answer).stored
-
-
 def a_round(path, nbytes, chunk):
     """A store in path holding nbytes of distinct raw chunks, as a handoff's round leaves them; and their keys."""
     store, rng, keys = DirStore(path, fsync=False), np.random.default_rng(7), []
@@ -183,69 +176,6 @@ def test_an_inbox_takes_only_verified_chunks_at_paths_it_gave(keyed):
     finally:
         link.close()
         close_admin(stub)
-
-
-def test_an_inbox_puts_chunks_together_from_pieces_it_checks(keyed):
-    """Pieces of a chunk, in any order and any calls, make the chunk once the last lands; it is
-    verified and stored as a whole one is. Pieces that name no chunk key, overrun their chunk,
-    overlap, disagree on its length, or make a chunk other than the one they named are refused,
-    and nothing of theirs is stored."""
-    srv, keys = keyed
-    stub = open_admin(srv.address, curve(keys, keys / "client.key_secret"))
-    link = NetAdminConnection(admin_address(srv.address), curve(keys, keys / "client.key_secret"))
-
-    def refused(pieces, code, words):
-        with pytest.raises(grpc.RpcError) as e:
-            put_pieces(link, inbox, pieces)
-        assert e.value.code() == code and words in e.value.details(), e.value.details()
-    try:
-        inbox = stub.OpenInbox(pb.OpenInboxRequest(ctx=7), timeout=10).store
-        store = DirStore(inbox, create=False)
-        blob, other = (encode_chunk(os.urandom(3 * 65536), level=None)[0] for _ in range(2))
-        key, other_key = bytes(blob[24:40]).hex(), bytes(other[24:40]).hex()
-        n, third = len(blob), len(blob) // 3
-        assert put_pieces(link, inbox, [(key, 2 * third, n, blob[2 * third:]), (key, 0, n, blob[:third])]) == 0
-        assert not store.has_chunk(key)            # not whole yet
-        assert put_pieces(link, inbox, [(key, third, n, blob[third:2 * third])]) == 1
-        assert store.get_chunk(key) == blob
-        invalid, bad = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
-        refused([("../etc/passwd", 0, n, other[:10])], invalid, "not a chunk key")
-        refused([(other_key, n - 5, n, other[-10:])], invalid, "does not fit")
-        refused([(other_key, 0, (512 << 20), other[:10])], invalid, "no chunk is that big")
-        lying = bytearray(other)
-        lying[24:40] = bytes.fromhex(key)          # the header of another chunk
-        for wrong, code, words in (((third - 1, n, other[third - 1:2 * third]), invalid, "does not fit"),   # overlaps
-                                   ((third, n + 1, other[third:]), invalid, "does not fit"),      # another length
-                                   ((third, n, lying[third:]), bad, "a received chunk said to be")):
-            assert put_pieces(link, inbox, [(other_key, 0, n, lying[:third])]) == 0
-            refused([(other_key, *wrong)], code, words)
-        assert not store.has_chunk(other_key)
-        assert put_pieces(link, inbox, [(other_key, third, n, other[third:])]) == 0   # its first piece went with the refusal
-        assert not store.has_chunk(other_key)
-        with pytest.raises(grpc.RpcError) as e:    # pieces and frames must pair up
-            header = pb.PutChunksRequest(store=inbox, pieces=[pb.ChunkPiece(key=other_key, offset=0, total=n)] * 2)
-            link.calls(PUT_CHUNKS, [[header.SerializeToString(), other[:third]]], 10, 1).__next__()
-        assert "one a piece" in e.value.details()
-    finally:
-        link.close()
-        close_admin(stub)
-
-
-def test_a_round_of_fewer_chunks_than_connections_travels_in_pieces_on_them_all(keyed, monkeypatch, tmp_path):
-    """Two 2 MiB chunks on four connections (a frozen round's delta, say): each chunk is cut in
-    two, every connection carries a piece, and both chunks land whole."""
-    srv, keys = keyed
-    monkeypatch.setenv("PHOS_HANDOFF_CONNECTIONS", "4")
-    local, chunk_keys = a_round(tmp_path / "round", 4 * MiB, 2 * MiB)
-    port = free_port_pair()
-    relay = Relay(port + 1, admin_port(srv))
-    try:
-        inbox = DirStore(send_round(f"tcp://127.0.0.1:{port}", keys, local, chunk_keys), create=False)
-    finally:
-        relay.close()
-    assert all(inbox.get_chunk(k) == local.get_chunk(k) for k in chunk_keys)
-    carried = sorted(relay.carried)
-    assert len(carried) == 5 and all(MiB < c < 2 * MiB for c in carried[1:]), relay.carried
 
 
 def test_a_round_travels_on_every_connection_and_lands_intact(keyed, monkeypatch, tmp_path):
