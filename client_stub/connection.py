@@ -189,7 +189,11 @@ class Connection:
             if self.ahead[0] == endpoint:
                 return
             close_socket(*self.ahead[1:])
-        self.ahead = (endpoint, *connect(endpoint))
+            self.ahead = None
+        try:
+            self.ahead = (endpoint, *connect(endpoint))
+        except (CudaError, OSError, ValueError, zmq.ZMQError):
+            pass        # keys or an endpoint that cannot be used: the re-attach will say so
 
     # -- sending ---------------------------------------------------------------------------
     def post(self, name, args=None, payload=None, on_bytes=None, want_reply=False, via_box=False):

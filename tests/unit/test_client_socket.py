@@ -1,16 +1,22 @@
-"""A worker keeps the connection of a client it does not read for seconds.
+"""The sockets between a client and its worker.
+
+A worker keeps the connection of a client it does not read for seconds.
 
 A paced or frozen context, or a long call, leaves the client's messages unread while the
 client goes on sending. ZeroMQ's heartbeat answer would then wait behind them, and a heartbeat
 timeout drop the connection with the answers on their way to the client (which then finds its
 context ran a call whose answer never came). The worker's socket (worker.client_socket) finds
 vanished peers by TCP keepalive instead, which a queue that is full does not hold up.
+
+A client told where a handoff will move its context (Reply.movingTo) connects there ahead, once;
+a name it cannot connect to is left to the re-attach to report.
 """
 import time
 
 import zmq
 import zmq.utils.monitor
 
+from phos.client_stub.connection import Connection
 from phos.gpu_server.worker import client_socket
 
 UNREAD = 7.5     # seconds: the heartbeat it replaces (1 s apart, 5 s to answer) dropped the client after 6
@@ -47,3 +53,23 @@ def test_a_client_whose_messages_wait_unread_for_seconds_stays_connected():
             assert int.from_bytes(body[:8], "little") == i
     finally:
         zctx.destroy(linger=0)
+
+
+def test_a_client_connects_ahead_once_and_takes_that_connection_when_it_moves():
+    conn = Connection("tcp://127.0.0.1:9")
+    try:
+        conn.connect_ahead("not an endpoint")
+        assert conn.ahead is None
+        conn.connect_ahead("tcp://127.0.0.1:10")
+        first = conn.ahead[1]
+        conn.connect_ahead("tcp://127.0.0.1:10")
+        assert conn.ahead[1] is first          # named again: the same connection
+        conn.connect_ahead("tcp://127.0.0.1:11")
+        assert first.closed and conn.ahead[0] == "tcp://127.0.0.1:11"
+        ahead = conn.ahead[1]
+        conn.close(keep_ahead=True)            # as a re-attach does
+        conn.open_socket("tcp://127.0.0.1:11")
+        assert conn.sock is ahead and conn.ahead is None and conn.endpoint == "tcp://127.0.0.1:11"
+    finally:
+        conn.close()
+    assert conn.sock.closed
