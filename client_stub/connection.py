@@ -165,9 +165,11 @@ class Connection:
         self.acked = 0           # the highest seq the worker acknowledged: we hold every call after it
 
     def open_socket(self, endpoint):
-        """Connect to endpoint; or take the connection made ahead to it, whose handshake is done."""
+        """Connect to endpoint; or take the connection made ahead to it, whose handshake is done
+        (returns True then)."""
         self.endpoint = endpoint
-        if self.ahead is not None and self.ahead[0] == endpoint:
+        ahead = self.ahead is not None and self.ahead[0] == endpoint
+        if ahead:
             _, self.sock, self.monitor = self.ahead
             self.ahead = None
         else:
@@ -175,6 +177,7 @@ class Connection:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        return ahead
 
     def close(self, keep_ahead=False):
         close_socket(self.sock, self.monitor)
@@ -457,9 +460,8 @@ class Connection:
             else:
                 found = time.perf_counter()
                 old_staging = self.staging if self.staging is not None else old_staging
-                ahead = self.ahead is not None and self.ahead[0] == endpoint
                 self.close(keep_ahead=True)
-                self.open_socket(endpoint)
+                ahead = self.open_socket(endpoint)
                 self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
                 try:
                     res = self.attach(args, lambda a: self.call_now("attach", a))

@@ -109,7 +109,9 @@ class Handoff:
             rounds, round_ms, parent = await self.pre_copy()
             held = self.hold
             await self.unthrottle()     # the calls held at the freeze would wait out their hold on top of it
-            await self.connect_ahead(info)
+            # the target's key: a client of a server with other keys authenticates it by that
+            target_key = getattr(info, "server_key", "")
+            await self.connect_ahead(info.standby, target_key)
             frozen = time.perf_counter()
             phases = {"pre_copy": (frozen - t0) * 1e3}
             if self.throttled_at is not None:
@@ -119,8 +121,6 @@ class Handoff:
             rounds.append(copied)
             round_ms.append(ms)
             warm = False              # it is the live context there now
-            # the target's key: a client of a server with other keys authenticates it by that
-            target_key = getattr(info, "server_key", "")
             if not self.target.same_server:     # else the front end's table names the new worker already
                 self.source.moved[self.ctx] = (reply.endpoint, info.standby, target_key)
             t = time.perf_counter()
@@ -184,7 +184,7 @@ class Handoff:
         self.warm_endpoint = reply.endpoint
         return reply
 
-    async def connect_ahead(self, info):
+    async def connect_ahead(self, standby, server_key):
         """Just before the freeze: the application's client connects to the warm copy's worker
         ahead (Reply.movingTo), so that its re-attach after the move finds the handshake done
         (~5 ms of the downtime over TCP with CURVE). Where the copy is loaded afresh at the last
@@ -192,7 +192,7 @@ class Handoff:
         if not self.warm_endpoint:
             return
         try:
-            await self.source.moving_to(self.worker, self.warm_endpoint, info.standby, getattr(info, "server_key", ""))
+            await self.source.moving_to(self.worker, self.warm_endpoint, standby, server_key)
         except CudaError as e:
             log.warning("context %d: its client cannot connect ahead to %s: %s", self.ctx, self.warm_endpoint, e.message)
 

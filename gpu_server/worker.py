@@ -935,8 +935,9 @@ class Worker:
     def tell_moving_to(self, peer, seq, a):
         """A handoff is about to freeze the context for its move to a.endpoint: the client
         connects there ahead (Reply.movingTo), so that its re-attach finds the handshake done."""
+        moving = build_reply(self.ack, [], moving_to=(a.endpoint, a.standby, a.server_key))
         for client in self.attached:
-            self.send_to(client, build_reply(self.ack, [], moving_to=(a.endpoint, a.standby, a.server_key)))
+            self.send_to(client, moving)
         return "done", None
 
     def ctx_stats(self, peer, seq, a):

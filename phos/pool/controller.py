@@ -63,10 +63,10 @@ class ServerView:
     def as_dict(self, max_contexts=0):
         snap = self.snap or {}
         used, total = snap.get("bytes", 0), snap.get("total", 0)
-        held, polled = self.held(), {c["id"] for c in self.contexts()}
+        held, polled = self.held(), [c["id"] for c in self.contexts()]
         return {"address": self.address, "node_id": self.node_id, "kind": self.kind, "state": self.state,
-                "contexts": len(held) + self.placing, "unpolled": len(held - polled) + self.placing,
-                "context_ids": [c["id"] for c in self.contexts()],
+                "contexts": len(held) + self.placing, "unpolled": len(held - set(polled)) + self.placing,
+                "context_ids": polled,
                 "bytes": used, "total": total, "free": max(total - used, 0), "calls_per_s": snap.get("calls_per_s", 0.0),
                 "max_contexts": max_contexts, "standby_workers": snap.get("standby_workers", 0),
                 "metrics": snap.get("metrics", ""), "error": snap.get("error", "")}
