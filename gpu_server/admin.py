@@ -293,9 +293,9 @@ class Admin(admin_pb2_grpc.AdminServicer):
 
     async def PutChunks(self, request, chunks, context):
         """The network admin API's bulk call, not one of the gRPC service's: `chunks` are the
-        stored chunk blobs that came as frames of their own after the request (schema/admin_net.py)."""
+        frames of the stored chunk blobs that came after the request (schema/admin_net.py)."""
         try:
-            stored = await self.front.inboxes.put_chunks(request.store, chunks)
+            stored = await self.front.inboxes.put_chunks(request.store, chunks, request.pieces)
         except CudaError as e:
             await self.fail(context, e)
         except OSError as e:

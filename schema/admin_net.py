@@ -9,8 +9,8 @@ streaming call: several, then an end marker) or an error carrying a gRPC status 
 The same `Admin` servicer (gpu_server/admin.py) serves both transports.
 
 One call is this transport's alone: PUT_CHUNKS, a handoff's chunks (gpu_server/handoff_net.py).
-Its request (a PutChunksRequest) is followed by one frame per chunk, each a stored chunk blob
-sent from the sender's memory as it is and verified where it lands on the server: in one
+Its request (a PutChunksRequest) is followed by the chunks' frames (one or more each), each
+chunk a stored blob sent from the sender's memory as it is and verified where it lands: in one
 protobuf message, every batch would be copied three times more on the way (serialized, parsed,
 listed). A handoff sends them on several connections at once, a few batches in flight on each
 (NetAdminConnection.calls), since ZeroMQ encrypts each connection's bytes on one I/O thread.
@@ -38,7 +38,7 @@ from phos.schema import admin_pb2 as pb
 
 PROTOCOL = b"phos-admin-1"      # the first frame of every request: a peer of another version is told so
 REPLY, MORE, END, ERROR = b"reply", b"more", b"end", b"error"
-PUT_CHUNKS = "PutChunks"        # the bulk call: PutChunksRequest, then a frame per chunk (above)
+PUT_CHUNKS = "PutChunks"        # the bulk call: PutChunksRequest, then the chunks' frames (above)
 ZAP_DOMAIN = b"phos-admin"      # the admin socket's ZAP domain: its own allowlist (admins/), not the clients'
 DEFAULT_TIMEOUT = 60.0          # seconds a call without a timeout of its own waits for its answer
 METHODS = {m.name: m for m in pb.DESCRIPTOR.services_by_name["Admin"].methods}

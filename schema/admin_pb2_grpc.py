@@ -153,7 +153,7 @@ class AdminServicer:
         (format, fields, every chunk it names there and sound) and signed with this server's own
         image key. Only a path OpenInbox gave is written; the inbox goes with the context's warm
         copy (DropWarm), once the last round is adopted, or with the server. The chunks travel by
-        the network admin API's own bulk call, PutChunks (PutChunksRequest, then a frame per chunk:
+        the network admin API's own bulk call, PutChunks (PutChunksRequest, then the chunks' frames:
         schema/admin_net.py), not by a call of this service.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -19,7 +19,7 @@ from phos.schema import admin_pb2 as pb
 from phos.schema.admin_net import (PROTOCOL, PUT_CHUNKS, NetAdminConnection, admin_address, close_admin, open_admin,
                                    read_key_file)
 from phos.schema.cuda_types import CudaError
-from phos.snapshot import DirStore
+from phos.snapshot import DirStore, HostStore
 from phos.snapshot.image import encode_chunk
 from share_nothing import Relay, free_port_pair, keygen
 
@@ -43,15 +43,18 @@ def server_curve(keys):
     return (read_key_file(str(keys / "server.key")), *read_key_file(str(keys / "server.key_secret"), secret=True))
 
 
-def put_chunks(link, store, blobs):
-    """The bulk call as a handoff's source makes it: a PutChunksRequest, then a frame per chunk."""
-    [(_, answer)] = link.calls(PUT_CHUNKS, [[pb.PutChunksRequest(store=store).SerializeToString(), *blobs]], 10, 1)
+def put_chunks(link, store, blobs, pieces=()):
+    """The bulk call as a handoff's source makes it: a PutChunksRequest, then the chunks' frames
+    (one each, or `pieces` each)."""
+    request = pb.PutChunksRequest(store=store, pieces=pieces).SerializeToString()
+    [(_, answer)] = link.calls(PUT_CHUNKS, [[request, *blobs]], 10, 1)
     return pb.PutChunksReply.FromString(answer).stored
 
 
-def a_round(path, nbytes, chunk):
-    """A store in path holding nbytes of distinct raw chunks, as a handoff's round leaves them; and their keys."""
-    store, rng, keys = DirStore(path, fsync=False), np.random.default_rng(7), []
+def a_round(path, nbytes, chunk, store=None):
+    """A store in path (or `store`) holding nbytes of distinct raw chunks, as a handoff's round
+    leaves them; and their keys."""
+    store, rng, keys = store or DirStore(path, fsync=False), np.random.default_rng(7), []
     for _ in range(nbytes // chunk):
         blob, fp = encode_chunk(rng.integers(0, 1 << 63, chunk // 8, dtype=np.uint64).tobytes(), level=None)
         store.put_chunk(fp.hex(), blob)
@@ -176,6 +179,53 @@ def test_an_inbox_takes_only_verified_chunks_at_paths_it_gave(keyed):
     finally:
         link.close()
         close_admin(stub)
+
+
+def test_an_inbox_puts_each_chunk_together_from_its_pieces(keyed):
+    """A chunk may come in several frames (PutChunksRequest.pieces), cut anywhere: the inbox
+    joins them and checks the chunk whole. Counts that do not add up to the frames are refused,
+    and so are pieces out of order (the chunk they make is not the one its header names)."""
+    srv, keys = keyed
+    stub = open_admin(srv.address, curve(keys, keys / "client.key_secret"))
+    link = NetAdminConnection(admin_address(srv.address), curve(keys, keys / "client.key_secret"))
+    try:
+        inbox = stub.OpenInbox(pb.OpenInboxRequest(ctx=7), timeout=10).store
+        one, two = (encode_chunk(os.urandom(n), level=None)[0] for n in (10_000, 4096))
+        key_one, key_two = bytes(one[24:40]).hex(), bytes(two[24:40]).hex()
+        for pieces, frames in (([2], [one[:5000], one[5000:], two]), ([0, 3], [one[:7], one[7:], two]),
+                               ([1, 1, 1, 1], [one, two])):
+            with pytest.raises(grpc.RpcError) as e:
+                put_chunks(link, inbox, frames, pieces)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot hold" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            put_chunks(link, inbox, [one[:100], one[5000:], one[100:5000]], [3])      # its payload's pieces swapped
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"chunk {key_one} is corrupt" in e.value.details(), e.value.details()
+        store = DirStore(inbox, create=False)
+        assert not store.has_chunk(key_one) and not store.has_chunk(key_two)
+        assert put_chunks(link, inbox, [one[:7], one[7:5000], one[5000:], two], [3, 1]) == 2
+        assert store.get_chunk(key_one) == one and store.get_chunk(key_two) == two
+    finally:
+        link.close()
+        close_admin(stub)
+
+
+def test_chunks_go_from_a_host_stores_memory_in_pieces_and_land_whole(keyed, monkeypatch, tmp_path):
+    """From a HostStore, a round's chunks are sent as they lie in its slots (a header, then the
+    payload in pieces of PIECE_BYTES: frames of one message) and land whole."""
+    srv, keys = keyed
+    chunk = 256 << 10
+    monkeypatch.setattr(handoff_net, "PIECE_BYTES", 100_000)       # a payload in 3 pieces, one short
+    host = HostStore.create(tmp_path / "host", 16 * (4096 + chunk), capacity=chunk)
+    local, chunk_keys = a_round(None, 8 * chunk, chunk, store=host)
+    frames_sent, calls = [], NetAdminConnection.calls
+
+    def counted(self, method, bodies, *args):
+        return calls(self, method, (frames_sent.append(len(body)) or body for body in bodies), *args)
+    monkeypatch.setattr(NetAdminConnection, "calls", counted)
+    inbox = DirStore(send_round(srv.address, keys, local, chunk_keys), create=False)
+    assert all(inbox.get_chunk(k) == local.get_chunk(k) for k in chunk_keys)
+    assert sum(frames_sent) == len(frames_sent) + 4 * len(chunk_keys), frames_sent     # a request, 4 frames a chunk
 
 
 def test_a_round_travels_on_every_connection_and_lands_intact(keyed, monkeypatch, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from phos.snapshot import DirStore, HostStore, ImageWriter, gc, open_store, read_chunk
 from phos.snapshot.host_store import INDEX_FILE, RECORD, parse_size
 from phos.snapshot.fingerprint import fingerprint
-from phos.snapshot.image import ImageError
+from phos.snapshot.image import ImageError, chunk_blob_parts
 
 SLOT = 8192
 
@@ -195,6 +195,23 @@ def test_a_chunk_bigger_than_a_slot_is_kept_in_a_file(store, monkeypatch):
     assert store.stats()["chunks"] == 2 and store.stats()["free_slots"] == 15
     store.delete_chunk(key)
     assert store.missing([key]) == {key} and store.list_chunks() == [small]
+
+
+def test_a_chunk_reads_as_the_buffers_it_lies_in(store, tmp_path):
+    """chunk_blob_parts (what a handoff sends): a slot's header and a view of its payload, no
+    copy; a chunk kept in a file, or in a DirStore, is read whole. Either way, the blob."""
+    key, = add(store, 1)
+    header, payload = chunk_blob_parts(store, key)
+    assert np.shares_memory(np.frombuffer(payload, np.uint8), store.memory)
+    assert header + bytes(payload) == store.get_chunk(key)
+    big = np.random.default_rng(5).integers(0, 256, 3 * SLOT + 1, dtype=np.uint8).tobytes()
+    with ImageWriter(store, "module", level=None) as w:
+        in_file = w.add_chunk(big)
+    plain = DirStore(tmp_path / "plain")
+    with ImageWriter(plain, "one", level=None) as w:
+        w.add_chunk(chunk(1))
+    assert chunk_blob_parts(store, in_file) == [store.get_chunk(in_file)]
+    assert chunk_blob_parts(plain, key) == [store.get_chunk(key)]
 
 
 def test_a_chunk_size_over_the_slots_is_refused_before_anything_is_copied(store):
