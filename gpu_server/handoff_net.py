@@ -15,9 +15,10 @@ handoff leaves the context live here.
 
 The chunks are the bulk of a handoff, and they travel as fast as both machines' cores allow:
 on PHOS_HANDOFF_CONNECTIONS connections at once (ZeroMQ encrypts a connection on one I/O
-thread, here and at the target), each a thread here that reads its batches and keeps WINDOW of
-them in flight; each chunk sent from where it lies (a HostStore's slot: no copy), in frames of
-PIECE_BYTES, and verified where it lands.
+thread, here and at the target), each a thread here that reads its batches and keeps up to
+WINDOW of them in flight (one, where the round has no more chunks than links); each chunk sent
+from where it lies (a HostStore's slot: no copy), in frames of PIECE_BYTES, and verified where
+it lands.
 """
 import asyncio
 import concurrent.futures
@@ -135,14 +136,16 @@ class RemoteTarget(TargetServer):
         the CudaError that says the context stays here."""
         local, todo = what
         keys, taking, stop = iter(todo), threading.Lock(), threading.Event()
-        # a round smaller than a batch a link (the frozen one, often) is shared out among them all
+        # a round smaller than a batch a link (the frozen one, often) is shared out among them all,
+        # a chunk a link at first: a link that took a second would encrypt it after its first
         per_batch = -(-len(todo) // (len(self.links) * WINDOW))
+        window = min(WINDOW, -(-len(todo) // len(self.links)))
 
         def take():
             with taking:
                 return next(keys, None)
         loop = asyncio.get_running_loop()
-        sending = [loop.run_in_executor(self.senders, self.send_on, link, local, take, per_batch, stop, timeout)
+        sending = [loop.run_in_executor(self.senders, self.send_on, link, local, take, per_batch, window, stop, timeout)
                    for link in self.links]
         try:
             results = await asyncio.gather(*sending, return_exceptions=True)
@@ -153,9 +156,9 @@ class RemoteTarget(TargetServer):
         if failures:
             raise failures[0]
 
-    def send_on(self, link, local, take, per_batch, stop, timeout):
+    def send_on(self, link, local, take, per_batch, window, stop, timeout):
         """One link's part of a round, on its thread: batches of the keys take() gives until none
-        is left, WINDOW of them in flight, each of per_batch chunks or BATCH_BYTES at most; the
+        is left, `window` of them in flight, each of per_batch chunks or BATCH_BYTES at most; the
         first failure sets `stop` for the other links."""
         carried = []           # each batch's (keys, bytes), by its index
 
@@ -177,7 +180,7 @@ class RemoteTarget(TargetServer):
                 carried.append((keys, size))
                 yield [pb.PutChunksRequest(store=self.inbox, pieces=pieces).SerializeToString(), *frames]
         try:
-            for i, _ in link.calls(PUT_CHUNKS, batches(), timeout, WINDOW, stop):
+            for i, _ in link.calls(PUT_CHUNKS, batches(), timeout, window, stop):
                 keys, size = carried[i]
                 with self.tally:
                     self.sent.update(keys)

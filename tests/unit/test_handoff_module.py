@@ -339,9 +339,10 @@ class FakeLink:
     """A connection chunks travel on (NetAdminConnection.calls): records each batch's chunks."""
 
     def __init__(self):
-        self.batches = []
+        self.batches, self.window = [], None
 
     def calls(self, method, bodies, timeout, window, stop):
+        self.window = window
         for i, frames in enumerate(bodies):
             self.batches.append(frames[1:])
             yield i, b""
@@ -352,11 +353,13 @@ class FakeStore:
         return key.encode() * 1000
 
 
-@pytest.mark.parametrize("chunks, most_per_batch", [(12, 2), (5, 1), (600, 100)])
-def test_a_rounds_chunks_are_shared_out_among_the_links(monkeypatch, chunks, most_per_batch):
+@pytest.mark.parametrize("chunks, most_per_batch, window", [(12, 2, 2), (5, 1, 2), (3, 1, 1), (600, 100, 2)])
+def test_a_rounds_chunks_are_shared_out_among_the_links(monkeypatch, chunks, most_per_batch, window):
     """A round smaller than a batch a link (the frozen one's delta, often) goes on every link,
     not on the first alone, which would carry it at a third of the rate of three: a batch holds
-    the round's share of a link (WINDOW batches in flight on each), or BATCH_BYTES at most."""
+    the round's share of a link (WINDOW batches in flight on each), or BATCH_BYTES at most. A
+    round of no more chunks than links has one in flight on each: a link that took two at once
+    would encrypt the second after the first, while another link stood idle."""
     import concurrent.futures
 
     from phos.gpu_server import handoff_net
@@ -374,6 +377,7 @@ def test_a_rounds_chunks_are_shared_out_among_the_links(monkeypatch, chunks, mos
     assert sorted(bytes(c[:4]).decode() for b in batches for c in b) == keys      # each chunk once
     assert max(len(b) for b in batches) == most_per_batch
     assert target.sent == set(keys)
+    assert {link.window for link in target.links} == {window}
 
 
 @pytest.mark.parametrize("remote", [False, True])
