@@ -193,7 +193,8 @@ class Admin(admin_pb2_grpc.AdminServicer):
 
             task = asyncio.ensure_future(self.front.checkpoint(
                 w, on_progress=progress, store=os.path.abspath(request.store), name=name, parent=parent,
-                paused=request.paused, compress=request.compress, chunkSize=request.chunk_size))
+                paused=request.paused, compress=request.compress, chunkSize=request.chunk_size,
+                rate=request.bytes_per_second))
             while not task.done() or not queue.empty():
                 getter = asyncio.ensure_future(queue.get())
                 await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)

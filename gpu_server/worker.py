@@ -758,7 +758,8 @@ class Worker:
             return None
         if s.checkpoint is not None or s.restoring is not None:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "a checkpoint or restore of this context is still running")
-        self.begin_checkpoint(a.store, a.name, a.parent, a.paused, a.compress, a.chunkSize, a.precopy, not a.noSync)
+        self.begin_checkpoint(a.store, a.name, a.parent, a.paused, a.compress, a.chunkSize, a.precopy, not a.noSync,
+                              a.rate)
         # Frozen from the cut on: a call run while the image is still being written would be
         # acknowledged to the client, yet missing from the image the target restores.
         self.frozen = a.freeze and a.paused
@@ -767,7 +768,7 @@ class Worker:
         self.tick()
 
     def begin_checkpoint(self, store_path, name, parent="", paused=False, compress=False, chunk_size=0, precopy=False,
-                         sync=True):
+                         sync=True, rate=0):
         s = self.session
         t = time.perf_counter()
         try:
@@ -779,7 +780,7 @@ class Worker:
         ours = bool(parent) and (last_store, last_name) == (store.path, parent)
         cp = engine.Checkpoint(s, store, name, parent=parent or None, paused=paused, compress=compress,
                                chunk_size=chunk_size or engine.DEFAULT_CHUNK_SIZE, precopy=precopy,
-                               known=last_keys if ours else (), prior=last_layout if ours else None)
+                               known=last_keys if ours else (), prior=last_layout if ours else None, rate=rate)
         self.control_steps = {"open_store": (opened - t) * 1e3, "new_checkpoint": (time.perf_counter() - opened) * 1e3}
         try:
             cp.map_ahead()

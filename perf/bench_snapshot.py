@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 from spread import REPEAT, spread_text  # noqa: E402
 from ptx_helpers import compile_ptx  # noqa: E402  (tests/kernels/snapshot.cu: fill_u64)
+from phos.admin_cli import byte_size  # noqa: E402
 from phos.schema.control import checkpoint_result  # noqa: E402
 from phos.snapshot.engine import TRACE_SECONDS  # noqa: E402
 
@@ -144,21 +145,22 @@ import json, sys
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
 from phos.schema.control import checkpoint_result
-address, ctx, store, chunk = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+address, ctx, store, chunk, rate = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 admin = stub(address)
 admin.Stats(pb.StatsRequest())                  # connected before we are timed
 print("READY", flush=True)
 sys.stdin.readline()
-print(json.dumps(checkpoint_result(list(admin.Checkpoint(pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk)))[-1].result)),
-      flush=True)
+request = pb.CheckpointRequest(ctx=ctx, store=store, chunk_size=chunk, bytes_per_second=rate)
+print(json.dumps(checkpoint_result(list(admin.Checkpoint(request))[-1].result)), flush=True)
 """
 
 
-def checkpoint_from_another_process(address, ctx, store, chunk):
+def checkpoint_from_another_process(address, ctx, store, chunk, rate=0):
     """A function that checkpoints from a process of its own, started and connected already, as
     `phos checkpoint` would: the application's process runs the application alone (its Python
-    threads would share their GIL with the admin call's otherwise). Returns the result."""
-    child = subprocess.Popen([sys.executable, "-c", CHECKPOINT_CHILD, address, str(ctx), store, str(chunk)],
+    threads would share their GIL with the admin call's otherwise). Returns the result.
+    rate: the checkpoint's bytes a second (CheckpointRequest.bytes_per_second; 0: as fast as it goes)."""
+    child = subprocess.Popen([sys.executable, "-c", CHECKPOINT_CHILD, address, str(ctx), store, str(chunk), str(rate)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "READY"
 
@@ -335,7 +337,7 @@ def timed_reattach():
     return marks
 
 
-def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
+def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk, rate=0):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
@@ -374,7 +376,7 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk):
         stop_bystanders = bystanders() if launches == 1 else None
         t = time.perf_counter()
         rate, gap, (res, marks), ends = run_work(
-            app, during=checkpoint_from_another_process(one.address, ctx, shm_dir, chunk), launches=launches,
+            app, during=checkpoint_from_another_process(one.address, ctx, shm_dir, chunk, rate), launches=launches,
             around=AROUND if launches == 1 else 0.0)
         res = json.loads(res)
         # the checkpoint ran during the `seconds` before its answer came (a millisecond or two on):
@@ -478,6 +480,8 @@ def main():
     ap.add_argument("--no-disk", action="store_true", help="host memory only: no checkpoint to and restore from disk")
     ap.add_argument("--repeat", type=int, default=REPEAT,
                     help="runs of each size, the driver's and phos's side by side: the device's figures vary from run to run")
+    ap.add_argument("--rate", type=byte_size, default=0, metavar="BYTES",
+                    help="the concurrent checkpoints keep to this many bytes a second (phos checkpoint --rate)")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ["PHOS_BENCH_BACKEND"] = args.backend
@@ -492,10 +496,12 @@ def main():
         shutil.rmtree(disk, ignore_errors=True)
         os.makedirs(disk, exist_ok=True)
         try:
-            row = {"size": f"{size} {args.unit}", "bytes": nbytes}
+            rate = f", copy at {args.rate / 1e9:g} GB/s" if args.rate else ""
+            row = {"size": f"{size} {args.unit}{rate}", "bytes": nbytes}
             if args.backend == "cuda" and not args.no_driver:
                 row["driver"] = driver_rows(nbytes)
-            row["phos"] = phos_rows(args.backend, nbytes, work, shm, None if args.no_disk else disk, args.chunk_mb * MiB)
+            row["phos"] = phos_rows(args.backend, nbytes, work, shm, None if args.no_disk else disk, args.chunk_mb * MiB,
+                                    args.rate)
             rows.append(row)
             print(json.dumps(row), flush=True)
         finally:

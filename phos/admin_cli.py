@@ -1,6 +1,7 @@
 """`phos ctx list`, `phos ctx kill`, `phos checkpoint`, `phos restore`, `phos image inspect`: clients of the admin API.
 
 Loads no server code (phos.gpu_server, phos.snapshot) at import: only the admin API's schema."""
+import argparse
 import json
 import os
 import sys
@@ -65,9 +66,19 @@ def ctx_list(opts):
     return 0
 
 
+def byte_size(text):
+    """An argument such as 8G or 512M, in bytes (argparse's type)."""
+    from phos.snapshot.host_store import parse_size        # here: an admin command loads no server code otherwise
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def checkpoint(opts):
     req = pb.CheckpointRequest(ctx=opts.ctx, store=opts.dir, name=opts.name or "", paused=opts.pause,
-                               incremental=opts.incremental, compress=opts.compress, chunk_size=opts.chunk_size)
+                               incremental=opts.incremental, compress=opts.compress, chunk_size=opts.chunk_size,
+                               bytes_per_second=opts.rate)
     start, result = time.perf_counter(), None
     show = not opts.json and sys.stderr.isatty() or opts.progress
     for msg in call(lambda: list(_stream(stub(opts.server).Checkpoint(req), start, show))):
@@ -190,6 +201,9 @@ def add_commands(sub, default_server):
     p.add_argument("--compress", action="store_true", help="zstd the chunks")
     p.add_argument("--name", help="image name (default ctx<ID>-<UTC time>)")
     p.add_argument("--chunk-size", type=int, default=0, help="bytes per chunk (default 2 MiB)")
+    p.add_argument("--rate", type=byte_size, default=0, metavar="BYTES",
+                   help="copy at most this much a second (e.g. 8G): the checkpoint takes longer, and the "
+                   "application keeps more of its speed meanwhile (default: as fast as it goes)")
     p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     common(p)
     p.set_defaults(func=checkpoint)

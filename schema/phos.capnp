@@ -383,6 +383,8 @@ struct Checkpoint {
   early @9 :Bool;              # with freeze: before committing, a ControlReply.delta: the image as a
                                # delta of its parent (snapshot/engine.py Checkpoint.delta), for the
                                # handoff's target
+  rate @10 :UInt64;            # a concurrent checkpoint's copy keeps to this many bytes a second
+                               # (0: as fast as it goes), so that the application keeps more of its speed
 }
 # Restore an image into a worker that holds no context yet (a pre-started one). The reply is
 # `restored` (RestoreResult); with `full`, it comes once every chunk is loaded.

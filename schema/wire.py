@@ -344,7 +344,8 @@ def _camel(key):
     return head + "".join(w.title() for w in rest)
 
 
-CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync", "early")
+CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync", "early",
+                   "rate")
 RESTORE_ARGS = ("store", "name", "full", "advance", "warm")
 # A checkpoint's result as a dict (the keys of `phos checkpoint --json`) and its capnp fields:
 # the scalars (mode, an enum, by hand); phase_ms, trace_ms and messages_served by hand too.

@@ -58,6 +58,7 @@ log = logging.getLogger("phos.snapshot")
 ASK_AT_ONCE = 2048               # chunks a checkpoint's step asks the store about (~0.5-1 ms)
 LOOK_EVERY = 500e-6              # seconds between a checkpoint's looks at a busy device (advance)
 STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls keep coming
+LEAST_RATE = 64 << 20            # bytes a second a paced checkpoint may ask for, at least
 # a checkpoint reports its steps of this long from the cut (trace_ms); a benchmark may ask for
 # its whole copy (PHOS_TRACE_SECONDS=1: ~10,000 entries, whose JSON holds the worker's thread
 # for 10-20 ms at the end: a gap the application sees)
@@ -335,7 +336,7 @@ class Checkpoint(ChunkJob):
     """One checkpoint of one session into one store; see the module docstring."""
 
     def __init__(self, session, store, name, parent=None, paused=False, compress=False,
-                 chunk_size=DEFAULT_CHUNK_SIZE, key=None, precopy=False, known=(), prior=None):
+                 chunk_size=DEFAULT_CHUNK_SIZE, key=None, precopy=False, known=(), prior=None, rate=0):
         """precopy: a handoff's pre-copy round. There is no cut: each chunk is stored as it was
         when copied, nothing waits for the copy (no fence, no copy-on-write), and the image is
         consistent only in its objects. Only a warm handoff target restores it; the frozen
@@ -344,7 +345,17 @@ class Checkpoint(ChunkJob):
         prior: the parent's (regions, chunk keys in Chunks order), when the caller holds them: a
         paused checkpoint of the same regions then asks the store only about the chunks whose
         fingerprints changed (a handoff's last round, where 99% are the parent's).
-        key: the image key to sign its manifest with (default: this server's)."""
+        key: the image key to sign its manifest with (default: this server's).
+        rate: bytes a second the background copy keeps to, at most (0: as fast as it goes). Its
+        copies and their steps take the application's device and worker thread, in proportion
+        to the rate (a 32 GiB copy at 52 GB/s left it 60% of its speed on the H200): at a
+        lower rate it keeps more of its speed, and the checkpoint takes longer."""
+        if rate and (paused or precopy):
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "only a concurrent checkpoint keeps to a rate: a paused "
+                            "one copies while the application waits")
+        if rate and rate < LEAST_RATE:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a checkpoint's rate of {rate} bytes a second is under "
+                            f"the least of {LEAST_RATE >> 20} MiB a second (it would hold the context's copy for long)")
         if chunk_size <= 0 or chunk_size % 8 or chunk_size > MAX_CHUNK_BYTES:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"chunk size {chunk_size} must be a multiple of 8 up to {MAX_CHUNK_BYTES}")
         if chunk_size > getattr(store, "capacity", chunk_size):
@@ -377,6 +388,8 @@ class Checkpoint(ChunkJob):
         self.look_at = 0.0           # advance's next step, not before (perf_counter)
         self.stepped_at = 0.0        # when it took the last
         self.started = time.perf_counter()
+        self.rate = rate
+        self.fed = 0                 # bytes the background copy handed the device to copy (saving)
 
     # -- the cut -----------------------------------------------------------------------
     @property
@@ -413,7 +426,7 @@ class Checkpoint(ChunkJob):
 
     def cut(self, cut_seq, paused):
         """Take the cut now, between two calls. paused: copy everything before returning."""
-        t0 = time.perf_counter()
+        self.cut_at = t0 = time.perf_counter()
         self.trace_steps(t0, TRACE_SECONDS)
         if self.ahead is not None:      # the application ran meanwhile; traced as a step before the cut
             self.step("freeze_map_ahead", self.ahead_at)
@@ -447,7 +460,7 @@ class Checkpoint(ChunkJob):
             self.add_module_images()
         self.keys = [None] * len(self.chunks)
         self.asked = [False] * len(self.chunks)    # whether the store was asked if it holds the chunk
-        self.bytes_total, self.bytes_done = int(self.chunks.sizes.sum()), 0
+        self.bytes_total, self.bytes_done, self.fed = int(self.chunks.sizes.sum()), 0, 0
         self.mismatch = False
         if paused:
             t = self.step("describe", t0)
@@ -492,10 +505,11 @@ class Checkpoint(ChunkJob):
         self.module_images = []
 
     # -- copying -----------------------------------------------------------------------
-    def saving(self, batches, claim=False, urgent=False):
+    def saving(self, batches, claim=False, urgent=False, paced=False):
         """Save batches of chunks, claimed already or, with claim, as they are reached: skip
         those the store holds, copy and validate the rest. A generator: it yields while the
-        device copies, and the caller takes its next step when it likes (drain, advance)."""
+        device copies, and the caller takes its next step when it likes (drain, advance).
+        paced: the background copy, which keeps to the checkpoint's rate (held_back)."""
         reserved = []                 # each batch's slots, until published or given back
 
         def feed():                   # read() pulls the next batch when a buffer frees up
@@ -507,6 +521,7 @@ class Checkpoint(ChunkJob):
                     self.mark_done(mine)
                     continue
                 spans = self.chunks.spans(need)
+                self.fed += sum(n for _, n in spans)
                 slots = self.take_slots(len(need)) if self.direct else None
                 reserved.append(slots)
                 into = [self.store.payload(slot, n) for slot, (_, n) in zip(slots, spans)] if slots else None
@@ -526,10 +541,16 @@ class Checkpoint(ChunkJob):
                     yield             # a call may come between its fingerprints and storing it
                 yield from self.keep(*got)
                 t = self.step("copy_store", t) if not self.concurrent else t
+                while paced and self.held_back():
+                    yield             # the next batch is pulled once the rate allows it
         finally:
             copies.close()            # waits for copies under way: their slots must not be reused first
             for slots in reserved:    # the copy failed: nobody will publish them
                 self.release_unpublished(slots)
+
+    def held_back(self):
+        """Whether the copy is ahead of the checkpoint's rate, counted from its cut."""
+        return self.rate and self.fed > self.rate * (time.perf_counter() - self.cut_at)
 
     def not_held(self, idx):
         """The chunks of idx the store does not hold already; the others get their keys. Before
@@ -679,7 +700,7 @@ class Checkpoint(ChunkJob):
         """The background copy: every chunk nobody saved first, a step at a time (advance)."""
         n = len(self.chunks)
         if self.copies_before_fingerprints:
-            yield from self.saving(self.batches(range(n)), claim=True)
+            yield from self.saving(self.batches(range(n)), claim=True, paced=True)
             while not self.fingerprints_in():        # every batch was copied before they came
                 yield
             return
@@ -695,7 +716,7 @@ class Checkpoint(ChunkJob):
             yield
         if self.direct:                            # and its slots under one lock
             self.spare += self.store.reserve(max(0, self.keys.count(None) - len(self.spare)))
-        yield from self.saving(self.batches(range(n)), claim=True)
+        yield from self.saving(self.batches(range(n)), claim=True, paced=True)
 
     def advance(self, busy=None):
         """Take the background copy's next step: the worker's loop calls it between calls.

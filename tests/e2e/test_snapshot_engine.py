@@ -23,6 +23,7 @@ from ptx_helpers import compile_ptx
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
 from phos.schema.control import checkpoint_result
+from phos.schema.cuda_types import CudaError
 from phos.snapshot import DirStore, HostStore, latest_image, open_store, read_image, read_region
 from phos.snapshot.fingerprint import _finish, finish_many, fingerprint, hash_parts
 
@@ -481,6 +482,33 @@ def test_a_concurrent_checkpoint_copies_in_the_steps_its_worker_takes(tmp_path):
     assert json.loads(raw[start:raw.index(b"}", start) + 1]) == {"ctx": 7, "token": s.token_digest, "next_id": s.next_id}
 
 
+def test_a_paced_checkpoint_keeps_to_its_rate_and_saves_the_cut(tmp_path, monkeypatch):
+    """rate: from the cut on, the background copy hands the device no more than that many bytes a
+    second (and a batch or two in flight), so that it takes longer and the application keeps more
+    of its speed; the image is still the state at the cut. A rate for a paused checkpoint, or
+    one under the least, is refused by name."""
+    from phos.snapshot import engine
+    monkeypatch.setattr(engine, "LEAST_RATE", 1 << 20)
+    monkeypatch.setattr(engine, "BATCH_BYTES", 1 << 20)         # a chunk a batch: the copy's pace shows
+    before = filler(8 << 20)
+    s, ptr = emu_session_holding(before)
+    for bad, why in ((dict(rate=1 << 19), "under the least"), (dict(rate=16 << 20, paused=True), "only a concurrent")):
+        with pytest.raises(CudaError, match=why):
+            engine.Checkpoint(s, DirStore(tmp_path), "bad", chunk_size=1 << 20, **bad)
+    rate = 16 << 20                               # 8 MiB in 0.5 s
+    cp = engine.Checkpoint(s, DirStore(tmp_path), "a", chunk_size=1 << 20, rate=rate)
+    cp.cut(0, paused=False)
+    t, ahead = time.perf_counter(), 0
+    s.backend.htod(ptr, bytes(8), None)          # after the cut: not in the image
+    while cp.running:
+        cp.advance()
+        ahead = max(ahead, cp.fed - rate * (time.perf_counter() - t))
+    took = time.perf_counter() - t
+    assert ahead <= 3 << 20 and took >= 0.3, (ahead, took)        # a few batches in flight at most
+    cp.finish(1)
+    assert region(DirStore(tmp_path), "a", ptr).tobytes() == before.tobytes()
+
+
 def slow_cut_fingerprints(session, looks):
     """Make the cut's fingerprints take `looks` looks to come in, as a GPU's pass over a large
     context does, so that a call's copy-on-write starts before them."""
@@ -749,7 +777,8 @@ def test_cli_and_admin_api(servers, client, tmp_path):
     assert row["bytes"] >= 3 * MiB
     store = tmp_path / "images"
     out = subprocess.run(cli + ["checkpoint", str(app.id), str(store), "--pause", "--json", "--server", one.address],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["mode"] == "paused" and result["bytes"] >= 3 * MiB
     image = json.loads(subprocess.run(cli + ["image", "inspect", str(store), "--json"],
@@ -760,12 +789,19 @@ def test_cli_and_admin_api(servers, client, tmp_path):
     assert "GB/s" in text and "paused" in text
     bad = subprocess.run(cli + ["checkpoint", "12345", str(store), "--server", one.address], capture_output=True, text=True)
     assert bad.returncode != 0 and "no context 12345" in bad.stderr
+    slow = subprocess.run(cli + ["checkpoint", str(app.id), str(store), "--rate", "1M", "--server", one.address],
+                          capture_output=True, text=True)
+    assert slow.returncode != 0 and "under the least of 64 MiB a second" in slow.stderr, slow.stderr
+    paced = subprocess.run(cli + ["checkpoint", str(app.id), str(store), "--rate", "64M", "--json", "--server", one.address],
+                           capture_output=True, text=True, check=True)
+    assert json.loads(paced.stdout)["mode"] == "concurrent"
+    assert np.array_equal(app.get(a, 3 * MiB, np.uint8), filler(3 * MiB))
     stats = stub(one.address).Stats(pb.StatsRequest())
-    assert stats.checkpoints == 2 and stats.contexts >= 1
+    assert stats.checkpoints == 3 and stats.contexts >= 1
     assert 0 < stats.checkpoint_seconds < 60
     freed = stub(one.address).DeleteImage(pb.DeleteImageRequest(store=str(store), name=result["name"]))
-    assert freed.freed_chunks == 0          # the second image still holds every chunk
-    assert len(DirStore(store).list_images()) == 1
+    assert freed.freed_chunks == 0          # the other images still hold every chunk
+    assert len(DirStore(store).list_images()) == 2
 
 
 def test_a_context_whose_worker_does_not_answer_is_listed_as_busy(servers, client):
@@ -963,7 +999,7 @@ def ask_checkpoint(w, seq, store, name):
     import types
     w.control_call(b"front end", seq, "checkpoint", types.SimpleNamespace(
         store=str(store), name=name, parent="", paused=False, compress=False, chunkSize=1 << 20, freeze=False,
-        precopy=False, noSync=True, early=False))
+        precopy=False, noSync=True, early=False, rate=0))
 
 
 def answers(w):
