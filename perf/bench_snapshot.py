@@ -337,7 +337,7 @@ def timed_reattach():
     return marks
 
 
-def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk, rate=0):
+def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk, copy_rate=0):
     from phos.admin_cli import stub
     from phos.client_stub import driver as cu
     from phos.schema import admin_pb2 as pb
@@ -376,7 +376,7 @@ def phos_rows(backend, nbytes, work_dir, shm_dir, disk_dir, chunk, rate=0):
         stop_bystanders = bystanders() if launches == 1 else None
         t = time.perf_counter()
         rate, gap, (res, marks), ends = run_work(
-            app, during=checkpoint_from_another_process(one.address, ctx, shm_dir, chunk, rate), launches=launches,
+            app, during=checkpoint_from_another_process(one.address, ctx, shm_dir, chunk, copy_rate), launches=launches,
             around=AROUND if launches == 1 else 0.0)
         res = json.loads(res)
         # the checkpoint ran during the `seconds` before its answer came (a millisecond or two on):
@@ -496,7 +496,7 @@ def main():
         shutil.rmtree(disk, ignore_errors=True)
         os.makedirs(disk, exist_ok=True)
         try:
-            rate = f", copy at {args.rate / 1e9:g} GB/s" if args.rate else ""
+            rate = f", copy at {args.rate / 1e9:.3g} GB/s" if args.rate else ""
             row = {"size": f"{size} {args.unit}{rate}", "bytes": nbytes}
             if args.backend == "cuda" and not args.no_driver:
                 row["driver"] = driver_rows(nbytes)
