@@ -346,10 +346,10 @@ class Checkpoint(ChunkJob):
         paused checkpoint of the same regions then asks the store only about the chunks whose
         fingerprints changed (a handoff's last round, where 99% are the parent's).
         key: the image key to sign its manifest with (default: this server's).
-        rate: bytes a second the background copy keeps to, at most (0: as fast as it goes). Its
-        copies and their steps take the application's device and worker thread, in proportion
-        to the rate (a 32 GiB copy at 52 GB/s left it 60% of its speed on the H200): at a
-        lower rate it keeps more of its speed, and the checkpoint takes longer."""
+        rate: bytes a second the background copy keeps to, at most (0: as fast as it goes): the
+        checkpoint takes longer, and leaves more of the device's copy engines and of the
+        worker's thread to the application (on the H200, a launch-and-sync loop beside a 32 GiB
+        checkpoint ran at 64% of its speed at 52 GB/s, 72% at 8 GiB/s: perf/RESULTS.md)."""
         if rate and (paused or precopy):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "only a concurrent checkpoint keeps to a rate: a paused "
                             "one copies while the application waits")
