@@ -299,15 +299,20 @@ def put_share(store, chunks, landed):
 
 
 _joins = threading.local()
+KEPT_JOIN_BYTES = 32 << 20      # a verifier thread keeps a buffer this big at most (8 of them: 256 MiB)
 
 
 def joined(parts):
     """A chunk's frames as one buffer, the verifier thread's own, until its next chunk: a fresh
-    one (malloc's fresh pages) would take a page fault every 4 KiB, ~0.5 ms a 2 MiB chunk."""
+    one (malloc's fresh pages) would take a page fault every 4 KiB, ~0.5 ms a 2 MiB chunk. A
+    chunk bigger than KEPT_JOIN_BYTES (up to 256 MiB) is joined afresh: rare, and not worth
+    the memory kept."""
     if len(parts) == 1:
         return parts[0]
     parts = [memoryview(part).cast("B") for part in parts]
     size = sum(map(len, parts))
+    if size > KEPT_JOIN_BYTES:
+        return b"".join(parts)
     if len(getattr(_joins, "buffer", b"")) < size:
         _joins.buffer = bytearray(size)
     view, at = memoryview(_joins.buffer)[:size], 0

@@ -210,6 +210,21 @@ def test_an_inbox_puts_each_chunk_together_from_its_pieces(keyed):
         close_admin(stub)
 
 
+def test_pieces_are_joined_in_a_buffer_the_thread_keeps_up_to_a_bound(monkeypatch):
+    """A chunk's pieces are joined in the verifier thread's own buffer, kept for its next chunk;
+    one bigger than KEPT_JOIN_BYTES is joined afresh, and the buffer kept stays as it was."""
+    monkeypatch.setattr(handoff_net, "KEPT_JOIN_BYTES", 1 << 16)
+    blob = os.urandom(40_000)
+    first = handoff_net.joined([blob[:3], memoryview(blob)[3:20_000], blob[20_000:]])
+    assert bytes(first) == blob
+    kept = handoff_net._joins.buffer
+    second = handoff_net.joined([blob[:100], blob[100:]])
+    assert bytes(second) == blob and handoff_net._joins.buffer is kept
+    big = os.urandom(100_000)
+    assert bytes(handoff_net.joined([big[:1], big[1:]])) == big and handoff_net._joins.buffer is kept
+    assert len(kept) < 1 << 16
+
+
 def test_chunks_go_from_a_host_stores_memory_in_pieces_and_land_whole(keyed, monkeypatch, tmp_path):
     """From a HostStore, a round's chunks are sent as they lie in its slots (a header, then the
     payload in pieces of PIECE_BYTES: frames of one message) and land whole."""
