@@ -181,18 +181,20 @@ class Connection:
 
     def close(self, keep_ahead=False):
         close_socket(self.sock, self.monitor)
-        if self.ahead is not None and not keep_ahead:
+        if not keep_ahead:
+            self.drop_ahead()
+
+    def drop_ahead(self):
+        if self.ahead is not None:
             close_socket(*self.ahead[1:])
             self.ahead = None
 
     def connect_ahead(self, endpoint):
         """A handoff is about to move the context to endpoint (Reply.movingTo): connect now, so
         that the handshake is done by the time the re-attach needs it."""
-        if self.ahead is not None:
-            if self.ahead[0] == endpoint:
-                return
-            close_socket(*self.ahead[1:])
-            self.ahead = None
+        if self.ahead is not None and self.ahead[0] == endpoint:
+            return
+        self.drop_ahead()
         try:
             self.ahead = (endpoint, *connect(endpoint))
         except (CudaError, OSError, ValueError, zmq.ZMQError):

@@ -391,7 +391,7 @@ class HostStore(DirStore):
         header, body, length = got
         if max_bytes is not None and length > max_bytes:
             raise ImageError(f"chunk {key} is {length} bytes, over the limit of {max_bytes}")
-        return header + body.tobytes()
+        return b"".join((header, body))      # one copy, not two (body.tobytes(), then the sum)
 
     def get_chunk_into(self, key, head, body):
         got = self.source(key)
