@@ -7,7 +7,7 @@ restored or handed-off context keeps its addresses, on whichever device.
 import collections
 import ctypes
 import itertools
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 import logging
 import os
 import threading
@@ -24,7 +24,7 @@ from phos.gpu_server.fatbin import module_variables
 from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, join_runs, pieces, stage_offsets
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import LAUNCH_COOPERATIVE, STREAM_ALIASES, launch_cluster
-from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES, ahead_memory
+from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES, WorkThreads, ahead_memory
 
 log = logging.getLogger("phos.cuda")
 GiB = 1 << 30
@@ -655,7 +655,7 @@ class CudaSnapshotOps:
         self.launches = {}       # (device table, n, stream) -> pfp1's prepared arguments
         self.events = []         # events done with, for reuse: creating one costs a driver call
         self.freeze_table = None   # freeze's copies: (device table, pinned host table, capacity in pieces)
-        self.mapper = ThreadPoolExecutor(1, thread_name_prefix="phos-map-ahead")   # map_ahead's mappings
+        self.mapper = WorkThreads(1, "phos-map-ahead")   # map_ahead's mappings, and unmapping freeze's copies
 
     def _kernel(self, name, function):
         """A kernel of snapshot/kernels/NAME.ptx (checked in: servers need no compiler)."""
@@ -936,6 +936,9 @@ class CudaSnapshotOps:
         self.pinned.append((start, start + memory.nbytes))
         self.pieces = sorted(self.pieces + done)     # sorted: join_runs breaks copies at them
         return True
+
+    def threads_at_work(self):
+        return self.mapper.at_work
 
     def maps(self, host):
         lo = host.ctypes.data

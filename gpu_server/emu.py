@@ -334,6 +334,9 @@ class EmuSnapshotOps:
         elif frozen[2]:
             self.mapped_ahead -= 1
 
+    def threads_at_work(self):
+        return False            # map_ahead's buffer is there at once
+
     def maps(self, host):
         return True             # no copy engines: any host memory will do
 

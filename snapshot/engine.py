@@ -51,7 +51,7 @@ from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError
                                  chunk_payload, encode_delta, read_chunk, read_chunk_into, read_image, read_latest_image,
                                  validate_delta)
 from phos.snapshot.image_key import image_key
-from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTES
+from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTES, WorkThreads
 from phos.snapshot.store import keys_of
 
 log = logging.getLogger("phos.snapshot")
@@ -147,14 +147,6 @@ class Chunks:
         """The index of the region holding ptr, or None."""
         r = bisect.bisect_right(self.bases, ptr) - 1
         return None if r < 0 or ptr >= self.regions[r][0] + self.regions[r][1] else r
-
-
-def drain(steps):
-    """Take every step of a generator that yields while the device works, waiting meanwhile."""
-    for _ in steps:
-        # gives the I/O threads the interpreter; sleep(0), as a timed sleep lasts 60-180 us
-        # (the timer's slack), and a handoff's frozen round waits in series for a few batches
-        time.sleep(0)
 
 
 def indices(idx):
@@ -378,7 +370,7 @@ class Checkpoint(ChunkJob):
         self.direct = self.level is None and hasattr(store, "reserve") and session.backend.snap.maps(store.memory)
         self.mismatched = 0          # saved chunks that differed from the cut
         self.pause_s = 0.0           # time the application was held: the cut, and a fallback pause
-        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-ckpt-io")
+        self.io = WorkThreads(IO_THREADS, "phos-ckpt-io")
         self.work = None             # the background copy (run), while it runs
         self.frozen = None           # the cut's copy of the context on the device (snap.freeze), saved from
         self.ahead = None            # memory for that copy, being mapped before the cut (map_ahead), until the cut takes it
@@ -655,7 +647,7 @@ class Checkpoint(ChunkJob):
         """Check and publish the batches keep() set aside before the cut's fingerprints."""
         kept, self.kept = self.kept, []
         for batch, copied in kept:
-            drain(self.keep(batch, copied))
+            self.drain(self.keep(batch, copied))
 
     def batches(self, idx, urgent=False):
         """Batches of idx to copy at once. From the cut's copy on the device straight into the
@@ -694,7 +686,16 @@ class Checkpoint(ChunkJob):
 
     def save(self, idx, urgent=False):
         """Save claimed chunks now (a paused checkpoint, a call's copy-on-write)."""
-        drain(self.saving(self.batches(idx, urgent), urgent=urgent))
+        self.drain(self.saving(self.batches(idx, urgent), urgent=urgent))
+
+    def drain(self, steps):
+        """Take every step of a generator that yields while the device works, waiting meanwhile.
+        Asleep while the I/O threads have work, to give them the interpreter; else spinning: even
+        sleep(0) lasts the kernel's timer slack, 50-85 us, and a handoff's frozen round or a
+        call's copy-on-write waits in series for a few batches."""
+        for _ in steps:
+            if self.threads_at_work():
+                time.sleep(0)
 
     def run(self):
         """The background copy: every chunk nobody saved first, a step at a time (advance)."""
@@ -745,6 +746,10 @@ class Checkpoint(ChunkJob):
     @property
     def running(self):
         return self.work is not None
+
+    def threads_at_work(self):
+        """Whether its threads have work: they need the interpreter's lock (Worker.serve)."""
+        return self.io.at_work or self.session.backend.snap.threads_at_work()
 
     def wait_done(self, idx):
         """Wait until the background copy has saved the chunks of idx it claimed: it runs on
@@ -933,7 +938,7 @@ class Restore(ChunkJob):
         self.followed = set()        # addresses in allocations that module globals hold (touch_kernel)
         self.stopping = False        # advance() holds the background loader
         self.loader_held = False     # the loader waits for start_loader()
-        self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="phos-restore-io")
+        self.io = WorkThreads(IO_THREADS, "phos-restore-io")
         # a HostStore this process pinned: chunks go to the device straight from its slots
         self.direct = hasattr(store, "source") and session.backend.snap.maps(store.memory)
         self.started = self.step("manifest", t0)
@@ -1213,6 +1218,11 @@ class Restore(ChunkJob):
     @property
     def running(self):
         return self.loader_held or self.thread is not None and self.thread.is_alive()
+
+    def threads_at_work(self):
+        """Whether its threads have work: the loader's, the I/O threads' (Worker.serve)."""
+        return self.thread is not None and self.thread.is_alive() or self.io.at_work \
+            or self.session.backend.snap.threads_at_work()
 
     def run(self):
         try:

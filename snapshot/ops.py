@@ -8,7 +8,8 @@ member with the same parameters.
 The batch sizes are here, not in the engine or a backend: the engine cuts its copies into
 batches of them, and a backend sizes its copy buffers to hold one.
 """
-from concurrent.futures import Future
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 BATCH_BYTES = 128 << 20          # a checkpoint copies this much per device round trip ...
@@ -22,6 +23,37 @@ def ahead_memory(ahead: Future):
     """The memory a done map_ahead() Future holds, or None where it holds none (the device had
     too little free, or mapping failed)."""
     return ahead.result() if ahead.exception() is None else None
+
+
+class WorkThreads(ThreadPoolExecutor):
+    """A snapshot's threads, counting the work they hold. The worker's loop spins on the
+    mailbox while a checkpoint or restore runs, keeping the interpreter's lock: it lets go of
+    it, by sleeping, only while such threads have work (Worker.serve), as each sleep costs the
+    application's next call up to the kernel's timer slack, 50 us."""
+
+    def __init__(self, n, name):
+        super().__init__(n, thread_name_prefix=name)
+        self.lock = threading.Lock()
+        self.unfinished = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self.lock:
+            self.unfinished += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self.finished(None)
+            raise
+        future.add_done_callback(self.finished)
+        return future
+
+    def finished(self, _future):
+        with self.lock:
+            self.unfinished -= 1
+
+    @property
+    def at_work(self):
+        return self.unfinished > 0
 
 
 @runtime_checkable
@@ -77,6 +109,9 @@ class SnapshotOps(Protocol):
         host buffer of its length; pool, an executor, runs the loads), or straight from
         sources[i] (host views this backend maps). Returns the fingerprints of what landed
         on the device, so that a restore verifies there. urgent: as for read."""
+
+    def threads_at_work(self) -> bool:
+        """Whether threads of its own (map_ahead's) have work, which needs the interpreter."""
 
     def maps(self, host) -> bool:
         """Whether read and write may copy straight to and from this host memory (a NumPy
