@@ -1113,12 +1113,12 @@ class Worker:
                     # Spinning, this thread keeps the interpreter's lock: a restore's loader and
                     # a checkpoint's I/O threads would then get it once a switch interval, and
                     # run 15x slower (perf/probe_gil_spin.py). Let go of it while they have work,
-                    # and leave the core to a handoff's senders while its pre-copy rounds run
-                    # (over TCP each link's encryption takes a core: spinning, the 8 GiB handoff's
-                    # rounds ran slower, and its downtime went from 23-28 to 28-39 ms). Not
-                    # otherwise: even sleep(0) lasts the kernel's timer slack, 50-85 us, and the
-                    # application's next call waited for it (a launch-and-sync loop beside a
-                    # paced checkpoint kept 72% of its speed, and all of it without).
+                    # and leave the core to a handoff's senders while its pre-copy rounds run:
+                    # over TCP each link's encryption takes a core, and how fast the rounds go
+                    # sets how much the frozen one has left. Not otherwise: even sleep(0) lasts
+                    # the kernel's timer slack, 50-85 us, and the application's next call waited
+                    # for it (a launch-and-sync loop beside a paced checkpoint kept 72% of its
+                    # speed, and all of it without).
                     cp = self.session.checkpoint
                     if self.session.threads_at_work() or cp is not None and cp.precopy:
                         time.sleep(0)
