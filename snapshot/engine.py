@@ -339,9 +339,9 @@ class Checkpoint(ChunkJob):
         fingerprints changed (a handoff's last round, where 99% are the parent's).
         key: the image key to sign its manifest with (default: this server's).
         rate: bytes a second the background copy keeps to, at most (0: as fast as it goes): the
-        checkpoint takes longer, and leaves more of the device's copy engines and of the
-        worker's thread to the application (on the H200, a launch-and-sync loop beside a 32 GiB
-        checkpoint ran at 64% of its speed at 52 GB/s, 72% at 8 GiB/s: perf/RESULTS.md)."""
+        checkpoint takes longer, and leaves more of the worker's thread and of the host to the
+        application (on the H200, a launch-and-sync loop beside a 32 GiB checkpoint kept 66-81%
+        of its speed at 52 GB/s, 93-115% at 16 GiB/s: perf/RESULTS.md)."""
         if rate and (paused or precopy):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "only a concurrent checkpoint keeps to a rate: a paused "
                             "one copies while the application waits")
