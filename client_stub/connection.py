@@ -163,6 +163,7 @@ class Connection:
         self.making_room = False # inside make_room
         self.outstanding = set() # seqs sent with wantReply whose Results have not come
         self.acked = 0           # the highest seq the worker acknowledged: we hold every call after it
+        self.prefer = None       # a server the next re-attach asks first: a resumed process's (resume)
 
     def open_socket(self, endpoint):
         """Connect to endpoint; or take the connection made ahead to it, whose handshake is done
@@ -441,6 +442,24 @@ class Connection:
                 self.late_error = res
         return None
 
+
+    # -- a whole-process checkpoint (client_stub/agent.py) ------------------------------------
+    def detach(self):
+        """Every call sent and answered, then the socket closed and the staging area dropped: the
+        process's image holds no call in flight, no unread Reply and no connection to a server.
+        A failure the drain collects stays for the application's next synchronizing call."""
+        res = self.call("ctxSynchronize")
+        if res.status and self.late_error is None:
+            self.late_error = res
+        self.close()
+        self.open_socket("inproc://phos-detached")      # reattach closes a socket first
+        self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
+
+    def resume(self, server):
+        """Attach again through the front end at `server` first (the same worker, or one that
+        restored the context's image anywhere); nothing is in flight, so nothing is resent."""
+        self.prefer = server
+        self.reattach(self.seq + 1)
 
     # -- re-attaching to a restored context ---------------------------------------------------
     def reattach(self, seq):

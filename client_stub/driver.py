@@ -14,6 +14,7 @@ import os
 import threading
 
 from phos import settings
+from phos.client_stub import agent
 from phos.client_stub.connection import CONNECT_TIMEOUT, Connection, host_writer
 from phos.schema import wire
 from phos.schema.cuda_types import ERROR_STRINGS, CudaError, CUdevice_attribute, CUresult  # noqa: F401 (re-exported)
@@ -321,6 +322,7 @@ def _open_context(dev, flags):
         raise
     conn.find_again = _finder(conn, ctx_id, token)
     _contexts[ctx_id] = conn
+    agent.start()
     _known[ctx_id] = _Ranges()
     _device_of[ctx_id] = int(dev)
     return ctx_id
@@ -338,6 +340,11 @@ def _finder(conn, ctx_id, token):
 
     def find(passed_over=False):
         moved, conn.moved_to = conn.moved_to, None
+        prefer, conn.prefer = conn.prefer, None
+        if prefer:                     # a resumed process's server (Connection.resume)
+            if prefer in order:
+                order.remove(prefer)
+            order.insert(0, prefer)
         if moved is not None and not passed_over:      # its old worker said where, as it retired
             conn.standby = moved[1] or conn.standby
             return moved[0], {"ctx": ctx_id, "token": token}

@@ -331,6 +331,13 @@ class Admin(admin_pb2_grpc.AdminServicer):
             await self.fail(context, e)
         return pb.KillContextReply()
 
+    async def KeepContext(self, request, context):
+        try:
+            await self.front.keep(self.worker(request.ctx), request.seconds)
+        except CudaError as e:
+            await self.fail(context, e)
+        return pb.KeepContextReply()
+
     async def DeleteImage(self, request, context):
         """Refused while a context of any server still loads the image on demand (ImageInUse)."""
         try:

@@ -538,6 +538,10 @@ class FrontEnd:
     async def thaw(self, worker):
         await self.control(worker, "thaw")
 
+    async def keep(self, worker, seconds):
+        """Its client will hang up and come back within `seconds` (a whole-process checkpoint)."""
+        await self.control(worker, "keep", {"seconds": seconds})
+
     async def pace(self, worker, hold):
         """Hold the worker's client's calls for `hold` of the time (0: no longer)."""
         await self.control(worker, "pace", {"hold": hold})
@@ -738,6 +742,7 @@ class FrontEnd:
         worker.ctx_id, worker.state = ctx_id, "warming" if warm else "running"
         self.workers[ctx_id] = worker
         self.moved.pop(ctx_id, None)          # it came back here
+        self.killed.discard(ctx_id)           # restored by its operator: its client may have it again
         self.counts["restores"] += 1
         return worker, res
 

@@ -49,6 +49,7 @@ from phos.snapshot.image import ImageError, check_token, token_digest
 
 log = logging.getLogger("phos.worker")
 ORPHAN_GRACE = settings.orphan_grace()   # seconds without a client before the context is freed
+MOST_KEEP = 3600.0        # seconds a context may wait for a client that said it comes back (keep)
 ATTACH_TIMEOUT = settings.attach_timeout()
 REATTACH_TIMEOUT = settings.restore_grace()   # a restored context waits this long for its client
 PINNED_HOST_BYTES = settings.pinned_host_bytes()   # the client's pinned host memory a worker maps, at most
@@ -431,6 +432,7 @@ class Worker:
         self.job = None            # (peer, seq) of the control call a running checkpoint answers
         self.progress_at = 0.0
         self.grace = ATTACH_TIMEOUT   # how long to wait for a client before freeing the context
+        self.kept_for = 0.0           # the grace after the client's next hang-up, if it said it comes back (keep)
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
         self.accepted_at = time.perf_counter()     # when the socket last accepted a connection (the monitor says)
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
@@ -902,6 +904,16 @@ class Worker:
         self.frozen, self.pace = False, None
         return "done", None
 
+    def keep(self, peer, seq, a):
+        """The client will hang up and come back (a whole-process checkpoint: its process is
+        dumped between): after its next hang-up the context waits a.seconds for it."""
+        if not 0.0 < a.seconds <= MOST_KEEP:
+            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"keep: {a.seconds:g} s; more than 0, at most {MOST_KEEP:g}")
+        self.kept_for = a.seconds
+        if not self.client_fds:            # it hung up already
+            self.grace = max(self.grace, a.seconds)
+        return "done", None
+
     def set_pace(self, peer, seq, a):
         """Hold the client's calls for a.hold of each PACE_PERIOD from now on (0: no longer), and
         serve one of its messages a period at most (else a client that fell behind catches up in
@@ -1148,7 +1160,8 @@ class Worker:
                 elif event["event"] == zmq.EVENT_DISCONNECTED and event["value"] in self.client_fds:
                     self.client_fds.pop(event["value"])     # a stranger's connection counts for nothing
                     if not self.client_fds:
-                        self.alone_since, self.grace = time.monotonic(), ORPHAN_GRACE
+                        self.alone_since, self.grace = time.monotonic(), self.kept_for or ORPHAN_GRACE
+                        self.kept_for = 0.0
             if not self.standby and not self.client_fds and time.monotonic() - self.alone_since > self.grace:
                 log.info("context %d: client gone, freeing it", self.session.ctx_id)
                 return
@@ -1183,6 +1196,7 @@ CONTROL_CALLS = {
     "tenant": Worker.set_tenant,
     "pace": Worker.set_pace,
     "movingTo": Worker.tell_moving_to,
+    "keep": Worker.keep,
 }
 
 

@@ -75,7 +75,21 @@ def byte_size(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def process_call(fn, *args):
+    """Run a whole-process operation (phos/process.py); its failure becomes a one-line error."""
+    from phos.process import ProcessError
+    try:
+        return fn(*args)
+    except ProcessError as e:
+        raise SystemExit(f"phos: {e}")
+
+
 def checkpoint(opts):
+    if opts.pid is not None:
+        return checkpoint_process(opts)
+    if len(opts.args) != 2 or not opts.args[0].isdigit():
+        raise SystemExit("phos checkpoint: give CTX DIR (a context), or --pid PID DIR (a whole process)")
+    opts.ctx, opts.dir = int(opts.args[0]), os.path.abspath(opts.args[1])
     req = pb.CheckpointRequest(ctx=opts.ctx, store=opts.dir, name=opts.name or "", paused=opts.pause,
                                incremental=opts.incremental, compress=opts.compress, chunk_size=opts.chunk_size,
                                bytes_per_second=opts.rate)
@@ -94,6 +108,47 @@ def checkpoint(opts):
     return 0
 
 
+def checkpoint_process(opts):
+    from phos import process
+    if len(opts.args) != 1:
+        raise SystemExit("phos checkpoint --pid PID DIR: give one directory")
+    r = process_call(process.checkpoint, opts.pid, os.path.abspath(opts.args[0]), opts.leave_running, opts.shell_job)
+    if opts.json:
+        print(json.dumps(r))
+        return 0
+    ms = r["ms"]
+    print(f"process {r['pid']} ({r['stub']} stub) checkpointed into {r['directory']} in {ms['total']:.1f} ms: "
+          f"{len(r['contexts'])} context(s), {human(r['gpu_bytes'])} of device memory in {ms['gpu']:.1f} ms; "
+          f"the process, {human(r['process_bytes'])}, in {ms['cpu']:.1f} ms; "
+          + ("it goes on" if r["leave_running"] else "it has stopped"))
+    return 0
+
+
+def restore_process(opts):
+    from phos import process
+    r = process_call(process.restore, opts.dir, opts.server)
+    if opts.json:
+        print(json.dumps(r))
+        return 0
+    ms = r["ms"]
+    print(f"process {r['pid']} restored with {len(r['contexts'])} context(s) on {r['server']} in {ms['total']:.1f} ms "
+          f"(contexts {ms['gpu']:.1f} ms, the process {ms['cpu']:.1f} ms, re-attached {ms['attach']:.1f} ms)")
+    return 0
+
+
+def migrate(opts):
+    from phos import process
+    r = process_call(process.migrate, opts.pid, opts.to, opts.via and os.path.abspath(opts.via), opts.shell_job)
+    if opts.json:
+        print(json.dumps(r))
+        return 0
+    ms, down = r["ms"], r["downtime_ms"]
+    print(f"process {r['pid']} moved to {r['to']} in {ms['total']:.1f} ms: its contexts by handoff (their calls held "
+          f"{down['contexts']:.1f} ms at most), then the process ({human(r['process_bytes'])}), stopped "
+          f"{down['process']:.1f} ms: dump {ms['dump']:.1f}, restore {ms['restore']:.1f}, re-attach {ms['attach']:.1f}")
+    return 0
+
+
 def _stream(responses, start, show):
     for msg in responses:
         if show:
@@ -105,6 +160,8 @@ def _stream(responses, start, show):
 
 
 def restore(opts):
+    if opts.process:
+        return restore_process(opts)
     reply = call(stub(opts.server).Restore, pb.RestoreRequest(store=opts.dir, name=opts.name or "", full=opts.full))
     out = {"ctx": reply.ctx, "name": reply.name, "cut_seq": reply.cut_seq, "bytes": reply.bytes, "seconds": reply.seconds}
     if opts.json:
@@ -193,9 +250,13 @@ def add_commands(sub, default_server):
     common(p)
     p.set_defaults(func=ctx_kill)
 
-    p = sub.add_parser("checkpoint", help="checkpoint a context into an image store directory")
-    p.add_argument("ctx", type=int)
-    p.add_argument("dir", type=os.path.abspath)    # the server is elsewhere: name it from here
+    p = sub.add_parser("checkpoint", help="checkpoint a context into an image store directory (CTX DIR), or a "
+                       "whole process, CPU and GPU state, into a new directory (--pid PID DIR)")
+    p.add_argument("args", nargs="+", metavar="CTX DIR | DIR")    # DIR: named from here, the server is elsewhere
+    p.add_argument("--pid", type=int, help="checkpoint this process whole (CRIU for its CPU state, phos for its "
+                   "contexts); it stops, as with `criu dump`, unless --leave-running")
+    p.add_argument("--leave-running", action="store_true", help="with --pid: the process goes on afterwards")
+    p.add_argument("--shell-job", action="store_true", help="with --pid: the process runs on a terminal (CRIU's --shell-job)")
     p.add_argument("--pause", action="store_true", help="stop the world instead of copying while the application runs")
     p.add_argument("--incremental", action="store_true", help="copy only what changed since the context's latest image in DIR")
     p.add_argument("--compress", action="store_true", help="zstd the chunks")
@@ -212,8 +273,19 @@ def add_commands(sub, default_server):
     p.add_argument("dir", type=os.path.abspath)    # the server is elsewhere: name it from here
     p.add_argument("--name", help="image name (default: the newest)")
     p.add_argument("--full", action="store_true", help="return once everything is loaded (default: on demand)")
+    p.add_argument("--process", action="store_true", help="DIR is a whole process's image (`phos checkpoint --pid`): "
+                   "restore its contexts on --server, then the process here with CRIU, attached to them")
     common(p)
     p.set_defaults(func=restore)
+
+    p = sub.add_parser("migrate", help="move a running process whole to another server: its contexts by live "
+                       "handoff, then the process by CRIU")
+    p.add_argument("pid", type=int)
+    p.add_argument("--to", required=True, help="the target server's address")
+    p.add_argument("--via", metavar="DIR", help="where the process's image goes on its way (default: a temporary directory)")
+    p.add_argument("--shell-job", action="store_true", help="the process runs on a terminal (CRIU's --shell-job)")
+    common(p)
+    p.set_defaults(func=migrate)
 
     p = sub.add_parser("handoff", help="move a live context to another server (on this host, or tcp://HOST:PORT), "
                        "or to another device of its server")

@@ -271,6 +271,12 @@ image_key = _declare("PHOS_IMAGE_KEY", str, _image_key_default, f"{SERVER}, {CLI
                      "checks it with (`phos server --image-key`'s default; `phos image inspect` reads with it): "
                      "servers sharing it restore each other's images; the default one is made (mode 0600) on first use",
                      shown="$XDG_CONFIG_HOME/phos/image.key, else ~/.config/phos/image.key")
+criu = _declare("PHOS_CRIU", str, "", CLI,
+                "the criu binary (CRIU 4 or newer) that whole-process checkpoints, restores and migrations "
+                "run (`phos checkpoint --pid`); unset: the set-up's, under PHOS_PREFIX, else criu on the PATH")
+prefix = _declare("PHOS_PREFIX", str, "/opt/phos", CLI,
+                  "where scripts/setup.sh installs what Debian's packages lack (CRIU 4, built from Debian's source "
+                  "archive where the system's criu is older), and where phos looks for it")
 handoff_connections = _declare("PHOS_HANDOFF_CONNECTIONS", positive_int, _handoff_connections_default, SERVER,
                                 "connections a handoff to a tcp:// server sends its rounds' chunks on at once, "
                                 "ZeroMQ encrypting each on a core of its own; a server's network admin API decrypts "

@@ -5,7 +5,7 @@ import warnings
 
 from phos.schema import admin_pb2 as admin__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -73,6 +73,11 @@ class AdminStub:
                 '/phos.admin.v1.Admin/KillContext',
                 request_serializer=admin__pb2.KillContextRequest.SerializeToString,
                 response_deserializer=admin__pb2.KillContextReply.FromString,
+                _registered_method=True)
+        self.KeepContext = channel.unary_unary(
+                '/phos.admin.v1.Admin/KeepContext',
+                request_serializer=admin__pb2.KeepContextRequest.SerializeToString,
+                response_deserializer=admin__pb2.KeepContextReply.FromString,
                 _registered_method=True)
         self.OpenInbox = channel.unary_unary(
                 '/phos.admin.v1.Admin/OpenInbox',
@@ -145,6 +150,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepContext(self, request, context):
+        """The context's client will hang up and come back within `seconds` (its process is
+        checkpointed whole: phos/process.py): the context waits for it that long, not PHOS_ORPHAN_GRACE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenInbox(self, request, context):
         """A handoff from a server that shares no files with this one (a tcp:// target): the source
         sends each round's chunks, then its manifest, into a store of this server's own (an inbox,
@@ -208,6 +221,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.KillContext,
                     request_deserializer=admin__pb2.KillContextRequest.FromString,
                     response_serializer=admin__pb2.KillContextReply.SerializeToString,
+            ),
+            'KeepContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepContext,
+                    request_deserializer=admin__pb2.KeepContextRequest.FromString,
+                    response_serializer=admin__pb2.KeepContextReply.SerializeToString,
             ),
             'OpenInbox': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenInbox,
@@ -436,6 +454,33 @@ class Admin:
             '/phos.admin.v1.Admin/KillContext',
             admin__pb2.KillContextRequest.SerializeToString,
             admin__pb2.KillContextReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phos.admin.v1.Admin/KeepContext',
+            admin__pb2.KeepContextRequest.SerializeToString,
+            admin__pb2.KeepContextReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -402,7 +402,10 @@ struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool;
 # quota: `name` is a digest of the tenant's identity (gpu_server/device_ledger.py tenant_name), its
 # ledger directory's name. The context's images carry it, so a restore charges the same tenant.
 struct Tenant { name @0 :Text; }
-struct Pace { hold @0 :Float32; }    # the share of each few milliseconds the client's calls wait, 0 to 0.95
+struct Pace { hold @0 :Float32; }
+# The client is about to hang up and come back (a whole-process checkpoint: phos/process.py): the
+# context waits this long for it after the next hang-up, not PHOS_ORPHAN_GRACE.
+struct Keep { seconds @0 :Float64; }    # the share of each few milliseconds the client's calls wait, 0 to 0.95
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
 struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }
@@ -430,6 +433,7 @@ struct ControlRequest {
     pace @8 :Pace;             # hold the client's calls for a share of the time (a handoff that
                                # must converge), or no longer (hold 0)
     movingTo @9 :Moved;        # the context will move there: tell the client (Reply.movingTo)
+    keep @10 :Keep;            # wait for the client longer after its next hang-up
   }
 }
 
@@ -437,7 +441,7 @@ struct ControlReply {
   seq @0 :UInt64;              # the request's; 0 for a frame that could not be read
   union {
     failed @1 :Failure;
-    done @2 :Void;             # attach, thaw, retireTo, tenant, pace, movingTo
+    done @2 :Void;             # attach, thaw, retireTo, tenant, pace, movingTo, keep
     progress @3 :Progress;     # a checkpoint is running
     delta @4 :ImageDelta;      # a checkpoint with early: its image before it is committed
     checkpointed @5 :CheckpointResult;

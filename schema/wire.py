@@ -357,7 +357,8 @@ STATS_FIELDS = (("bytes", "bytes"), ("allocations", "allocations"), ("last_seq",
 def encode_control(seq, kind, args=None):
     """A ControlRequest frame. kind: attach ({ctx, token}), checkpoint (CHECKPOINT_ARGS),
     restore (RESTORE_ARGS and delta: a packed ImageDelta, see pack_delta), ctxStats, thaw,
-    retireTo and movingTo ({endpoint, standby, serverKey}), tenant ({name}) or pace ({hold}); args: a
+    retireTo and movingTo ({endpoint, standby, serverKey}), tenant ({name}), pace ({hold}) or keep
+    ({seconds}); args: a
     dict of its fields
     (those left out are zero).
     Raises WireError for a delta that cannot be read."""
@@ -398,6 +399,8 @@ def read_control(frame):
             args = types.SimpleNamespace(name=a.name)
         elif kind == "pace":
             args = types.SimpleNamespace(hold=a.hold)
+        elif kind == "keep":
+            args = types.SimpleNamespace(seconds=a.seconds)
         else:
             args = None
         return req.seq, kind, args

@@ -25,6 +25,9 @@ if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
     ln -sf "$(find "$root" -path '*/bin/nvcc' | head -1)" /usr/local/bin/nvcc
 fi
 
+# CRIU 4, for whole-process checkpoints (phos checkpoint --pid)
+bash scripts/setup_criu.sh
+
 if [ -f client_stub/native/Makefile ]; then
     make -s -C client_stub/native
 fi

@@ -74,6 +74,21 @@ static std::string program_name() {
     return arg0;
 }
 
+CUresult connect_front(const std::string& server, wire::Result* hello) {
+    State& s = state();
+    auto front = std::make_unique<Connection>(server, false);
+    if (!front->ok()) {
+        hello->status = CUDA_ERROR_NO_DEVICE;
+        hello->message = "cannot use PHOS_SERVER=" + server;
+        return CUDA_ERROR_NO_DEVICE;
+    }
+    std::string client = "native stub, pid " + std::to_string(getpid()) + ", " + program_name();
+    *hello = front->call(wire::Call::hello(wire::kProtocolVersion, client), nullptr, settings().connect_timeout);
+    if (hello->status != CUDA_SUCCESS) return static_cast<CUresult>(hello->status);
+    s.front = std::move(front);
+    return CUDA_SUCCESS;
+}
+
 static CUresult initialise() {
     State& s = state();
     const Settings& cfg = settings();
@@ -82,19 +97,13 @@ static CUresult initialise() {
         log_error("CURVE keys: %s", curve_error.c_str());
         return CUDA_ERROR_NO_DEVICE;
     }
-    auto front = std::make_unique<Connection>(cfg.server, false);
-    if (!front->ok()) {
-        log_error("cannot use PHOS_SERVER=%s", cfg.server.c_str());
-        return CUDA_ERROR_NO_DEVICE;
-    }
-    std::string client = "native stub, pid " + std::to_string(getpid()) + ", " + program_name();
-    wire::Result r = front->call(wire::Call::hello(wire::kProtocolVersion, client), nullptr, cfg.connect_timeout);
-    if (r.status != CUDA_SUCCESS) {
+    wire::Result r;
+    CUresult err = connect_front(cfg.server, &r);
+    if (err != CUDA_SUCCESS) {
         log_error("%s%s", r.message.c_str(),
-                  r.status == CUDA_ERROR_NO_DEVICE ? " (start one with `phos server`, or point PHOS_SERVER at one)" : "");
-        return static_cast<CUresult>(r.status);
+                  err == CUDA_ERROR_NO_DEVICE ? " (start one with `phos server`, or point PHOS_SERVER at one)" : "");
+        return err;
     }
-    s.front = std::move(front);
     if (!r.u64s.empty()) {
         s.device_count = static_cast<int>(r.u64s[0]);
     } else {
@@ -199,6 +208,7 @@ CUresult open_context(CUctx_st* ctx) {
     if (std::find(s.contexts.begin(), s.contexts.end(), ctx) == s.contexts.end()) s.contexts.push_back(ctx);
     log_verbose("context %llu on device %d: worker %s", (unsigned long long)ctx->server_id, ctx->device, r.text.c_str());
     start_flusher();
+    start_agent();
     static std::once_flag exit_handler;
     std::call_once(exit_handler, [] {
         owner_pid = getpid();

@@ -233,4 +233,10 @@ void synchronize_busy_contexts();
 
 void start_flusher();
 
+// The front end connection (State::front), made anew at `server` with a hello (its Result in
+// `hello`): at start, and when a restored process resumes against another server (agent.cpp).
+CUresult connect_front(const std::string& server, wire::Result* hello);
+// The checkpoint agent (agent.cpp): how `phos checkpoint --pid` reaches this process.
+void start_agent();
+
 }  // namespace phos::driver

@@ -900,8 +900,9 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     const bool was_recovering = recovery_;   // the new worker's attach says anew
     const uint64_t floor = log_floor();      // we hold every call after it
     answered_ = acked_;                      // the Results of calls up to it reached us: a resend drops them
-    log_error("the worker of context %llu at %s went away: waiting up to %g s for a server to restore it",
-              (unsigned long long)ctx_, old_endpoint.c_str(), limit);
+    if (!resuming_)
+        log_error("the worker of context %llu at %s went away: waiting up to %g s for a server to restore it",
+                  (unsigned long long)ctx_, old_endpoint.c_str(), limit);
     reattaching_ = true;
     char* old_area = shm_;
     if (shm_) old_areas_.push_back(shm_);   // a resent copy may still read or fill it
@@ -973,10 +974,53 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     }
     resend_after(cut, old_area);
     reattaching_ = false;   // only now: resending must not stop to bound the log
-    log_error("context %llu re-attached at %s%s%s (image cut at call %llu): resent %zu call(s)", (unsigned long long)ctx_,
-              endpoint().c_str(), told ? ", told by its old worker" : "", attached_ahead_ ? ", connected ahead" : "",
-              (unsigned long long)cut, unacked_calls_);
+    (resuming_ ? log_verbose : log_error)("context %llu re-attached at %s%s%s (image cut at call %llu): resent %zu call(s)",
+              (unsigned long long)ctx_, endpoint().c_str(), told ? ", told by its old worker" : "",
+              attached_ahead_ ? ", connected ahead" : "", (unsigned long long)cut, unacked_calls_);
     return true;
+}
+
+bool Connection::detach(std::string& why) {
+    if (!dead_.empty() || ctx_ == 0) {
+        why = dead_.empty() ? "the context never attached" : dead_;
+        return false;
+    }
+    wire::Result r = call(wire::Call::plain(wire::Kind::ctxSynchronize));
+    if (!dead_.empty()) {   // lost while it drained
+        why = dead_;
+        return false;
+    }
+    defer(r);   // the application's next synchronizing call reports it, as it would have
+    collect_all();
+    socket_.reopen("inproc://phos-detached");   // no descriptor of ours names the worker
+    ahead_.reset();
+    moved_to_.clear();
+    if (shm_) munmap(shm_, staging::kAreaSize);
+    for (char* area : old_areas_) munmap(area, staging::kAreaSize);
+    old_areas_.clear();
+    shm_ = nullptr;
+    box_waiting_ = false;
+    box_seq_ = 0;
+    slot_seq_[0] = slot_seq_[1] = 0;
+    next_slot_ = 0;
+    host_ranges_.clear();   // a worker maps them again as they are used (in place ones: reattach)
+    return true;
+}
+
+bool Connection::resume(const std::string& server, std::string& why) {
+    if (!dead_.empty() || ctx_ == 0) {
+        why = dead_.empty() ? "the context never attached" : dead_;
+        return false;
+    }
+    found_at_ = server;   // asked first
+    passed_over_.clear();
+    refused_ = false;
+    resuming_ = true;
+    wire::Result mine;
+    const bool ok = reattach(0, mine, -1);
+    resuming_ = false;
+    if (!ok) why = mine.message;
+    return ok;
 }
 
 // Where does the context live now? Asks the front ends that may know, with

@@ -111,6 +111,19 @@ public:
     // and write in place (hostMap with its address); false with `why` if it cannot.
     bool map_in_place(const SharedHost& h, std::string& why);
 
+    // A whole-process checkpoint (agent.cpp, docs/DESIGN.md "Whole applications"): detach()
+    // sends every queued call and waits until the worker answered them all, so that no call is in
+    // flight at the cut and no Reply waits unread, then closes the socket and unmaps the staging
+    // area, keeping what resume() needs; an asynchronous failure it collects stays for the next
+    // synchronizing call. resume() attaches again through the front end at `server` (the same
+    // worker, or one that restored the context's image anywhere). False with `why` if the
+    // context is lost.
+    bool detach(std::string& why);
+    bool resume(const std::string& server, std::string& why);
+    uint64_t context_id() const { return ctx_; }
+    // The front end that last found the context ("" for the one it was made on).
+    const std::string& found_at() const { return found_at_; }
+
     // Sends the batch if its first call has waited longer than PHOS_BATCH_AGE_US.
     void flush_if_stale();
 
@@ -193,6 +206,7 @@ private:
     uint64_t answered_ = 0;                             // acked_ when the worker went away: the Results
                                                         // of resent calls up to it are dropped
     bool reattaching_ = false;
+    bool resuming_ = false;                             // resume() runs the re-attach: nothing went away
     bool refused_ = false;          // a front end refused to find the context for good (it was killed)
     // Recovery (schema/phos.capnp, "Recovery"), as the last attach said.
     bool recovery_ = false;

@@ -1,0 +1,162 @@
+"""The checkpoint agent of the Python client: how `phos checkpoint --pid`, `phos restore --process`
+and `phos migrate` reach this process. The native stub's twin (client_stub/native/agent.cpp says
+the protocol; phos/process.py is the other end).
+
+A daemon thread listens on the abstract Unix socket "phos-agent-<pid>" for peers of our own user
+or root; each connection carries one request line (contexts, freeze, then thaw [SERVER]) and
+gets JSON lines back. A freeze holds the driver's lock until the thaw, so no call starts while
+the process is dumped."""
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+
+log = logging.getLogger("phos.client")
+
+FROZEN_TICKS = 600        # seconds of running time a freeze waits for its thaw (a dump stops that clock)
+MAX_LINE = 4096
+_started = False
+_start_lock = threading.Lock()
+
+
+def address(pid):
+    """The agent's abstract socket name for process `pid` (phos/process.py connects to it)."""
+    return f"\0phos-agent-{pid}"
+
+
+def start():
+    global _started
+    with _start_lock:
+        if _started:
+            return
+        _started = True
+    threading.Thread(target=_run, name="phos-agent", daemon=True).start()
+
+
+def _listen():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(address(os.getpid()))
+        s.listen(4)
+    except OSError as e:
+        log.info("checkpoint agent: cannot listen: %s", e)
+        s.close()
+        return None
+    return s
+
+
+def _peer_allowed(conn):
+    _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid in (0, os.getuid())
+
+
+def _read_line(conn, ticks):
+    """One line, waiting at most `ticks` seconds of our running time; None on hang-up or silence."""
+    data = b""
+    waited = 0
+    conn.settimeout(1.0)
+    while waited < ticks and len(data) <= MAX_LINE:
+        try:
+            got = conn.recv(512)
+        except socket.timeout:
+            waited += 1
+            continue
+        except OSError:
+            return None
+        if not got:
+            return None
+        data += got
+        if b"\n" in data:
+            return data.split(b"\n", 1)[0].decode(errors="replace")
+    return None
+
+
+def _write(conn, obj):
+    try:
+        conn.sendall(json.dumps(obj).encode() + b"\n")
+    except OSError:
+        pass          # the peer went: it learns nothing more
+
+
+def _contexts(driver):
+    return [{"ctx": ctx_id, "server": driver.settings.server()} for ctx_id in driver._contexts]
+
+
+def _freeze(conn, listener):
+    from phos.client_stub import driver
+    with driver._lock:
+        frozen, lost = [], []
+        for ctx_id, c in list(driver._contexts.items()):
+            try:
+                c.detach()
+                frozen.append(ctx_id)
+            except driver.CudaError as e:
+                lost.append(f"context {ctx_id}: {e.message}")
+        before = driver.settings.server()
+        if lost:        # nothing to image for a lost context, and the cut would lie
+            _resume(driver, frozen, before)
+            _write(conn, {"error": "a context of this process is lost: " + "; ".join(lost)})
+            return listener
+        if driver._front is not None:
+            driver._front.close()
+            driver._front = None
+        _write(conn, {"frozen": True, "stub": "python", "pid": os.getpid(), "socket": os.fstat(conn.fileno()).st_ino,
+                      "contexts": [{"ctx": i, "server": before} for i in frozen]})
+        listener.close()         # the image holds no listener a restore would bind again
+        line = _read_line(conn, FROZEN_TICKS)
+        if line is None or not line.startswith("thaw"):
+            log.error("checkpoint agent: no thaw came (%s): going on where we were", line or "hang-up")
+            line = "thaw"
+        server = line[5:].strip()
+        if server:
+            os.environ["PHOS_SERVER"] = server      # where later contexts are made too
+        resumed, lost = _resume(driver, frozen, server or before)
+        _write(conn, {"thawed": True, "stub": "python", "pid": os.getpid(), "contexts": resumed, "lost": "; ".join(lost)})
+        return None
+
+
+def _resume(driver, frozen, server):
+    driver._front = None
+    status, = driver.cuInit(0)
+    if status:
+        log.error("checkpoint agent: the front end at %s: %s", server, driver.last_error)
+    resumed, lost = [], []
+    for ctx_id in frozen:
+        try:
+            driver._contexts[ctx_id].resume(server)
+            resumed.append(ctx_id)
+        except driver.CudaError as e:
+            log.error("checkpoint agent: context %d: %s", ctx_id, e.message)
+            lost.append(f"context {ctx_id}: {e.message}")
+    return resumed, lost
+
+
+def _serve(conn, listener):
+    from phos.client_stub import driver
+    line = _read_line(conn, 10)
+    if line == "contexts":
+        with driver._lock:
+            _write(conn, {"stub": "python", "pid": os.getpid(), "contexts": _contexts(driver)})
+    elif line == "freeze":
+        return _freeze(conn, listener)
+    elif line is not None:
+        _write(conn, {"error": f"unknown request: {line[:64]}"})
+    return listener
+
+
+def _run():
+    listener = None
+    while True:
+        if listener is None:
+            listener = _listen()
+            if listener is None:
+                return
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            if _peer_allowed(conn):
+                listener = _serve(conn, listener)

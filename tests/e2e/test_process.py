@@ -1,0 +1,272 @@
+"""Whole applications (phos/process.py): `phos checkpoint --pid`, `phos restore --process`,
+`phos migrate`, through real servers, real CRIU and real programs on emu.
+
+The programs (tests/apps/steps.cu on the native stub, tests/apps/steps.py on the Python client)
+run on by themselves, their output in a file; each is checkpointed mid-run, and the output of
+the run that goes on elsewhere must be exactly that of an uninterrupted run."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import wait_until
+from phos.stub_run import LocalServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STUB = os.path.join(ROOT, "phos", "stub")
+APPS = os.path.join(ROOT, "tests", "apps")
+NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+STEPS, DELAY_MS = 30, 60
+
+
+def criu_missing():
+    from phos.process import ProcessError, find_criu
+    try:
+        find_criu()
+    except ProcessError as e:
+        return str(e)
+    r = subprocess.run([find_criu()[0], "check"], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"criu check: {r.stdout}{r.stderr}"
+
+
+pytestmark = pytest.mark.skipif(criu_missing() is not None, reason=f"{criu_missing()}")
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """steps (native, nvcc -cudart shared) and the PTX steps.py loads."""
+    out = tmp_path_factory.mktemp("steps")
+    subprocess.run(["make", "-s", "-C", os.path.join(ROOT, "client_stub", "native")], check=True)
+    src = out / "step.cu"
+    src.write_text('extern "C" __global__ void step(float* x, int n, int k) {\n'
+                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+                   "    if (i < n) x[i] = x[i] * 0.5f + (float)((i + k) % 17);\n}\n")
+    subprocess.run([NVCC, "-ptx", "-arch=compute_90", str(src), "-o", str(out / "step.ptx")], check=True)
+    subprocess.run([NVCC, "-cudart", "shared", "-gencode", "arch=compute_90,code=compute_90", "-o", str(out / "steps"),
+                    os.path.join(APPS, "steps.cu")], check=True)
+    return {"native": lambda delay=DELAY_MS: [str(out / "steps"), str(STEPS), str(delay)],
+            "python": lambda delay=DELAY_MS: [sys.executable, os.path.join(APPS, "steps.py"), str(out / "step.ptx"),
+                                              str(STEPS), str(delay), "2"]}
+
+
+@pytest.fixture
+def servers(tmp_path):
+    made = []
+
+    def start(**kw):
+        directory = tmp_path / f"server{len(made)}"
+        directory.mkdir(mode=0o700)
+        s = LocalServer("emu", str(directory), pool=1, **kw)
+        made.append(s)
+        return s
+    yield start
+    for s in made:
+        s.stop()
+
+
+class App:
+    """A program on phos, started in a session of its own, its output in a file, stdin empty."""
+
+    def __init__(self, argv, server, out, **env):
+        self.out = out
+        full = dict(os.environ, PHOS_SERVER=server.address, LD_LIBRARY_PATH=STUB, PYTHONUNBUFFERED="1", **env)
+        with open(out, "w") as f:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=full,
+                                         start_new_session=True, cwd=ROOT)
+        self.pid = self.proc.pid
+
+    def lines(self):
+        with open(self.out) as f:
+            return f.read().splitlines()
+
+    def at_step(self, k, timeout=60):
+        assert wait_until(lambda: any(line.startswith(f"step {k} ") for line in self.lines()), timeout), self.lines()
+
+
+def reference(program, server, tmp_path, name):
+    """The output of an uninterrupted run."""
+    app = App(program(0), server, tmp_path / f"{name}.ref")
+    assert app.proc.wait(timeout=120) == 0, app.lines()
+    return app.lines()
+
+
+def phos(*args, **env):
+    return subprocess.run([sys.executable, "-m", "phos.cli", *map(str, args)], capture_output=True, text=True,
+                          env=dict(os.environ, **env), timeout=300)
+
+
+def gone(pid):
+    from phos.process import pid_state
+    return pid_state(pid) in (None, "Z")
+
+
+def finished(out, pid, timeout=120):
+    """The restored process's output once it has printed DONE (it is no child of ours to wait for)."""
+    assert wait_until(lambda: any(line.startswith("DONE") for line in open(out).read().splitlines()), timeout), \
+        open(out).read()
+    assert wait_until(lambda: gone(pid), 30)
+    return open(out).read().splitlines()
+
+
+def tree_digest(directory):
+    h = hashlib.sha256()
+    for base, _, files in sorted(os.walk(directory)):
+        for name in sorted(files):
+            if not name.endswith(".log"):
+                h.update(name.encode() + open(os.path.join(base, name), "rb").read())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("stub", ["native", "python"])
+def test_checkpointed_process_comes_back_on_a_new_server(stub, programs, servers, tmp_path):
+    """Checkpointed mid-run with --pid; the program and its server are killed; a new server gets
+    the contexts, CRIU brings the process back, and the output is an uninterrupted run's."""
+    a = servers()
+    expected = reference(programs[stub], a, tmp_path, stub)
+    app = App(programs[stub](), a, tmp_path / "out")
+    app.at_step(5)
+    image = tmp_path / "image"
+    r = phos("checkpoint", "--pid", app.pid, image, "--server", a.address)
+    assert r.returncode == 0, r.stderr
+    assert app.proc.wait(timeout=30) == -9          # CRIU's dump ended it, as `criu dump` does
+    a.stop()
+    b = servers()
+    r = phos("restore", image, "--process", "--server", b.address, "--json")
+    assert r.returncode == 0, r.stderr
+    assert finished(app.out, app.pid) == expected
+
+
+def test_leave_running_then_restore_the_image(programs, servers, tmp_path):
+    """--leave-running: the program goes on and finishes as if never stopped, and its image is
+    whole. (Restoring it needs the files it had open as they were at the dump: CRIU refuses an
+    output file that has grown since, saying so.)"""
+    a = servers()
+    expected = reference(programs["native"], a, tmp_path, "native")
+    app = App(programs["native"](), a, tmp_path / "out")
+    app.at_step(3)
+    image = tmp_path / "image"
+    r = phos("checkpoint", "--pid", app.pid, image, "--leave-running", "--server", a.address, "--json")
+    assert r.returncode == 0, r.stderr
+    assert app.proc.wait(timeout=120) == 0
+    assert app.lines() == expected
+    from phos.process import read_manifest
+    assert [c["ctx"] for c in read_manifest(str(image))["contexts"]] == [c["ctx"] for c in json.loads(r.stdout)["contexts"]]
+    refused(phos("restore", image, "--process", "--server", a.address), "bad size")
+
+
+def test_migrate_moves_the_process_and_its_contexts(programs, servers, tmp_path):
+    """`phos migrate`: the contexts move by live handoff, then the process by CRIU; the program
+    ends on the target server with an uninterrupted run's output, and the source holds nothing."""
+    a, b = servers(), servers()
+    expected = reference(programs["python"], a, tmp_path, "python")
+    app = App(programs["python"](), a, tmp_path / "out")
+    app.at_step(4)
+    mover = subprocess.Popen([sys.executable, "-m", "phos.cli", "migrate", str(app.pid), "--to", b.address, "--server",
+                              a.address, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert app.proc.wait(timeout=60) == -9     # reaped, as its parent would: the restore needs its PID free
+    out, err = mover.communicate(timeout=300)
+    assert mover.returncode == 0, err
+    report = json.loads(out)
+    assert report["downtime_ms"]["process"] > 0 and len(report["handoffs"]) == 2, report
+    assert finished(app.out, app.pid) == expected
+    r = phos("ctx", "list", "--server", a.address, "--json")
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+@pytest.fixture
+def image(programs, servers, tmp_path):
+    """A native program's process image, the program stopped and its server gone; and a live server."""
+    a = servers()
+    app = App(programs["native"](), a, tmp_path / "out")
+    app.at_step(2)
+    path = tmp_path / "image"
+    r = phos("checkpoint", "--pid", app.pid, path, "--server", a.address)
+    assert r.returncode == 0, r.stderr
+    app.proc.wait(timeout=30)
+    return path, servers(), app
+
+
+def refused(r, *words):
+    assert r.returncode != 0, r.stdout
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+def test_damaged_and_unsigned_images_are_refused_and_left_as_they_are(image):
+    path, b, app = image
+    victim = next(p for p in sorted((path / "process").iterdir()) if p.name.startswith("pages-"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    before = tree_digest(path)
+    refused(phos("restore", path, "--process", "--server", b.address), "damaged", victim.name)
+    assert tree_digest(path) == before
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    manifest = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(manifest.replace('"signature"', '"unsigned"'))
+    refused(phos("restore", path, "--process", "--server", b.address), "signature")
+    (path / "manifest.json").write_text(manifest)
+    (path / "process" / "extra.img").write_bytes(b"x")
+    refused(phos("restore", path, "--process", "--server", b.address), "extra.img", "not in the manifest")
+    (path / "process" / "extra.img").unlink()
+    assert gone(app.pid) and not phos("ctx", "list", "--server", b.address, "--json").stdout.strip("[]\n")
+
+
+def test_unreachable_server_and_second_restore_are_refused(image, tmp_path):
+    path, b, app = image
+    before = tree_digest(path)
+    refused(phos("restore", path, "--process", "--server", f"ipc://{tmp_path}/nobody.sock"), "nobody.sock")
+    assert tree_digest(path) == before and gone(app.pid)
+    r = phos("restore", path, "--process", "--server", b.address)
+    assert r.returncode == 0, r.stderr
+    refused(phos("restore", path, "--process", "--server", b.address), "already runs")
+    assert wait_until(lambda: any(line.startswith("DONE") for line in open(app.out).read().splitlines()), 120)
+
+
+def test_missing_or_old_criu_and_processes_without_phos_are_named(tmp_path, servers, programs):
+    refused(phos("checkpoint", "--pid", os.getpid(), tmp_path / "i", PHOS_CRIU=str(tmp_path / "none")), "CRIU 4", "none")
+    old = tmp_path / "criu"
+    old.write_text("#!/bin/sh\necho 'Version: 3.17'\n")
+    old.chmod(0o755)
+    refused(phos("checkpoint", "--pid", os.getpid(), tmp_path / "i", PHOS_CRIU=str(old)), "3.17", "too old")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        refused(phos("checkpoint", "--pid", sleeper.pid, tmp_path / "i"), "no phos checkpoint agent")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    refused(phos("checkpoint", "--pid", 999999999, tmp_path / "i"), "no process")
+    assert not (tmp_path / "i").exists()
+
+
+def test_a_dump_that_fails_leaves_the_program_running(programs, servers, tmp_path):
+    """A process CRIU refuses (here: on a terminal, without --shell-job) is thawed where it was and
+    finishes unharmed; nothing is left in the image directory."""
+    import pty
+    a = servers()
+    expected = reference(programs["native"], a, tmp_path, "native")
+    leader, follower = pty.openpty()
+    full = dict(os.environ, PHOS_SERVER=a.address, LD_LIBRARY_PATH=STUB)
+    proc = subprocess.Popen(programs["native"](), stdin=follower, stdout=follower, stderr=follower, env=full,
+                            start_new_session=True, cwd=ROOT)
+    os.close(follower)
+    out = b""
+    while b"step 2 " not in out:
+        out += os.read(leader, 4096)
+    r = phos("checkpoint", "--pid", proc.pid, tmp_path / "image", "--server", a.address)
+    refused(r, "criu dump failed")
+    assert not (tmp_path / "image").exists()
+    deadline = time.monotonic() + 120
+    while b"DONE" not in out and time.monotonic() < deadline:
+        try:
+            out += os.read(leader, 4096)
+        except OSError:
+            break
+    assert proc.wait(timeout=60) == 0
+    assert out.decode().replace("\r\n", "\n").splitlines() == expected
