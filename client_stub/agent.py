@@ -111,7 +111,7 @@ def _freeze(conn, listener):
             line = "thaw"
         server = line[5:].strip()
         if server:
-            os.environ["PHOS_SERVER"] = server      # where later contexts are made too
+            os.environ[driver.settings.server.name] = server      # where later contexts are made too
         resumed, lost = _resume(driver, frozen, server or before)
         _write(conn, {"thawed": True, "stub": "python", "pid": os.getpid(), "contexts": resumed, "lost": "; ".join(lost)})
         return None
