@@ -3,7 +3,8 @@ and `phos migrate` reach this process. The native stub's twin (client_stub/nativ
 the protocol; phos/process.py is the other end).
 
 A daemon thread listens on the abstract Unix socket "phos-agent-<pid>" for peers of our own user
-or root; each connection carries one request line (contexts, freeze, then thaw [SERVER]) and
+or root; each connection carries one request line (contexts, freeze, then thaw [SERVER [SERVER_KEY
+CLIENT_KEY]]) and
 gets JSON lines back. A freeze holds the driver's lock until the thaw, so no call starts while
 the process is dumped."""
 import json
@@ -109,9 +110,11 @@ def _freeze(conn, listener):
         if line is None or not line.startswith("thaw"):
             log.error("checkpoint agent: no thaw came (%s): going on where we were", line or "hang-up")
             line = "thaw"
-        server = line[5:].strip()
+        server, *keys = line[5:].split()[:3] or [""]
         if server:
             os.environ[driver.settings.server.name] = server      # where later contexts are made too
+        if len(keys) == 2:        # the CURVE key files of that server (PHOS_SERVER_KEY, PHOS_CLIENT_KEY)
+            os.environ[driver.settings.server_key.name], os.environ[driver.settings.client_key.name] = keys
         resumed, lost = _resume(driver, frozen, server or before)
         _write(conn, {"thawed": True, "stub": "python", "pid": os.getpid(), "contexts": resumed, "lost": "; ".join(lost)})
         return None

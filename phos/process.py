@@ -394,6 +394,18 @@ def push_and_restore(server, ctx, store, name):
         raise ProcessError(f"server {server}: restoring context {ctx}: {getattr(e, 'message', e)}") from None
 
 
+def thaw_line(server):
+    """What a restored process is told: its server, and the CURVE key files it reaches it with
+    (ours: PHOS_SERVER_KEY, PHOS_CLIENT_KEY) when it is reached over the network."""
+    from phos.schema.admin_net import over_network
+    words = [server]
+    if over_network(server) and settings.server_key() and settings.client_key():
+        words += [os.path.abspath(settings.server_key()), os.path.abspath(settings.client_key())]
+    if any(not w or any(c.isspace() for c in w) for w in words):
+        raise ProcessError(f"a server address or key file with spaces cannot be passed to the process: {words}")
+    return "thaw " + " ".join(words)
+
+
 def restore(directory, server):
     """Restore the process image in `directory` with its contexts on `server`, then thaw it there.
     Returns a report."""
@@ -401,6 +413,7 @@ def restore(directory, server):
     find_criu()
     body = read_manifest(directory)
     check_pid_free(body)
+    thaw = thaw_line(server)
     t_check = time.perf_counter()
     restore_contexts(body, directory, server)
     t_gpu = time.perf_counter()
@@ -419,7 +432,7 @@ def restore(directory, server):
             raise
         theirs.close()
         t_cpu = time.perf_counter()
-        reply = Agent(pid=body["pid"], sock=ours).ask(f"thaw {server}")
+        reply = Agent(pid=body["pid"], sock=ours).ask(thaw)
         t_end = time.perf_counter()
     finally:
         ours.close()

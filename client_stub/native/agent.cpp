@@ -10,8 +10,10 @@
 //                    holds no socket to a server and no call in flight, and CRIU may dump it. The
 //                    reply adds "socket": the inode of this connection, which the dump names as
 //                    external and a restore replaces with one of its own. Then one more line:
-//   thaw [SERVER]    PHOS_SERVER becomes SERVER (a restored process's new server), and every
-//                    context attaches again (Connection::resume): {"thawed", "contexts", "lost"}.
+//   thaw [SERVER [SERVER_KEY CLIENT_KEY]]
+//                    PHOS_SERVER becomes SERVER (a restored process's new server), with these CURVE
+//                    key files if given (PHOS_SERVER_KEY, PHOS_CLIENT_KEY), and every context
+//                    attaches again (Connection::resume): {"thawed", "contexts", "lost"}.
 // A frozen agent whose peer hangs up, or says nothing for kFrozenTicks seconds of our running
 // time (a dump stops that clock), thaws where it was: the application never stays stopped.
 
@@ -24,6 +26,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -161,11 +164,18 @@ void freeze(int conn, int& listener) {
     listener = -1;
 
     std::string line;
-    std::string server;
     const bool told = read_line(conn, line, kFrozenTicks) && line.rfind("thaw", 0) == 0;
-    if (told && line.size() > 5) server = line.substr(5);
     if (!told) log_error("checkpoint agent: no thaw came (%s): going on where we were", line.empty() ? "hang-up" : line.c_str());
+    std::istringstream words(told ? line.substr(4) : "");
+    std::string server, server_key, client_key;
+    words >> server >> server_key >> client_key;
     if (!server.empty()) setenv("PHOS_SERVER", server.c_str(), 1);   // where later contexts are made too
+    if (!client_key.empty()) {
+        setenv("PHOS_SERVER_KEY", server_key.c_str(), 1);
+        setenv("PHOS_CLIENT_KEY", client_key.c_str(), 1);
+        std::string why;
+        if (!configure_curve_from(server_key, client_key, why)) log_error("checkpoint agent: CURVE keys: %s", why.c_str());
+    }
     wire::Result hello;
     if (connect_front(server_now(), &hello) != CUDA_SUCCESS) {
         log_error("checkpoint agent: the front end at %s: %s", server_now().c_str(), hello.message.c_str());

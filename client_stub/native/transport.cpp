@@ -73,28 +73,36 @@ std::string certificate_field(const std::string& path, const char* field, std::s
 
 bool configure_curve(std::string& error) {
     const Settings& cfg = settings();
+    return configure_curve_from(cfg.server_key, cfg.client_key, error);
+}
+
+bool configure_curve_from(const std::string& server_key, const std::string& client_key, std::string& error) {
     CurveKeys& k = curve_keys();
-    if (cfg.server_key.empty() && cfg.client_key.empty()) return true;
-    if (cfg.server_key.empty() || cfg.client_key.empty()) {
-        error = cfg.server_key.empty() ? "PHOS_CLIENT_KEY is set but PHOS_SERVER_KEY is not"
-                                       : "PHOS_SERVER_KEY is set but PHOS_CLIENT_KEY is not";
+    if (server_key.empty() && client_key.empty()) return true;
+    if (server_key.empty() || client_key.empty()) {
+        error = server_key.empty() ? "PHOS_CLIENT_KEY is set but PHOS_SERVER_KEY is not"
+                                   : "PHOS_SERVER_KEY is set but PHOS_CLIENT_KEY is not";
         return false;
     }
     if (!zmq_has("curve")) {
         error = "this libzmq has no CURVE";
         return false;
     }
-    k.server_public = certificate_field(cfg.server_key, "public-key", error);
-    if (k.server_public.empty()) return false;
-    k.public_key = certificate_field(cfg.client_key, "public-key", error);
-    if (k.public_key.empty()) return false;
-    k.secret_key = certificate_field(cfg.client_key, "secret-key", error);
-    if (k.secret_key.empty()) return false;
+    std::string server_public = certificate_field(server_key, "public-key", error);
+    if (server_public.empty()) return false;
+    std::string public_key = certificate_field(client_key, "public-key", error);
+    if (public_key.empty()) return false;
+    std::string secret_key = certificate_field(client_key, "secret-key", error);
+    if (secret_key.empty()) return false;
     const char* why = nullptr;
     if (!phos_load_sodium(&why)) {
         error = std::string("CURVE needs libsodium (Debian: libsodium23): ") + (why ? why : "?");
         return false;
     }
+    std::lock_guard<std::mutex> lock(k.mu);
+    k.server_public.swap(server_public);
+    k.public_key.swap(public_key);
+    k.secret_key.swap(secret_key);
     k.on = true;
     return true;
 }

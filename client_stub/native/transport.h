@@ -36,6 +36,8 @@ private:
 // libsodium, once, before the first socket; without them sockets speak the NULL mechanism.
 // False with the reason in `error` when keys are set but cannot be used.
 bool configure_curve(std::string& error);
+// The same with these key files (a restored process told the keys of the server it resumes against).
+bool configure_curve_from(const std::string& server_key, const std::string& client_key, std::string& error);
 // The server behind `endpoint` has this CURVE public key (z85), not PHOS_SERVER_KEY's: a
 // context handed off to a server with keys of its own (Reply.moved).
 void remember_server_key(const std::string& endpoint, const std::string& z85);

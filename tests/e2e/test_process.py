@@ -16,6 +16,7 @@ import pytest
 
 from conftest import wait_until
 from phos.stub_run import LocalServer
+from share_nothing import keygen, start_isolated, unshare_permitted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STUB = os.path.join(ROOT, "phos", "stub")
@@ -139,6 +140,35 @@ def test_checkpointed_process_comes_back_on_a_new_server(stub, programs, servers
     r = phos("restore", image, "--process", "--server", b.address, "--json")
     assert r.returncode == 0, r.stderr
     assert finished(app.out, app.pid) == expected
+
+
+@pytest.mark.parametrize("stub", ["native", "python"])
+def test_restored_on_a_server_in_a_namespace_of_its_own(stub, programs, servers, tmp_path):
+    """The program's server is gone; a server in a mount namespace of its own, sharing no files,
+    reached over TCP with CURVE keys (which the program was not started with), gets the contexts
+    through its network admin API and the restored program finishes there."""
+    why = unshare_permitted()
+    if why:
+        pytest.skip(f"cannot make a mount namespace: {why}")
+    a = servers()
+    expected = reference(programs[stub], a, tmp_path, stub)
+    app = App(programs[stub](), a, tmp_path / "out")
+    app.at_step(3)
+    image = tmp_path / "image"
+    r = phos("checkpoint", "--pid", app.pid, image, "--server", a.address)
+    assert r.returncode == 0, r.stderr
+    assert app.proc.wait(timeout=30) == -9
+    a.stop()
+    keys = keygen(tmp_path / "keys")
+    (tmp_path / "b").mkdir(mode=0o700)
+    b = start_isolated("emu", str(tmp_path / "b"), keys)
+    try:
+        env = {"PHOS_SERVER_KEY": str(keys / "server.key"), "PHOS_CLIENT_KEY": str(keys / "client.key_secret")}
+        r = phos("restore", image, "--process", "--server", b.address, **env)
+        assert r.returncode == 0, r.stderr
+        assert finished(app.out, app.pid) == expected
+    finally:
+        b.stop()
 
 
 def test_leave_running_then_restore_the_image(programs, servers, tmp_path):
