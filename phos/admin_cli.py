@@ -112,7 +112,8 @@ def checkpoint_process(opts):
     from phos import process
     if len(opts.args) != 1:
         raise SystemExit("phos checkpoint --pid PID DIR: give one directory")
-    r = process_call(process.checkpoint, opts.pid, os.path.abspath(opts.args[0]), opts.leave_running, opts.shell_job)
+    r = process_call(process.checkpoint, opts.pid, os.path.abspath(opts.args[0]), opts.leave_running, opts.shell_job,
+                     None, opts.gpu_store)
     if opts.json:
         print(json.dumps(r))
         return 0
@@ -257,6 +258,8 @@ def add_commands(sub, default_server):
                    "contexts); it stops, as with `criu dump`, unless --leave-running")
     p.add_argument("--leave-running", action="store_true", help="with --pid: the process goes on afterwards")
     p.add_argument("--shell-job", action="store_true", help="with --pid: the process runs on a terminal (CRIU's --shell-job)")
+    p.add_argument("--gpu-store", metavar="STORE", help="with --pid: the contexts' images go into this image store "
+                   "(the server's --host-store: pinned memory) instead of DIR/gpu")
     p.add_argument("--pause", action="store_true", help="stop the world instead of copying while the application runs")
     p.add_argument("--incremental", action="store_true", help="copy only what changed since the context's latest image in DIR")
     p.add_argument("--compress", action="store_true", help="zstd the chunks")

@@ -187,6 +187,16 @@ def checkpoint_context(server, ctx, store, name):
 
 
 # -- the manifest ------------------------------------------------------------------------------------
+def image_digest(store, name):
+    """SHA-256 of a context image's manifest in `store` (its chunks are checked by their own
+    fingerprints as they load)."""
+    from phos.snapshot import ImageError, open_store, read_image
+    try:
+        return hashlib.sha256(read_image(open_store(store, create=False), name, check_chunks=False).raw).hexdigest()
+    except (ImageError, OSError) as e:
+        raise ProcessError(f"image {name} in {store}: {e}") from None
+
+
 def file_digest(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -251,14 +261,19 @@ def read_manifest(directory):
         extra = sorted(set(found) - set(named))
         if extra and part == "process":      # CRIU would restore from what it finds: nothing unsigned may be there
             raise ProcessError(f"{directory}: {part}/{extra[0]} is not in the manifest")
+    for c in body["contexts"] if body.get("gpu_store") else ():
+        if c["image"] and image_digest(body["gpu_store"], c["image"]) != c["manifest_sha256"]:
+            raise ProcessError(f"image {c['image']} in {body['gpu_store']} is not the one checkpointed with the process")
     return body
 
 
 # -- checkpoint ------------------------------------------------------------------------------------
-def checkpoint(pid, directory, leave_running=False, shell_job=False, live_on=None):
+def checkpoint(pid, directory, leave_running=False, shell_job=False, live_on=None, gpu_store=None):
     """Checkpoint process `pid` whole into `directory` (new or empty). Returns a report dict.
     live_on: the server its contexts were moved to (migrate): they stay live there, kept for the
-    process's return, and are not imaged."""
+    process's return, and are not imaged. gpu_store: the image store the contexts go into instead
+    of directory/gpu (the server's host store: pinned memory, as fast as the device copies); the
+    manifest names it and each image's manifest digest."""
     find_criu()
     if os.path.exists(directory) and os.listdir(directory):
         raise ProcessError(f"{directory} is not empty: a process image goes into a new directory")
@@ -275,9 +290,12 @@ def checkpoint(pid, directory, leave_running=False, shell_job=False, live_on=Non
         frozen = agent.ask("freeze")
         t_gpu = time.perf_counter()
         gpu = {}
+        store = os.path.abspath(gpu_store) if gpu_store else os.path.join(directory, "gpu")
         for c in frozen["contexts"] if live_on is None else ():
-            r = checkpoint_context(server_of[c["ctx"]], c["ctx"], os.path.join(directory, "gpu"), f"ctx{c['ctx']}")
-            gpu[c["ctx"]] = {"image": r.name, "bytes": r.bytes, "seconds": r.seconds}
+            name = f"pid{pid}-ctx{c['ctx']}-{time.time_ns()}" if gpu_store else f"ctx{c['ctx']}"
+            r = checkpoint_context(server_of[c["ctx"]], c["ctx"], store, name)
+            gpu[c["ctx"]] = {"image": r.name, "bytes": r.bytes, "seconds": r.seconds,
+                             "manifest_sha256": image_digest(store, r.name) if gpu_store else ""}
         t_cpu = time.perf_counter()
         # --leave-running alone: the process dies (CRIU's dump ends it) only once both halves are in
         args = ["dump", "-t", str(pid), "-D", os.path.join(directory, "process"), f"--external=unix[{frozen['socket']}]"]
@@ -285,8 +303,9 @@ def checkpoint(pid, directory, leave_running=False, shell_job=False, live_on=Non
         run_criu(args, os.path.join(directory, "process"), "dump.log")
         t_done = time.perf_counter()
         body = {"format": FORMAT, "version": VERSION, "pid": pid, "stub": frozen["stub"], "socket": frozen["socket"],
-                "shell_job": shell_job, "created": time.time(),
-                "contexts": [{"ctx": c["ctx"], "server": server_of[c["ctx"]], "image": gpu.get(c["ctx"], {}).get("image", "")}
+                "shell_job": shell_job, "created": time.time(), "gpu_store": store if gpu_store else "",
+                "contexts": [{"ctx": c["ctx"], "server": server_of[c["ctx"]], "image": gpu.get(c["ctx"], {}).get("image", ""),
+                              "manifest_sha256": gpu.get(c["ctx"], {}).get("manifest_sha256", "")}
                              for c in frozen["contexts"]],
                 "files": {part: tree_digests(os.path.join(directory, part)) for part in ("process", "gpu")}}
         write_manifest(directory, body)
@@ -365,7 +384,7 @@ def restore_contexts(body, directory, server):
     """Each imaged context restored on `server`; pushed into its inbox when the server is reached
     over the network (it need not see this directory)."""
     from phos.schema.admin_net import over_network
-    store = os.path.join(directory, "gpu")
+    store = body.get("gpu_store") or os.path.join(directory, "gpu")
     for c in body["contexts"]:
         if not c["image"]:
             continue          # live on `server` already (migrate)

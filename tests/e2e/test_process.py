@@ -300,3 +300,28 @@ def test_a_dump_that_fails_leaves_the_program_running(programs, servers, tmp_pat
             break
     assert proc.wait(timeout=60) == 0
     assert out.decode().replace("\r\n", "\n").splitlines() == expected
+
+
+def test_contexts_imaged_into_the_servers_host_store(programs, servers, tmp_path):
+    """--gpu-store: the contexts go into the server's host store (pinned memory) and the process
+    directory holds the process alone; a new server on the same store restores both halves."""
+    store = f"/dev/shm/phos-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        a = servers(extra=("--host-store", store, "--host-memory", "256M"))
+        expected = reference(programs["native"], a, tmp_path, "native")
+        app = App(programs["native"](), a, tmp_path / "out")
+        app.at_step(3)
+        image = tmp_path / "image"
+        r = phos("checkpoint", "--pid", app.pid, image, "--gpu-store", store, "--server", a.address)
+        assert r.returncode == 0, r.stderr
+        assert not (image / "gpu").exists()
+        assert app.proc.wait(timeout=30) == -9
+        a.stop()
+        b = servers(extra=("--host-store", store))
+        manifest = json.loads((image / "manifest.json").read_text())
+        assert manifest["gpu_store"] == store and all(c["manifest_sha256"] for c in manifest["contexts"])
+        r = phos("restore", image, "--process", "--server", b.address)
+        assert r.returncode == 0, r.stderr
+        assert finished(app.out, app.pid) == expected
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
