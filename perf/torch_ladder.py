@@ -65,7 +65,7 @@ def train(torch, model, batch, steps):
         losses.append(loss.item())
         if SAY_STEPS:          # perf/torch_recovery.py acts at a given step
             print(f"step {len(losses)} {time.time():.6f}", file=sys.stderr, flush=True)
-        time.sleep(STEP_PAUSE)
+        time.sleep(PAUSE_AT[1] if len(losses) == PAUSE_AT[0] else STEP_PAUSE)
     return losses
 
 
@@ -149,6 +149,7 @@ def step_expandable(torch):
 
 SAY_STEPS = False     # --say-steps: name each training step on stderr as it ends
 STEP_PAUSE = 0.0      # --step-pause-ms: a pause after each training step (the results are the same)
+PAUSE_AT = (0, 0.0)   # --pause-at STEP SECONDS: a longer pause after that step (perf/torch_process.py checkpoints there)
 STEPS = ["tensors", "matmul", "conv", "autocast", "cnn", "transformer", "graph", "compile", "expandable"]
 
 
@@ -206,14 +207,15 @@ def main():
     p.add_argument("--one", help=argparse.SUPPRESS)     # run one step here, print its result
     p.add_argument("--say-steps", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--step-pause-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--pause-at", type=float, nargs=2, default=(0, 0.0), help=argparse.SUPPRESS)
     p.add_argument("--step-timeout", type=float, default=600)
     args = p.parse_args()
     if args.compare:
         compare(*args.compare)
         return
     if args.one:
-        global SAY_STEPS, STEP_PAUSE
-        SAY_STEPS, STEP_PAUSE = args.say_steps, args.step_pause_ms / 1e3
+        global SAY_STEPS, STEP_PAUSE, PAUSE_AT
+        SAY_STEPS, STEP_PAUSE, PAUSE_AT = args.say_steps, args.step_pause_ms / 1e3, (int(args.pause_at[0]), args.pause_at[1])
         try:
             print(json.dumps(run_step(args.one, args.train_steps)))
         except Exception as e:

@@ -6,7 +6,8 @@
 # The device machine has CUDA 13, cuda-python and PyTorch but no pyzmq, pycapnp or
 # zstandard and no package manager: carry them as wheels in .whl/ (see docs/device.md
 # for the download command) and the native stub built here in phos/stub/.
-# Steps: core (cuda-backend tests), stub (tests/apps native vs stub), snap (snapshot tests and
+# Steps: core (cuda-backend tests), stub (tests/apps native vs stub), process (whole processes with
+# CRIU: carry .criu, made by perf/device/pack_criu.sh), snap (snapshot tests and
 # perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
 # kernels (perf/probe_fingerprint_kernels.py: the cut's hash pass written several ways; needs nvcc),
 # arena (perf/probe_host_arena.py: can images live in pinned shared memory?),
@@ -44,6 +45,8 @@ step() {   # step NAME COMMAND...: run it, log it, remember a failure
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/log.txt"
+# CRIU for whole-process checkpoints travels in .criu/ (perf/device/pack_criu.sh)
+[ -x .criu/criu ] && export PHOS_CRIU=$PWD/.criu/criu
 # core, stub and snap run the test files marked `gpu` (pyproject): pytest -m 'gpu and not fuzz'
 # --backend cuda selects the same tests; a file new to these lists gets that mark
 if want core; then
@@ -68,6 +71,14 @@ if want snap || want snap-bench; then
     [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
         --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-3}" --json "$OUT/bench_snapshot.json" \
         ${PHOS_BENCH_ARGS:-}
+fi
+if want process; then
+    # whole processes (phos/process.py): CRIU here first, then the tests on the cuda backend, PyTorch
+    # training through a checkpoint and restore, and the LLM benchmark (PHOS_PROCESS_LAYERS: its depth)
+    step criu-check "${PHOS_CRIU:-criu}" check
+    step process-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/e2e/test_process.py
+    step torch-process python3 perf/torch_process.py --backend cuda --steps 200 --at 100 --json "$OUT/torch_process.json"
+    step bench-process python3 perf/bench_process.py --layers "${PHOS_PROCESS_LAYERS:-32}" --json "$OUT/bench_process.json"
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py

@@ -56,13 +56,18 @@ def programs(tmp_path_factory):
 
 
 @pytest.fixture
-def servers(tmp_path):
+def backend(request):
+    return request.config.getoption("--backend")
+
+
+@pytest.fixture
+def servers(tmp_path, backend):
     made = []
 
     def start(**kw):
         directory = tmp_path / f"server{len(made)}"
         directory.mkdir(mode=0o700)
-        s = LocalServer("emu", str(directory), pool=1, **kw)
+        s = LocalServer(backend, str(directory), pool=1, **kw)
         made.append(s)
         return s
     yield start
@@ -143,7 +148,7 @@ def test_checkpointed_process_comes_back_on_a_new_server(stub, programs, servers
 
 
 @pytest.mark.parametrize("stub", ["native", "python"])
-def test_restored_on_a_server_in_a_namespace_of_its_own(stub, programs, servers, tmp_path):
+def test_restored_on_a_server_in_a_namespace_of_its_own(stub, programs, servers, backend, tmp_path):
     """The program's server is gone; a server in a mount namespace of its own, sharing no files,
     reached over TCP with CURVE keys (which the program was not started with), gets the contexts
     through its network admin API and the restored program finishes there."""
@@ -161,7 +166,7 @@ def test_restored_on_a_server_in_a_namespace_of_its_own(stub, programs, servers,
     a.stop()
     keys = keygen(tmp_path / "keys")
     (tmp_path / "b").mkdir(mode=0o700)
-    b = start_isolated("emu", str(tmp_path / "b"), keys)
+    b = start_isolated(backend, str(tmp_path / "b"), keys)
     try:
         env = {"PHOS_SERVER_KEY": str(keys / "server.key"), "PHOS_CLIENT_KEY": str(keys / "client.key_secret")}
         r = phos("restore", image, "--process", "--server", b.address, **env)
