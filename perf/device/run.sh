@@ -76,9 +76,9 @@ if want process; then
     # whole processes (phos/process.py): CRIU here first, then the tests on the cuda backend, PyTorch
     # training through a checkpoint and restore, and the LLM benchmark (PHOS_PROCESS_LAYERS: its depth)
     step criu-check "${PHOS_CRIU:-criu}" check
-    step process-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/e2e/test_process.py
-    step torch-process python3 perf/torch_process.py --backend cuda --steps 200 --at 100 --json "$OUT/torch_process.json"
     step bench-process python3 perf/bench_process.py --layers "${PHOS_PROCESS_LAYERS:-32}" --json "$OUT/bench_process.json"
+    step torch-process python3 perf/torch_process.py --backend cuda --steps 200 --at 100 --json "$OUT/torch_process.json"
+    step process-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/e2e/test_process.py
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
