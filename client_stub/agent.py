@@ -20,6 +20,7 @@ FROZEN_TICKS = 600        # seconds of running time a freeze waits for its thaw 
 MAX_LINE = 4096
 _started = False
 _start_lock = threading.Lock()
+_listening = []           # the listener, which a forked child must not keep (it has no agent thread)
 
 
 def address(pid):
@@ -33,7 +34,13 @@ def start():
         if _started:
             return
         _started = True
+    os.register_at_fork(after_in_child=_forget_listener)
     threading.Thread(target=_run, name="phos-agent", daemon=True).start()
+
+
+def _forget_listener():
+    while _listening:
+        _listening.pop().close()
 
 
 def _listen():
@@ -45,6 +52,7 @@ def _listen():
         log.info("checkpoint agent: cannot listen: %s", e)
         s.close()
         return None
+    _listening[:] = [s]
     return s
 
 
@@ -105,6 +113,7 @@ def _freeze(conn, listener):
             driver._front = None
         _write(conn, {"frozen": True, "stub": "python", "pid": os.getpid(), "socket": os.fstat(conn.fileno()).st_ino,
                       "contexts": [{"ctx": i, "server": before} for i in frozen]})
+        _listening.clear()
         listener.close()         # the image holds no listener a restore would bind again
         line = _read_line(conn, FROZEN_TICKS)
         if line is None or not line.startswith("thaw"):

@@ -298,11 +298,13 @@ def checkpoint(pid, directory, leave_running=False, shell_job=False, live_on=Non
                              "manifest_sha256": image_digest(store, r.name) if gpu_store else ""}
         t_cpu = time.perf_counter()
         # --leave-running alone: the process dies (CRIU's dump ends it) only once both halves are in
+        pids = tree_pids(pid)        # frozen: its threads that could fork wait for the driver's lock, or compute
         args = ["dump", "-t", str(pid), "-D", os.path.join(directory, "process"), f"--external=unix[{frozen['socket']}]"]
         args += ["--leave-running"] * leave_running + ["--shell-job"] * shell_job
         run_criu(args, os.path.join(directory, "process"), "dump.log")
         t_done = time.perf_counter()
-        body = {"format": FORMAT, "version": VERSION, "pid": pid, "stub": frozen["stub"], "socket": frozen["socket"],
+        body = {"format": FORMAT, "version": VERSION, "pid": pid, "pids": pids, "stub": frozen["stub"],
+                "socket": frozen["socket"],
                 "shell_job": shell_job, "created": time.time(), "gpu_store": store if gpu_store else "",
                 "contexts": [{"ctx": c["ctx"], "server": server_of[c["ctx"]], "image": gpu.get(c["ctx"], {}).get("image", ""),
                               "manifest_sha256": gpu.get(c["ctx"], {}).get("manifest_sha256", "")}
@@ -358,26 +360,45 @@ def pid_state(pid):
         return None
 
 
-def check_pid_free(body, wait=5.0):
-    """CRIU restores the process under its old PID: refuse, by name, a restore whose PID is taken."""
-    pid = body["pid"]
+def tree_pids(pid):
+    """pid and its descendants' PIDs, which CRIU dumps with it and restores under the same PIDs."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def check_pid_free(body, wait=10.0):
+    """CRIU restores the processes under their old PIDs: refuse, by name, a restore whose PIDs are
+    taken. A dumped process not yet reaped is waited for a while (the dump's children go to init,
+    which reaps them in its own time)."""
+    pid, pids = body["pid"], body.get("pids", [body["pid"]])
     deadline = time.monotonic() + wait
-    while pid_state(pid) == "Z" and time.monotonic() < deadline:
-        time.sleep(0.02)      # the dumped process, not reaped yet
-    state = pid_state(pid)
-    if state is None:
-        return
-    if state == "Z":
-        raise ProcessError(f"PID {pid}, which the process is restored under, is held by a process that exited and "
-                           "has not been reaped by its parent")
-    try:
-        running = {c["ctx"] for c in contexts_of(pid)["contexts"]}
-    except ProcessError:
-        running = set()
-    if running and running >= {c["ctx"] for c in body["contexts"]}:
-        raise ProcessError(f"this image already runs: process {pid} holds its contexts (restore it again once that "
-                           "process is gone)")
-    raise ProcessError(f"PID {pid}, which the process is restored under, is taken by another process")
+    while any(pid_state(p) == "Z" for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if pid_state(pid) not in (None, "Z"):
+        try:
+            running = {c["ctx"] for c in contexts_of(pid)["contexts"]}
+        except ProcessError:
+            running = set()
+        if running and running >= {c["ctx"] for c in body["contexts"]}:
+            raise ProcessError(f"this image already runs: process {pid} holds its contexts (restore it again once "
+                               "that process is gone)")
+    for p in pids:
+        state = pid_state(p)
+        what = "the process" if p == pid else "a child of the process"
+        if state == "Z":
+            raise ProcessError(f"PID {p}, which {what} is restored under, is held by a process that exited and has "
+                               "not been reaped by its parent")
+        if state is not None:
+            raise ProcessError(f"PID {p}, which {what} is restored under, is taken by another process")
 
 
 def restore_contexts(body, directory, server):

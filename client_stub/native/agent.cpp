@@ -23,6 +23,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -37,6 +40,14 @@ namespace {
 
 constexpr int kFrozenTicks = 600;      // seconds of running time a freeze waits for its thaw
 constexpr size_t kMaxLine = 4096;
+
+// The listener, which a forked child must not keep: it has no agent thread to answer on it, and
+// would hold the name after we close ours to be dumped.
+std::atomic<int> listening{-1};
+void forget_listener_in_child() {
+    const int fd = listening.exchange(-1);
+    if (fd >= 0) close(fd);
+}
 
 std::string quote(const std::string& s) {
     std::string out = "\"";
@@ -64,6 +75,7 @@ int listen_agent() {
         close(fd);
         return -1;
     }
+    listening = fd;
     return fd;
 }
 
@@ -160,6 +172,7 @@ void freeze(int conn, int& listener) {
     fstat(conn, &st);
     write_line(conn, "{\"frozen\":true," + header() + ",\"socket\":" + std::to_string(st.st_ino) +
                          ",\"contexts\":" + contexts_json(frozen) + "}");
+    listening = -1;
     close(listener);   // nor a listener a restore would have to bind again
     listener = -1;
 
@@ -228,7 +241,10 @@ void run() {
 
 void start_agent() {
     static std::once_flag once;
-    std::call_once(once, [] { std::thread(run).detach(); });
+    std::call_once(once, [] {
+        pthread_atfork(nullptr, nullptr, forget_listener_in_child);
+        std::thread(run).detach();
+    });
 }
 
 }  // namespace phos::driver

@@ -1,9 +1,14 @@
 // A program that runs on by itself, for whole-process checkpoints (tests/e2e/test_process.py):
 // `steps TOTAL DELAY_MS` runs TOTAL steps of a kernel over device memory the previous steps
-// wrote, with a host-side running sum (CPU state a restore must bring back) and a thread that
-// counts the steps too (so the process has more than one); after each step it prints the
-// step, the device's checksum and the host's, then sleeps DELAY_MS. A checkpoint, restore or
-// migration at any step must leave the output exactly that of an uninterrupted run.
+// wrote, with a host-side running sum (CPU state a restore must bring back), a second thread,
+// and a child process that waits to be told to end (a dump and a restore carry the whole tree);
+// after each step it prints the step, the device's checksum and the host's, then sleeps
+// DELAY_MS. A checkpoint, restore or migration at any step must leave the output exactly that
+// of an uninterrupted run.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -19,6 +24,10 @@ __global__ void step(float* x, int n, int k) {
 int main(int argc, char** argv) {
     const int total = argc > 1 ? atoi(argv[1]) : 40;
     const int delay_ms = argc > 2 ? atoi(argv[2]) : 50;
+    const pid_t child = fork();   // before any CUDA call: the child holds no connection of the stub's
+    if (child == 0) {
+        while (true) pause();     // until the parent ends it
+    }
     const int n = 1 << 16;
     std::vector<float> host(n, 1.0f);
     float* x;
@@ -44,6 +53,9 @@ int main(int argc, char** argv) {
     done = true;
     counter.join();
     CHECK(cudaFree(x));
-    printf("DONE %d\n", seen.load());
+    int status = 0;
+    kill(child, SIGTERM);
+    waitpid(child, &status, 0);
+    printf("DONE %d, the child ended by signal %d\n", seen.load(), WIFSIGNALED(status) ? WTERMSIG(status) : 0);
     return 0;
 }
