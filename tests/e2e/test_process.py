@@ -101,6 +101,20 @@ def reference(program, server, tmp_path, name):
     return app.lines()
 
 
+def checkpointed(program, server, tmp_path, at, *extra):
+    """An uninterrupted run's output; then the program checkpointed whole at step `at` (which
+    ends it, as `criu dump` does) and its server stopped: (that output, the App, the image)."""
+    expected = reference(program, server, tmp_path, "ref")
+    app = App(program(), server, tmp_path / "out")
+    app.at_step(at)
+    image = tmp_path / "image"
+    r = phos("checkpoint", "--pid", app.pid, image, *extra)
+    assert r.returncode == 0, r.stderr
+    assert app.proc.wait(timeout=30) == -9
+    server.stop()
+    return expected, app, image
+
+
 def phos(*args, **env):
     return subprocess.run([sys.executable, "-m", "phos.cli", *map(str, args)], capture_output=True, text=True,
                           env=dict(os.environ, **env), timeout=300)
@@ -132,15 +146,7 @@ def tree_digest(directory):
 def test_checkpointed_process_comes_back_on_a_new_server(stub, programs, servers, tmp_path):
     """Checkpointed mid-run with --pid; the program and its server are killed; a new server gets
     the contexts, CRIU brings the process back, and the output is an uninterrupted run's."""
-    a = servers()
-    expected = reference(programs[stub], a, tmp_path, stub)
-    app = App(programs[stub](), a, tmp_path / "out")
-    app.at_step(5)
-    image = tmp_path / "image"
-    r = phos("checkpoint", "--pid", app.pid, image, "--server", a.address)
-    assert r.returncode == 0, r.stderr
-    assert app.proc.wait(timeout=30) == -9          # CRIU's dump ended it, as `criu dump` does
-    a.stop()
+    expected, app, image = checkpointed(programs[stub], servers(), tmp_path, 5)
     b = servers()
     r = phos("restore", image, "--process", "--server", b.address, "--json")
     assert r.returncode == 0, r.stderr
@@ -155,15 +161,7 @@ def test_restored_on_a_server_in_a_namespace_of_its_own(stub, programs, servers,
     why = unshare_permitted()
     if why:
         pytest.skip(f"cannot make a mount namespace: {why}")
-    a = servers()
-    expected = reference(programs[stub], a, tmp_path, stub)
-    app = App(programs[stub](), a, tmp_path / "out")
-    app.at_step(3)
-    image = tmp_path / "image"
-    r = phos("checkpoint", "--pid", app.pid, image, "--server", a.address)
-    assert r.returncode == 0, r.stderr
-    assert app.proc.wait(timeout=30) == -9
-    a.stop()
+    expected, app, image = checkpointed(programs[stub], servers(), tmp_path, 3)
     keys = keygen(tmp_path / "keys")
     (tmp_path / "b").mkdir(mode=0o700)
     b = start_isolated(backend, str(tmp_path / "b"), keys)
@@ -216,13 +214,7 @@ def test_migrate_moves_the_process_and_its_contexts(programs, servers, tmp_path)
 @pytest.fixture
 def image(programs, servers, tmp_path):
     """A native program's process image, the program stopped and its server gone; and a live server."""
-    a = servers()
-    app = App(programs["native"](), a, tmp_path / "out")
-    app.at_step(2)
-    path = tmp_path / "image"
-    r = phos("checkpoint", "--pid", app.pid, path, "--server", a.address)
-    assert r.returncode == 0, r.stderr
-    app.proc.wait(timeout=30)
+    _, app, path = checkpointed(programs["native"], servers(), tmp_path, 2)
     return path, servers(), app
 
 
@@ -313,15 +305,8 @@ def test_contexts_imaged_into_the_servers_host_store(programs, servers, tmp_path
     store = f"/dev/shm/phos-test-{os.getpid()}-{tmp_path.name}"
     try:
         a = servers(extra=("--host-store", store, "--host-memory", "256M"))
-        expected = reference(programs["native"], a, tmp_path, "native")
-        app = App(programs["native"](), a, tmp_path / "out")
-        app.at_step(3)
-        image = tmp_path / "image"
-        r = phos("checkpoint", "--pid", app.pid, image, "--gpu-store", store, "--server", a.address)
-        assert r.returncode == 0, r.stderr
+        expected, app, image = checkpointed(programs["native"], a, tmp_path, 3, "--gpu-store", store)
         assert not (image / "gpu").exists()
-        assert app.proc.wait(timeout=30) == -9
-        a.stop()
         b = servers(extra=("--host-store", store))
         manifest = json.loads((image / "manifest.json").read_text())
         assert manifest["gpu_store"] == store and all(c["manifest_sha256"] for c in manifest["contexts"])
