@@ -139,12 +139,14 @@ def restore_process(opts):
 
 def migrate(opts):
     from phos import process
-    r = process_call(process.migrate, opts.pid, opts.to, opts.via and os.path.abspath(opts.via), opts.shell_job)
+    r = process_call(process.migrate, opts.pid, opts.to, opts.via and os.path.abspath(opts.via), opts.shell_job,
+                     opts.remote)
     if opts.json:
         print(json.dumps(r))
         return 0
     ms, down = r["ms"], r["downtime_ms"]
-    print(f"process {r['pid']} moved to {r['to']} in {ms['total']:.1f} ms: its contexts by handoff (their calls held "
+    print(f"process {r['pid']} moved to {r['to']}{' through ' + r['remote'] if r['remote'] else ''} in "
+          f"{ms['total']:.1f} ms: its contexts by handoff (their calls held "
           f"{down['contexts']:.1f} ms at most), then the process ({human(r['process_bytes'])}), stopped "
           f"{down['process']:.1f} ms: dump {ms['dump']:.1f}, restore {ms['restore']:.1f}, re-attach {ms['attach']:.1f}")
     return 0
@@ -286,6 +288,8 @@ def add_commands(sub, default_server):
     p.add_argument("pid", type=int)
     p.add_argument("--to", required=True, help="the target server's address")
     p.add_argument("--via", metavar="DIR", help="where the process's image goes on its way (default: a temporary directory)")
+    p.add_argument("--remote", metavar="COMMAND", help="a command prefix that runs commands on the target's host "
+                   "(`ssh HOST`): the image is sent there as a tar stream and restored by its phos (default: here)")
     p.add_argument("--shell-job", action="store_true", help="the process runs on a terminal (CRIU's --shell-job)")
     common(p)
     p.set_defaults(func=migrate)

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -76,13 +77,13 @@ def servers(tmp_path, backend):
 
 
 class App:
-    """A program on phos, started in a session of its own, its output in a file, stdin empty."""
+    """A program on phos, started in a session of its own, its output in files, stdin empty."""
 
     def __init__(self, argv, server, out, **env):
         self.out = out
         full = dict(os.environ, PHOS_SERVER=server.address, LD_LIBRARY_PATH=STUB, PYTHONUNBUFFERED="1", **env)
-        with open(out, "w") as f:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, env=full,
+        with open(out, "w") as f, open(f"{out}.err", "w") as err:    # the stub's own words go to stderr
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=err, env=full,
                                          start_new_session=True, cwd=ROOT)
         self.pid = self.proc.pid
 
@@ -315,3 +316,40 @@ def test_contexts_imaged_into_the_servers_host_store(programs, servers, tmp_path
         assert finished(app.out, app.pid) == expected
     finally:
         shutil.rmtree(store, ignore_errors=True)
+
+
+def test_migrate_to_another_host(programs, backend, tmp_path):
+    """`phos migrate --remote`: between two servers in mount namespaces of their own (TCP, CURVE),
+    the contexts move by handoff and the process is sent to the target's namespace as a tar
+    stream and restored there (`nsenter` into it stands for `ssh` to another host); the program
+    ends there with an uninterrupted run's output. Its output file, the keys and phos are where
+    both "hosts" see them (/var/tmp, the checkout); /tmp, /run and /dev/shm are each one's own."""
+    why = unshare_permitted()
+    if why or not shutil.which("nsenter"):
+        pytest.skip(f"cannot make or enter a mount namespace: {why or 'no nsenter'}")
+    shared = tempfile.mkdtemp(prefix="phos-test-migrate-", dir="/var/tmp")
+    started = []
+    try:
+        keys = keygen(os.path.join(shared, "keys"))
+        env = {"PHOS_SERVER_KEY": os.path.join(keys, "server.key"), "PHOS_CLIENT_KEY": os.path.join(keys, "client.key_secret")}
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            started.append(start_isolated(backend, str(tmp_path / name), keys))
+        a, b = started
+        binary = shutil.copy(programs["native"]()[0], shared)     # the program's files are on both hosts
+        ref = App([binary, *programs["native"](0)[1:]], a, os.path.join(shared, "ref"), **env)
+        assert ref.proc.wait(timeout=120) == 0, ref.lines()
+        app = App([binary, *programs["native"]()[1:]], a, os.path.join(shared, "out"), **env)
+        app.at_step(4)
+        mover = subprocess.Popen([sys.executable, "-m", "phos.cli", "migrate", str(app.pid), "--to", b.address,
+                                  "--remote", f"nsenter -t {b.proc.pid} -m", "--json"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
+        assert app.proc.wait(timeout=60) == -9
+        out, err = mover.communicate(timeout=300)
+        assert mover.returncode == 0, err
+        assert json.loads(out)["remote"].startswith("nsenter")
+        assert finished(app.out, app.pid) == ref.lines()
+    finally:
+        for s in started:
+            s.stop()
+        shutil.rmtree(shared, ignore_errors=True)
