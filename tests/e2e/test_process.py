@@ -198,7 +198,7 @@ def test_migrate_moves_the_process_and_its_contexts(programs, servers, tmp_path)
     ends on the target server with an uninterrupted run's output, and the source holds nothing."""
     a, b = servers(), servers()
     expected = reference(programs["python"], a, tmp_path, "python")
-    app = App(programs["python"](), a, tmp_path / "out")
+    app = App(programs["python"](delay=300), a, tmp_path / "out")     # still running after two handoffs on a busy host
     app.at_step(4)
     mover = subprocess.Popen([sys.executable, "-m", "phos.cli", "migrate", str(app.pid), "--to", b.address, "--server",
                               a.address, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -353,3 +353,19 @@ def test_migrate_to_another_host(programs, backend, tmp_path):
         for s in started:
             s.stop()
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_keep_context_refuses_bad_input_by_name(programs, servers, tmp_path):
+    """KeepContext (how a checkpoint holds a context while its client is dumped): an unknown
+    context and a wait out of bounds are refused, naming them, and the context goes on."""
+    from phos import process
+    from phos.schema import admin_pb2 as pb
+    a = servers()
+    app = App(programs["native"](), a, tmp_path / "out")
+    app.at_step(1)
+    (c,) = process.contexts_of(app.pid)["contexts"]
+    for ctx, seconds, words in ((c["ctx"], -1.0, "keep"), (c["ctx"], 1e9, "at most"), (c["ctx"] ^ 1, 5.0, "no context")):
+        with pytest.raises(process.ProcessError, match=words):
+            process.ask(a.address, "KeepContext", pb.KeepContextRequest(ctx=ctx, seconds=seconds), timeout=30)
+    assert app.proc.wait(timeout=120) == 0
+    assert app.lines()[-1].startswith("DONE")

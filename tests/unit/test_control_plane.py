@@ -38,7 +38,8 @@ def test_requests_round_trip():
              ("movingTo", {"endpoint": "tcp://b:7", "standby": "", "serverKey": "k" * 40},
               {"endpoint": "tcp://b:7", "standby": "", "server_key": "k" * 40}),
              ("tenant", {"name": "ab" * 32}, {"name": "ab" * 32}),
-             ("pace", {"hold": 0.75}, {"hold": 0.75}), ("ctxStats", None, None), ("thaw", None, None)]
+             ("pace", {"hold": 0.75}, {"hold": 0.75}), ("keep", {"seconds": 600.0}, {"seconds": 600.0}),
+             ("ctxStats", None, None), ("thaw", None, None)]
     for seq, (kind, args, read) in enumerate(cases, 1):
         got_seq, got_kind, got = wire.read_control(wire.encode_control(seq, kind, args))
         assert (got_seq, got_kind) == (seq, kind)
@@ -88,9 +89,9 @@ def test_checkpoint_result_through_the_admin_api():
 
 def test_no_snapshot_calls_on_the_data_plane():
     calls = set(wire.phos_capnp.Call.schema.union_fields)
-    assert not calls & {"checkpoint", "restore", "ctxStats", "thaw", "retireTo", "unusedRetire", "movingTo"}
+    assert not calls & {"checkpoint", "restore", "ctxStats", "thaw", "retireTo", "unusedRetire", "movingTo", "keep"}
     assert set(wire.ControlRequest.schema.union_fields) == {"attach", "checkpoint", "restore", "ctxStats", "thaw", "retireTo",
-                                                            "tenant", "pace", "movingTo"}
+                                                            "tenant", "pace", "movingTo", "keep"}
 
 
 def test_admin_socket():
