@@ -290,6 +290,11 @@ def checkpoint(pid, directory, leave_running=False, shell_job=False, live_on=Non
     try:
         t_freeze = time.perf_counter()
         frozen = agent.ask("freeze")
+        for c in frozen["contexts"]:      # made since we asked: kept now, within its orphan grace
+            if c["ctx"] not in server_of:
+                server_of[c["ctx"]] = live_on or c["server"]
+                ask(server_of[c["ctx"]], "KeepContext", pb.KeepContextRequest(ctx=c["ctx"], seconds=KEEP_SECONDS),
+                    timeout=30)
         t_gpu = time.perf_counter()
         gpu = {}
         store = os.path.abspath(gpu_store) if gpu_store else os.path.join(directory, "gpu")
