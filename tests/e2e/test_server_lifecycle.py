@@ -113,6 +113,45 @@ def test_keygen_writes_secrets_only_its_user_can_read(tmp_path):
     subprocess.run([sys.executable, "-m", "phos.cli", "keygen", str(keys)], check=True, capture_output=True)
     for secret in ("server.key_secret", "client.key_secret"):
         assert (keys / secret).stat().st_mode & 0o777 == 0o600
+    for directory in (keys, keys / "clients", keys / "admins"):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+
+
+KEYGEN_WATCHED = """
+import os, stat, sys
+from phos import cli
+root = sys.argv[1]
+exposed = []
+
+def reachable_by_others(path):
+    # another user opens a file where every directory down to it lets them through and the file lets them read
+    d = os.path.dirname(path)
+    while d.startswith(root):
+        if not os.stat(d).st_mode & (stat.S_IXGRP | stat.S_IXOTH):
+            return False
+        d = os.path.dirname(d)
+    return bool(os.stat(path).st_mode & (stat.S_IRGRP | stat.S_IROTH))
+
+def watch(event, args):
+    # at every file operation keygen makes, as a watcher polling the directory would
+    if event in ("open", "os.chmod", "os.rename", "os.replace", "shutil.copyfile") and not exposed:
+        for d, _, files in os.walk(root):
+            for f in files:
+                if f.endswith("key_secret") and reachable_by_others(os.path.join(d, f)):
+                    exposed.append(os.path.join(d, f))
+
+sys.addaudithook(watch)
+cli.main(["keygen", os.path.join(root, "keys")])
+print("EXPOSED", exposed)
+"""
+
+
+def test_keygen_secrets_are_never_readable_by_others_while_written(tmp_path):
+    """Not only at the end: from the first byte, no secret is where another user could open it
+    (pyzmq creates key files readable by all)."""
+    os.chmod(tmp_path, 0o755)
+    out = subprocess.run([sys.executable, "-c", KEYGEN_WATCHED, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert "EXPOSED []" in out.stdout, out.stdout
 
 
 def test_server_refuses_open_listener_from_cli():
