@@ -951,9 +951,7 @@ class ImageWriter:
             missing = man.missing_chunk(self.store, self.present)
             if missing:
                 raise ImageError(f"image {self.name!r}: chunk {missing[0]} ({missing[1]}) was never added to the store")
-            if self.store.has_image(self.name):
-                raise ImageError(f"image {self.name!r} already exists in the store")
-            self.store.put_manifest(self.name, raw, manifest_digest(raw, self.key))
+            self.store.put_new_manifest(self.name, raw, manifest_digest(raw, self.key))
             return man
         finally:
             self.close()

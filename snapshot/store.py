@@ -11,6 +11,7 @@ Both stores have the same interface:
     missing(keys) -> the set of those the store lacks (checks thousands at once)
     list_chunks() -> [key]       delete_chunk(key)
     put_manifest(name, manifest, digest)                    get_manifest(name, max_bytes) -> (manifest, digest)
+    put_new_manifest(name, manifest, digest)   put_manifest, refused by name where the image exists
     list_images() -> [name]      has_image(name)            delete_image(name)
     heads(keys, nbytes) -> (the first nbytes of each chunk's blob, zero-padded, joined;
                             [blob length, -1 where missing]): what a restore checks up front
@@ -50,6 +51,11 @@ class ImageInUse(ImageError):
 def _in_use(name):
     return ImageInUse(f"image {name!r} is being restored on demand: a context still loads its chunks from it; "
                       "delete it once that restore has loaded everything")
+
+
+def _taken(name, where):
+    return ImageError(f"image {name!r} already exists in the store {where}: another checkpoint committed "
+                      "that name first; give this one another name")
 
 
 def all_keys(keys):
@@ -190,6 +196,13 @@ class MemoryStore:
     def put_manifest(self, name, manifest, digest):
         check_name(name)
         with self._mu:
+            self._images[name] = (bytes(manifest), bytes(digest))
+
+    def put_new_manifest(self, name, manifest, digest):
+        check_name(name)
+        with self._mu:
+            if name in self._images:
+                raise _taken(name, "memory")
             self._images[name] = (bytes(manifest), bytes(digest))
 
     def get_manifest(self, name, max_bytes=None):
@@ -453,6 +466,20 @@ class DirStore:
         self._write_atomic(mpath, manifest)
         if self.fsync:
             _fsync_dir(self._images)
+
+    def put_new_manifest(self, name, manifest, digest):
+        """put_manifest of an image the store must not hold: of two writers committing one name
+        at once (two checkpoints given one --name), exactly one commits and the other is refused
+        by name. A check before the rename alone let both pass it, and the second replace the
+        first. The images directory's flock makes check and commit one step, across processes."""
+        fd = os.open(self._images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.has_image(name):
+                raise _taken(name, self.path)
+            self.put_manifest(name, manifest, digest)
+        finally:
+            os.close(fd)
 
     def get_manifest(self, name, max_bytes=None):
         mpath, dpath = self._image_paths(name)

@@ -202,6 +202,41 @@ def test_round_trip(store):
         ImageWriter(store, "ctx1-0001")
 
 
+@pytest.mark.parametrize("kind", ["dir", "host"])
+def test_two_checkpoints_committing_one_name_at_once_one_wins_and_the_other_is_refused(tmp_path, kind):
+    """Two writers (two workers, each with its own view of the store) both begin an image of one
+    name, and the second commits while the first is between its check and its commit: exactly
+    one commits, and the other is refused by name; the image is the winner's, not replaced."""
+    path = tmp_path / "store"
+    if kind == "host":
+        HostStore.create(path, 1024 * (4096 + 8192), capacity=8192)
+    a, b = (HostStore(path), HostStore(path)) if kind == "host" else (DirStore(path), DirStore(path))
+    outcome = {}
+
+    def commit(store, who, seed):
+        try:
+            outcome[who] = write_image(store, "same", make_contents(seed))[0]
+        except ImageError as e:
+            outcome[who] = e
+
+    put = a.put_manifest
+
+    def a_commits(name, manifest, digest):      # b's whole commit runs as a is about to put its manifest
+        other = threading.Thread(target=commit, args=(b, "b", 1))
+        other.start()
+        other.join(2)      # where b must wait for a (the fix), it cannot finish meanwhile
+        put(name, manifest, digest)
+        outcome["b thread"] = other
+    a.put_manifest = a_commits
+    commit(a, "a", 0)
+    outcome.pop("b thread").join()
+    won = [who for who in "ab" if not isinstance(outcome[who], ImageError)]
+    assert len(won) == 1, outcome
+    lost = outcome["b" if won == ["a"] else "a"]
+    assert "'same' already exists" in str(lost) and "another checkpoint" in str(lost)
+    assert read_image(DirStore(path) if kind == "dir" else HostStore(path), "same").raw == outcome[won[0]].raw
+
+
 def test_incremental_stores_only_changed_chunk(store):
     contents = make_contents()
     write_image(store, "base", contents)
