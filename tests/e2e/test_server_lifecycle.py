@@ -253,6 +253,41 @@ def test_a_socket_directory_others_may_write_is_refused(tmp_path):
     assert server.returncode != 0 and "writable by others" in server.stderr
 
 
+def test_a_socket_directory_below_a_directory_another_user_owns_is_refused(tmp_path):
+    """Our own, closed socket directory is no safer than its ancestors: the owner of one could
+    swap the tree below it for theirs (and a client sent its hello to their server). Every
+    ancestor is checked as OpenSSH checks authorized_keys' path."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give the directory to another user")
+    theirs = tmp_path / "theirs"
+    ours = theirs / "ours"
+    ours.mkdir(parents=True, mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    server = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", f"ipc://{ours}/phos.sock"],
+                            capture_output=True, text=True, timeout=60)
+    assert server.returncode != 0 and f"its ancestor {theirs} belongs to uid 65534" in server.stderr, server.stderr
+    cli = subprocess.run([sys.executable, "-m", "phos.cli", "ctx", "list", "--server", f"ipc://{ours}/phos.sock"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode != 0 and f"its ancestor {theirs} belongs to uid 65534" in cli.stderr, cli.stderr
+
+
+def test_socket_directory_ancestors_writable_by_others_are_refused_unless_sticky(tmp_path):
+    from phos.schema.control import private_directory
+    shared = tmp_path / "shared"
+    ours = shared / "ours"
+    ours.mkdir(parents=True, mode=0o700)
+    shared.chmod(0o775)                 # a group may write: its members could swap "ours"
+    with pytest.raises(ValueError, match=f"its ancestor {shared} is writable by others"):
+        private_directory(str(ours))
+    shared.chmod(0o1777)                # as /tmp: nobody else may rename or remove our entry
+    private_directory(str(ours))
+    link = tmp_path / "link"            # a link on the way: where it leads is checked too
+    link.symlink_to(shared)
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by others"):
+        private_directory(str(link / "ours"))
+
+
 def test_workers_admit_the_front_ends_clients_alone_and_a_revoked_key_ends_its_context(backend, tmp_path):
     """A client reaches its context's worker directly: the worker checks its key as the front end
     does (a key the server never admitted fails the handshake there too), and removing an admitted
