@@ -277,6 +277,27 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+def _own_directory(d, store):
+    """A directory of a store must be a directory of its own, not a link (chunks and manifests
+    written through it would land wherever it leads), and only its owner, this user or root,
+    may write in it (another user could put chunks or manifests there, or swap it for a link).
+    Raises ImageError."""
+    try:
+        st = os.lstat(d)
+    except OSError as e:
+        raise ImageError(f"image store {store}: {d} cannot be checked: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ImageError(f"image store {store}: {d} is a symbolic link: refused (what is written there would land "
+                         f"outside the store)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ImageError(f"image store {store}: {d} is not a directory")
+    if st.st_mode & 0o022:
+        raise ImageError(f"image store {store}: {d} is writable by other users (mode {st.st_mode & 0o777:o}): refused")
+    if st.st_uid not in (0, os.geteuid()):
+        raise ImageError(f"image store {store}: {d} belongs to uid {st.st_uid}, neither root nor this user "
+                         f"(uid {os.geteuid()}): refused")
+
+
 def open_regular(path, what, with_stat=False):
     """A read-only descriptor of path, which must be a regular file of its own: a symbolic link
     could lead anywhere (another tenant's image, /etc/passwd) and a FIFO or device would block
@@ -341,10 +362,14 @@ class DirStore:
         self._chunks = os.path.join(self.path, "chunks")
         if not create and not os.path.isdir(self._images):
             raise ImageError(f"no image store at {self.path}")
-        os.makedirs(self._images, exist_ok=True)
-        os.makedirs(self._chunks, exist_ok=True)
+        os.makedirs(self.path, mode=0o755, exist_ok=True)       # a umask of 002 would leave them open to a group
+        os.makedirs(self._images, mode=0o755, exist_ok=True)
+        os.makedirs(self._chunks, mode=0o755, exist_ok=True)
+        for d in (os.path.realpath(self.path), self._images, self._chunks):    # a link to the whole store is the operator's
+            _own_directory(d, self.path)
         self._lockfile = os.path.join(self.path, ".lock")
         self._local = _SharedExclusive()
+        self._checked = set()          # chunk subdirectories found to be the store's own
 
     def _chunk_path(self, key):
         return self._chunk_file(check_key(key))
@@ -375,7 +400,10 @@ class DirStore:
             return
         d = os.path.dirname(path)
         new_dir = not os.path.isdir(d)
-        os.makedirs(d, exist_ok=True)
+        os.makedirs(d, mode=0o755, exist_ok=True)
+        if d not in self._checked:
+            _own_directory(d, self.path)
+            self._checked.add(d)
         self._write_atomic(path, blob)
         if self.fsync and new_dir:
             _fsync_dir(self._chunks)
@@ -579,14 +607,24 @@ class DirStore:
         """The lock file, for a session; None in a store this user may only read, and that has
         none: nobody collects garbage there (a restore from it holds a session too)."""
         try:
-            return os.open(self._lockfile, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            return self._open_lock(os.O_RDWR | os.O_CREAT)
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
         try:
-            return os.open(self._lockfile, os.O_RDONLY | os.O_CLOEXEC)
+            return self._open_lock(os.O_RDONLY)
         except FileNotFoundError:
             return None
+
+    def _open_lock(self, flags):
+        """The lock file, never through a link: a dangling one made its target."""
+        try:
+            return os.open(self._lockfile, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ImageError(f"image store {self.path}: its lock file {self._lockfile} is a symbolic link: "
+                                 "refused") from None
+            raise
 
     @contextlib.contextmanager
     def try_gc_lock(self):
@@ -594,7 +632,7 @@ class DirStore:
             if not ok:
                 yield False
                 return
-            fd = os.open(self._lockfile, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_lock(os.O_RDWR | os.O_CREAT)
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

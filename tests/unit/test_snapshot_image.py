@@ -237,6 +237,48 @@ def test_two_checkpoints_committing_one_name_at_once_one_wins_and_the_other_is_r
     assert read_image(DirStore(path) if kind == "dir" else HostStore(path), "same").raw == outcome[won[0]].raw
 
 
+def test_a_store_whose_directories_are_links_or_open_to_others_is_refused(tmp_path):
+    """Files are opened without following links, and the store's directories must not be links
+    either: chunks (tenant bytes) and manifests went wherever they led. Nor may another user
+    write in them, nor may its lock file be a link (a dangling one had its target made)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    path = tmp_path / "store"
+    DirStore(path)
+    for xx in (f"{i:02x}" for i in range(256)):        # every chunk's subdirectory leads elsewhere
+        (elsewhere / xx).mkdir()
+        (path / "chunks" / xx).symlink_to(elsewhere / xx)
+    with pytest.raises(ImageError, match=r"chunks/[0-9a-f]{2} is a symbolic link: refused"):
+        write_image(DirStore(path), "img", make_contents())
+    assert [f for f in elsewhere.rglob("*") if f.is_file()] == []       # no chunk landed there
+
+    images = tmp_path / "images-link"
+    DirStore(images)
+    (images / "images").rename(elsewhere / "images")
+    (images / "images").symlink_to(elsewhere / "images")
+    with pytest.raises(ImageError, match=r"images is a symbolic link: refused"):
+        DirStore(images)
+
+    locked = tmp_path / "lock-link"
+    DirStore(locked)
+    (locked / ".lock").symlink_to(elsewhere / "made-by-the-lock")
+    with pytest.raises(ImageError, match=r"lock file .* is a symbolic link: refused"):
+        write_image(DirStore(locked), "img", make_contents())
+    assert not (elsewhere / "made-by-the-lock").exists()
+
+    shared = tmp_path / "shared"
+    DirStore(shared)
+    for d, mode in ((shared, 0o777), (shared / "chunks", 0o775)):
+        d.chmod(mode)
+        with pytest.raises(ImageError, match="writable by other users"):
+            DirStore(shared)
+        d.chmod(0o755)
+    if os.geteuid() == 0:               # root can give it to another user
+        os.chown(shared / "images", 65534, 65534)
+        with pytest.raises(ImageError, match="belongs to uid 65534"):
+            DirStore(shared)
+
+
 def test_incremental_stores_only_changed_chunk(store):
     contents = make_contents()
     write_image(store, "base", contents)
