@@ -39,6 +39,7 @@ from phos.gpu_server import native_box
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
+from phos.gpu_server.strangers import Strangers
 from phos.schema import wire
 from phos.schema.control import remove_socket_file
 from phos.schema.wire import build_reply, error_reply
@@ -439,6 +440,7 @@ class Worker:
         self.paced_served = -1     # ... and the period in which the last of its messages was served
         self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
+        self.strangers = Strangers(sock)   # ... and those that did not: never waited for
         self.client_keys = None    # with CURVE: the admitted clients (gpu_server/client_keys.py)
         self.peer_keys = {}        # ... and the key each attached routing id came with
         self.keys_checked = 0.0    # when the attached clients' keys were last checked
@@ -473,6 +475,8 @@ class Worker:
             log.warning("dropped a message with no request frame")
             return
         peer, body, payloads = frames[0].bytes, frames[1], frames[2:]
+        if peer not in self.attached and not self.strangers.seen(peer, frames[0], self.client_fds):
+            return
         bare = wire.read_bare_call(body.bytes if hasattr(body, "bytes") else body) if len(frames) == 2 else None
         if bare and peer in self.attached:
             return self.run_bare(peer, *bare)
@@ -504,6 +508,7 @@ class Worker:
                 return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_CONTEXT,
                                  "not attached to this context: the first call must be attach with the session token"))
             self.attached.add(peer)
+            self.strangers.attached(peer)
             if isinstance(peer_frame, zmq.Frame):
                 fd = peer_frame.get(zmq.SRCFD)       # the connection it came by (monitor events name it)
                 creds = peer_credentials(fd)
@@ -687,7 +692,10 @@ class Worker:
         """A message to one client. The socket routes mandatorily: where the client's queue is
         full (it sends without reading), the reply waits in our backlog, and we read nothing
         more from the client until it has room (the loop: wait_for_room), so that its sends
-        block instead of its replies being dropped; a client that is gone loses them."""
+        block instead of its replies being dropped; a client that is gone loses them. A peer
+        that has not attached is never waited for (gpu_server/strangers.py)."""
+        if peer not in self.attached:
+            return self.strangers.answer(peer, frames)
         self.backlog.append((peer, frames))
         self.flush_backlog()
 
