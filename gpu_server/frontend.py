@@ -78,6 +78,13 @@ def check_listen(address, curve_secret, insecure=False):
     # checked must be the one it binds, so only the plain form is taken.
     if "@" in url.netloc or ";" in address or url.path not in ("", "/"):
         raise ValueError(f"listen address {address!r}: use a plain tcp://HOST:PORT")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if not port:         # the admin socket, caches and ledgers are named after it: a second port 0 took them over
+        raise ValueError(f"listen address {address!r}: name a port (not 0): the server's admin API, its caches and "
+                         "its clients find it by that port")
     host = url.hostname or ""
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback

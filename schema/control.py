@@ -16,8 +16,14 @@ CHECKPOINT_SCALARS = ("name", "bytes", "copied_bytes", "stored_bytes", "new_chun
 
 def _beside(server, ipc_suffix, tcp_name):
     """A path of the server listening on `server`: its ipc socket's path with ipc_suffix, or, for
-    tcp://HOST:PORT, tcp_name (which names {port}) in the user's socket directory."""
+    tcp://HOST:PORT, tcp_name (which names {port}) in the user's socket directory, where an
+    abstract socket's (ipc://@NAME) are too, named after it."""
     url = urllib.parse.urlparse(server)
+    if url.scheme == "ipc" and server.startswith("ipc://@"):
+        # an abstract socket has no directory; beside its name, its files landed in whatever
+        # directory the server started in, where the CLI found them only from there
+        name = urllib.parse.quote(server[len("ipc://@"):], safe="")
+        return os.path.join(settings.socket_directory(), "@" + name + ipc_suffix)
     if url.scheme == "ipc":
         return server[len("ipc://"):] + ipc_suffix
     if url.scheme == "tcp":

@@ -94,6 +94,27 @@ def test_a_keyless_listener_other_local_users_reach_needs_insecure(address):
     assert check_listen(address, ("pub", "secret", "dir")) is None
 
 
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:0", "tcp://127.0.0.1:*", "tcp://127.0.0.1"])
+def test_a_tcp_listener_names_its_port(address):
+    """The admin socket, caches and ledgers are named after the port: two servers on port 0 shared
+    admin-0.sock, the second taking it over."""
+    with pytest.raises(ValueError, match="name a port"):
+        check_listen(address, None, insecure=True)
+
+
+def test_an_abstract_listeners_files_are_in_the_users_socket_directory(tmp_path, monkeypatch):
+    """An abstract socket has no directory: its admin socket and caches are in the user's socket
+    directory, found from any working directory, not in the one the server started in."""
+    from phos import settings
+    from phos.schema.control import admin_socket, module_cache_dir, tenant_ledger_dir
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    home = settings.socket_directory()
+    assert admin_socket("ipc://@phos-test") == f"unix:{home}/@phos-test.admin"
+    assert module_cache_dir("ipc://@a/b") == f"{home}/@a%2Fb.modules"
+    assert os.path.dirname(tenant_ledger_dir("ipc://@phos-test")) == home
+
+
 def test_server_refuses_a_keyless_loopback_listener_from_cli():
     out = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", "tcp://127.0.0.1:45112"],
                          capture_output=True, text=True, timeout=60)
