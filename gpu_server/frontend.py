@@ -25,6 +25,7 @@ from phos import settings
 from phos.gpu_server.backend import load_backend
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
 from phos.gpu_server.device_ledger import tenant_name
+from phos.gpu_server.strangers import PeerWarnings
 from phos.schema import wire
 from phos.schema.control import (admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file,
                                  tenant_ledger_dir)
@@ -265,6 +266,7 @@ class FrontEnd:
         self.waiting = {}           # client (ROUTER identity) -> its Replies waiting for room in its queue
         self.draining = set()       # the tasks sending them (FrontEnd.drain)
         self.overrun = set()        # clients told of in the log for losing Replies (once each)
+        self.warnings = PeerWarnings(log)   # about what clients send, rate-limited for each
         self.recovery = recovery    # RecoveryOptions, or None
         self.recovering = {}        # ctx id -> the task restoring it from its recovery images
         self.stopping = asyncio.Event()
@@ -680,7 +682,7 @@ class FrontEnd:
                         results.append((call.seq, e.status, f"{name}: {e.message}", {}))
                 frames = build_reply(req.calls[-1].seq if len(req.calls) else 0, results, moved=moved)
         except wire.MALFORMED as e:
-            log.warning("malformed frame from a client: %s", wire.describe(e))
+            self.warnings.warn(peer, "malformed frame from a client: %s", wire.describe(e))
             frames = error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}")
         await self.reply(sock, peer, frames)
 

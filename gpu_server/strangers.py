@@ -11,6 +11,7 @@ import collections
 import logging
 import os
 import socket
+import time
 
 import zmq
 
@@ -18,6 +19,7 @@ log = logging.getLogger("phos.worker")
 
 REFUSALS = 64          # refusals a peer gets before it is cut off (a client that lost its token needs one)
 REMEMBERED = 4096      # routing ids remembered at most: an old one is forgotten, not the table grown
+WARN_EVERY = 10.0      # seconds between two warnings about one peer's bad input
 
 
 class Strangers:
@@ -71,3 +73,28 @@ class Strangers:
                 conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass                  # already gone
+
+
+class PeerWarnings:
+    """Warnings about what peers send (malformed frames), each peer's at most once in WARN_EVERY
+    seconds, the next one counting those left unsaid: a peer sending 25k malformed frames wrote
+    3 MB of log, a warning each. The peer still gets its error reply every time."""
+
+    def __init__(self, logger, every=WARN_EVERY):
+        self.log, self.every = logger, every
+        self.last = collections.OrderedDict()     # peer -> [when last said, how many since unsaid]
+
+    def warn(self, peer, message, *args):
+        now = time.monotonic()
+        entry = self.last.get(peer)
+        if entry is not None and now - entry[0] < self.every:
+            entry[1] += 1
+            return
+        if entry is None and len(self.last) >= REMEMBERED:
+            self.last.popitem(last=False)
+        unsaid = entry[1] if entry is not None else 0
+        self.last[peer] = [now, 0]
+        self.last.move_to_end(peer)
+        if unsaid:
+            message += f" (and {unsaid} more from this peer in the last {self.every:g} s, unlogged)"
+        self.log.warning(message, *args)

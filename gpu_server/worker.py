@@ -39,7 +39,7 @@ from phos.gpu_server import native_box
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
-from phos.gpu_server.strangers import Strangers
+from phos.gpu_server.strangers import PeerWarnings, Strangers
 from phos.schema import wire
 from phos.schema.control import remove_socket_file
 from phos.schema.wire import build_reply, error_reply
@@ -441,6 +441,7 @@ class Worker:
         self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
         self.strangers = Strangers(sock)   # ... and those that did not: never waited for
+        self.warnings = PeerWarnings(log)  # about what peers send, rate-limited for each
         self.client_keys = None    # with CURVE: the admitted clients (gpu_server/client_keys.py)
         self.peer_keys = {}        # ... and the key each attached routing id came with
         self.keys_checked = 0.0    # when the attached clients' keys were last checked
@@ -491,7 +492,7 @@ class Worker:
                     return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, why))
                 self.run_calls(peer, req, payloads, frames[0])
         except wire.MALFORMED as e:
-            log.warning("malformed frame from a client: %s", wire.describe(e))
+            self.warnings.warn(peer, "malformed frame from a client: %s", wire.describe(e))
             self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
 
     def run_calls(self, peer, req, payloads, peer_frame=None):

@@ -43,6 +43,29 @@ def test_malformed_frame(raw, server):
     assert_server_healthy(raw)
 
 
+def test_malformed_frames_are_each_answered_but_logged_once_in_a_while_per_peer(raw, server):
+    """25k malformed frames wrote 3 MB of log, a WARNING each: a peer's are said once in a while,
+    with a count of those left unsaid, and each still gets its error reply."""
+    before = server.output().count("malformed frame from a client")
+    for _ in range(300):
+        raw.send(b"\x00\x01not capnp\xff" * 3)
+        [(status, message)] = results(raw)
+        assert status == CUresult.CUDA_ERROR_INVALID_VALUE and "malformed" in message
+    sock, ctx, token, _ = open_worker(raw)
+    sock.send(request(("attach", {"ctx": ctx, "token": token})))
+    assert results(sock)[0][0] == 0
+    for _ in range(300):
+        sock.send(b"\xff" * 40)
+        assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_VALUE
+    sock.send(request(("ctxDestroy", None)))
+    results(sock)
+    sock.close()
+    wait_until(lambda: server.output().count("malformed frame from a client") >= before + 2, 10)
+    said = server.output().count("malformed frame from a client") - before
+    assert 2 <= said < 20, said         # the front end's once and the worker's once, and not 600 times
+    assert_server_healthy(raw)
+
+
 def test_empty_frame(raw, server):
     raw.send(b"")
     [(status, message)] = results(raw)
