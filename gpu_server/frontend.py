@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from phos import settings
 from phos.gpu_server.backend import load_backend
-from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
+from phos.gpu_server.client_keys import ClientKeys, frame_user_id, loopback_uid, peer_credentials, pid_alive
 from phos.gpu_server.device_ledger import tenant_name
 from phos.gpu_server.strangers import PeerWarnings
 from phos.schema import wire
@@ -123,13 +123,15 @@ def served_devices(spec, count):
 
 
 def local_user(frame):
-    """The local user a message came from, by its ipc connection's peer credentials ("uid N"),
-    or "" (a TCP connection without keys)."""
+    """The local user a message came from ("uid N"): by its ipc connection's peer credentials,
+    or by the owner of a loopback TCP connection's other end; "" for another host's."""
     try:
-        peer = peer_credentials(frame.get(zmq.SRCFD))
+        fd = frame.get(zmq.SRCFD)
     except zmq.ZMQError:
         return ""
-    return f"uid {peer[1]}" if peer else ""
+    peer = peer_credentials(fd)
+    uid = peer[1] if peer else loopback_uid(fd)
+    return "" if uid is None else f"uid {uid}"
 
 
 def local_without_keys(address, why, curve_secret, insecure):

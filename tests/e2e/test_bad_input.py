@@ -336,6 +336,45 @@ def test_contexts_past_a_clients_limit_are_refused_to_that_client_alone(servers,
             sock.close()
 
 
+NOBODY_CREATES = """
+import os, sys, zmq
+from phos.schema import wire
+frame = wire.encode_request([(1, "ctxCreate", {"device": 0, "flags": 0}, None)], True, wire.PROTOCOL_VERSION)[0]
+os.setgid(65534); os.setuid(65534)      # all imported first: the interpreter may be root's alone
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0); sock.setsockopt(zmq.RCVTIMEO, 30000)
+sock.connect(sys.argv[1])
+sock.send(frame)
+with wire.decode(wire.Reply, sock.recv_multipart()[0]) as reply:
+    print("STATUS", reply.results[0].status, reply.results[0].message)
+"""
+
+
+def test_local_users_over_loopback_tcp_are_told_apart_by_uid(servers, monkeypatch):
+    """Keyless loopback clients were one client: one local user could take every other local
+    user's contexts. Each is its user, by the owner of its connection's other end."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to connect as another user")
+    from share_nothing import free_port_pair
+    monkeypatch.setenv("PHOS_MAX_CONTEXTS_PER_CLIENT", "1")
+    srv = servers("loopback", listen=f"tcp://127.0.0.1:{free_port_pair()}", args=("--insecure",))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30000)
+    sock.connect(srv.address)
+    try:
+        made = []
+        for _ in range(2):
+            sock.send(request(("ctxCreate", {"device": 0, "flags": 0})))
+            made += results(sock)
+        assert [s for s, _ in made] == [0, CUresult.CUDA_ERROR_OUT_OF_MEMORY], made
+        out = subprocess.run([sys.executable, "-c", NOBODY_CREATES, srv.address], capture_output=True,
+                             text=True, timeout=60, cwd="/")
+        assert "STATUS 0" in out.stdout, out.stdout + out.stderr
+    finally:
+        sock.close()
+
+
 def test_a_bad_pointer_fails_its_own_call_at_once(cu):
     """The client answers what it knows at once, as CUDA's driver does: a memset where nothing
     is allocated, a copy to freed memory and a second cuMemFree fail their own call, and the
