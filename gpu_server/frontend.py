@@ -336,8 +336,8 @@ class FrontEnd:
         finally:
             self.creating.remove(client)
         worker.client = client
-        if self.tenant_quota > 0:        # its memory counts against its client's quota before the client has it
-            try:
+        if self.tenant_quota > 0 or self.module_cache:    # its memory counts against its client's quota before
+            try:                                             # the client has it; its module images are its own
                 await self.control(worker, "tenant", {"name": tenant_name(client)})
             except BaseException:
                 self.discard(worker.ctx_id)

@@ -284,6 +284,8 @@ class Session:
             except CudaError:
                 ledger.close()
                 raise
+        if self.modules is not None:       # its loads by digest find only the images it sent itself
+            self.modules = self.modules.view(name)
         self.tenant = name
 
     def take_base(self, base):

@@ -375,6 +375,41 @@ def test_local_users_over_loopback_tcp_are_told_apart_by_uid(servers, monkeypatc
         sock.close()
 
 
+NOBODY_LOADS_BY_DIGEST = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from wire_client import RawSession
+os.setgid(65534); os.setuid(65534)
+s = RawSession(sys.argv[1])
+print("STATUS", *s.status(("moduleLoad", {"digest": bytes.fromhex(sys.argv[3])})))
+"""
+
+
+def test_a_tenant_cannot_tell_whether_another_loaded_a_module(servers):
+    """The server keeps module images by digest for its clients; a load by digest finds only
+    the images its own tenant sent (here, tenants are local users over loopback TCP)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to connect as another user")
+    from share_nothing import free_port_pair
+    from ptx_helpers import compile_ptx
+    from wire_client import RawSession
+    from phos.gpu_server.module_cache import image_digest
+    srv = servers("modules", listen=f"tcp://127.0.0.1:{free_port_pair()}", args=("--insecure",))
+    image = compile_ptx("vecadd.cu", "compute_75").encode()
+    digest = image_digest(image)
+    mine = RawSession(srv.address)
+    try:
+        assert mine.status(("moduleLoad", {"payload": 1, "digest": digest}), payloads=[image])[0] == 0
+        tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run([sys.executable, "-c", NOBODY_LOADS_BY_DIGEST, srv.address, tests, digest.hex()],
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert f"STATUS {int(CUresult.CUDA_ERROR_NOT_FOUND)} " in out.stdout and "is not kept" in out.stdout, \
+            out.stdout + out.stderr
+        assert mine.status(("moduleLoad", {"digest": digest}))[0] == 0     # its own: found
+    finally:
+        mine.close()
+
+
 def test_a_bad_pointer_fails_its_own_call_at_once(cu):
     """The client answers what it knows at once, as CUDA's driver does: a memset where nothing
     is allocated, a copy to freed memory and a second cuMemFree fail their own call, and the
