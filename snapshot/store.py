@@ -483,6 +483,23 @@ class DirStore:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._chunk_path(key))
 
+    def remove_leftovers(self):
+        """Remove the temporary files of writers that died (_write_atomic's, a killed worker's):
+        called with no session active (garbage collection's lock), when no writer is alive to
+        own one. Returns how many went."""
+        gone = 0
+        dirs = [self._images] + [os.path.join(self._chunks, d) for d in os.listdir(self._chunks) if len(d) == 2]
+        for d in dirs:
+            try:
+                names = [n for n in os.listdir(d) if n.startswith(".tmp-")]
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for n in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(d, n))
+                    gone += 1
+        return gone
+
     # images
     def _image_paths(self, name):
         check_name(name)

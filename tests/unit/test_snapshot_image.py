@@ -279,6 +279,36 @@ def test_a_store_whose_directories_are_links_or_open_to_others_is_refused(tmp_pa
             DirStore(shared)
 
 
+def test_a_checkpoint_that_fails_for_want_of_room_leaves_no_chunks(tmp_path):
+    """Its chunks went only at a later deletion's garbage collection, keeping the room."""
+    import errno
+    store = DirStore(tmp_path / "store")
+    kept, _ = write_image(store, "kept", make_contents(0))
+    held = set(store.list_chunks())
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    store.put_manifest = full
+    with pytest.raises(OSError, match="No space left"):
+        write_image(store, "failed", make_contents(1))
+    assert set(store.list_chunks()) == held
+    assert read_image(store, "kept").raw == kept.raw
+
+
+def test_a_killed_writers_temporary_files_go_at_the_next_collection(tmp_path):
+    store = DirStore(tmp_path / "store")
+    write_image(store, "kept", make_contents())
+    sub = tmp_path / "store" / "chunks" / store.list_chunks()[0][:2]
+    leftovers = [sub / ".tmp-killed", tmp_path / "store" / "images" / ".tmp-killed"]
+    for f in leftovers:
+        f.write_bytes(b"half a chunk")
+    with store.session():              # a live writer's may be its own: kept
+        assert gc(store) is None and all(f.exists() for f in leftovers)
+    assert gc(store) is not None
+    assert not any(f.exists() for f in leftovers)
+    assert read_image(store, "kept").name == "kept"
+
+
 def test_incremental_stores_only_changed_chunk(store):
     contents = make_contents()
     write_image(store, "base", contents)
