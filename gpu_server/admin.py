@@ -38,6 +38,7 @@ GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
 HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
 HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 DESCRIBE_TIMEOUT = 5.0           # seconds a worker may take to describe its context (ListContexts)
+DESCRIBE_WAIT = 1.0              # ... and how long a listing waits for it: a busy one is listed as last known
 DROP_WAIT = 3.0                  # seconds DropWarm waits for the killed worker to be gone
 
 log = logging.getLogger("phos.admin")
@@ -129,6 +130,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
     def __init__(self, front):
         self.front = front
         self.described = {}        # ctx id -> its last description (ListContexts)
+        self.describing = {}       # ctx id -> the description asked for and not yet given
 
     async def fail(self, context, e):
         log.info("admin call failed: %s (CUresult %d)", e.message, int(e.status))
@@ -157,25 +159,47 @@ class Admin(admin_pb2_grpc.AdminServicer):
                           pid=w.proc.pid, state=state, first_call_loaded=st["first_call_loaded"] or 0, device=w.device)
 
     async def ListContexts(self, request, context):
-        workers = list(self.front.workers.values())
-        answers = await asyncio.gather(*(asyncio.wait_for(self.describe(w), DESCRIBE_TIMEOUT) for w in workers),
-                                       return_exceptions=True)
-        out, described = [], {}
-        for w, c in zip(workers, answers):
-            if w.proc.returncode is not None or isinstance(c, CudaError):
+        """Every context, as its worker describes it now, or, where the worker is in one long call
+        (a batch of kernels takes seconds on emu), as it was last described, "busy": the listing
+        waits DESCRIBE_WAIT for none, and a description still on its way from an earlier listing
+        is not asked for again. It waited DESCRIBE_TIMEOUT for each busy context before."""
+        workers = [w for w in self.front.workers.values() if w.proc.returncode is None]
+        for w in workers:
+            if w.ctx_id not in self.describing:
+                task = asyncio.ensure_future(asyncio.wait_for(self.describe(w), DESCRIBE_TIMEOUT))
+                self.describing[w.ctx_id] = task
+                task.add_done_callback(lambda t, ctx=w.ctx_id: self.described_now(ctx, t))
+        tasks = {w.ctx_id: self.describing[w.ctx_id] for w in workers}
+        if tasks:
+            await asyncio.wait(tasks.values(), timeout=DESCRIBE_WAIT)
+        out = []
+        for w in workers:
+            task = tasks[w.ctx_id]
+            if w.proc.returncode is not None:
                 continue           # it went away meanwhile
-            if isinstance(c, asyncio.TimeoutError):
-                # busy in one long call (a batch of kernels takes seconds on emu): listed as last
-                # described, not left out as if it had gone
-                c = pb.Context()
-                c.CopyFrom(self.described.get(w.ctx_id) or pb.Context(id=w.ctx_id, pid=w.proc.pid))
-                c.state = "busy"
-            elif isinstance(c, BaseException):
-                raise c
-            described[w.ctx_id] = c
+            if task.cancelled():   # the server stops
+                task = asyncio.get_running_loop().create_future()
+            if task.done() and task.exception() is None:
+                out.append(task.result())
+                continue
+            if task.done() and isinstance(task.exception(), CudaError):
+                continue           # it went away meanwhile
+            if task.done() and not isinstance(task.exception(), asyncio.TimeoutError):
+                raise task.exception()
+            c = pb.Context()
+            c.CopyFrom(self.described.get(w.ctx_id) or pb.Context(id=w.ctx_id, pid=w.proc.pid))
+            c.state = "busy"
             out.append(c)
-        self.described = described
+        live = {w.ctx_id for w in self.front.workers.values()}
+        self.described = {k: v for k, v in self.described.items() if k in live}
         return pb.ListContextsReply(contexts=out)
+
+    def described_now(self, ctx, task):
+        """A description arrived (or failed): kept for the listings that find its worker busy."""
+        if self.describing.get(ctx) is task:
+            del self.describing[ctx]
+        if not task.cancelled() and task.exception() is None:
+            self.described[ctx] = task.result()
 
     async def Checkpoint(self, request, context):
         try:

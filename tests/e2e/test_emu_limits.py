@@ -198,3 +198,42 @@ def test_a_launch_past_its_time_limit_fails(servers, monkeypatch):
     for name, (status, message, took) in results.items():
         assert status == CUresult.CUDA_ERROR_LAUNCH_TIMEOUT, (name, message)
         assert "PHOS_EMU_LAUNCH_TIMEOUT" in message and took < 5, (name, message, took)
+
+
+BUSY_SCRIPT = """
+import sys
+from phos.client_stub import driver as cu
+cu.cuInit(0)
+err, ctx = cu.cuCtxCreate(None, 0, 0)
+err, p = cu.cuMemAlloc(1 << 20)
+err, module = cu.cuModuleLoadData({ptx!r})
+err, f = cu.cuModuleGetFunction(module, b"spin")
+print("ready", flush=True)
+sys.stdin.readline()
+cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, ((), ()), 0)
+cu.cuCtxSynchronize()
+"""
+
+
+def test_ctx_list_answers_at_once_with_a_busy_contexts_last_known_state(servers, monkeypatch):
+    """A context in one long call cannot describe itself: `phos ctx list` waited 5 s for each
+    such one. It lists it as last described, "busy", and asks it again only once it answered."""
+    from phos.admin_cli import stub as admin
+    from phos.schema import admin_pb2 as pb
+    srv = emu_server(servers, monkeypatch, "busy", PHOS_EMU_LAUNCH_TIMEOUT=30)
+    prog = subprocess.Popen([sys.executable, "-c", BUSY_SCRIPT.format(ptx=ENDLESS_PTX.encode())], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ, PHOS_SERVER=srv.address))
+    try:
+        assert prog.stdout.readline() == "ready\n"
+        [idle] = admin(srv.address).ListContexts(pb.ListContextsRequest(), timeout=30).contexts
+        assert idle.bytes >= 1 << 20 and idle.state != "busy", idle
+        prog.stdin.write("go\n")
+        prog.stdin.flush()
+        assert wait_until(lambda: admin(srv.address).ListContexts(pb.ListContextsRequest(), timeout=30)
+                          .contexts[0].state == "busy", 30)
+        for _ in range(3):   # a deadline under the 5 s each listing waited for a busy context
+            [busy] = admin(srv.address).ListContexts(pb.ListContextsRequest(), timeout=3).contexts
+            assert busy.state == "busy" and busy.bytes == idle.bytes and busy.id == idle.id, busy
+    finally:
+        prog.kill()
+        prog.wait()
