@@ -20,7 +20,7 @@ from phos.schema import admin_pb2_grpc
 from phos.schema.admin_net import is_loopback, open_admin_async
 from phos.schema.control import admin_socket, checkpoint_message, private_directory
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.snapshot import ImageError, delete_image, latest_image, open_store
+from phos.snapshot import ImageError, delete_image, gc, latest_image, open_store, read_image
 from phos.snapshot.store import ImageInUse, images_in
 
 GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
@@ -202,6 +202,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
             self.described[ctx] = task.result()
 
     async def Checkpoint(self, request, context):
+        name, began = None, time.time()
         try:
             w = self.worker(request.ctx)
             if not request.store:
@@ -232,9 +233,34 @@ class Admin(admin_pb2_grpc.AdminServicer):
             yield pb.CheckpointProgress(done_bytes=result["bytes"], total_bytes=result["bytes"], finished=True,
                                         result=checkpoint_message(result))
         except CudaError as e:
+            if name is not None:
+                e = await self.after_failed_checkpoint(e, request.store, name, request.ctx, began)
             await self.fail(context, e)
         except (OSError, ImageError) as e:     # the store cannot be opened (a damaged host store's index, say)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
+
+    @staticmethod
+    async def after_failed_checkpoint(e, store, name, ctx, began):
+        """What is true of a checkpoint that failed: its worker may have died after committing
+        its image, before answering (a killed one was reported failed, its image whole in the
+        store), so the store is asked; what a failed one left there goes at once. Returns the
+        error to report."""
+        def look():
+            s = open_store(store, create=False)
+            if s.has_image(name):
+                m = read_image(s, name)          # verified, as a restore would
+                if getattr(m, "session", {}).get("ctx") == ctx and m.created >= began:
+                    return True
+            gc(s)
+            return False
+        try:
+            committed = await asyncio.to_thread(look)
+        except (OSError, ImageError):
+            return e
+        if not committed:
+            return e
+        return CudaError(e.status, f"{e.message}; but image {name!r} had been committed: it is whole in the store "
+                                   "and can be restored")
 
     async def Restore(self, request, context):
         t0 = time.perf_counter()
