@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from phos import settings
 from phos.gpu_server.backend import load_backend
+from phos.gpu_server import cpu_share
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, loopback_uid, peer_credentials, pid_alive
 from phos.gpu_server.device_ledger import tenant_name
 from phos.gpu_server.strangers import PeerWarnings
@@ -342,6 +343,7 @@ class FrontEnd:
             except BaseException:
                 self.discard(worker.ctx_id)
                 raise
+        cpu_share.share(self.workers.values())       # its tenant's workers weigh one worker together
         return {"u64s": [worker.ctx_id], "text": worker.endpoint, "data": worker.token}
 
     async def reattach(self, a):
@@ -535,6 +537,7 @@ class FrontEnd:
         for endpoint in (worker.endpoint, worker.ctl_endpoint):    # a killed worker leaves its socket files
             remove_socket_file(endpoint)
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
+        cpu_share.share(self.workers.values())
 
     # -- the workers' control sockets (ControlRequest, ControlReply; schema/wire.py) ----------
     async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):
