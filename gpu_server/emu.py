@@ -16,6 +16,7 @@ from phos.gpu_server import native_box
 from phos.gpu_server.address_space import device_base
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
+from phos.gpu_server import host_memory
 from phos.gpu_server.emu_memory import EmuMemory, emu_ledger
 from phos.gpu_server.staging_layout import FrozenLayout
 from phos.schema.cuda_types import CudaError, CUresult
@@ -42,7 +43,8 @@ EMU_LIMITS = {
     9: (0, False),              # CIG shared memory fallback
 }
 EMU_DEVICES = settings.emu_devices()
-EMU_MEMORY = settings.emu_memory()
+# Each device no bigger than its share of what the host can back (gpu_server/host_memory.py).
+EMU_MEMORY = min(settings.emu_memory(), (host_memory.backable() or 1 << 62) // max(1, EMU_DEVICES))
 CONTEXT_QUOTA = settings.emu_context_quota()
 LAUNCH_TIMEOUT = settings.emu_launch_timeout()
 

@@ -237,3 +237,59 @@ def test_ctx_list_answers_at_once_with_a_busy_contexts_last_known_state(servers,
     finally:
         prog.kill()
         prog.wait()
+
+
+def memory_cgroup(limit):
+    """A memory cgroup of `limit` bytes (v2, else v1), or None where none can be made (not root,
+    no memory controller)."""
+    import uuid
+    name = f"phos-test-{uuid.uuid4().hex[:8]}"
+    for parent, limit_file in (("/sys/fs/cgroup", "memory.max"), ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
+        path = os.path.join(parent, name)
+        if not os.path.exists(os.path.join(parent, "cgroup.procs")):
+            continue            # not a cgroup file system (a hybrid host's /sys/fs/cgroup is a tmpfs)
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(path, limit_file), "w") as f:
+                f.write(str(limit))
+            return path
+        except OSError:
+            os.rmdir(path)
+    return None
+
+
+def test_device_memory_the_host_cannot_back_is_refused_at_allocation(backend, tmp_path):
+    """In a 3 GiB memory cgroup standing in for a small host, the emu device's 16 GiB were
+    granted, and the OOM killer ended another tenant's worker: the device is no bigger than
+    what the cgroup can back, and an allocation past that is refused by name."""
+    from conftest import ServerProc
+    from phos.client_stub import driver
+    if backend != "emu":
+        pytest.skip("the emu device's memory is host memory")
+    limit = 3 << 30
+    cgroup = memory_cgroup(limit)
+    if cgroup is None:
+        pytest.skip("needs a memory cgroup of its own (root, a memory controller)")
+    srv = ServerProc(backend, tmp_path, wrap=("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"))
+    try:
+        driver._reset_for_tests()
+        os.environ["PHOS_SERVER"] = srv.address
+        assert driver.cuInit(0) == (0,)
+        err, total = driver.cuDeviceTotalMem(0)
+        assert err == 0 and 0 < total < limit, total
+        err, ctx = driver.cuCtxCreate(None, 0, 0)
+        assert err == 0, driver.last_error
+        err, _ = driver.cuMemAlloc(4 << 30)
+        assert err == CUresult.CUDA_ERROR_OUT_OF_MEMORY and "what the host's memory can back" in driver.last_error
+        err, p = driver.cuMemAlloc(1 << 30)
+        assert err == 0, driver.last_error
+        driver.cuCtxDestroy(ctx)
+    finally:
+        driver._reset_for_tests()
+        os.environ.pop("PHOS_SERVER", None)
+        srv.stop()
+        wait_until(lambda: not srv.workers(), 10)
+        wait_until(lambda: subprocess.run(["rmdir", cgroup]).returncode == 0, 10)
