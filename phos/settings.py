@@ -291,6 +291,9 @@ emu_context_quota = _declare("PHOS_EMU_CONTEXT_QUOTA", int, 0, SERVER,
 emu_launch_timeout = _declare("PHOS_EMU_LAUNCH_TIMEOUT", float, 60.0, SERVER,
                               "seconds an emu kernel may run: a launch running longer is stopped and fails with "
                               "CUDA_ERROR_LAUNCH_TIMEOUT (0: no limit)")
+emu_module_load_timeout = _declare("PHOS_EMU_MODULE_LOAD_TIMEOUT", float, 20.0, SERVER,
+                                   "seconds loading one module (parsing its PTX, placing its globals) may take on "
+                                   "emu: a load taking longer is refused with CUDA_ERROR_INVALID_PTX (0: no limit)")
 
 
 # -- the `phos` command line --------------------------------------------------------------------

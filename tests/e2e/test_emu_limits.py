@@ -144,6 +144,25 @@ def test_a_module_beyond_a_cap_fails_to_load_at_once(cu, ptx, cap, value):
     assert cu.cuCtxSynchronize() == (0,)
 
 
+def test_a_module_of_too_much_text_is_refused_by_its_token_count(cu):
+    """Under every cap of what it declares, one initialiser of 2^24 values (34 MB of PTX) took
+    66 s and 4.1 GiB to load: a module's tokens are capped."""
+    err, _, _ = load(cu, ".global .u32 g[] = {" + "0," * (1 << 22) + "0};")
+    assert err == INVALID_PTX and "MAX_MODULE_TOKENS" in cu.last_error, cu.last_error
+    assert cu.cuCtxSynchronize() == (0,)
+    assert load(cu, ".global .u32 g[] = {1, 2, 3};")[0] == 0      # the context goes on
+
+
+def test_a_module_load_past_its_deadline_is_refused(servers, monkeypatch, client):
+    """512k globals had no answer after 300 s: a load has a deadline (here, one no load meets)."""
+    cu = client(emu_server(servers, monkeypatch, "deadline", PHOS_EMU_MODULE_LOAD_TIMEOUT=1e-9))
+    ok(cu.cuCtxCreate(None, 0, 0), cu)
+    err, _, _ = load(cu, "".join(f".global .u32 g{i};\n" for i in range(2000)))
+    assert err == INVALID_PTX and "PHOS_EMU_MODULE_LOAD_TIMEOUT" in cu.last_error, cu.last_error
+    free, total = ok(cu.cuMemGetInfo(), cu)
+    assert free == total                                       # the refused load holds no memory
+
+
 @pytest.mark.parametrize("ptx, cap", [
     (".global .u32 g[] = {1, 2, 3, 4, 5};", "MAX_INITIALIZER_VALUES"),
     (".global .u32 a<3>;\n.global .u32 b<3>;", "MAX_MODULE_NAMES"),
