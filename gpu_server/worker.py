@@ -434,6 +434,7 @@ class Worker:
         self.job = None            # (peer, seq) of the control call a running checkpoint answers
         self.progress_at = 0.0
         self.grace = ATTACH_TIMEOUT   # how long to wait for a client before freeing the context
+        self.waited_for = False       # ... and a new connection made it wait anew since a client last attached
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
         self.accepted_at = time.perf_counter()     # when the socket last accepted a connection (the monitor says)
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
@@ -512,6 +513,7 @@ class Worker:
                                  "not attached to this context: the first call must be attach with the session token"))
             self.attached.add(peer)
             self.strangers.attached(peer)
+            self.waited_for = False
             if isinstance(peer_frame, zmq.Frame):
                 fd = peer_frame.get(zmq.SRCFD)       # the connection it came by (monitor events name it)
                 creds = peer_credentials(fd)
@@ -880,6 +882,7 @@ class Worker:
             s.closing = True          # half a context: let the front end start a fresh worker
             raise
         self.grace, self.standby, self.alone_since = REATTACH_TIMEOUT, False, time.monotonic()
+        self.waited_for = False       # its client's connection, which may come any time now, gives it the grace anew
         self.warm = r
         self.tick()
         return self.restored(r)
@@ -1154,8 +1157,10 @@ class Worker:
                 event = zmq.utils.monitor.recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_ACCEPTED:
                     self.standby, self.accepted_at = False, time.perf_counter()
-                    if not self.client_fds:      # it has the attach timeout to present the token
-                        self.alone_since = time.monotonic()
+                    # it has the grace anew to present the token; once until a client attaches, or a
+                    # stranger connecting again and again kept a context whose client was gone
+                    if not self.client_fds and not self.waited_for:
+                        self.alone_since, self.waited_for = time.monotonic(), True
                 elif event["event"] == zmq.EVENT_DISCONNECTED and event["value"] in self.client_fds:
                     self.client_fds.pop(event["value"])     # a stranger's connection counts for nothing
                     if not self.client_fds:
