@@ -20,7 +20,7 @@ from phos.schema import admin_pb2_grpc
 from phos.schema.admin_net import is_loopback, open_admin_async
 from phos.schema.control import admin_socket, checkpoint_message, private_directory
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.snapshot import ImageError, delete_image, latest_image, open_store
+from phos.snapshot import ImageError, delete_image, gc, latest_image, open_store, read_image
 from phos.snapshot.store import ImageInUse, images_in
 
 GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
@@ -38,6 +38,7 @@ GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
 HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
 HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 DESCRIBE_TIMEOUT = 5.0           # seconds a worker may take to describe its context (ListContexts)
+DESCRIBE_WAIT = 1.0              # ... and how long a listing waits for it: a busy one is listed as last known
 DROP_WAIT = 3.0                  # seconds DropWarm waits for the killed worker to be gone
 
 log = logging.getLogger("phos.admin")
@@ -129,6 +130,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
     def __init__(self, front):
         self.front = front
         self.described = {}        # ctx id -> its last description (ListContexts)
+        self.describing = {}       # ctx id -> the description asked for and not yet given
 
     async def fail(self, context, e):
         log.info("admin call failed: %s (CUresult %d)", e.message, int(e.status))
@@ -157,27 +159,50 @@ class Admin(admin_pb2_grpc.AdminServicer):
                           pid=w.proc.pid, state=state, first_call_loaded=st["first_call_loaded"] or 0, device=w.device)
 
     async def ListContexts(self, request, context):
-        workers = list(self.front.workers.values())
-        answers = await asyncio.gather(*(asyncio.wait_for(self.describe(w), DESCRIBE_TIMEOUT) for w in workers),
-                                       return_exceptions=True)
-        out, described = [], {}
-        for w, c in zip(workers, answers):
-            if w.proc.returncode is not None or isinstance(c, CudaError):
+        """Every context, as its worker describes it now, or, where the worker is in one long call
+        (a batch of kernels takes seconds on emu), as it was last described, "busy": the listing
+        waits DESCRIBE_WAIT for none, and a description still on its way from an earlier listing
+        is not asked for again. It waited DESCRIBE_TIMEOUT for each busy context before."""
+        workers = [w for w in self.front.workers.values() if w.proc.returncode is None]
+        for w in workers:
+            if w.ctx_id not in self.describing:
+                task = asyncio.ensure_future(asyncio.wait_for(self.describe(w), DESCRIBE_TIMEOUT))
+                self.describing[w.ctx_id] = task
+                task.add_done_callback(lambda t, ctx=w.ctx_id: self.described_now(ctx, t))
+        tasks = {w.ctx_id: self.describing[w.ctx_id] for w in workers}
+        if tasks:
+            await asyncio.wait(tasks.values(), timeout=DESCRIBE_WAIT)
+        out = []
+        for w in workers:
+            task = tasks[w.ctx_id]
+            if w.proc.returncode is not None:
                 continue           # it went away meanwhile
-            if isinstance(c, asyncio.TimeoutError):
-                # busy in one long call (a batch of kernels takes seconds on emu): listed as last
-                # described, not left out as if it had gone
-                c = pb.Context()
-                c.CopyFrom(self.described.get(w.ctx_id) or pb.Context(id=w.ctx_id, pid=w.proc.pid))
-                c.state = "busy"
-            elif isinstance(c, BaseException):
-                raise c
-            described[w.ctx_id] = c
+            if task.cancelled():   # the server stops
+                task = asyncio.get_running_loop().create_future()
+            if task.done() and task.exception() is None:
+                out.append(task.result())
+                continue
+            if task.done() and isinstance(task.exception(), CudaError):
+                continue           # it went away meanwhile
+            if task.done() and not isinstance(task.exception(), asyncio.TimeoutError):
+                raise task.exception()
+            c = pb.Context()
+            c.CopyFrom(self.described.get(w.ctx_id) or pb.Context(id=w.ctx_id, pid=w.proc.pid))
+            c.state = "busy"
             out.append(c)
-        self.described = described
+        live = {w.ctx_id for w in self.front.workers.values()}
+        self.described = {k: v for k, v in self.described.items() if k in live}
         return pb.ListContextsReply(contexts=out)
 
+    def described_now(self, ctx, task):
+        """A description arrived (or failed): kept for the listings that find its worker busy."""
+        if self.describing.get(ctx) is task:
+            del self.describing[ctx]
+        if not task.cancelled() and task.exception() is None:
+            self.described[ctx] = task.result()
+
     async def Checkpoint(self, request, context):
+        name, began = None, time.time()
         try:
             w = self.worker(request.ctx)
             if not request.store:
@@ -208,9 +233,34 @@ class Admin(admin_pb2_grpc.AdminServicer):
             yield pb.CheckpointProgress(done_bytes=result["bytes"], total_bytes=result["bytes"], finished=True,
                                         result=checkpoint_message(result))
         except CudaError as e:
+            if name is not None:
+                e = await self.after_failed_checkpoint(e, request.store, name, request.ctx, began)
             await self.fail(context, e)
         except (OSError, ImageError) as e:     # the store cannot be opened (a damaged host store's index, say)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image store {request.store!r}: {e}")
+
+    @staticmethod
+    async def after_failed_checkpoint(e, store, name, ctx, began):
+        """What is true of a checkpoint that failed: its worker may have died after committing
+        its image, before answering (a killed one was reported failed, its image whole in the
+        store), so the store is asked; what a failed one left there goes at once. Returns the
+        error to report."""
+        def look():
+            s = open_store(store, create=False)
+            if s.has_image(name):
+                m = read_image(s, name)          # verified, as a restore would
+                if getattr(m, "session", {}).get("ctx") == ctx and m.created >= began:
+                    return True
+            gc(s)
+            return False
+        try:
+            committed = await asyncio.to_thread(look)
+        except (OSError, ImageError):
+            return e
+        if not committed:
+            return e
+        return CudaError(e.status, f"{e.message}; but image {name!r} had been committed: it is whole in the store "
+                                   "and can be restored")
 
     async def Restore(self, request, context):
         t0 = time.perf_counter()

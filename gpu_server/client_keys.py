@@ -72,6 +72,42 @@ def peer_credentials(fd):
         return None
 
 
+def loopback_uid(fd):
+    """The uid of the local process at the other end of a loopback TCP connection, by its
+    descriptor: the owner of the socket /proc/net/tcp lists with our two ends swapped. None
+    where the peer is not on this host's loopback, or cannot be found. Keyless loopback
+    clients shared one identity, so one local user could use up every other's quota."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as conn:
+            if conn.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            ours, theirs = conn.getsockname()[:2], conn.getpeername()[:2]
+            family = conn.family
+    except OSError:
+        return None
+    import ipaddress
+    if not ipaddress.ip_address(theirs[0]).is_loopback and theirs[0] != "::ffff:127.0.0.1":
+        return None
+    want = (_proc_net_address(family, *theirs), _proc_net_address(family, *ours))
+    try:
+        with open("/proc/net/tcp6" if family == socket.AF_INET6 else "/proc/net/tcp") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if (fields[1], fields[2]) == want:
+                    return int(fields[7])
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass
+    return None
+
+
+def _proc_net_address(family, host, port):
+    """host:port as /proc/net/tcp writes it: the address's 32-bit words in host byte order, hex."""
+    packed = socket.inet_pton(family, host)
+    words = struct.unpack(f"={len(packed) // 4}I", packed)
+    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
+
+
 def pid_alive(pid):
     """Whether process pid runs (a zombie does not)."""
     try:

@@ -5,6 +5,7 @@ device's other contexts share through the server's DeviceLedger of that device; 
 in the PTX interpreter (ptx/), each launch for at most PHOS_EMU_LAUNCH_TIMEOUT seconds. Calls run in arrival order, which is
 one valid schedule of the streams, so stream and event ordering holds; events record the time they ran.
 """
+import math
 import time
 import uuid
 from concurrent.futures import Future
@@ -16,6 +17,7 @@ from phos.gpu_server import native_box
 from phos.gpu_server.address_space import device_base
 from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
 from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
+from phos.gpu_server import host_memory
 from phos.gpu_server.emu_memory import EmuMemory, emu_ledger
 from phos.gpu_server.staging_layout import FrozenLayout
 from phos.schema.cuda_types import CudaError, CUresult
@@ -42,9 +44,11 @@ EMU_LIMITS = {
     9: (0, False),              # CIG shared memory fallback
 }
 EMU_DEVICES = settings.emu_devices()
-EMU_MEMORY = settings.emu_memory()
+# Each device no bigger than its share of what the host can back (gpu_server/host_memory.py).
+EMU_MEMORY = min(settings.emu_memory(), (host_memory.backable() or 1 << 62) // max(1, EMU_DEVICES))
 CONTEXT_QUOTA = settings.emu_context_quota()
 LAUNCH_TIMEOUT = settings.emu_launch_timeout()
+MODULE_LOAD_TIMEOUT = settings.emu_module_load_timeout()
 
 
 class EmuBackend:
@@ -139,10 +143,14 @@ class EmuBackend:
     def load_module(self, image):
         from phos.gpu_server.ptx import parse_module
         from phos.gpu_server.fatbin import extract_ptx
-        module = parse_module(extract_ptx(bytes(image)))
+        from phos.gpu_server.ptx.parser import check_deadline
+        deadline = time.monotonic() + MODULE_LOAD_TIMEOUT if MODULE_LOAD_TIMEOUT > 0 else math.inf
+        module = parse_module(extract_ptx(bytes(image)), deadline)
         module.allocations = []
         try:
-            for name, var in module.globals.items():
+            for k, (name, var) in enumerate(module.globals.items()):
+                if not k % 1024:          # placing each global is a ledger charge: 512k of them took minutes
+                    check_deadline(0, deadline)
                 ptr = self.mem.alloc_global(max(var.size, 1), f"module global {name!r}")
                 module.allocations.append((name, ptr, var.size))
                 self.mem.view(ptr, len(var.data))[:] = memoryview(var.data)   # the rest reads as zeros

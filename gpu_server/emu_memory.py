@@ -28,7 +28,8 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)   # Linux value; Python <
 
 # A charge that does not fit names the emu device's settings.
 EMU_FULL = ("{what} of {nbytes} bytes does not fit in the {free} bytes free of the emu device's {capacity} "
-            "(PHOS_EMU_MEMORY, shared by all the contexts of this server)")
+            "(PHOS_EMU_MEMORY, at most what the host's memory can back, cgroup limits included; shared by all "
+            "the contexts of this server)")
 EMU_OVER_QUOTA = ("{what} of {nbytes} bytes exceeds this context's quota: it holds {held} of its {quota} bytes "
                   "(PHOS_EMU_CONTEXT_QUOTA)")
 

@@ -23,8 +23,10 @@ import zmq.asyncio
 
 from phos import settings
 from phos.gpu_server.backend import load_backend
-from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
+from phos.gpu_server import cpu_share
+from phos.gpu_server.client_keys import ClientKeys, frame_user_id, loopback_uid, peer_credentials, pid_alive
 from phos.gpu_server.device_ledger import tenant_name
+from phos.gpu_server.strangers import PeerWarnings
 from phos.schema import wire
 from phos.schema.control import (admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file,
                                  tenant_ledger_dir)
@@ -78,6 +80,13 @@ def check_listen(address, curve_secret, insecure=False):
     # checked must be the one it binds, so only the plain form is taken.
     if "@" in url.netloc or ";" in address or url.path not in ("", "/"):
         raise ValueError(f"listen address {address!r}: use a plain tcp://HOST:PORT")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if not port:         # the admin socket, caches and ledgers are named after it: a second port 0 took them over
+        raise ValueError(f"listen address {address!r}: name a port (not 0): the server's admin API, its caches and "
+                         "its clients find it by that port")
     host = url.hostname or ""
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
@@ -115,13 +124,15 @@ def served_devices(spec, count):
 
 
 def local_user(frame):
-    """The local user a message came from, by its ipc connection's peer credentials ("uid N"),
-    or "" (a TCP connection without keys)."""
+    """The local user a message came from ("uid N"): by its ipc connection's peer credentials,
+    or by the owner of a loopback TCP connection's other end; "" for another host's."""
     try:
-        peer = peer_credentials(frame.get(zmq.SRCFD))
+        fd = frame.get(zmq.SRCFD)
     except zmq.ZMQError:
         return ""
-    return f"uid {peer[1]}" if peer else ""
+    peer = peer_credentials(fd)
+    uid = peer[1] if peer else loopback_uid(fd)
+    return "" if uid is None else f"uid {uid}"
 
 
 def local_without_keys(address, why, curve_secret, insecure):
@@ -258,6 +269,7 @@ class FrontEnd:
         self.waiting = {}           # client (ROUTER identity) -> its Replies waiting for room in its queue
         self.draining = set()       # the tasks sending them (FrontEnd.drain)
         self.overrun = set()        # clients told of in the log for losing Replies (once each)
+        self.warnings = PeerWarnings(log)   # about what clients send, rate-limited for each
         self.recovery = recovery    # RecoveryOptions, or None
         self.recovering = {}        # ctx id -> the task restoring it from its recovery images
         self.stopping = asyncio.Event()
@@ -325,12 +337,13 @@ class FrontEnd:
         finally:
             self.creating.remove(client)
         worker.client = client
-        if self.tenant_quota > 0:        # its memory counts against its client's quota before the client has it
-            try:
+        if self.tenant_quota > 0 or self.module_cache:    # its memory counts against its client's quota before
+            try:                                             # the client has it; its module images are its own
                 await self.control(worker, "tenant", {"name": tenant_name(client)})
             except BaseException:
                 self.discard(worker.ctx_id)
                 raise
+        cpu_share.share(self.workers.values())       # its tenant's workers weigh one worker together
         return {"u64s": [worker.ctx_id], "text": worker.endpoint, "data": worker.token}
 
     async def reattach(self, a):
@@ -524,6 +537,7 @@ class FrontEnd:
         for endpoint in (worker.endpoint, worker.ctl_endpoint):    # a killed worker leaves its socket files
             remove_socket_file(endpoint)
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
+        cpu_share.share(self.workers.values())
 
     # -- the workers' control sockets (ControlRequest, ControlReply; schema/wire.py) ----------
     async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):
@@ -677,7 +691,7 @@ class FrontEnd:
                         results.append((call.seq, e.status, f"{name}: {e.message}", {}))
                 frames = build_reply(req.calls[-1].seq if len(req.calls) else 0, results, moved=moved)
         except wire.MALFORMED as e:
-            log.warning("malformed frame from a client: %s", wire.describe(e))
+            self.warnings.warn(peer, "malformed frame from a client: %s", wire.describe(e))
             frames = error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}")
         await self.reply(sock, peer, frames)
 

@@ -6,6 +6,9 @@ Content-addressed files in a directory of the server's own (mode 0700), one per 
 by the hex BLAKE2b-256 of their bytes. An image is stored only after its digest is checked,
 and checked again when read, so a file changed on disk is a miss, never a wrong module. The
 directory is bounded: past max_bytes, the images used longest ago go.
+
+Each tenant sees only the images it sent itself (view): a subdirectory of its own, named by
+its tenant name, so that naming a digest tells no tenant whether another loaded that image.
 """
 import hashlib
 import os
@@ -21,8 +24,16 @@ def image_digest(image):
 
 
 class ModuleCache:
-    def __init__(self, directory, max_bytes):
+    def __init__(self, directory, max_bytes, root=None):
+        """root: the server's whole cache, which max_bytes bounds, where directory is a view of it."""
         self.directory, self.max_bytes = directory, max_bytes
+        self.root = root or directory
+
+    def view(self, tenant):
+        """The cache as tenant `tenant` (device_ledger.tenant_name's, checked) sees it: only what it sent."""
+        directory = os.path.join(self.root, "t-" + tenant)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        return ModuleCache(directory, self.max_bytes, self.root)
 
     def _path(self, digest):
         return os.path.join(self.directory, digest.hex())
@@ -69,18 +80,22 @@ class ModuleCache:
         return True
 
     def _bound(self):
+        """The whole cache, every tenant's view in it, within max_bytes: the oldest used go."""
         entries = []
-        for name in os.listdir(self.directory):
-            try:
-                st = os.stat(os.path.join(self.directory, name), follow_symlinks=False)
-            except OSError:
-                continue
-            entries.append((st.st_mtime, st.st_size, name))
+        for directory in [self.root] + [e.path for e in os.scandir(self.root)
+                                        if e.name.startswith("t-") and e.is_dir(follow_symlinks=False)]:
+            for e in os.scandir(directory):
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if not os.path.isdir(e.path) or os.path.islink(e.path):
+                    entries.append((st.st_mtime, st.st_size, e.path))
         total = sum(size for _, size, _ in entries)
-        for _, size, name in sorted(entries):
+        for _, size, path in sorted(entries):
             if total <= self.max_bytes:
                 break
-            self._remove(os.path.join(self.directory, name))
+            self._remove(path)
             total -= size
 
     @staticmethod

@@ -24,6 +24,10 @@ log = logging.getLogger("phos.recovery")
 
 GLOBALS_FILE = "module_globals.json"     # beside a context's recovery images (Recovery.note_globals)
 PAUSE_BUDGET_MS = 50.0    # a paused recovery image may hold the application this long (Recovery.paused)
+# After a failed image (a full or gone store) the next waits, twice as long after each failure
+# up to RETRY_MAX_S; the log says so once, then once a FAILURE_LOG_S: a full recovery directory
+# tried about 60 images a second and logged each (3,651 lines).
+RETRY_FIRST_S, RETRY_MAX_S, FAILURE_LOG_S = 0.1, 30.0, 60.0
 
 
 def context_store(directory, ctx_id):
@@ -65,6 +69,9 @@ class Recovery:
         self.running = None                # name of the image being taken
         self.retired = False               # handed off: the images of the new owner stay
         self.pruning = None                # the thread deleting the previous image
+        self.failures = 0                  # images failed in a row
+        self.retry_at = 0.0                # ... and when the next may be tried
+        self.failure_said = (float("-inf"), 0)   # when the log last told of one, and failures since
         self.globals = module_globals_noted(self.path)   # {module id: {name: address}}, as noted
 
     def note_globals(self, module_id, places):
@@ -85,7 +92,7 @@ class Recovery:
         self.latest, self.durable, self.taken_at = name, cut, time.monotonic()
 
     def due(self, ack):
-        if self.running is not None:
+        if self.running is not None or time.monotonic() < self.retry_at:
             return False
         if self.latest is None:
             return True
@@ -122,6 +129,9 @@ class Recovery:
             self.pause_too_long = True
             log.info("recovery image %s paused the application %.1f ms: the next ones are concurrent", self.latest, pause_ms)
         self.durable, self.taken_at = cut, time.monotonic()
+        if self.failures:
+            log.warning("recovery image %s committed, after %d failed in a row", self.latest, self.failures)
+            self.failures, self.retry_at, self.failure_said = 0, 0.0, (float("-inf"), 0)
         if old is not None:
             self.prune_done()
             self.pruning = threading.Thread(target=self._delete, args=(old,), daemon=True)
@@ -133,8 +143,18 @@ class Recovery:
             self.pruning = None
 
     def failed(self, why):
-        log.warning("recovery image %s failed: %s", self.running, why)
-        self.running, self.taken_at = None, time.monotonic()
+        now = time.monotonic()
+        self.failures += 1
+        self.retry_at = now + min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (self.failures - 1))
+        said_at, unsaid = self.failure_said
+        if now - said_at >= FAILURE_LOG_S:
+            log.warning("recovery image %s failed: %s (%d failed in a row; the next is tried in %.1f s)%s", self.running,
+                        why, self.failures, self.retry_at - now,
+                        f"; {unsaid} failures since the last such line" if unsaid else "")
+            self.failure_said = (now, 0)
+        else:
+            self.failure_said = (said_at, unsaid + 1)
+        self.running, self.taken_at = None, now
 
     def _delete(self, name):
         try:

@@ -39,6 +39,7 @@ from phos.gpu_server import native_box
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
 from phos.gpu_server.recovery import Recovery, module_globals_noted
+from phos.gpu_server.strangers import PeerWarnings, Strangers
 from phos.schema import wire
 from phos.schema.control import remove_socket_file
 from phos.schema.wire import build_reply, error_reply
@@ -284,6 +285,8 @@ class Session:
             except CudaError:
                 ledger.close()
                 raise
+        if self.modules is not None:       # its loads by digest find only the images it sent itself
+            self.modules = self.modules.view(name)
         self.tenant = name
 
     def take_base(self, base):
@@ -433,6 +436,7 @@ class Worker:
         self.progress_at = 0.0
         self.grace = ATTACH_TIMEOUT   # how long to wait for a client before freeing the context
         self.kept_for = 0.0           # the grace after the client's next hang-up, if it said it comes back (keep)
+        self.waited_for = False       # ... and a new connection made it wait anew since a client last attached
         self.first_call_loaded = None # a restore on demand: bytes loaded when the first call touched memory
         self.accepted_at = time.perf_counter()     # when the socket last accepted a connection (the monitor says)
         self.frozen = False        # a handoff's last image is being taken, or taken: hold the client's calls
@@ -441,6 +445,8 @@ class Worker:
         self.paced_served = -1     # ... and the period in which the last of its messages was served
         self.early = False         # ... and its delta goes to the front end before it is committed
         self.attached = set()      # routing ids that presented the token
+        self.strangers = Strangers(sock)   # ... and those that did not: never waited for
+        self.warnings = PeerWarnings(log)  # about what peers send, rate-limited for each
         self.client_keys = None    # with CURVE: the admitted clients (gpu_server/client_keys.py)
         self.peer_keys = {}        # ... and the key each attached routing id came with
         self.keys_checked = 0.0    # when the attached clients' keys were last checked
@@ -475,6 +481,8 @@ class Worker:
             log.warning("dropped a message with no request frame")
             return
         peer, body, payloads = frames[0].bytes, frames[1], frames[2:]
+        if peer not in self.attached and not self.strangers.seen(peer, frames[0], self.client_fds):
+            return
         bare = wire.read_bare_call(body.bytes if hasattr(body, "bytes") else body) if len(frames) == 2 else None
         if bare and peer in self.attached:
             return self.run_bare(peer, *bare)
@@ -489,7 +497,7 @@ class Worker:
                     return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, why))
                 self.run_calls(peer, req, payloads, frames[0])
         except wire.MALFORMED as e:
-            log.warning("malformed frame from a client: %s", wire.describe(e))
+            self.warnings.warn(peer, "malformed frame from a client: %s", wire.describe(e))
             self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_VALUE, f"malformed request: {wire.describe(e)}"))
 
     def run_calls(self, peer, req, payloads, peer_frame=None):
@@ -506,6 +514,8 @@ class Worker:
                 return self.send(peer, error_reply(CUresult.CUDA_ERROR_INVALID_CONTEXT,
                                  "not attached to this context: the first call must be attach with the session token"))
             self.attached.add(peer)
+            self.strangers.attached(peer)
+            self.waited_for = False
             if isinstance(peer_frame, zmq.Frame):
                 fd = peer_frame.get(zmq.SRCFD)       # the connection it came by (monitor events name it)
                 creds = peer_credentials(fd)
@@ -689,7 +699,10 @@ class Worker:
         """A message to one client. The socket routes mandatorily: where the client's queue is
         full (it sends without reading), the reply waits in our backlog, and we read nothing
         more from the client until it has room (the loop: wait_for_room), so that its sends
-        block instead of its replies being dropped; a client that is gone loses them."""
+        block instead of its replies being dropped; a client that is gone loses them. A peer
+        that has not attached is never waited for (gpu_server/strangers.py)."""
+        if peer not in self.attached:
+            return self.strangers.answer(peer, frames)
         self.backlog.append((peer, frames))
         self.flush_backlog()
 
@@ -871,6 +884,7 @@ class Worker:
             s.closing = True          # half a context: let the front end start a fresh worker
             raise
         self.grace, self.standby, self.alone_since = REATTACH_TIMEOUT, False, time.monotonic()
+        self.waited_for = False       # its client's connection, which may come any time now, gives it the grace anew
         self.warm = r
         self.tick()
         return self.restored(r)
@@ -1155,8 +1169,10 @@ class Worker:
                 event = zmq.utils.monitor.recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_ACCEPTED:
                     self.standby, self.accepted_at = False, time.perf_counter()
-                    if not self.client_fds:      # it has the attach timeout to present the token
-                        self.alone_since = time.monotonic()
+                    # it has the grace anew to present the token; once until a client attaches, or a
+                    # stranger connecting again and again kept a context whose client was gone
+                    if not self.client_fds and not self.waited_for:
+                        self.alone_since, self.waited_for = time.monotonic(), True
                 elif event["event"] == zmq.EVENT_DISCONNECTED and event["value"] in self.client_fds:
                     self.client_fds.pop(event["value"])     # a stranger's connection counts for nothing
                     if not self.client_fds:

@@ -85,18 +85,28 @@ def cmd_keygen(opts):
     make contexts) and admins/ (it may call the admin API over TCP: the operator's key); the
     server's own public key into admins/ too, so that servers sharing this directory hand
     contexts off to each other (a server calls another's admin API with its own key pair).
-    Tenants' keys are added to clients/ alone."""
+    Tenants' keys are added to clients/ alone.
+
+    pyzmq writes key files readable by all: they are written into a directory of mode 0700
+    made for them, where no other user can open them, and moved into place once 0600."""
     import shutil
+    import tempfile
     import zmq.auth
-    for sub in ("clients", "admins"):
-        os.makedirs(os.path.join(opts.dir, sub), exist_ok=True)
-    zmq.auth.create_certificates(opts.dir, "server")
-    zmq.auth.create_certificates(opts.dir, "client")
-    shutil.copy(os.path.join(opts.dir, "client.key"), os.path.join(opts.dir, "admins", "client.key"))
-    shutil.copy(os.path.join(opts.dir, "server.key"), os.path.join(opts.dir, "admins", "server.key"))
-    os.replace(os.path.join(opts.dir, "client.key"), os.path.join(opts.dir, "clients", "client.key"))
-    for secret in ("server.key_secret", "client.key_secret"):     # pyzmq writes them readable by all
-        os.chmod(os.path.join(opts.dir, secret), 0o600)
+    for sub in ("", "clients", "admins"):
+        os.makedirs(os.path.join(opts.dir, sub), mode=0o700, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".keygen-", dir=opts.dir)       # mode 0700
+    try:
+        zmq.auth.create_certificates(staging, "server")
+        zmq.auth.create_certificates(staging, "client")
+        for secret in ("server.key_secret", "client.key_secret"):
+            os.chmod(os.path.join(staging, secret), 0o600)
+        for name in ("client.key", "server.key"):
+            shutil.copy(os.path.join(staging, name), os.path.join(opts.dir, "admins", name))
+        os.replace(os.path.join(staging, "client.key"), os.path.join(opts.dir, "clients", "client.key"))
+        for name in ("server.key", "server.key_secret", "client.key_secret"):
+            os.replace(os.path.join(staging, name), os.path.join(opts.dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print(f"server keys and one client key pair written to {opts.dir}; "
           f"clients use PHOS_SERVER_KEY={opts.dir}/server.key PHOS_CLIENT_KEY={opts.dir}/client.key_secret "
           f"(the same keys reach the admin API of a tcp:// server, at its port + 1)")

@@ -216,8 +216,8 @@ max_contexts = _declare("PHOS_MAX_CONTEXTS", int, 64, SERVER,
                         "(each is a worker process; 0: no limit)")
 max_contexts_per_client = _declare("PHOS_MAX_CONTEXTS_PER_CLIENT", int, 32, SERVER,
                                    "contexts one client holds at once on a server, a client being a CURVE key, "
-                                   "else the local user of an ipc:// connection: a cuCtxCreate beyond fails with "
-                                   "CUDA_ERROR_OUT_OF_MEMORY (0: no limit)")
+                                   "else the local user of an ipc:// or loopback tcp:// connection: a cuCtxCreate "
+                                   "beyond fails with CUDA_ERROR_OUT_OF_MEMORY (0: no limit)")
 tenant_quota = _declare("PHOS_TENANT_QUOTA", int, 0, SERVER,
                         "the bytes of device memory all the contexts of one tenant may hold together on a server, "
                         "on every backend, a tenant being a client as PHOS_MAX_CONTEXTS_PER_CLIENT counts them: an "
@@ -289,7 +289,9 @@ handoff_throttle = _declare("PHOS_HANDOFF_THROTTLE", hold_share, 0.9, SERVER,
 emu_devices = _declare("PHOS_EMU_DEVICES", int, 1, SERVER,
                        "how many devices the emu backend has, each with a name, a UUID and PHOS_EMU_MEMORY bytes of "
                        "its own (`phos server --devices` picks those a server serves)")
-emu_memory = _declare("PHOS_EMU_MEMORY", int, 16 << 30, SERVER, "each emu device's memory in bytes",
+emu_memory = _declare("PHOS_EMU_MEMORY", int, 16 << 30, SERVER,
+                      "each emu device's memory in bytes, at most its share of what the host's memory can back "
+                      "(cgroup limits included, less an eighth or 512 MiB for the server's own processes)",
                         shown="17179869184 (16 GiB)")
 emu_context_quota = _declare("PHOS_EMU_CONTEXT_QUOTA", int, 0, SERVER,
                              "the bytes of emu device memory one context may hold (PHOS_EMU_MEMORY's bytes are "
@@ -297,6 +299,9 @@ emu_context_quota = _declare("PHOS_EMU_CONTEXT_QUOTA", int, 0, SERVER,
 emu_launch_timeout = _declare("PHOS_EMU_LAUNCH_TIMEOUT", float, 60.0, SERVER,
                               "seconds an emu kernel may run: a launch running longer is stopped and fails with "
                               "CUDA_ERROR_LAUNCH_TIMEOUT (0: no limit)")
+emu_module_load_timeout = _declare("PHOS_EMU_MODULE_LOAD_TIMEOUT", float, 20.0, SERVER,
+                                   "seconds loading one module (parsing its PTX, placing its globals) may take on "
+                                   "emu: a load taking longer is refused with CUDA_ERROR_INVALID_PTX (0: no limit)")
 
 
 # -- the `phos` command line --------------------------------------------------------------------

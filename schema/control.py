@@ -16,8 +16,14 @@ CHECKPOINT_SCALARS = ("name", "bytes", "copied_bytes", "stored_bytes", "new_chun
 
 def _beside(server, ipc_suffix, tcp_name):
     """A path of the server listening on `server`: its ipc socket's path with ipc_suffix, or, for
-    tcp://HOST:PORT, tcp_name (which names {port}) in the user's socket directory."""
+    tcp://HOST:PORT, tcp_name (which names {port}) in the user's socket directory, where an
+    abstract socket's (ipc://@NAME) are too, named after it."""
     url = urllib.parse.urlparse(server)
+    if url.scheme == "ipc" and server.startswith("ipc://@"):
+        # an abstract socket has no directory; beside its name, its files landed in whatever
+        # directory the server started in, where the CLI found them only from there
+        name = urllib.parse.quote(server[len("ipc://@"):], safe="")
+        return os.path.join(settings.socket_directory(), "@" + name + ipc_suffix)
     if url.scheme == "ipc":
         return server[len("ipc://"):] + ipc_suffix
     if url.scheme == "tcp":
@@ -74,6 +80,35 @@ def private_directory(path, create=False, what="socket directory"):
                          "another user could replace the files in it")
     if st.st_mode & 0o022:
         raise ValueError(f"{what} {path} is writable by others (mode {st.st_mode & 0o777:o})")
+    safe_ancestors(path, what)
+
+
+def safe_ancestors(path, what="socket directory"):
+    """Check every directory above path as OpenSSH checks authorized_keys' path (safe_path):
+    each must belong to root or to this user, and none may be writable by others, or whoever
+    could write there could replace the whole tree below with one of their own. A directory
+    writable by all but sticky (/tmp) is allowed: nobody else may rename or remove an entry of
+    ours in it, and the entry below is checked to be ours or root's. Both the path as named (a
+    link on the way is an entry too) and where it leads are checked. Raises ValueError."""
+    uid = os.geteuid()
+    named = os.path.abspath(path)
+    for chain in (named, os.path.realpath(named)):
+        d = os.path.dirname(chain)
+        while True:
+            try:
+                st = os.lstat(d)
+            except OSError as e:
+                raise ValueError(f"{what} {path}: its ancestor {d} cannot be checked: {e.strerror}") from None
+            if st.st_uid not in (0, uid):
+                raise ValueError(f"{what} {path}: its ancestor {d} belongs to uid {st.st_uid}, neither root nor this "
+                                 f"user (uid {uid}): that user could replace {path}")
+            if st.st_mode & 0o022 and not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX) \
+                    and not stat.S_ISLNK(st.st_mode):
+                raise ValueError(f"{what} {path}: its ancestor {d} is writable by others (mode "
+                                 f"{st.st_mode & 0o7777:o}, not sticky): they could replace {path}")
+            if d == "/":
+                break
+            d = os.path.dirname(d)
 
 
 def checkpoint_message(result):

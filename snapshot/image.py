@@ -81,6 +81,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import logging
 import math
 import re
 import struct
@@ -93,6 +94,8 @@ import zstandard
 from .fingerprint import fingerprint
 from .image_key import image_key
 from .store import DirStore, ImageError, MemoryStore, all_keys, check_key, check_name, keys_of  # noqa: F401 (re-exported)
+
+log = logging.getLogger("phos.snapshot")
 
 FORMAT = "phos-image"
 VERSION = 1
@@ -926,8 +929,10 @@ class ImageWriter:
         return [self.add_chunk(mv[o:o + chunk_size]) for o in range(0, len(mv), chunk_size)]
 
     def commit(self, manifest):
-        """Complete, validate and store the manifest; returns the Manifest."""
+        """Complete, validate and store the manifest; returns the Manifest. One that cannot be
+        committed (refused, or no room for its manifest) gives up the image (abort)."""
         self._check_open()
+        committed = False
         try:
             m = dict(manifest)
             m.setdefault("format", FORMAT)
@@ -951,12 +956,14 @@ class ImageWriter:
             missing = man.missing_chunk(self.store, self.present)
             if missing:
                 raise ImageError(f"image {self.name!r}: chunk {missing[0]} ({missing[1]}) was never added to the store")
-            if self.store.has_image(self.name):
-                raise ImageError(f"image {self.name!r} already exists in the store")
-            self.store.put_manifest(self.name, raw, manifest_digest(raw, self.key))
+            self.store.put_new_manifest(self.name, raw, manifest_digest(raw, self.key))
+            committed = True
             return man
         finally:
-            self.close()
+            if committed:
+                self.close()
+            else:
+                self.abort()
 
     def close(self):
         if self._open:
@@ -964,11 +971,14 @@ class ImageWriter:
             self._session.__exit__(None, None, None)
 
     def abort(self):
-        """Give up the image. In a HostStore, whose room is fixed, what it stored goes at once
-        (garbage collection, when no other writer is active) instead of at the next deletion."""
+        """Give up the image: what it stored goes at once (garbage collection, when no other
+        writer is active), not at the next deletion. A checkpoint that failed for want of room
+        (ENOSPC) kept its chunks, and the room, until then."""
         self.close()
-        if hasattr(self.store, "reclaim"):
+        try:
             gc(self.store)
+        except (ImageError, OSError) as e:      # an unreadable manifest keeps every chunk: the next deletion tries again
+            log.info("image %r given up: its chunks stay until a later collection (%s)", self.name, e)
 
     def stats(self):
         return {"new_chunks": self.new_chunks, "reused_chunks": self.reused_chunks,
@@ -1018,6 +1028,8 @@ def gc(store):
                 freed += 1
         if hasattr(store, "reclaim"):      # a HostStore: slots a writer that died had reserved
             store.reclaim()
+        if hasattr(store, "remove_leftovers"):     # the temporary files of writers that died
+            store.remove_leftovers()
         return freed, before - store.stats()["chunk_bytes"]
 
 

@@ -60,6 +60,9 @@ def _load(path, made_here):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ImageError(f"image key {path} is not a regular file")
+        if st.st_uid not in (0, os.geteuid()):
+            raise ImageError(f"image key {path} belongs to uid {st.st_uid}, neither root nor this user "
+                             f"(uid {os.geteuid()}): its owner could change it, and sign images this server restores")
         if st.st_mode & OTHERS_ACCESS:
             raise ImageError(f"image key {path} may be read or written by others (mode {st.st_mode & 0o777:o}): "
                              "make it 0600 (or 0640 for servers of one group)")

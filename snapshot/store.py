@@ -11,6 +11,7 @@ Both stores have the same interface:
     missing(keys) -> the set of those the store lacks (checks thousands at once)
     list_chunks() -> [key]       delete_chunk(key)
     put_manifest(name, manifest, digest)                    get_manifest(name, max_bytes) -> (manifest, digest)
+    put_new_manifest(name, manifest, digest)   put_manifest, refused by name where the image exists
     list_images() -> [name]      has_image(name)            delete_image(name)
     heads(keys, nbytes) -> (the first nbytes of each chunk's blob, zero-padded, joined;
                             [blob length, -1 where missing]): what a restore checks up front
@@ -50,6 +51,11 @@ class ImageInUse(ImageError):
 def _in_use(name):
     return ImageInUse(f"image {name!r} is being restored on demand: a context still loads its chunks from it; "
                       "delete it once that restore has loaded everything")
+
+
+def _taken(name, where):
+    return ImageError(f"image {name!r} already exists in the store {where}: another checkpoint committed "
+                      "that name first; give this one another name")
 
 
 def all_keys(keys):
@@ -192,6 +198,13 @@ class MemoryStore:
         with self._mu:
             self._images[name] = (bytes(manifest), bytes(digest))
 
+    def put_new_manifest(self, name, manifest, digest):
+        check_name(name)
+        with self._mu:
+            if name in self._images:
+                raise _taken(name, "memory")
+            self._images[name] = (bytes(manifest), bytes(digest))
+
     def get_manifest(self, name, max_bytes=None):
         check_name(name)
         try:
@@ -264,6 +277,27 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+def _own_directory(d, store):
+    """A directory of a store must be a directory of its own, not a link (chunks and manifests
+    written through it would land wherever it leads), and only its owner, this user or root,
+    may write in it (another user could put chunks or manifests there, or swap it for a link).
+    Raises ImageError."""
+    try:
+        st = os.lstat(d)
+    except OSError as e:
+        raise ImageError(f"image store {store}: {d} cannot be checked: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ImageError(f"image store {store}: {d} is a symbolic link: refused (what is written there would land "
+                         f"outside the store)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ImageError(f"image store {store}: {d} is not a directory")
+    if st.st_mode & 0o022:
+        raise ImageError(f"image store {store}: {d} is writable by other users (mode {st.st_mode & 0o777:o}): refused")
+    if st.st_uid not in (0, os.geteuid()):
+        raise ImageError(f"image store {store}: {d} belongs to uid {st.st_uid}, neither root nor this user "
+                         f"(uid {os.geteuid()}): refused")
+
+
 def open_regular(path, what, with_stat=False):
     """A read-only descriptor of path, which must be a regular file of its own: a symbolic link
     could lead anywhere (another tenant's image, /etc/passwd) and a FIFO or device would block
@@ -328,10 +362,14 @@ class DirStore:
         self._chunks = os.path.join(self.path, "chunks")
         if not create and not os.path.isdir(self._images):
             raise ImageError(f"no image store at {self.path}")
-        os.makedirs(self._images, exist_ok=True)
-        os.makedirs(self._chunks, exist_ok=True)
+        os.makedirs(self.path, mode=0o755, exist_ok=True)       # a umask of 002 would leave them open to a group
+        os.makedirs(self._images, mode=0o755, exist_ok=True)
+        os.makedirs(self._chunks, mode=0o755, exist_ok=True)
+        for d in (os.path.realpath(self.path), self._images, self._chunks):    # a link to the whole store is the operator's
+            _own_directory(d, self.path)
         self._lockfile = os.path.join(self.path, ".lock")
         self._local = _SharedExclusive()
+        self._checked = set()          # chunk subdirectories found to be the store's own
 
     def _chunk_path(self, key):
         return self._chunk_file(check_key(key))
@@ -362,7 +400,10 @@ class DirStore:
             return
         d = os.path.dirname(path)
         new_dir = not os.path.isdir(d)
-        os.makedirs(d, exist_ok=True)
+        os.makedirs(d, mode=0o755, exist_ok=True)
+        if d not in self._checked:
+            _own_directory(d, self.path)
+            self._checked.add(d)
         self._write_atomic(path, blob)
         if self.fsync and new_dir:
             _fsync_dir(self._chunks)
@@ -442,6 +483,23 @@ class DirStore:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._chunk_path(key))
 
+    def remove_leftovers(self):
+        """Remove the temporary files of writers that died (_write_atomic's, a killed worker's):
+        called with no session active (garbage collection's lock), when no writer is alive to
+        own one. Returns how many went."""
+        gone = 0
+        dirs = [self._images] + [os.path.join(self._chunks, d) for d in os.listdir(self._chunks) if len(d) == 2]
+        for d in dirs:
+            try:
+                names = [n for n in os.listdir(d) if n.startswith(".tmp-")]
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for n in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(d, n))
+                    gone += 1
+        return gone
+
     # images
     def _image_paths(self, name):
         check_name(name)
@@ -453,6 +511,20 @@ class DirStore:
         self._write_atomic(mpath, manifest)
         if self.fsync:
             _fsync_dir(self._images)
+
+    def put_new_manifest(self, name, manifest, digest):
+        """put_manifest of an image the store must not hold: of two writers committing one name
+        at once (two checkpoints given one --name), exactly one commits and the other is refused
+        by name. A check before the rename alone let both pass it, and the second replace the
+        first. The images directory's flock makes check and commit one step, across processes."""
+        fd = os.open(self._images, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.has_image(name):
+                raise _taken(name, self.path)
+            self.put_manifest(name, manifest, digest)
+        finally:
+            os.close(fd)
 
     def get_manifest(self, name, max_bytes=None):
         mpath, dpath = self._image_paths(name)
@@ -552,14 +624,24 @@ class DirStore:
         """The lock file, for a session; None in a store this user may only read, and that has
         none: nobody collects garbage there (a restore from it holds a session too)."""
         try:
-            return os.open(self._lockfile, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            return self._open_lock(os.O_RDWR | os.O_CREAT)
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
         try:
-            return os.open(self._lockfile, os.O_RDONLY | os.O_CLOEXEC)
+            return self._open_lock(os.O_RDONLY)
         except FileNotFoundError:
             return None
+
+    def _open_lock(self, flags):
+        """The lock file, never through a link: a dangling one made its target."""
+        try:
+            return os.open(self._lockfile, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ImageError(f"image store {self.path}: its lock file {self._lockfile} is a symbolic link: "
+                                 "refused") from None
+            raise
 
     @contextlib.contextmanager
     def try_gc_lock(self):
@@ -567,7 +649,7 @@ class DirStore:
             if not ok:
                 yield False
                 return
-            fd = os.open(self._lockfile, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_lock(os.O_RDWR | os.O_CREAT)
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

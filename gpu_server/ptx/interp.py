@@ -12,6 +12,7 @@ addresses of shared, local and kernel-param memory live in their own 4 GiB windo
 below it (decode.py), so generic ld/st/atom dispatch by range. Shared memory is per block
 (one slice per block of the batch); local memory is per lane.
 """
+import math
 import time
 
 import numpy as np
@@ -823,8 +824,9 @@ class PtxModule:
                     _clock[0] = S.clock
 
 
-def parse_module(text):
-    """PTX text -> PtxModule; raises CUDA_ERROR_INVALID_PTX on a syntax error."""
+def parse_module(text, deadline=math.inf):
+    """PTX text -> PtxModule; raises CUDA_ERROR_INVALID_PTX on a syntax error, or past deadline
+    (a time.monotonic())."""
     if isinstance(text, (bytes, bytearray)):
         text = bytes(text).decode('utf-8', 'replace')
-    return PtxModule(P.parse(text.rstrip('\0')))
+    return PtxModule(P.parse(text.rstrip('\0'), deadline))

@@ -6,8 +6,10 @@ Registers and variables declared in nested `{ }` scopes are renamed `name#k` so 
 every name in a function is unique (inline asm re-declares `%tmp` with other types).
 What a module declares is held to the caps below as it is read, before anything is expanded.
 """
+import math
 import re
 import struct
+import time
 from dataclasses import dataclass, field
 
 from phos.schema.cuda_types import CudaError, CUresult
@@ -32,6 +34,11 @@ MAX_ARRAY_BYTES = {                 # one declaration's bytes, by state space
 }
 MAX_GLOBAL_BYTES = 1 << 40          # any other space: beyond any device (the emu also counts globals as device memory)
 MAX_INITIALIZER_VALUES = 1 << 24    # values in one initialiser
+# Past the caps above, what a module costs grows with its text: one initialiser of 2^24 values
+# (34 MB) took 66 s and 4.1 GiB. So a module's tokens are capped (each costs ~150 bytes while it
+# is parsed), and its load has a deadline (load_deadline; emu.py adds its globals' placing).
+MAX_MODULE_TOKENS = 1 << 21
+CHECK_EVERY = 1 << 16               # tokens or values between two looks at the clock
 
 
 # ---- operands ----
@@ -131,6 +138,15 @@ def syntax_error(line, msg):
     return CudaError(CUresult.CUDA_ERROR_INVALID_PTX, f"PTX syntax error at line {line}: {msg}")
 
 
+_deadline = [math.inf]              # time.monotonic() past which the load in progress is refused
+
+
+def check_deadline(line, deadline=None):
+    if time.monotonic() > (_deadline[0] if deadline is None else deadline):
+        raise CudaError(CUresult.CUDA_ERROR_INVALID_PTX, f"PTX refused{f' at line {line}' if line else ''}: loading the "
+                        "module took longer than PHOS_EMU_MODULE_LOAD_TIMEOUT allows")
+
+
 def cap_error(line, what, value, cap, name):
     return CudaError(CUresult.CUDA_ERROR_INVALID_PTX,
                      f"PTX refused at line {line}: {what} is {value}, more than the cap of {cap} ({name})")
@@ -178,6 +194,11 @@ def tokenize(text, mod):
             line += 1
         elif kind != 'ws':
             toks.append((kind, m.group(0), line))
+            if not len(toks) % CHECK_EVERY:
+                if len(toks) > MAX_MODULE_TOKENS:
+                    raise cap_error(line, "the count of the module's tokens", len(toks),
+                                    MAX_MODULE_TOKENS, "MAX_MODULE_TOKENS")
+                check_deadline(line)
     if pos != len(text):
         raise syntax_error(line, f"unexpected character {text[pos]!r}")
     toks.append(('eof', '', line))
@@ -276,6 +297,7 @@ class Parser:
 
     def toplevel(self):
         kind, tok, line = self.peek()
+        check_deadline(line)
         linkage = []
         while tok in ('.visible', '.extern', '.weak', '.common'):
             linkage.append(tok)
@@ -403,6 +425,8 @@ class Parser:
                 if neg:
                     imm.value = -imm.value
                 vals.append(imm)
+            if not len(vals) % CHECK_EVERY:
+                check_deadline(line)
             if len(vals) > MAX_INITIALIZER_VALUES:
                 raise cap_error(line, f"the count of values initialising {v.name}", len(vals),
                                 MAX_INITIALIZER_VALUES, "MAX_INITIALIZER_VALUES")
@@ -669,10 +693,14 @@ class Parser:
         raise syntax_error(line, f"bad operand {tok or 'end of file'!r}")
 
 
-def parse(text):
+def parse(text, deadline=math.inf):
+    """deadline: a time.monotonic() past which the parse is refused (CUDA_ERROR_INVALID_PTX)."""
     p = None
+    _deadline[0] = deadline
     try:
         p = Parser(text)
         return p.parse()
     except (ValueError, KeyError, OverflowError, RecursionError, struct.error) as e:    # e.g. a malformed number
         raise syntax_error(p.peek()[2] if p else 0, f"{type(e).__name__}: {e}") from None
+    finally:
+        _deadline[0] = math.inf

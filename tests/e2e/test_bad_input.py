@@ -43,6 +43,29 @@ def test_malformed_frame(raw, server):
     assert_server_healthy(raw)
 
 
+def test_malformed_frames_are_each_answered_but_logged_once_in_a_while_per_peer(raw, server):
+    """25k malformed frames wrote 3 MB of log, a WARNING each: a peer's are said once in a while,
+    with a count of those left unsaid, and each still gets its error reply."""
+    before = server.output().count("malformed frame from a client")
+    for _ in range(300):
+        raw.send(b"\x00\x01not capnp\xff" * 3)
+        [(status, message)] = results(raw)
+        assert status == CUresult.CUDA_ERROR_INVALID_VALUE and "malformed" in message
+    sock, ctx, token, _ = open_worker(raw)
+    sock.send(request(("attach", {"ctx": ctx, "token": token})))
+    assert results(sock)[0][0] == 0
+    for _ in range(300):
+        sock.send(b"\xff" * 40)
+        assert results(sock)[0][0] == CUresult.CUDA_ERROR_INVALID_VALUE
+    sock.send(request(("ctxDestroy", None)))
+    results(sock)
+    sock.close()
+    wait_until(lambda: server.output().count("malformed frame from a client") >= before + 2, 10)
+    said = server.output().count("malformed frame from a client") - before
+    assert 2 <= said < 20, said         # the front end's once and the worker's once, and not 600 times
+    assert_server_healthy(raw)
+
+
 def test_empty_frame(raw, server):
     raw.send(b"")
     [(status, message)] = results(raw)
@@ -311,6 +334,80 @@ def test_contexts_past_a_clients_limit_are_refused_to_that_client_alone(servers,
     finally:
         for sock in socks:
             sock.close()
+
+
+NOBODY_CREATES = """
+import os, sys, zmq
+from phos.schema import wire
+frame = wire.encode_request([(1, "ctxCreate", {"device": 0, "flags": 0}, None)], True, wire.PROTOCOL_VERSION)[0]
+os.setgid(65534); os.setuid(65534)      # all imported first: the interpreter may be root's alone
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0); sock.setsockopt(zmq.RCVTIMEO, 30000)
+sock.connect(sys.argv[1])
+sock.send(frame)
+with wire.decode(wire.Reply, sock.recv_multipart()[0]) as reply:
+    print("STATUS", reply.results[0].status, reply.results[0].message)
+"""
+
+
+def test_local_users_over_loopback_tcp_are_told_apart_by_uid(servers, monkeypatch):
+    """Keyless loopback clients were one client: one local user could take every other local
+    user's contexts. Each is its user, by the owner of its connection's other end."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to connect as another user")
+    from share_nothing import free_port_pair
+    monkeypatch.setenv("PHOS_MAX_CONTEXTS_PER_CLIENT", "1")
+    srv = servers("loopback", listen=f"tcp://127.0.0.1:{free_port_pair()}", args=("--insecure",))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30000)
+    sock.connect(srv.address)
+    try:
+        made = []
+        for _ in range(2):
+            sock.send(request(("ctxCreate", {"device": 0, "flags": 0})))
+            made += results(sock)
+        assert [s for s, _ in made] == [0, CUresult.CUDA_ERROR_OUT_OF_MEMORY], made
+        out = subprocess.run([sys.executable, "-c", NOBODY_CREATES, srv.address], capture_output=True,
+                             text=True, timeout=60, cwd="/")
+        assert "STATUS 0" in out.stdout, out.stdout + out.stderr
+    finally:
+        sock.close()
+
+
+NOBODY_LOADS_BY_DIGEST = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from wire_client import RawSession
+os.setgid(65534); os.setuid(65534)
+s = RawSession(sys.argv[1])
+print("STATUS", *s.status(("moduleLoad", {"digest": bytes.fromhex(sys.argv[3])})))
+"""
+
+
+def test_a_tenant_cannot_tell_whether_another_loaded_a_module(servers):
+    """The server keeps module images by digest for its clients; a load by digest finds only
+    the images its own tenant sent (here, tenants are local users over loopback TCP)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to connect as another user")
+    from share_nothing import free_port_pair
+    from ptx_helpers import compile_ptx
+    from wire_client import RawSession
+    from phos.gpu_server.module_cache import image_digest
+    srv = servers("modules", listen=f"tcp://127.0.0.1:{free_port_pair()}", args=("--insecure",))
+    image = compile_ptx("vecadd.cu", "compute_75").encode()
+    digest = image_digest(image)
+    mine = RawSession(srv.address)
+    try:
+        assert mine.status(("moduleLoad", {"payload": 1, "digest": digest}), payloads=[image])[0] == 0
+        tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run([sys.executable, "-c", NOBODY_LOADS_BY_DIGEST, srv.address, tests, digest.hex()],
+                             capture_output=True, text=True, timeout=60, cwd="/")
+        assert f"STATUS {int(CUresult.CUDA_ERROR_NOT_FOUND)} " in out.stdout and "is not kept" in out.stdout, \
+            out.stdout + out.stderr
+        assert mine.status(("moduleLoad", {"digest": digest}))[0] == 0     # its own: found
+    finally:
+        mine.close()
 
 
 def test_a_bad_pointer_fails_its_own_call_at_once(cu):

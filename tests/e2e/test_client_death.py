@@ -143,6 +143,35 @@ def test_a_stranger_connection_does_not_keep_a_dead_clients_context(server):
         stranger.close()
 
 
+def test_a_stranger_connecting_again_and_again_does_not_keep_a_dead_clients_context(server):
+    """Each new connection gave the context the grace anew: one connecting again and again (as
+    a DEALER does once cut off) kept a dead client's context, and its quota, for good."""
+    import threading
+    script = PRELUDE.format(tests=os.path.join(ROOT, "tests"), address=server.address) + "time.sleep(3600)\n"
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    try:
+        ctx, endpoint, _ = child.stdout.readline().split()
+        worker = set(p for p in server.workers() if f"--ctx {ctx} " in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+
+    def knock():
+        while not stop.wait(0.2):
+            sock = dealer(endpoint)
+            sock.send(b"knock")
+            time.sleep(0.05)
+            sock.close()
+    knocking = threading.Thread(target=knock, daemon=True)
+    knocking.start()
+    try:
+        assert wait_until(lambda: not set(server.workers()) & worker, timeout=CLEAN_WITHIN), "the context outlived its client"
+    finally:
+        stop.set()
+        knocking.join()
+
+
 # 24 applications in one process as gevent greenlets (as locust runs them), each creating and
 # destroying contexts: a busy process is slow to read the answer that precedes the worker's exit.
 GREEN_DESTROYS = """

@@ -144,6 +144,25 @@ def test_a_module_beyond_a_cap_fails_to_load_at_once(cu, ptx, cap, value):
     assert cu.cuCtxSynchronize() == (0,)
 
 
+def test_a_module_of_too_much_text_is_refused_by_its_token_count(cu):
+    """Under every cap of what it declares, one initialiser of 2^24 values (34 MB of PTX) took
+    66 s and 4.1 GiB to load: a module's tokens are capped."""
+    err, _, _ = load(cu, ".global .u32 g[] = {" + "0," * (1 << 22) + "0};")
+    assert err == INVALID_PTX and "MAX_MODULE_TOKENS" in cu.last_error, cu.last_error
+    assert cu.cuCtxSynchronize() == (0,)
+    assert load(cu, ".global .u32 g[] = {1, 2, 3};")[0] == 0      # the context goes on
+
+
+def test_a_module_load_past_its_deadline_is_refused(servers, monkeypatch, client):
+    """512k globals had no answer after 300 s: a load has a deadline (here, one no load meets)."""
+    cu = client(emu_server(servers, monkeypatch, "deadline", PHOS_EMU_MODULE_LOAD_TIMEOUT=1e-9))
+    ok(cu.cuCtxCreate(None, 0, 0), cu)
+    err, _, _ = load(cu, "".join(f".global .u32 g{i};\n" for i in range(2000)))
+    assert err == INVALID_PTX and "PHOS_EMU_MODULE_LOAD_TIMEOUT" in cu.last_error, cu.last_error
+    free, total = ok(cu.cuMemGetInfo(), cu)
+    assert free == total                                       # the refused load holds no memory
+
+
 @pytest.mark.parametrize("ptx, cap", [
     (".global .u32 g[] = {1, 2, 3, 4, 5};", "MAX_INITIALIZER_VALUES"),
     (".global .u32 a<3>;\n.global .u32 b<3>;", "MAX_MODULE_NAMES"),
@@ -198,3 +217,98 @@ def test_a_launch_past_its_time_limit_fails(servers, monkeypatch):
     for name, (status, message, took) in results.items():
         assert status == CUresult.CUDA_ERROR_LAUNCH_TIMEOUT, (name, message)
         assert "PHOS_EMU_LAUNCH_TIMEOUT" in message and took < 5, (name, message, took)
+
+
+BUSY_SCRIPT = """
+import sys
+from phos.client_stub import driver as cu
+cu.cuInit(0)
+err, ctx = cu.cuCtxCreate(None, 0, 0)
+err, p = cu.cuMemAlloc(1 << 20)
+err, module = cu.cuModuleLoadData({ptx!r})
+err, f = cu.cuModuleGetFunction(module, b"spin")
+print("ready", flush=True)
+sys.stdin.readline()
+cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, 0, ((), ()), 0)
+cu.cuCtxSynchronize()
+"""
+
+
+def test_ctx_list_answers_at_once_with_a_busy_contexts_last_known_state(servers, monkeypatch):
+    """A context in one long call cannot describe itself: `phos ctx list` waited 5 s for each
+    such one. It lists it as last described, "busy", and asks it again only once it answered."""
+    from phos.admin_cli import stub as admin
+    from phos.schema import admin_pb2 as pb
+    srv = emu_server(servers, monkeypatch, "busy", PHOS_EMU_LAUNCH_TIMEOUT=30)
+    prog = subprocess.Popen([sys.executable, "-c", BUSY_SCRIPT.format(ptx=ENDLESS_PTX.encode())], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ, PHOS_SERVER=srv.address))
+    try:
+        assert prog.stdout.readline() == "ready\n"
+        [idle] = admin(srv.address).ListContexts(pb.ListContextsRequest(), timeout=30).contexts
+        assert idle.bytes >= 1 << 20 and idle.state != "busy", idle
+        prog.stdin.write("go\n")
+        prog.stdin.flush()
+        assert wait_until(lambda: admin(srv.address).ListContexts(pb.ListContextsRequest(), timeout=30)
+                          .contexts[0].state == "busy", 30)
+        for _ in range(3):   # a deadline under the 5 s each listing waited for a busy context
+            [busy] = admin(srv.address).ListContexts(pb.ListContextsRequest(), timeout=3).contexts
+            assert busy.state == "busy" and busy.bytes == idle.bytes and busy.id == idle.id, busy
+    finally:
+        prog.kill()
+        prog.wait()
+
+
+def memory_cgroup(limit):
+    """A memory cgroup of `limit` bytes (v2, else v1), or None where none can be made (not root,
+    no memory controller)."""
+    import uuid
+    name = f"phos-test-{uuid.uuid4().hex[:8]}"
+    for parent, limit_file in (("/sys/fs/cgroup", "memory.max"), ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
+        path = os.path.join(parent, name)
+        if not os.path.exists(os.path.join(parent, "cgroup.procs")):
+            continue            # not a cgroup file system (a hybrid host's /sys/fs/cgroup is a tmpfs)
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(path, limit_file), "w") as f:
+                f.write(str(limit))
+            return path
+        except OSError:
+            os.rmdir(path)
+    return None
+
+
+def test_device_memory_the_host_cannot_back_is_refused_at_allocation(backend, tmp_path):
+    """In a 3 GiB memory cgroup standing in for a small host, the emu device's 16 GiB were
+    granted, and the OOM killer ended another tenant's worker: the device is no bigger than
+    what the cgroup can back, and an allocation past that is refused by name."""
+    from conftest import ServerProc
+    from phos.client_stub import driver
+    if backend != "emu":
+        pytest.skip("the emu device's memory is host memory")
+    limit = 3 << 30
+    cgroup = memory_cgroup(limit)
+    if cgroup is None:
+        pytest.skip("needs a memory cgroup of its own (root, a memory controller)")
+    srv = ServerProc(backend, tmp_path, wrap=("sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"))
+    try:
+        driver._reset_for_tests()
+        os.environ["PHOS_SERVER"] = srv.address
+        assert driver.cuInit(0) == (0,)
+        err, total = driver.cuDeviceTotalMem(0)
+        assert err == 0 and 0 < total < limit, total
+        err, ctx = driver.cuCtxCreate(None, 0, 0)
+        assert err == 0, driver.last_error
+        err, _ = driver.cuMemAlloc(4 << 30)
+        assert err == CUresult.CUDA_ERROR_OUT_OF_MEMORY and "what the host's memory can back" in driver.last_error
+        err, p = driver.cuMemAlloc(1 << 30)
+        assert err == 0, driver.last_error
+        driver.cuCtxDestroy(ctx)
+    finally:
+        driver._reset_for_tests()
+        os.environ.pop("PHOS_SERVER", None)
+        srv.stop()
+        wait_until(lambda: not srv.workers(), 10)
+        wait_until(lambda: subprocess.run(["rmdir", cgroup]).returncode == 0, 10)

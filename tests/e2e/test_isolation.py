@@ -266,3 +266,45 @@ def test_b_cannot_checkpoint_or_restore_a(a, b, server, tmp_path):
         control.close()
     assert sorted(os.listdir(store / "images")) == [f"{name}.digest", f"{name}.json"]
     a.check()
+
+
+def test_a_stranger_flooding_a_worker_without_reading_stalls_nobody(a, server):
+    """A peer that never attaches (any local peer can reach a worker's socket) sends requests
+    and reads none of the refusals: the worker drops what such a peer cannot take and cuts it
+    off, and its owner keeps being served, during the flood and after it."""
+    import threading
+    import zmq
+    stranger = dealer(a.endpoint)
+    stranger.setsockopt(zmq.RCVHWM, 1)         # its queue fills at once: every refusal past it must wait or go
+    frame = encode([("memGetInfo", None)], [1])
+    done, failed = threading.Event(), []
+
+    def owner():
+        try:
+            ok(a.cu.cuCtxSetCurrent(a.ctx), a.cu)       # the current context is the thread's
+            for _ in range(3):
+                a.check()
+        except BaseException as e:      # the main thread asserts on it
+            failed.append(e)
+        finally:
+            done.set()
+    try:
+        for _ in range(20000):
+            try:
+                stranger.send(frame, zmq.NOBLOCK)
+            except zmq.Again:           # the worker cut it off, or reads slower than it sends
+                pass
+        worker = threading.Thread(target=owner, daemon=True)
+        worker.start()
+        for _ in range(20000):
+            try:
+                stranger.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        # a hang guard, not a speed bound: without the fix the owner waits forever
+        assert done.wait(120), "the owner's calls stalled behind a stranger's unread replies"
+        assert not failed, failed
+    finally:
+        stranger.close()
+    a.check()
+    assert "never attached" in server.output()

@@ -94,6 +94,27 @@ def test_a_keyless_listener_other_local_users_reach_needs_insecure(address):
     assert check_listen(address, ("pub", "secret", "dir")) is None
 
 
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:0", "tcp://127.0.0.1:*", "tcp://127.0.0.1"])
+def test_a_tcp_listener_names_its_port(address):
+    """The admin socket, caches and ledgers are named after the port: two servers on port 0 shared
+    admin-0.sock, the second taking it over."""
+    with pytest.raises(ValueError, match="name a port"):
+        check_listen(address, None, insecure=True)
+
+
+def test_an_abstract_listeners_files_are_in_the_users_socket_directory(tmp_path, monkeypatch):
+    """An abstract socket has no directory: its admin socket and caches are in the user's socket
+    directory, found from any working directory, not in the one the server started in."""
+    from phos import settings
+    from phos.schema.control import admin_socket, module_cache_dir, tenant_ledger_dir
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    home = settings.socket_directory()
+    assert admin_socket("ipc://@phos-test") == f"unix:{home}/@phos-test.admin"
+    assert module_cache_dir("ipc://@a/b") == f"{home}/@a%2Fb.modules"
+    assert os.path.dirname(tenant_ledger_dir("ipc://@phos-test")) == home
+
+
 def test_server_refuses_a_keyless_loopback_listener_from_cli():
     out = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", "tcp://127.0.0.1:45112"],
                          capture_output=True, text=True, timeout=60)
@@ -113,6 +134,45 @@ def test_keygen_writes_secrets_only_its_user_can_read(tmp_path):
     subprocess.run([sys.executable, "-m", "phos.cli", "keygen", str(keys)], check=True, capture_output=True)
     for secret in ("server.key_secret", "client.key_secret"):
         assert (keys / secret).stat().st_mode & 0o777 == 0o600
+    for directory in (keys, keys / "clients", keys / "admins"):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+
+
+KEYGEN_WATCHED = """
+import os, stat, sys
+from phos import cli
+root = sys.argv[1]
+exposed = []
+
+def reachable_by_others(path):
+    # another user opens a file where every directory down to it lets them through and the file lets them read
+    d = os.path.dirname(path)
+    while d.startswith(root):
+        if not os.stat(d).st_mode & (stat.S_IXGRP | stat.S_IXOTH):
+            return False
+        d = os.path.dirname(d)
+    return bool(os.stat(path).st_mode & (stat.S_IRGRP | stat.S_IROTH))
+
+def watch(event, args):
+    # at every file operation keygen makes, as a watcher polling the directory would
+    if event in ("open", "os.chmod", "os.rename", "os.replace", "shutil.copyfile") and not exposed:
+        for d, _, files in os.walk(root):
+            for f in files:
+                if f.endswith("key_secret") and reachable_by_others(os.path.join(d, f)):
+                    exposed.append(os.path.join(d, f))
+
+sys.addaudithook(watch)
+cli.main(["keygen", os.path.join(root, "keys")])
+print("EXPOSED", exposed)
+"""
+
+
+def test_keygen_secrets_are_never_readable_by_others_while_written(tmp_path):
+    """Not only at the end: from the first byte, no secret is where another user could open it
+    (pyzmq creates key files readable by all)."""
+    os.chmod(tmp_path, 0o755)
+    out = subprocess.run([sys.executable, "-c", KEYGEN_WATCHED, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert "EXPOSED []" in out.stdout, out.stdout
 
 
 def test_server_refuses_open_listener_from_cli():
@@ -212,6 +272,41 @@ def test_a_socket_directory_others_may_write_is_refused(tmp_path):
     server = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", f"ipc://{open_dir}/phos.sock"],
                             capture_output=True, text=True, timeout=60)
     assert server.returncode != 0 and "writable by others" in server.stderr
+
+
+def test_a_socket_directory_below_a_directory_another_user_owns_is_refused(tmp_path):
+    """Our own, closed socket directory is no safer than its ancestors: the owner of one could
+    swap the tree below it for theirs (and a client sent its hello to their server). Every
+    ancestor is checked as OpenSSH checks authorized_keys' path."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to give the directory to another user")
+    theirs = tmp_path / "theirs"
+    ours = theirs / "ours"
+    ours.mkdir(parents=True, mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    server = subprocess.run([sys.executable, "-m", "phos.cli", "server", "--listen", f"ipc://{ours}/phos.sock"],
+                            capture_output=True, text=True, timeout=60)
+    assert server.returncode != 0 and f"its ancestor {theirs} belongs to uid 65534" in server.stderr, server.stderr
+    cli = subprocess.run([sys.executable, "-m", "phos.cli", "ctx", "list", "--server", f"ipc://{ours}/phos.sock"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode != 0 and f"its ancestor {theirs} belongs to uid 65534" in cli.stderr, cli.stderr
+
+
+def test_socket_directory_ancestors_writable_by_others_are_refused_unless_sticky(tmp_path):
+    from phos.schema.control import private_directory
+    shared = tmp_path / "shared"
+    ours = shared / "ours"
+    ours.mkdir(parents=True, mode=0o700)
+    shared.chmod(0o775)                 # a group may write: its members could swap "ours"
+    with pytest.raises(ValueError, match=f"its ancestor {shared} is writable by others"):
+        private_directory(str(ours))
+    shared.chmod(0o1777)                # as /tmp: nobody else may rename or remove our entry
+    private_directory(str(ours))
+    link = tmp_path / "link"            # a link on the way: where it leads is checked too
+    link.symlink_to(shared)
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by others"):
+        private_directory(str(link / "ours"))
 
 
 def test_workers_admit_the_front_ends_clients_alone_and_a_revoked_key_ends_its_context(backend, tmp_path):

@@ -135,3 +135,58 @@ def test_no_server_module_imports_the_client():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.name}: {n}" for n in names if "client_stub" in n]
     assert not found, found
+
+
+# -- a checkpoint whose worker went away: what is true is reported ---------------------------------
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    async def abort(self, code, details):
+        raise _Aborted(details)
+
+
+def _failed_checkpoint(tmp_path, commit_first):
+    """Admin.Checkpoint against a front end whose worker goes away mid-checkpoint, after it
+    committed its image (commit_first) or after it stored only some chunks."""
+    import asyncio
+    import types
+    from test_snapshot_image import make_contents, write_image
+    from phos.gpu_server.admin import Admin
+    from phos.schema import admin_pb2 as pb
+    from phos.schema.cuda_types import CudaError, CUresult
+    from phos.snapshot import DirStore, ImageWriter
+    store = DirStore(tmp_path / "store")
+
+    async def checkpoint(worker, on_progress, store, name, **_):
+        if commit_first:
+            write_image(DirStore(store), name, make_contents())      # its session names context 7
+        else:
+            writer = ImageWriter(DirStore(store), name)
+            writer.add_region(make_contents()[0x7F0000000000][:1 << 16])
+            writer.close()                                          # killed: no abort, no commit
+        raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, "checkpoint: the context's worker went away")
+    front = types.SimpleNamespace(workers={7: types.SimpleNamespace(ctx_id=7, proc=types.SimpleNamespace(returncode=None))},
+                                  checkpoint=checkpoint, counts={})
+
+    async def run():
+        request = pb.CheckpointRequest(ctx=7, store=str(tmp_path / "store"), name="img")
+        async for _ in Admin(front).Checkpoint(request, _Context()):
+            pass
+    with pytest.raises(_Aborted) as e:
+        asyncio.run(run())
+    return str(e.value), store
+
+
+def test_a_checkpoint_whose_worker_died_after_committing_says_its_image_is_whole(tmp_path):
+    message, store = _failed_checkpoint(tmp_path, commit_first=True)
+    assert "went away" in message and "image 'img' had been committed" in message, message
+    assert store.list_images() == ["img"]
+
+
+def test_a_checkpoint_whose_worker_died_before_committing_leaves_nothing(tmp_path):
+    message, store = _failed_checkpoint(tmp_path, commit_first=False)
+    assert "went away" in message and "committed" not in message, message
+    assert store.list_images() == [] and store.list_chunks() == []

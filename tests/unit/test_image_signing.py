@@ -113,6 +113,7 @@ def test_servers_sharing_a_key_file_restore_each_others_images_and_no_other(tmp_
     ("missing", "does not exist"),
     ("readable by all", "may be read or written by others (mode 644)"),
     ("short", "fewer than the 16 bytes a key needs"),
+    ("another user's", "belongs to uid 65534, neither root nor this user"),
 ])
 def test_a_key_file_that_is_missing_open_to_others_or_short_is_refused_without_quoting_it(tmp_path, monkeypatch,
                                                                                             problem, says):
@@ -121,6 +122,10 @@ def test_a_key_file_that_is_missing_open_to_others_or_short_is_refused_without_q
     if problem != "missing":
         path.write_text(secret[:8] if problem == "short" else secret)
         path.chmod(0o644 if problem == "readable by all" else 0o600)
+    if problem == "another user's":       # 0600, but its owner could write another key there
+        if os.geteuid() != 0:
+            pytest.skip("needs root, to give the key file to another user")
+        os.chown(path, 65534, 65534)
     monkeypatch.setenv("PHOS_IMAGE_KEY", str(path))
     with pytest.raises(ImageError, match=re.escape(says)) as e:
         image_key()

@@ -39,3 +39,17 @@ def test_the_images_used_longest_ago_go_first(tmp_path):
     kept = {image for image in images + [b"x" * 4000] if cache.get(image_digest(image))}
     assert kept == {images[0], images[2], b"x" * 4000}
     assert not cache.put(image_digest(b"y" * 20_000), b"y" * 20_000)     # bigger than the whole cache
+
+
+def test_a_tenant_sees_only_the_images_it_sent_and_the_bound_is_the_servers(tmp_path):
+    """Whether a digest is a hit told a tenant whether anyone had loaded that module."""
+    cache = ModuleCache(str(tmp_path), 10_000)
+    a, b = cache.view("a" * 64), cache.view("b" * 64)
+    image = os.urandom(4000)
+    assert a.put(image_digest(image), image)
+    assert a.get(image_digest(image)) == image
+    assert b.get(image_digest(image)) is None and cache.get(image_digest(image)) is None
+    assert b.put(image_digest(image), image) and b.get(image_digest(image)) == image
+    assert b.put(image_digest(b"y" * 4000), b"y" * 4000)     # three of 4000 bytes: past the server's 10,000
+    held = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+    assert held <= 10_000

@@ -912,3 +912,22 @@ def test_param_layout_matches_driver():
 { ret; }"""
     k = parse_module(ptx).kernels["k"]
     assert k.params == [(0, 8), (8, 8), (16, 4), (24, 32), (56, 1), (64, 8), (72, 2), (80, 16)]
+
+
+def test_a_modules_tokens_are_capped_and_its_parse_has_a_deadline(monkeypatch):
+    """Past every cap of what it declares, a module's cost grows with its text (an initialiser
+    of 2^24 values took 66 s and 4.1 GiB): its tokens are capped, and its parse has a deadline."""
+    import time
+    from phos.gpu_server.ptx import parser
+    from phos.schema.cuda_types import CudaError, CUresult
+    text = ".version 8.0\n.target sm_90\n.address_size 64\n.global .u32 g[] = {" + "1," * 100 + "1};"
+    monkeypatch.setattr(parser, "CHECK_EVERY", 16)
+    monkeypatch.setattr(parser, "MAX_MODULE_TOKENS", 64)
+    with pytest.raises(CudaError) as e:
+        parser.parse(text)
+    assert e.value.status == CUresult.CUDA_ERROR_INVALID_PTX and "MAX_MODULE_TOKENS" in e.value.message
+    monkeypatch.setattr(parser, "MAX_MODULE_TOKENS", 1 << 21)
+    assert parser.parse(text).vars["g"].size == 404
+    with pytest.raises(CudaError) as e:
+        parser.parse(text, deadline=time.monotonic() - 1)
+    assert e.value.status == CUresult.CUDA_ERROR_INVALID_PTX and "PHOS_EMU_MODULE_LOAD_TIMEOUT" in e.value.message

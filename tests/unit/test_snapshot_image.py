@@ -202,6 +202,113 @@ def test_round_trip(store):
         ImageWriter(store, "ctx1-0001")
 
 
+@pytest.mark.parametrize("kind", ["dir", "host"])
+def test_two_checkpoints_committing_one_name_at_once_one_wins_and_the_other_is_refused(tmp_path, kind):
+    """Two writers (two workers, each with its own view of the store) both begin an image of one
+    name, and the second commits while the first is between its check and its commit: exactly
+    one commits, and the other is refused by name; the image is the winner's, not replaced."""
+    path = tmp_path / "store"
+    if kind == "host":
+        HostStore.create(path, 1024 * (4096 + 8192), capacity=8192)
+    a, b = (HostStore(path), HostStore(path)) if kind == "host" else (DirStore(path), DirStore(path))
+    outcome = {}
+
+    def commit(store, who, seed):
+        try:
+            outcome[who] = write_image(store, "same", make_contents(seed))[0]
+        except ImageError as e:
+            outcome[who] = e
+
+    put = a.put_manifest
+
+    def a_commits(name, manifest, digest):      # b's whole commit runs as a is about to put its manifest
+        other = threading.Thread(target=commit, args=(b, "b", 1))
+        other.start()
+        other.join(2)      # where b must wait for a (the fix), it cannot finish meanwhile
+        put(name, manifest, digest)
+        outcome["b thread"] = other
+    a.put_manifest = a_commits
+    commit(a, "a", 0)
+    outcome.pop("b thread").join()
+    won = [who for who in "ab" if not isinstance(outcome[who], ImageError)]
+    assert len(won) == 1, outcome
+    lost = outcome["b" if won == ["a"] else "a"]
+    assert "'same' already exists" in str(lost) and "another checkpoint" in str(lost)
+    assert read_image(DirStore(path) if kind == "dir" else HostStore(path), "same").raw == outcome[won[0]].raw
+
+
+def test_a_store_whose_directories_are_links_or_open_to_others_is_refused(tmp_path):
+    """Files are opened without following links, and the store's directories must not be links
+    either: chunks (tenant bytes) and manifests went wherever they led. Nor may another user
+    write in them, nor may its lock file be a link (a dangling one had its target made)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    path = tmp_path / "store"
+    DirStore(path)
+    for xx in (f"{i:02x}" for i in range(256)):        # every chunk's subdirectory leads elsewhere
+        (elsewhere / xx).mkdir()
+        (path / "chunks" / xx).symlink_to(elsewhere / xx)
+    with pytest.raises(ImageError, match=r"chunks/[0-9a-f]{2} is a symbolic link: refused"):
+        write_image(DirStore(path), "img", make_contents())
+    assert [f for f in elsewhere.rglob("*") if f.is_file()] == []       # no chunk landed there
+
+    images = tmp_path / "images-link"
+    DirStore(images)
+    (images / "images").rename(elsewhere / "images")
+    (images / "images").symlink_to(elsewhere / "images")
+    with pytest.raises(ImageError, match=r"images is a symbolic link: refused"):
+        DirStore(images)
+
+    locked = tmp_path / "lock-link"
+    DirStore(locked)
+    (locked / ".lock").symlink_to(elsewhere / "made-by-the-lock")
+    with pytest.raises(ImageError, match=r"lock file .* is a symbolic link: refused"):
+        write_image(DirStore(locked), "img", make_contents())
+    assert not (elsewhere / "made-by-the-lock").exists()
+
+    shared = tmp_path / "shared"
+    DirStore(shared)
+    for d, mode in ((shared, 0o777), (shared / "chunks", 0o775)):
+        d.chmod(mode)
+        with pytest.raises(ImageError, match="writable by other users"):
+            DirStore(shared)
+        d.chmod(0o755)
+    if os.geteuid() == 0:               # root can give it to another user
+        os.chown(shared / "images", 65534, 65534)
+        with pytest.raises(ImageError, match="belongs to uid 65534"):
+            DirStore(shared)
+
+
+def test_a_checkpoint_that_fails_for_want_of_room_leaves_no_chunks(tmp_path):
+    """Its chunks went only at a later deletion's garbage collection, keeping the room."""
+    import errno
+    store = DirStore(tmp_path / "store")
+    kept, _ = write_image(store, "kept", make_contents(0))
+    held = set(store.list_chunks())
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    store.put_manifest = full
+    with pytest.raises(OSError, match="No space left"):
+        write_image(store, "failed", make_contents(1))
+    assert set(store.list_chunks()) == held
+    assert read_image(store, "kept").raw == kept.raw
+
+
+def test_a_killed_writers_temporary_files_go_at_the_next_collection(tmp_path):
+    store = DirStore(tmp_path / "store")
+    write_image(store, "kept", make_contents())
+    sub = tmp_path / "store" / "chunks" / store.list_chunks()[0][:2]
+    leftovers = [sub / ".tmp-killed", tmp_path / "store" / "images" / ".tmp-killed"]
+    for f in leftovers:
+        f.write_bytes(b"half a chunk")
+    with store.session():              # a live writer's may be its own: kept
+        assert gc(store) is None and all(f.exists() for f in leftovers)
+    assert gc(store) is not None
+    assert not any(f.exists() for f in leftovers)
+    assert read_image(store, "kept").name == "kept"
+
+
 def test_incremental_stores_only_changed_chunk(store):
     contents = make_contents()
     write_image(store, "base", contents)
