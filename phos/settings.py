@@ -291,6 +291,12 @@ emu_context_quota = _declare("PHOS_EMU_CONTEXT_QUOTA", int, 0, SERVER,
 emu_launch_timeout = _declare("PHOS_EMU_LAUNCH_TIMEOUT", float, 60.0, SERVER,
                               "seconds an emu kernel may run: a launch running longer is stopped and fails with "
                               "CUDA_ERROR_LAUNCH_TIMEOUT (0: no limit)")
+emu_compiler = _declare("PHOS_EMU_COMPILER", lambda raw: {"1": True, "0": False}[raw.strip()], True, SERVER,
+                        "1: emu kernels run as native code compiled from their PTX (C through gcc), those the "
+                        "compiler cannot translate in the interpreter; 0: every kernel in the PTX interpreter")
+emu_kernel_cache = _declare("PHOS_EMU_KERNEL_CACHE", str, "", SERVER,
+                            "the directory of the emu's compiled kernels, by digest, shared by its processes",
+                            shown="phos-emu-kernels-UID in the temporary directory")
 
 
 # -- the `phos` command line --------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from phos import settings
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.ptx import ops
 from phos.gpu_server.ptx import parser as P
@@ -808,6 +809,12 @@ class PtxModule:
         self.relocate(mem)
         symbols = {**K.static_symbols, **self.addrs}
         params = bytes(params) + bytes(-len(params) % 8)
+        if settings.emu_compiler():
+            from phos.gpu_server.ptx import compiler
+            native = compiler.compiled(K)
+            if native.fn is not None:
+                compiler.launch(native, K, mem, symbols, grid, block, shared_bytes, params, deadline)
+                return
         nt = block[0] * block[1] * block[2]
         nblocks = grid[0] * grid[1] * grid[2]
         per_block = nt * K.lane_bytes + K.shared_static + shared_bytes

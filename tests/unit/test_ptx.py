@@ -24,6 +24,13 @@ def precompile():
         list(ex.map(lambda j: compile_ptx(*j), jobs))
 
 
+@pytest.fixture(params=["interpreter", "compiler"], autouse=True)
+def engine(request, monkeypatch):
+    """Every test runs on both engines: the same kernels must give the same results."""
+    monkeypatch.setenv("PHOS_EMU_COMPILER", "1" if request.param == "compiler" else "0")
+    return request.param
+
+
 @pytest.fixture
 def dev():
     return Device(1 << 28)

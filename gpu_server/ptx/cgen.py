@@ -1,0 +1,839 @@
+"""One PTX kernel -> C source for compiler.py, from the same parse tree and link layout the interpreter uses.
+
+Each thread is a C function `thread_fn(block, t)` over its registers as C locals. A sync point
+(bar.sync, a warp collective, the periodic yield of a loop) saves the registers live there
+(liveness below) in the thread's slots, records where to resume, and returns to the block's
+scheduler (crt.py); calling the function again restores them and jumps back in. Anything this
+translator does not know raises Refused, and the interpreter runs that kernel instead.
+"""
+import re
+
+import numpy as np
+
+from phos.gpu_server.ptx import parser as P
+from phos.gpu_server.ptx.crt import PRELUDE, SCHEDULER
+from phos.gpu_server.ptx.decode import LOCAL_WIN, MEM_IGNORED, PARAM_WIN, SHARED_WIN, WIN, imm
+from phos.gpu_server.ptx.ops import DT
+
+
+class Refused(Exception):
+    """The compiler cannot translate this kernel (the message says what); the interpreter runs it."""
+
+
+CT = {'b8': 'uint8_t', 'u8': 'uint8_t', 's8': 'int8_t', 'b16': 'uint16_t', 'u16': 'uint16_t', 's16': 'int16_t',
+      'b32': 'uint32_t', 'u32': 'uint32_t', 's32': 'int32_t', 'b64': 'uint64_t', 'u64': 'uint64_t',
+      's64': 'int64_t', 'f32': 'float', 'f64': 'double', 'pred': 'uint8_t'}
+UT = {1: 'uint8_t', 2: 'uint16_t', 4: 'uint32_t', 8: 'uint64_t'}
+ST = {1: 'int8_t', 2: 'int16_t', 4: 'int32_t', 8: 'int64_t'}
+SIZE = {t: P.TYPE_SIZE[t] for t in CT}
+SPACES = {'global': 'global', 'shared': 'shared', 'shared::cta': 'shared', 'local': 'local', 'const': 'global',
+          'param': 'param', 'param::entry': 'param'}
+CMP = {'eq': '==', 'ne': '!=', 'lt': '<', 'le': '<=', 'gt': '>', 'ge': '>=', 'lo': '<', 'ls': '<=', 'hi': '>',
+       'hs': '>='}
+SHFL = {'up': 0, 'down': 1, 'bfly': 2, 'idx': 3}
+VOTE = {'ballot': 4, 'all': 5, 'any': 6, 'uni': 7}
+REDUX = {'add': 9, 'min': 10, 'max': 11, 'and': 12, 'or': 13, 'xor': 14}
+ACTIVEMASK, WARPSYNC = 8, 15
+SPECIAL = {'%laneid': '(t & 31)', '%warpid': '(t >> 5)', '%nwarpid': '64u', '%nsmid': '132u',
+           '%smid': '(b->lin % 132u)', '%gridid': '1ull', '%dynamic_smem_size': '(uint32_t)c->dyn',
+           '%total_smem_size': '(uint32_t)c->shbytes', '%lanemask_eq': '(1u << (t & 31))',
+           '%lanemask_lt': '((1u << (t & 31)) - 1u)', '%lanemask_le': '((2ull << (t & 31)) - 1u)',
+           '%lanemask_gt': '(~((2ull << (t & 31)) - 1u))', '%lanemask_ge': '(~((1u << (t & 31)) - 1u))',
+           '%clock': '(uint32_t)now_ns()', '%clock_hi': '(uint32_t)(now_ns() >> 32)', '%clock64': 'now_ns()',
+           '%globaltimer': 'now_ns()', '%globaltimer_lo': '(uint32_t)now_ns()',
+           '%globaltimer_hi': '(uint32_t)(now_ns() >> 32)'}
+for _i, _c in enumerate('xyz'):
+    SPECIAL[f'%tid.{_c}'] = f'tid_{_c}'
+    SPECIAL[f'%ntid.{_c}'] = f'c->block[{_i}]'
+    SPECIAL[f'%ctaid.{_c}'] = f'b->ctaid[{_i}]'
+    SPECIAL[f'%nctaid.{_c}'] = f'c->grid[{_i}]'
+SPECIAL_TYPE = {'%clock64': 'u64', '%globaltimer': 'u64', '%gridid': 'u64'}
+
+
+def is_float(t):
+    return t in ('f32', 'f64')
+
+
+def convert(e, frm, to):
+    """C expression e of PTX type frm as type `to`: bits reinterpreted between a float and an
+    int, ints truncated or extended by their own signedness (ops.as_ does the same)."""
+    if CT[frm] == CT[to]:
+        return e
+    if is_float(frm) or is_float(to):
+        if is_float(frm):
+            e = f"{'f2u' if frm == 'f32' else 'd2u'}({e})"
+            frm = 'u32' if frm == 'f32' else 'u64'
+        if is_float(to):
+            return f"{'u2f' if to == 'f32' else 'u2d'}(({UT[SIZE[to]]})({e}))"
+    return f"(({CT[to]})({e}))"
+
+
+def ident(name):
+    return 'r_' + re.sub(r'[^A-Za-z0-9_]', lambda m: f'_{ord(m.group()):x}_', name)
+
+
+class KernelSource:
+    """C source of kernel K (an interp.Kernel, linked); .text, .nsave, .globals (bound at launch)."""
+
+    def __init__(self, K):
+        mod, fn = K.mod, K.fn
+        if mod.decoded[K.name][3]:
+            raise Refused("it calls device functions")
+        self.K, self.fn, self.tree, self.pre = K, fn, mod.tree, fn.name + '|'
+        self.fvars = {v.name: v for v in fn.vars}
+        self.fparams = {v.name: v for v in fn.params}
+        self.globals = list(K.used_globals)
+        self.stmts = [s for s in fn.body if isinstance(s, P.Stmt)]
+        self.labels, i = {}, 0
+        for s in fn.body:
+            if isinstance(s, P.Label):
+                self.labels[s.name] = i
+            else:
+                i += 1
+        self.syncs = []                 # where each sync point resumes: ('after', k) or ('label', name)
+        self.body = [self.statement(k, s) for k, s in enumerate(self.stmts)]
+        self.text = self.assemble()
+
+    # -- operands --
+    def rtype(self, name):
+        t = self.fn.regs.get(name)
+        if t not in CT:
+            raise Refused(f"register {name} of type .{t}")
+        return t
+
+    def src(self, o, t):
+        if isinstance(o, P.Reg):
+            if o.name in self.fn.regs:
+                self.reads.add(o.name)
+                e = convert(ident(o.name), self.rtype(o.name), t)
+            elif o.name in SPECIAL:
+                e = convert(SPECIAL[o.name], SPECIAL_TYPE.get(o.name, 'u32'), t)
+            elif re.fullmatch(r'%envreg\d+', o.name):
+                e = convert('0u', 'u32', t)
+            else:
+                raise Refused(f"register {o.name}")
+            return f"(!{e})" if o.neg else e
+        if isinstance(o, P.Imm):
+            if t == 'pred':
+                return '1' if o.value else '0'
+            v = imm(o, DT[t])
+            if is_float(t):
+                bits = int(np.array(v).view({4: np.uint32, 8: np.uint64}[SIZE[t]]))
+                return f"u2f({bits:#x}u)" if t == 'f32' else f"u2d({bits:#x}ull)"
+            u = int(np.array(v).view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[SIZE[t]]))
+            return f"(({CT[t]}){u:#x}ull)"
+        if isinstance(o, P.Sym):
+            if o.name == 'WARP_SZ':
+                return convert('32u', 'u32', t)
+            return f"(({CT[t]})({self.symval(o.name)} + {o.off}ull))"
+        raise Refused(f"operand {o}")
+
+    def symval(self, name):
+        """C expression (uint64) of a symbol's value, as the interpreter's S.sym holds it."""
+        if name in self.fvars:
+            v = self.fvars[name]
+            if v.space not in ('shared', 'local'):
+                raise Refused(f".{v.space} variable {name}")
+            return f"{self.K.static_symbols[self.pre + name]}ull"
+        if name in self.fparams:
+            return f"{self.K.static_symbols[self.pre + name]}ull"
+        if name in self.tree.vars:
+            v = self.tree.vars[name]
+            if v.space in ('global', 'const'):
+                return f"c->gsym[{self.globals.index(name)}]"
+            if v.space in ('shared', 'local'):
+                return f"{self.K.static_symbols[name]}ull"
+        raise Refused(f"symbol {name}")
+
+    def symspace(self, name):
+        if name in self.fvars:
+            return self.fvars[name].space
+        if name in self.fparams:
+            return 'param'
+        if name in self.tree.vars:
+            return {'const': 'global'}.get(self.tree.vars[name].space, self.tree.vars[name].space)
+        raise Refused(f"symbol {name}")
+
+    def dst(self, o, t, e):
+        if isinstance(o, P.Reg) and o.name == '_':
+            return f"(void)({e});"
+        if not isinstance(o, P.Reg) or o.neg or o.name not in self.fn.regs:
+            raise Refused("destination")
+        self.writes.add(o.name)
+        return f"{ident(o.name)} = {convert(e, t, self.rtype(o.name))};"
+
+    def ptr(self, o, space, w, line):
+        """C statements setting p_ to the host address of [o] (w bytes), returning on a fault."""
+        if not isinstance(o, P.Addr):
+            raise Refused("address operand")
+        off = o.off & ((1 << 64) - 1)
+        if o.base is None:
+            a = f"{off}ull"
+        elif isinstance(o.base, P.Reg):
+            a = f"((uint64_t){self.src(o.base, 'u64')} + {off}ull)"
+        else:
+            ss = self.symspace(o.base.name)
+            a = f"({self.symval(o.base.name)} + {off}ull)"
+            if space == 'generic':
+                win = {'shared': SHARED_WIN, 'local': LOCAL_WIN, 'param': PARAM_WIN, 'global': 0}[ss]
+                a = f"({a} + {win}ull)"
+            elif ss != space:
+                raise Refused(f"{o.base.name} is not in .{space}")
+        fn = {'global': 'gptr(b, ', 'shared': 'sptr(b, ', 'local': 'lptr(b, t, ', 'param': 'pptr(b, ',
+              'generic': 'genptr(b, t, '}[space]
+        return f"uint8_t *p_ = {fn}{a}, {w}, {line}); if (!p_) return ST_ERR;"
+
+    # -- statements --
+    def statement(self, k, st):
+        self.reads, self.writes = set(), set()
+        parts = st.op.split('.')
+        name, mods = parts[0], parts[1:]
+        emit = getattr(self, 'op_' + name, None)
+        if emit is None:
+            raise Refused(f"instruction '{st.op}' at line {st.line}")
+        try:
+            code = emit(k, st, mods)
+        except Refused as e:
+            raise Refused(f"'{st.op}' at line {st.line}: {e}") from None
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:
+            raise Refused(f"'{st.op}' at line {st.line}: {type(e).__name__} {e}") from None
+        kills = set() if st.guard is not None else set(self.writes)
+        if st.guard is not None:
+            g = self.src(st.guard, 'pred')
+            code = f"if ({g}) {{ {code} }}"
+        return code, frozenset(self.reads), frozenset(kills), name
+
+    @staticmethod
+    def mods(mods, known):
+        rest = [m for m in mods if m not in known and m not in MEM_IGNORED]
+        if rest:
+            raise Refused(f"modifier .{rest[0]}")
+
+    @staticmethod
+    def types(mods):
+        return [m for m in mods if m in P.TYPE_SIZE]
+
+    def type1(self, mods):
+        ts = self.types(mods)
+        if len(ts) != 1 or ts[0] not in CT:
+            raise Refused(f"type {ts}")
+        return ts[0]
+
+    def args(self, st, n):
+        if len(st.args) != n:
+            raise Refused("operand count")
+        return st.args
+
+    def op_add(self, k, st, mods, name='add'):
+        t = self.type1(mods)
+        a = self.args(st, 3)
+        x, y = self.src(a[1], t), self.src(a[2], t)
+        if is_float(t):
+            ftz, sat = self.float_mods(mods, t)
+            x, y = self.fz(ftz, x, y)
+            e = f"({x}) {'+-*'['add sub mul'.split().index(name)]} ({y})"
+            return self.dst(a[0], t, self.post(e, t, ftz, sat, x, y))
+        self.mods(mods, {t, 'lo', 'hi', 'wide'})
+        u = UT[SIZE[t]]
+        if name == 'mul':
+            return self.dst(a[0], *self.mul(mods, t, x, y))
+        return self.dst(a[0], t, f"({CT[t]})(({u})({x}) {'+' if name == 'add' else '-'} ({u})({y}))")
+
+    def op_sub(self, k, st, mods):
+        return self.op_add(k, st, mods, 'sub')
+
+    def op_mul(self, k, st, mods):
+        return self.op_add(k, st, mods, 'mul')
+
+    def mul(self, mods, t, x, y):
+        n, s = SIZE[t], t[0] == 's'
+        if 'wide' in mods:
+            w = ('s' if s else 'u') + str(16 * n)
+            return w, f"(({CT[w]})({x}) * ({CT[w]})({y}))"
+        if 'hi' in mods:
+            if n == 8:
+                tt = '__int128' if s else 'unsigned __int128'
+                return t, f"({CT[t]})((({tt})({x}) * ({tt})({y})) >> 64)"
+            w = (ST if s else UT)[2 * n]
+            return t, f"({CT[t]})((({w})({x}) * ({w})({y})) >> {8 * n})"
+        return t, f"({CT[t]})(({UT[n]})({x}) * ({UT[n]})({y}))"
+
+    def float_mods(self, mods, t, extra=()):
+        rnd = [m for m in mods if m in ('rn', 'rz', 'rm', 'rp')]
+        if rnd and rnd != ['rn']:
+            raise Refused("directed rounding")
+        self.mods(mods, {t, 'rn', 'ftz', 'sat', *extra})
+        return 'ftz' in mods and t == 'f32', 'sat' in mods
+
+    @staticmethod
+    def fz(ftz, *xs):
+        """Sources flushed to zero where .ftz asks."""
+        return [f"ftzf({x})" for x in xs] if ftz else list(xs)
+
+    def post(self, e, t, ftz, sat, *srcs):
+        if ftz:
+            e = f"ftzf({e})"
+        if sat:
+            e = f"{'satf' if t == 'f32' else 'satd'}({e})"
+        return e
+
+    def op_mad(self, k, st, mods):
+        t = self.type1(mods)
+        a = self.args(st, 4)
+        x, y, z = (self.src(o, t) for o in a[1:])
+        if is_float(t):
+            if 'rn' not in mods:
+                raise Refused("mad without .rn")
+            ftz, sat = self.float_mods(mods, t)
+            x, y, z = self.fz(ftz, x, y, z)
+            f = 'fmaf' if t == 'f32' else 'fma'
+            return self.dst(a[0], t, self.post(f"{f}({x}, {y}, {z})", t, ftz, sat, x, y, z))
+        self.mods(mods, {t, 'lo', 'hi', 'wide'})
+        mt, e = self.mul(mods, t, x, y)
+        u = UT[SIZE[mt]]
+        return self.dst(a[0], mt, f"({CT[mt]})(({u})({e}) + ({u})({self.src(a[3], mt)}))")
+
+    def op_fma(self, k, st, mods):
+        return self.op_mad(k, st, mods)
+
+    def op_div(self, k, st, mods, rem=False):
+        t = self.type1(mods)
+        a = self.args(st, 3)
+        x, y = self.src(a[1], t), self.src(a[2], t)
+        if is_float(t):
+            if rem:
+                raise Refused("float rem")
+            ftz, sat = self.float_mods(mods, t, ('approx', 'full'))
+            x, y = self.fz(ftz, x, y)
+            return self.dst(a[0], t, self.post(f"({x}) / ({y})", t, ftz, sat, x, y))
+        self.mods(mods, {t})
+        ct, s = CT[t], t[0] == 's'
+        # x/0 gives all ones and x%0 gives x, as NVIDIA GPUs do (ops.int_div); MIN/-1 must not trap
+        guard = f"_y == 0 ? {'_x' if rem else f'({ct})-1'} : "
+        if s:
+            guard += f"_y == ({ct})-1 ? {f'({ct})0' if rem else f'({ct})(0 - ({UT[SIZE[t]]})_x)'} : "
+        return self.dst(a[0], t, f"({{ {ct} _x = {x}, _y = {y}; {guard}({ct})(_x {'%' if rem else '/'} _y); }})")
+
+    def op_rem(self, k, st, mods):
+        return self.op_div(k, st, mods, True)
+
+    def op_min(self, k, st, mods, name='min'):
+        t = self.type1(mods)
+        a = self.args(st, 3)
+        x, y = self.src(a[1], t), self.src(a[2], t)
+        if is_float(t):
+            ftz, _ = self.float_mods(mods, t)
+            x, y = self.fz(ftz, x, y)
+            f = ('fmin' if name == 'min' else 'fmax') + ('f' if t == 'f32' else '')
+            return self.dst(a[0], t, self.post(f"{f}({x}, {y})", t, ftz, False, x, y))
+        self.mods(mods, {t})
+        return self.dst(a[0], t, f"({{ {CT[t]} _x = {x}, _y = {y}; _x {'<' if name == 'min' else '>'} _y ? _x : _y; }})")
+
+    def op_max(self, k, st, mods):
+        return self.op_min(k, st, mods, 'max')
+
+    def op_abs(self, k, st, mods, name='abs'):
+        t = self.type1(mods)
+        a = self.args(st, 2)
+        x = self.src(a[1], t)
+        if is_float(t):
+            ftz, _ = self.float_mods(mods, t)
+            x, = self.fz(ftz, x)
+            e = f"{'fabs' + ('f' if t == 'f32' else '')}({x})" if name == 'abs' else f"(-({x}))"
+            return self.dst(a[0], t, self.post(e, t, ftz, False, x))
+        self.mods(mods, {t})
+        u = UT[SIZE[t]]
+        if name == 'neg':
+            return self.dst(a[0], t, f"({CT[t]})(0 - ({u})({x}))")
+        return self.dst(a[0], t, f"({{ {CT[t]} _x = {x}; _x < 0 ? ({CT[t]})(0 - ({u})_x) : _x; }})")
+
+    def op_neg(self, k, st, mods):
+        return self.op_abs(k, st, mods, 'neg')
+
+    def op_and(self, k, st, mods, name='and'):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        if name in ('not', 'cnot'):
+            a = self.args(st, 2)
+            x = self.src(a[1], t)
+            if name == 'cnot':
+                return self.dst(a[0], t, f"({CT[t]})(({x}) == 0)")
+            return self.dst(a[0], t, f"({CT[t]})(!({x}))" if t == 'pred' else f"({CT[t]})(~({x}))")
+        a = self.args(st, 3)
+        o = {'and': '&', 'or': '|', 'xor': '^'}[name]
+        return self.dst(a[0], t, f"({CT[t]})(({self.src(a[1], t)}) {o} ({self.src(a[2], t)}))")
+
+    def op_or(self, k, st, mods):
+        return self.op_and(k, st, mods, 'or')
+
+    def op_xor(self, k, st, mods):
+        return self.op_and(k, st, mods, 'xor')
+
+    def op_not(self, k, st, mods):
+        return self.op_and(k, st, mods, 'not')
+
+    def op_cnot(self, k, st, mods):
+        return self.op_and(k, st, mods, 'cnot')
+
+    def op_shl(self, k, st, mods, name='shl'):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        a = self.args(st, 3)
+        n = 8 * SIZE[t]
+        x, y = self.src(a[1], t), self.src(a[2], 'u32')
+        if name == 'shl':
+            e = f"({{ uint32_t _s = {y}; _s >= {n} ? ({CT[t]})0 : ({CT[t]})(({UT[SIZE[t]]})({x}) << _s); }})"
+        elif t[0] == 's':
+            e = f"({{ uint32_t _s = {y}; ({CT[t]})(({x}) >> (_s >= {n} ? {n - 1} : _s)); }})"
+        else:
+            e = f"({{ uint32_t _s = {y}; _s >= {n} ? ({CT[t]})0 : ({CT[t]})(({UT[SIZE[t]]})({x}) >> _s); }})"
+        return self.dst(a[0], t, e)
+
+    def op_shr(self, k, st, mods):
+        return self.op_shl(k, st, mods, 'shr')
+
+    def op_popc(self, k, st, mods, name='popc'):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        a = self.args(st, 2)
+        n = 8 * SIZE[t]
+        x = self.src(a[1], f"u{n}")
+        ll = 'll' if n == 64 else ''
+        e = {'popc': f"(uint32_t)__builtin_popcount{ll}({x})",
+             'clz': f"({{ uint{n}_t _x = {x}; _x ? (uint32_t)__builtin_clz{ll}(_x) : {n}u; }})",
+             'brev': f"({{ uint{n}_t _x = {x}, _r = 0; for (int _i = 0; _i < {n}; _i++) {{ _r = (_r << 1) | (_x & 1); _x >>= 1; }} _r; }})"}[name]
+        return self.dst(a[0], t if name == 'brev' else 'u32', e)
+
+    def op_clz(self, k, st, mods):
+        return self.op_popc(k, st, mods, 'clz')
+
+    def op_brev(self, k, st, mods):
+        return self.op_popc(k, st, mods, 'brev')
+
+    def op_setp(self, k, st, mods):
+        t = self.type1(mods)
+        cmp = next((m for m in mods if m in CMP or m in ('equ', 'neu', 'ltu', 'leu', 'gtu', 'geu', 'num', 'nan')), None)
+        bop = next((m for m in mods if m in ('and', 'or', 'xor')), None)
+        self.mods(mods, {t, cmp, bop, 'ftz'})
+        a = st.args
+        x, y = self.src(a[1], t), self.src(a[2], t)
+        if 'ftz' in mods and t == 'f32':
+            x, y = f"ftzf({x})", f"ftzf({y})"
+        if is_float(t):
+            nan = f"(({x}) != ({x}) || ({y}) != ({y}))"
+            if cmp == 'num':
+                e = f"!{nan}"
+            elif cmp == 'nan':
+                e = nan
+            elif cmp.endswith('u') and cmp[:-1] in CMP:
+                e = f"({nan} || ({x}) {CMP[cmp[:-1]]} ({y}))"
+            elif cmp == 'ne':
+                e = f"(!{nan} && ({x}) != ({y}))"
+            else:
+                e = f"(({x}) {CMP[cmp]} ({y}))"
+        elif t == 'pred':
+            e = f"(({x}) {CMP[cmp]} ({y}))"
+        else:
+            if cmp in ('lo', 'ls', 'hi', 'hs'):
+                x, y = f"({UT[SIZE[t]]})({x})", f"({UT[SIZE[t]]})({y})"
+            e = f"(({x}) {CMP[cmp]} ({y}))"
+        out = a[0]
+        p, q = (out.a, out.b) if isinstance(out, P.Pair) else (out, None)
+        if bop:
+            if len(a) != 4:
+                raise Refused("operand count")
+            c = self.src(a[3], 'pred')
+            o = {'and': '&&', 'or': '||', 'xor': '!='}[bop]
+            code = f"{{ uint8_t _e = {e}, _c = {c}; " + self.dst(p, 'pred', f"(_e {o} _c)")
+            if q is not None:
+                code += self.dst(q, 'pred', f"(!_e {o} _c)")
+            return code + " }"
+        if len(a) != 3:
+            raise Refused("operand count")
+        code = f"{{ uint8_t _e = {e}; " + self.dst(p, 'pred', "_e")
+        if q is not None:
+            code += self.dst(q, 'pred', "!_e")
+        return code + " }"
+
+    def op_selp(self, k, st, mods):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        a = self.args(st, 4)
+        return self.dst(a[0], t, f"(({self.src(a[3], 'pred')}) ? ({self.src(a[1], t)}) : ({self.src(a[2], t)}))")
+
+    def op_mov(self, k, st, mods):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        a = self.args(st, 2)
+        d, s = a
+        if isinstance(s, P.Vec):            # pack: the first item is the low part
+            n = len(s.items)
+            w = 8 * SIZE[t] // n
+            parts = [f"((uint64_t)({self.src(x, 'u' + str(w))}) << {i * w})" for i, x in enumerate(s.items)]
+            return self.dst(d, t, convert(f"({' | '.join(parts)})", 'u64', t) if t != 'u64' else f"({' | '.join(parts)})")
+        if isinstance(d, P.Vec):            # unpack
+            n = len(d.items)
+            w = 8 * SIZE[t] // n
+            x = self.src(s, 'b64' if SIZE[t] == 8 else 'b32')
+            return f"{{ uint64_t _v = {x}; " + " ".join(
+                self.dst(o, 'u' + str(w), f"(uint{w}_t)(_v >> {i * w})") for i, o in enumerate(d.items)) + " }"
+        return self.dst(d, t, self.src(s, t))
+
+    def op_cvt(self, k, st, mods):
+        ts = self.types(mods)
+        if len(ts) != 2 or any(x not in CT or x == 'pred' for x in ts):
+            raise Refused(f"types {ts}")
+        dt, stt = ts
+        irnd = next((m for m in mods if m in ('rni', 'rzi', 'rmi', 'rpi')), None)
+        frnd = next((m for m in mods if m in ('rn', 'rz', 'rm', 'rp')), None)
+        self.mods(mods, {dt, stt, irnd, frnd, 'ftz', 'sat'})
+        ftz, sat = 'ftz' in mods, 'sat' in mods
+        a = self.args(st, 2)
+        x = self.src(a[1], stt)
+        if ftz and stt == 'f32':
+            x = f"ftzf({x})"
+        if is_float(stt) and not is_float(dt):
+            r = {'rni': 'rint', 'rzi': 'trunc', 'rmi': 'floor', 'rpi': 'ceil'}[irnd]
+            x = f"{r}((double)({x}))"
+            if dt[0] == 'u':
+                hi = (1 << 8 * SIZE[dt]) - 1
+                e = f"({{ double _x = {x}; _x != _x || _x <= 0.0 ? 0 : _x >= {float(hi + 1)!r} ? {hi}ull : (uint64_t)_x; }})"
+            else:
+                lo, hi = -(1 << 8 * SIZE[dt] - 1), (1 << 8 * SIZE[dt] - 1) - 1
+                e = (f"({{ double _x = {x}; _x != _x ? 0 : _x <= {float(lo)!r} ? (int64_t)(-{hi}ll - 1) : "
+                     f"_x >= {float(hi + 1)!r} ? (int64_t){hi}ll : (int64_t)_x; }})")
+            return self.dst(a[0], dt, f"({CT[dt]})({e})")
+        if not is_float(stt) and is_float(dt):
+            if frnd not in (None, 'rn') or sat:
+                raise Refused("int-to-float rounding")
+            return self.dst(a[0], dt, self.post(f"({CT[dt]})({x})", dt, ftz and dt == 'f32', False))
+        if is_float(stt):
+            if irnd:
+                r = {'rni': 'rint', 'rzi': 'trunc', 'rmi': 'floor', 'rpi': 'ceil'}[irnd] + ('f' if dt == 'f32' else '')
+                e = f"{r}(({CT[dt]})({x}))" if stt == dt else None
+                if e is None:
+                    raise Refused("cvt between float sizes with integer rounding")
+            else:
+                if frnd not in (None, 'rn'):
+                    raise Refused("directed rounding")
+                e = f"({CT[dt]})({x})"
+            return self.dst(a[0], dt, self.post(e, dt, ftz and dt == 'f32', sat))
+        if sat:
+            if SIZE[dt] > 4 and dt[0] != stt[0]:
+                raise Refused("64-bit saturating cvt")
+            lo, hi = (0, (1 << 8 * SIZE[dt]) - 1) if dt[0] != 's' else (-(1 << 8 * SIZE[dt] - 1), (1 << 8 * SIZE[dt] - 1) - 1)
+            xs = f"({CT[stt]})({x})"
+            e = f"({{ __int128 _x = {xs}; _x < {lo}ll ? ({CT[dt]}){lo}ll : _x > (__int128){hi}ull ? ({CT[dt]}){hi}ull : ({CT[dt]})_x; }})"
+            return self.dst(a[0], dt, e)
+        return self.dst(a[0], dt, f"({CT[dt]})({CT[stt]})({x})")
+
+    def op_cvta(self, k, st, mods):
+        t = self.type1(mods)
+        to = 'to' in mods
+        sp = next((m for m in mods if m in SPACES), None)
+        self.mods(mods, {t, 'to', sp})
+        a = self.args(st, 2)
+        win = {'global': 0, 'shared': SHARED_WIN, 'local': LOCAL_WIN, 'param': PARAM_WIN}[SPACES[sp]]
+        x = self.src(a[1], 'u64')
+        return self.dst(a[0], 'u64', f"((uint64_t)({x}) {'-' if to else '+'} {win}ull)")
+
+    def access(self, k, st, mods, store):
+        sp = next((m for m in mods if m in SPACES), 'generic')
+        space = SPACES.get(sp, sp)
+        t = self.type1(mods)
+        if t == 'pred':
+            raise Refused("pred access")
+        vec = next((int(m[1:]) for m in mods if m in ('v2', 'v4', 'v8')), 1)
+        volatile = any(m in mods for m in ('volatile', 'relaxed', 'acquire', 'release'))
+        if volatile and space == 'shared':
+            # warp-synchronous code (volatile shared memory, no syncs) needs the lanes of a warp in
+            # lockstep, as the interpreter runs them; here a thread runs alone up to its next sync
+            raise Refused("volatile shared memory (warp-synchronous code)")
+        self.mods(mods, {t, sp, 'v2', 'v4', 'v8', 'nc', 'L1::no_allocate'})
+        a = st.args
+        if len(a) != 2:
+            raise Refused("operand count")
+        w = SIZE[t]
+        vol = 'volatile ' if volatile else ''
+        addr, val = (a[0], a[1]) if store else (a[1], a[0])
+        code = "{ " + self.ptr(addr, space, w * vec, st.line) + " "
+        items = val.items if isinstance(val, P.Vec) else [val]
+        if len(items) != vec:
+            raise Refused("vector size")
+        for i, o in enumerate(items):
+            lv = f"*({vol}{CT[t]} *)(p_ + {i * w})"
+            if store:
+                code += f"{lv} = {self.src(o, t)}; "
+            else:
+                code += self.dst(o, t, lv) + " "
+        return code + "}"
+
+    def op_ld(self, k, st, mods):
+        return self.access(k, st, mods, False)
+
+    def op_ldu(self, k, st, mods):
+        return self.access(k, st, mods, False)
+
+    def op_st(self, k, st, mods):
+        return self.access(k, st, mods, True)
+
+    def op_atom(self, k, st, mods, red=False):
+        sp = next((m for m in mods if m in SPACES), 'generic')
+        space = SPACES.get(sp, sp)
+        if space not in ('global', 'shared', 'generic'):
+            raise Refused(f"atomic in .{sp}")
+        aop = next((m for m in mods if m in ('add', 'min', 'max', 'exch', 'cas', 'and', 'or', 'xor', 'inc', 'dec')), None)
+        t = self.type1(mods)
+        if aop is None or t not in ('b32', 'b64', 'u32', 'u64', 's32', 's64', 'f32', 'f64'):
+            raise Refused("atomic")
+        self.mods(mods, {t, sp, aop})
+        a = list(st.args)
+        n = (3 if aop == 'cas' else 2) + (not red)
+        if len(a) != n:
+            raise Refused("operand count")
+        rest = a if red else a[1:]
+        w, ct = SIZE[t], CT[t]
+        code = "{ " + self.ptr(rest[0], space, w, st.line) + f" {ct} _b = {self.src(rest[1], t)}; "
+        if aop == 'cas':
+            code += f"{ct} _c = {self.src(rest[2], t)}; {ct} _o = _b; " \
+                    f"__atomic_compare_exchange_n(({ct} *)p_, &_o, _c, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED); "
+        elif aop == 'add' and is_float(t):
+            code += f"{ct} _o = atom_add_{t}(p_, _b); "
+        elif aop in ('add', 'and', 'or', 'xor', 'exch') and not is_float(t):
+            f = {'add': '__atomic_fetch_add', 'and': '__atomic_fetch_and', 'or': '__atomic_fetch_or',
+                 'xor': '__atomic_fetch_xor', 'exch': '__atomic_exchange_n'}[aop]
+            code += f"{ct} _o = {f}(({ct} *)p_, _b, __ATOMIC_RELAXED); "
+        elif aop in ('min', 'max') and not is_float(t):
+            o = '<' if aop == 'min' else '>'
+            code += f"{ct} _o = CAS_LOOP({ct}, p_, _b, _b {o} o ? _b : o); "
+        elif aop in ('inc', 'dec') and t == 'u32':
+            e = "o >= _b ? 0 : o + 1" if aop == 'inc' else "(o == 0 || o > _b) ? _b : o - 1"
+            code += f"{ct} _o = CAS_LOOP({ct}, p_, _b, {e}); "
+        else:
+            raise Refused("atomic operation")
+        if not red:
+            code += self.dst(a[0], t, "_o")
+        return code + " }"
+
+    def op_red(self, k, st, mods):
+        return self.op_atom(k, st, mods, True)
+
+    def op_membar(self, k, st, mods):
+        return "__atomic_thread_fence(__ATOMIC_SEQ_CST);"
+
+    op_fence = op_membar
+
+    def op_nanosleep(self, k, st, mods):
+        return ";"
+
+    op_prefetch = op_nanosleep
+
+    def op_trap(self, k, st, mods):
+        return f"fault(b, E_TRAP, 0, 0, {st.line}); return ST_ERR;"
+
+    # -- approximate and exact math --
+    def op_rcp(self, k, st, mods, name='rcp'):
+        t = self.type1(mods)
+        ftz, _ = self.float_mods(mods, t, ('approx',))
+        if not ('approx' in mods or 'rn' in mods):
+            raise Refused("rounding")
+        a = self.args(st, 2)
+        x, = self.fz(ftz, self.src(a[1], t))
+        f = 'f' if t == 'f32' else ''
+        if t == 'f64' and name not in ('rcp', 'sqrt', 'rsqrt'):
+            raise Refused("f64 approximation")
+        e = {'rcp': f"(1.0{f} / ({x}))", 'sqrt': f"sqrt{f}({x})", 'rsqrt': f"(1.0{f} / sqrt{f}({x}))",
+             'ex2': f"exp2{f}({x})", 'lg2': f"log2{f}({x})", 'sin': f"sin{f}({x})", 'cos': f"cos{f}({x})",
+             'tanh': f"tanh{f}({x})"}[name]
+        return self.dst(a[0], t, self.post(e, t, ftz, False, x))
+
+    def op_sqrt(self, k, st, mods):
+        return self.op_rcp(k, st, mods, 'sqrt')
+
+    def op_rsqrt(self, k, st, mods):
+        return self.op_rcp(k, st, mods, 'rsqrt')
+
+    def op_ex2(self, k, st, mods):
+        return self.op_rcp(k, st, mods, 'ex2')
+
+    def op_lg2(self, k, st, mods):
+        return self.op_rcp(k, st, mods, 'lg2')
+
+    def op_sin(self, k, st, mods):
+        return self.op_rcp(k, st, mods, 'sin')
+
+    def op_cos(self, k, st, mods):
+        return self.op_rcp(k, st, mods, 'cos')
+
+    # -- control flow and sync points --
+    def op_bra(self, k, st, mods):
+        self.mods(mods, {'uni'})
+        a = self.args(st, 1)
+        if not isinstance(a[0], P.Sym) or a[0].name not in self.labels:
+            raise Refused("branch target")
+        lab = a[0].name
+        go = f"goto {self.label(lab)};"
+        if self.labels[lab] > k:
+            return go
+        # a loop: yield now and then, so that a thread spinning on another one lets it run
+        rid = self.sync(('label', lab))
+        return f"if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {go}"
+
+    def op_ret(self, k, st, mods):
+        return "return ST_EXIT;"
+
+    op_exit = op_ret
+
+    def op_bar(self, k, st, mods):
+        if 'warp' in mods:
+            self.mods(mods, {'warp', 'sync'})
+            return self.warp_op(k, st, WARPSYNC, None, '0', '0', '0', self.src(self.args(st, 1)[0], 'u32'))
+        self.mods(mods, {'sync', 'aligned'})
+        if 'sync' not in mods and mods:
+            raise Refused("barrier form")
+        if len(st.args) != 1:
+            raise Refused("barrier with a thread count")
+        self.src(st.args[0], 'u32')
+        rid = self.sync(('after', k))
+        return f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_BAR; {self.resume(rid)}:;"
+
+    op_barrier = op_bar
+
+    def warp_op(self, k, st, kind, dst, a, bb, cc, mask, pdst=None, dtype='u32'):
+        rid = self.sync(('after', k))
+        code = (f"{{ Xchg *x_ = &b->x[t]; x_->a = (uint64_t)({a}); x_->b = {bb}; x_->c = {cc}; "
+                f"x_->mask = {mask}; x_->site = {k}; x_->kind = {kind}; }} "
+                f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_WARP; {self.resume(rid)}:; ")
+        if dst is not None:
+            code += self.dst(dst, dtype, f"({CT[dtype]})b->x[t].{'p' if dtype == 'pred' else 'r'}")
+        if pdst is not None:
+            code += self.dst(pdst, 'pred', "b->x[t].p")
+        return code
+
+    def op_shfl(self, k, st, mods):
+        mode = next(m for m in mods if m in SHFL)
+        t = self.type1(mods)
+        self.mods(mods, {'sync', mode, t})
+        a = st.args
+        if len(a) not in (4, 5):
+            raise Refused("operand count")
+        out = a[0]
+        d, p = (out.a, out.b) if isinstance(out, P.Pair) else (out, None)
+        mask = self.src(a[4], 'u32') if len(a) == 5 else '0xffffffffu'
+        return self.warp_op(k, st, SHFL[mode], d, self.src(a[1], 'u32'), self.src(a[2], 'u32'),
+                            self.src(a[3], 'u32'), mask, p)
+
+    def op_vote(self, k, st, mods):
+        mode = next(m for m in mods if m in VOTE)
+        t = self.type1(mods)
+        self.mods(mods, {'sync', mode, t})
+        a = st.args
+        mask = self.src(a[2], 'u32') if len(a) == 3 else '0xffffffffu'
+        return self.warp_op(k, st, VOTE[mode], a[0], self.src(a[1], 'pred'), '0', '0', mask,
+                            dtype='u32' if mode == 'ballot' else 'pred')
+
+    def op_activemask(self, k, st, mods):
+        self.mods(mods, {'b32'})
+        return self.warp_op(k, st, ACTIVEMASK, self.args(st, 1)[0], '0', '0', '0', '0u')
+
+    def op_redux(self, k, st, mods):
+        rop = next(m for m in mods if m in REDUX)
+        t = self.type1(mods)
+        if t not in ('u32', 's32', 'b32'):
+            raise Refused("redux type")
+        self.mods(mods, {'sync', rop, t})
+        a = self.args(st, 3)
+        return self.warp_op(k, st, REDUX[rop], a[0], self.src(a[1], 'u32'), '0', '1' if t == 's32' else '0',
+                            self.src(a[2], 'u32'), dtype=t)
+
+    # -- assembly --
+    def sync(self, where):
+        self.syncs.append(where)
+        return len(self.syncs)
+
+    @staticmethod
+    def save_marker(rid):
+        return f"@SAVE{rid}@"
+
+    @staticmethod
+    def resume(rid):
+        return f"R{rid}"
+
+    def label(self, name):
+        return 'L' + ident(name)
+
+    def liveness(self):
+        """Registers live into each statement (backward dataflow over the statements' graph)."""
+        n = len(self.stmts)
+        succ = []
+        for k, st in enumerate(self.stmts):
+            name = self.body[k][3]
+            s = []
+            if name == 'bra':
+                s.append(self.labels[st.args[0].name])
+            if name not in ('bra', 'ret', 'exit', 'trap') or st.guard is not None:
+                s.append(k + 1)
+            succ.append([x for x in s if x < n])
+        live = [frozenset()] * (n + 1)
+        changed = True
+        while changed:
+            changed = False
+            for k in range(n - 1, -1, -1):
+                _, reads, kills, _ = self.body[k]
+                out = frozenset().union(*(live[j] for j in succ[k]))
+                new = reads | (out - kills)
+                if new != live[k]:
+                    live[k], changed = new, True
+        return live
+
+    def assemble(self):
+        live = self.liveness()
+        regs = self.fn.regs
+        saves, restores, nsave = {}, [], 0
+        for rid, (kind, where) in enumerate(self.syncs, 1):
+            if kind == 'after':
+                k = where
+                _, _, kills, _ = self.body[k]
+                keep = sorted(live[k + 1] - kills) if k + 1 < len(self.stmts) else []
+                target = self.resume(rid)
+            else:
+                keep = sorted(live[self.labels[where]])
+                target = self.label(where)
+            nsave = max(nsave, len(keep))
+            slot = {'f32': 'f', 'f64': 'd'}
+            saves[rid] = " ".join(f"sv[{i}].{slot.get(regs[r], 'u')} = {ident(r)};" for i, r in enumerate(keep))
+            restores.append(f"case {rid}: " + " ".join(
+                f"{ident(r)} = ({CT[regs[r]]})sv[{i}].{slot.get(regs[r], 'u')};" for i, r in enumerate(keep))
+                + f" goto {target};")
+        decl = "\n".join(f"    {CT[self.rtype(r)]} {ident(r)} = 0;" for r in regs)
+        lines = []
+        stmt_at = {}
+        for name, k in self.labels.items():
+            stmt_at.setdefault(k, []).append(name)
+        for k, (code, _, _, _) in enumerate(self.body):
+            for lab in stmt_at.get(k, []):
+                lines.append(f"{self.label(lab)}:;")
+            lines.append("    " + re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], code))
+        for lab in stmt_at.get(len(self.body), []):
+            lines.append(f"{self.label(lab)}:;")
+        prelude = PRELUDE % dict(shared_win=SHARED_WIN, local_win=LOCAL_WIN, param_win=PARAM_WIN, win=WIN)
+        return f"""{prelude}
+#define NSAVE {nsave}
+static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {{
+    Ctx *c = b->c;
+    const uint32_t tid_x = t % c->block[0], tid_y = (t / c->block[0]) % c->block[1],
+                   tid_z = t / (c->block[0] * c->block[1]);
+    (void)tid_x; (void)tid_y; (void)tid_z;
+    Slot *sv = b->save + (size_t)t * (NSAVE ? NSAVE : 1); (void)sv;
+    int yc = YIELD_EVERY; (void)yc;
+{decl}
+    switch (b->pc[t]) {{
+    case 0: break;
+    {chr(10).join('    ' + r for r in restores)}
+    default: return ST_ERR;
+    }}
+{chr(10).join(lines)}
+    return ST_EXIT;
+}}
+{SCHEDULER}
+"""

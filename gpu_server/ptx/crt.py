@@ -1,0 +1,226 @@
+"""The C runtime every compiled kernel's source starts with (see compiler.py).
+
+A block runs on one OS thread: its threads run one after the other, each until its next
+sync point (bar.sync, a warp collective, a yield in a long loop) where it saves its live
+registers and returns; the scheduler below then completes barriers and warp collectives.
+Memory accesses resolve device addresses to host pointers, checked against the
+allocations as the interpreter checks them, so a bad kernel faults instead of the server.
+"""
+
+PRELUDE = r'''
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+#include <math.h>
+#include <time.h>
+
+enum { ST_RUN = 0, ST_BAR = 1, ST_WARP = 2, ST_EXIT = 3, ST_ERR = 4 };
+enum { E_GLOBAL = 1, E_SHARED = 2, E_LOCAL = 3, E_PARAM = 4, E_ALIGN = 5, E_DEADLOCK = 6, E_STOP = 7, E_TRAP = 8 };
+#define SHARED_WIN %(shared_win)dULL
+#define LOCAL_WIN %(local_win)dULL
+#define PARAM_WIN %(param_win)dULL
+#define WIN_SIZE %(win)dULL
+#define YIELD_EVERY 16384
+
+typedef struct {                     /* filled by compiler.py (ctypes mirror: Ctx there) */
+    uint8_t *arena; uint64_t base;
+    uint64_t *lo, *hi; uint8_t **host; int64_t nalloc;   /* sorted allocations, host pointers */
+    uint8_t *params; uint64_t psize;
+    uint64_t *gsym;
+    uint32_t grid[3], block[3];
+    uint64_t shbytes, dyn, local_size;
+    volatile int32_t stop;
+    int32_t err, err_line, err_width; uint64_t err_addr;
+} Ctx;
+
+typedef union { uint64_t u; double d; float f; } Slot;
+typedef struct { uint64_t a, b, c; uint32_t mask; int32_t site, kind; uint64_t r; uint8_t p; } Xchg;
+typedef struct { uint64_t lo, hi; uint8_t *host; } GCache;
+typedef struct {
+    Ctx *c; uint8_t *shm, *loc; uint32_t nt, ctaid[3], lin;
+    uint8_t *state; int32_t *pc; Slot *save; Xchg *x; GCache g;
+} Blk;
+
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline double u2d(uint64_t u) { double f; memcpy(&f, &u, 8); return f; }
+static inline uint64_t d2u(double f) { uint64_t u; memcpy(&u, &f, 8); return u; }
+static inline float ftzf(float x) { return fabsf(x) < 1.17549435e-38f ? copysignf(0.0f, x) : x; }
+static inline float satf(float x) { return x != x ? 0.0f : x < 0.0f ? 0.0f : x > 1.0f ? 1.0f : x; }
+static inline double satd(double x) { return x != x ? 0.0 : x < 0.0 ? 0.0 : x > 1.0 ? 1.0 : x; }
+static inline uint64_t now_ns(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+                                      return (uint64_t)ts.tv_sec * 1000000000ULL + ts.tv_nsec; }
+
+static int fault(Blk *b, int kind, uint64_t a, int w, int line) {
+    Ctx *c = b->c;
+    if (!c->err) { c->err = kind; c->err_addr = a; c->err_width = w; c->err_line = line; }
+    return 0;
+}
+
+static uint8_t *gslow(Blk *b, uint64_t a, unsigned w, int line) {
+    Ctx *c = b->c;
+    if (w > 1 && (a & (w - 1))) { fault(b, E_ALIGN, a, w, line); return NULL; }
+    int64_t l = 0, h = c->nalloc - 1, i = -1;
+    while (l <= h) { int64_t m = (l + h) / 2; if (c->lo[m] <= a) { i = m; l = m + 1; } else h = m - 1; }
+    if (i < 0 || a + w > c->hi[i] || a + w < a) { fault(b, E_GLOBAL, a, w, line); return NULL; }
+    b->g.lo = c->lo[i]; b->g.hi = c->hi[i]; b->g.host = c->host[i];
+    return c->host[i] + (a - c->lo[i]);
+}
+
+static inline uint8_t *gptr(Blk *b, uint64_t a, unsigned w, int line) {
+    if (a >= b->g.lo && a + w <= b->g.hi && !(a & (w - 1))) return b->g.host + (a - b->g.lo);
+    return gslow(b, a, w, line);
+}
+
+static inline uint8_t *sptr(Blk *b, uint64_t a, unsigned w, int line) {
+    if (a + w <= b->c->shbytes && a + w >= a && !(a & (w - 1))) return b->shm + a;
+    fault(b, (a & (w - 1)) ? E_ALIGN : E_SHARED, a, w, line); return NULL;
+}
+
+static inline uint8_t *lptr(Blk *b, uint32_t t, uint64_t a, unsigned w, int line) {
+    uint64_t n = b->c->local_size;
+    if (a + w <= n && a + w >= a && !(a & (w - 1))) return b->loc + (uint64_t)t * n + a;
+    fault(b, (a & (w - 1)) ? E_ALIGN : E_LOCAL, a, w, line); return NULL;
+}
+
+static inline uint8_t *pptr(Blk *b, uint64_t a, unsigned w, int line) {
+    if (a + w <= b->c->psize && a + w >= a) return b->c->params + a;
+    fault(b, E_PARAM, a, w, line); return NULL;
+}
+
+static uint8_t *genslow(Blk *b, uint32_t t, uint64_t a, unsigned w, int line) {
+    if (a - SHARED_WIN < WIN_SIZE) return sptr(b, a - SHARED_WIN, w, line);
+    if (a - LOCAL_WIN < WIN_SIZE) return lptr(b, t, a - LOCAL_WIN, w, line);
+    if (a - PARAM_WIN < WIN_SIZE) return pptr(b, a - PARAM_WIN, w, line);
+    return gslow(b, a, w, line);
+}
+
+static inline uint8_t *genptr(Blk *b, uint32_t t, uint64_t a, unsigned w, int line) {
+    if (a >= b->g.lo && a + w <= b->g.hi && !(a & (w - 1))) return b->g.host + (a - b->g.lo);
+    return genslow(b, t, a, w, line);
+}
+
+#define CAS_LOOP(T, p, v, expr) ({ T _o = __atomic_load_n((T *)(p), __ATOMIC_RELAXED), _n; \
+    do { T o = _o; (void)o; _n = (expr); } while (!__atomic_compare_exchange_n((T *)(p), &_o, _n, 0, \
+        __ATOMIC_RELAXED, __ATOMIC_RELAXED)); _o; })
+static inline float atom_add_f32(uint8_t *p, float v) {
+    uint32_t o = __atomic_load_n((uint32_t *)p, __ATOMIC_RELAXED), n;
+    do { n = f2u(u2f(o) + v); } while (!__atomic_compare_exchange_n((uint32_t *)p, &o, n, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return u2f(o);
+}
+static inline double atom_add_f64(uint8_t *p, double v) {
+    uint64_t o = __atomic_load_n((uint64_t *)p, __ATOMIC_RELAXED), n;
+    do { n = d2u(u2d(o) + v); } while (!__atomic_compare_exchange_n((uint64_t *)p, &o, n, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return u2d(o);
+}
+
+/* A warp collective: lanes wait (ST_WARP) until every live lane their member mask names waits
+   too; then the lanes at each site complete together, as the interpreter's group does. */
+static int warp_resolve(Blk *b, uint32_t w) {
+    uint32_t t0 = w * 32, n = b->nt - t0 < 32 ? b->nt - t0 : 32, waiting = 0, live = 0, done = 0;
+    for (uint32_t l = 0; l < n; l++) {
+        uint8_t s = b->state[t0 + l];
+        if (s == ST_WARP) waiting |= 1u << l;
+        if (s != ST_EXIT) live |= 1u << l;
+    }
+    if (!waiting) return 0;
+    for (uint32_t l = 0; l < n; l++)
+        if (((waiting >> l) & 1) && (b->x[t0 + l].mask & live & ~waiting)) waiting &= ~(1u << l);
+    for (uint32_t l = 0; l < n; l++) {
+        if (!((waiting >> l) & 1)) continue;
+        int32_t site = b->x[t0 + l].site;
+        uint32_t grp = 0;
+        for (uint32_t k = l; k < n; k++)
+            if (((waiting >> k) & 1) && b->x[t0 + k].site == site) grp |= 1u << k;
+        waiting &= ~grp;
+        for (uint32_t k = l; k < n; k++) {
+            if (!((grp >> k) & 1)) continue;
+            Xchg *x = &b->x[t0 + k];
+            int kind = x->kind;
+            if (kind <= 3) {            /* shfl up, down, bfly, idx */
+                int64_t bv = x->b & 31, cv = x->c & 31, seg = (x->c >> 8) & 31, j;
+                int64_t maxl = (k & seg) | (cv & ~seg), minl = k & seg; int ok;
+                if (kind == 0) { j = (int64_t)k - bv; ok = j >= maxl; }
+                else if (kind == 1) { j = k + bv; ok = j <= maxl; }
+                else if (kind == 2) { j = k ^ bv; ok = j <= maxl; }
+                else { j = minl | (bv & ~seg); ok = j <= maxl; }
+                if (!(ok && j < (int64_t)n)) j = k;
+                x->r = ((grp >> j) & 1) ? b->x[t0 + j].a : x->a; x->p = ok;
+            } else if (kind >= 4 && kind <= 8) {   /* ballot, all, any, uni, activemask */
+                uint32_t yes = 0;
+                for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a) yes |= 1u << q;
+                x->r = kind == 4 ? yes : kind == 8 ? grp : 0;
+                x->p = kind == 5 ? yes == grp : kind == 6 ? yes != 0 : kind == 7 ? (yes == grp || !yes) : 0;
+            } else if (kind >= 9 && kind <= 14) {  /* redux add, min, max (signed by c), and, or, xor */
+                uint32_t acc = b->x[t0 + l].a; int sg = (int)x->c;
+                for (uint32_t q = l + 1; q < n; q++) {
+                    if (!((grp >> q) & 1)) continue;
+                    uint32_t v = b->x[t0 + q].a;
+                    if (kind == 9) acc += v;
+                    else if (kind == 10) acc = sg ? ((int32_t)v < (int32_t)acc ? v : acc) : (v < acc ? v : acc);
+                    else if (kind == 11) acc = sg ? ((int32_t)v > (int32_t)acc ? v : acc) : (v > acc ? v : acc);
+                    else if (kind == 12) acc &= v; else if (kind == 13) acc |= v; else acc ^= v;
+                }
+                x->r = acc;
+            } else {                          /* bar.warp.sync */
+                x->r = 0;
+            }
+        }
+        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) b->state[t0 + k] = ST_RUN;
+        done = 1;
+    }
+    return done;
+}
+'''
+
+SCHEDULER = r'''
+static int run_block(Blk *b) {
+    uint32_t nt = b->nt;
+    for (uint32_t t = 0; t < nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
+    for (;;) {
+        int ran = 0;
+        for (uint32_t t = 0; t < nt; t++) {
+            if (b->state[t] != ST_RUN) continue;
+            int s = thread_fn(b, t);
+            if (s == ST_ERR) return -1;
+            b->state[t] = s; ran = 1;
+        }
+        if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
+        int woke = 0;
+        for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
+        if (woke || ran) continue;
+        uint32_t nbar = 0, nexit = 0;
+        for (uint32_t t = 0; t < nt; t++) { nbar += b->state[t] == ST_BAR; nexit += b->state[t] == ST_EXIT; }
+        if (nexit == nt) return 0;
+        if (nbar + nexit == nt) {
+            for (uint32_t t = 0; t < nt; t++) if (b->state[t] == ST_BAR) b->state[t] = ST_RUN;
+            continue;
+        }
+        fault(b, E_DEADLOCK, nt - nexit, 0, 0); return -1;
+    }
+}
+
+/* Blocks first..last-1 of the grid, on the calling OS thread; returns 0 or -1 (c->err says why). */
+int run_blocks(Ctx *c, int64_t first, int64_t last) {
+    uint32_t nt = c->block[0] * c->block[1] * c->block[2];
+    Blk b; memset(&b, 0, sizeof b);
+    b.c = c; b.nt = nt;
+    uint64_t shstride = (c->shbytes + 15) / 16 * 16;
+    b.shm = calloc(shstride ? shstride : 16, 1);
+    b.loc = calloc(c->local_size ? (size_t)nt * c->local_size : 16, 1);
+    b.state = malloc(nt); b.pc = malloc(nt * sizeof(int32_t));
+    b.save = malloc((size_t)nt * (NSAVE ? NSAVE : 1) * sizeof(Slot));
+    b.x = calloc(nt, sizeof(Xchg));
+    int rc = 0;
+    if (!b.shm || !b.loc || !b.state || !b.pc || !b.save || !b.x) { c->err = -1; rc = -1; }
+    for (int64_t g = first; g < last && !rc && !c->err && !c->stop; g++) {
+        b.lin = (uint32_t)g;
+        b.ctaid[0] = g % c->grid[0]; b.ctaid[1] = (g / c->grid[0]) % c->grid[1];
+        b.ctaid[2] = g / ((int64_t)c->grid[0] * c->grid[1]);
+        if (c->shbytes) memset(b.shm, 0, shstride);
+        rc = run_block(&b);
+    }
+    free(b.shm); free(b.loc); free(b.state); free(b.pc); free(b.save); free(b.x);
+    return rc || c->err ? -1 : 0;
+}
+'''
