@@ -179,9 +179,12 @@ class KernelSource:
                 a = f"({a} + {win}ull)"
             elif ss != space:
                 raise Refused(f"{o.base.name} is not in .{space}")
-        fn = {'global': 'gptr(b, ', 'shared': 'sptr(b, ', 'local': 'lptr(b, t, ', 'param': 'pptr(b, ',
-              'generic': 'genptr(b, t, '}[space]
-        return f"uint8_t *p_ = {fn}{a}, {w}, {line}); if (!p_) return ST_ERR;"
+        if space == 'param':
+            return f"uint8_t *p_; PPTR(p_, {a}, {w}, {line});"
+        if space in ('global', 'generic'):
+            slow = f"gslow(b, a_, {w}, {line})" if space == 'global' else f"genslow(b, t, a_, {w}, {line})"
+            return f"uint8_t *p_; GPTR(p_, {a}, {w}, {line}, {slow});"
+        return f"uint8_t *p_; {'SPTR' if space == 'shared' else 'LPTR'}(p_, {a}, {w}, {line});"
 
     # -- statements --
     def statement(self, k, st):
@@ -821,11 +824,16 @@ class KernelSource:
 #define NSAVE {nsave}
 static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {{
     Ctx *c = b->c;
-    const uint32_t tid_x = t % c->block[0], tid_y = (t / c->block[0]) % c->block[1],
+    const uint32_t tid_x = c->block[1] * c->block[2] == 1 ? t : t % c->block[0], tid_y = (t / c->block[0]) % c->block[1],
                    tid_z = t / (c->block[0] * c->block[1]);
     (void)tid_x; (void)tid_y; (void)tid_z;
     Slot *sv = b->save + (size_t)t * (NSAVE ? NSAVE : 1); (void)sv;
     int yc = YIELD_EVERY; (void)yc;
+    uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
+    uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
+    const uint64_t lsz = c->local_size; uint8_t *const lbase = b->loc + (uint64_t)t * lsz;
+    uint8_t *const prm = c->params; const uint64_t psz = c->psize;
+    (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)lsz; (void)lbase; (void)prm; (void)psz;
 {decl}
     switch (b->pc[t]) {{
     case 0: break;

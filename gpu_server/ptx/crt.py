@@ -95,6 +95,22 @@ static uint8_t *genslow(Blk *b, uint32_t t, uint64_t a, unsigned w, int line) {
     return gslow(b, a, w, line);
 }
 
+/* The fast paths, inline in thread_fn over its locals (glo, ghi, gh: the last allocation hit;
+   shm, shlim; lbase, lsz): kept out of memory, a store through a kernel pointer cannot make
+   gcc reload them, as it must reload b->... fields under -fno-strict-aliasing. */
+#define LIKELY(x) __builtin_expect(!!(x), 1)
+#define GPTR(p, a, w, line, slow) do { uint64_t a_ = (a); \
+    if (LIKELY(a_ >= glo && a_ + (w) <= ghi && !(a_ & ((w) - 1)))) p = gh + (a_ - glo); \
+    else { p = slow; if (!p) return ST_ERR; glo = b->g.lo; ghi = b->g.hi; gh = b->g.host; } } while (0)
+#define SPTR(p, a, w, line) do { uint64_t a_ = (a); \
+    if (LIKELY(a_ + (w) <= shlim && a_ + (w) >= a_ && !(a_ & ((w) - 1)))) p = shm + a_; \
+    else { sptr(b, a_, w, line); return ST_ERR; } } while (0)
+#define PPTR(p, a, w, line) do { uint64_t a_ = (a); \
+    if (LIKELY(a_ + (w) <= psz && a_ + (w) >= a_)) p = prm + a_; else { pptr(b, a_, w, line); return ST_ERR; } } while (0)
+#define LPTR(p, a, w, line) do { uint64_t a_ = (a); \
+    if (LIKELY(a_ + (w) <= lsz && a_ + (w) >= a_ && !(a_ & ((w) - 1)))) p = lbase + a_; \
+    else { lptr(b, t, a_, w, line); return ST_ERR; } } while (0)
+
 static inline uint8_t *genptr(Blk *b, uint32_t t, uint64_t a, unsigned w, int line) {
     if (a >= b->g.lo && a + w <= b->g.hi && !(a & (w - 1))) return b->g.host + (a - b->g.lo);
     return genslow(b, t, a, w, line);

@@ -7,6 +7,7 @@ decode to tuples for the scheduler in interp.py: (kind, arg, None, guard, line).
 Register and symbol names of function f become 'f|name' in the register file and the
 symbol table, so callees never clobber their callers.
 """
+import re
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ from phos.schema.cuda_types import CudaError, CUresult
 PARAM_WIN, LOCAL_WIN, SHARED_WIN, WIN = BASE - (1 << 40), BASE - (2 << 40), BASE - (3 << 40), 1 << 32
 OP, BRA, BRX, CALL, RET, EXIT, BAR, TRAP = range(8)
 M64 = (1 << 64) - 1
+ENVREG = re.compile(r'%envreg([0-9]|[12][0-9]|3[01])')
 
 
 class Unsupported(Exception):
@@ -234,6 +236,9 @@ class Decoder:
             elif o.name in SPECIAL:
                 key = o.name
                 g = (lambda S: S.R[key]) if SPECIAL[key] == dt else (lambda S: as_(S.R[key], dt))
+            elif ENVREG.fullmatch(o.name):          # the driver's environment registers: none set
+                zero = as_(np.asarray(u32(0)), dt)[()]
+                g = lambda S: zero
             else:
                 raise Unsupported(f"unknown register {o.name}")
             if o.neg:
@@ -246,6 +251,9 @@ class Decoder:
             c = imm(o, dt)
             return lambda S: c
         if isinstance(o, P.Sym):
+            if o.name == 'WARP_SZ':                 # PTX's built-in constant
+                c = as_(np.asarray(u32(32)), dt)[()]
+                return lambda S: c
             key, kind = self.sym(o.name)
             if kind in ('func', 'fparam'):
                 raise Unsupported(f"address of {o.name}")

@@ -826,6 +826,16 @@ def test_hand_written_ptx_runs(dev):
     assert dev.read(out, 1, np.int32)[0] == 42
 
 
+@pytest.mark.parametrize("insn, value", [("mov.u32 %r2, WARP_SZ;", 32), ("add.u32 %r2, %envreg2, 9;", 9),
+                                         ("mov.u64 %rd2, %globaltimer; shr.u64 %rd2, %rd2, 62; cvt.u32.u64 %r2, %rd2;", 0),
+                                         ("mov.u64 %rd2, %clock64; shr.u64 %rd2, %rd2, 62; cvt.u32.u64 %r2, %rd2;", 0)])
+def test_builtin_constants_and_timers(dev, insn, value):
+    mod = parse_module(HAND.format(insn=insn))
+    out = dev.zeros(1, np.int32)
+    dev.launch(mod, "k", 1, 1, out)
+    assert dev.read(out, 1, np.int32)[0] == value
+
+
 @pytest.mark.parametrize("text", ["garbage", HAND.format(insn="mov.u32 %r2 %r1;"), HAND.format(insn="@ bra;"),
                                   HAND.format(insn="add.s32 %r2, [%r1;")[:-3]])
 def test_syntax_errors_are_invalid_ptx(text):
