@@ -145,6 +145,7 @@ ERRORS = {1: (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, "{w}-byte access at {a:#x} is
           4: (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, "{w}-byte param access outside the parameters, at {a:#x}"),
           5: (CUresult.CUDA_ERROR_MISALIGNED_ADDRESS, "misaligned {w}-byte access at {a:#x}"),
           6: (CUresult.CUDA_ERROR_LAUNCH_FAILED, "deadlock, {a} threads wait at a barrier that cannot complete"),
+          7: (CUresult.CUDA_ERROR_LAUNCH_TIMEOUT, "stopped at the emu's launch time limit (PHOS_EMU_LAUNCH_TIMEOUT)"),
           8: (None, "trap at line {line}")}
 
 
@@ -163,10 +164,17 @@ def launch(C, K, mem, symbols, grid, block, dyn, params, deadline):
     nblocks = grid[0] * grid[1] * grid[2]
     n = len(os.sched_getaffinity(0))
     chunk = max(1, min(CHUNK_BLOCKS, -(-nblocks // n)))
-    ranges = [(s, min(s + chunk, nblocks)) for s in range(0, nblocks, chunk)]
-    ref = ctypes.byref(c)
-    pool = workers()
-    futures = [pool.submit(C.fn, ref, a, b) for a, b in ranges]
+    ref, taken, lock = ctypes.byref(c), [0], threading.Lock()
+
+    def worker():
+        """Ranges of blocks taken in turn (a grid may have 2^63 of them: none listed ahead)."""
+        while not c.stop and not c.err:
+            with lock:
+                first = taken[0]
+                taken[0] += chunk
+            if first >= nblocks or C.fn(ref, first, min(first + chunk, nblocks)):
+                return
+    futures = [workers().submit(worker) for _ in range(min(n, -(-nblocks // chunk)))]
     try:
         for f in futures:
             while True:
