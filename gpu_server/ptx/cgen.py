@@ -16,6 +16,9 @@ from phos.gpu_server.ptx.decode import LOCAL_WIN, MEM_IGNORED, PARAM_WIN, SHARED
 from phos.gpu_server.ptx.ops import DT
 
 
+IT, PATH = '@it', '@path'
+
+
 class Refused(Exception):
     """The compiler cannot translate this kernel (the message says what); the interpreter runs it."""
 
@@ -76,36 +79,92 @@ class KernelSource:
     """C source of kernel K (an interp.Kernel, linked); .text, .nsave, .globals (bound at launch)."""
 
     def __init__(self, K):
-        mod, fn = K.mod, K.fn
-        if mod.decoded[K.name][3]:
-            raise Refused("it calls device functions")
-        self.K, self.fn, self.tree, self.pre = K, fn, mod.tree, fn.name + '|'
-        self.fvars = {v.name: v for v in fn.vars}
-        self.fparams = {v.name: v for v in fn.params}
+        mod = K.mod
+        self.K, self.tree = K, mod.tree
         self.globals = list(K.used_globals)
-        self.stmts = [s for s in fn.body if isinstance(s, P.Stmt)]
-        self.labels, i = {}, 0
-        for s in fn.body:
-            if isinstance(s, P.Label):
-                self.labels[s.name] = i
-            else:
-                i += 1
-        self.syncs = []                 # where each sync point resumes: ('after', k) or ('label', name)
-        self.body = [self.statement(k, s) for k, s in enumerate(self.stmts)]
+        self.order = self.callees(mod, K.name)
+        self.regs = {}                  # 'function|register' -> type, over every function linked in
+        self.frame, self.frame_bytes = {}, 0    # 'function|name' of a .param variable -> (offset, size)
+        self.stmts, self.owner, self.labels, self.entry = [], [], {}, {}
+        for name in self.order:
+            fn = mod.tree.funcs[name]
+            if fn.body is None:
+                raise Refused(f"call to external function {name}")
+            self.regs.update({name + '|' + r: t for r, t in fn.regs.items()})
+            if name != K.name:
+                self.regs[self.rs(name)] = 'u32'
+            for v in fn.vars + ([] if fn.entry else fn.params + fn.rets):
+                if v.space == 'param':
+                    off = -(-self.frame_bytes // max(v.align, 1)) * max(v.align, 1)
+                    self.frame[name + '|' + v.name] = (off, v.size)
+                    self.frame_bytes = off + v.size
+            last = next((x for x in reversed(fn.body) if isinstance(x, P.Stmt)), None)
+            if name != K.name and (last is None or last.guard is not None or
+                                   last.op.split('.')[0] not in ('ret', 'exit', 'bra', 'trap')):
+                raise Refused(f"function {name} does not end in ret")
+            self.entry[name] = len(self.stmts)
+            labels = self.labels[name] = {}
+            for s in fn.body:
+                if isinstance(s, P.Label):
+                    labels[s.name] = len(self.stmts)
+                else:
+                    self.stmts.append(s)
+                    self.owner.append(name)
+        self.frame_bytes = -(-self.frame_bytes // 16) * 16
+        # with printf, a thread counts its loop iterations since the last barrier (the register IT)
+        # and keeps the call sites it is in (PATH, 16 bits a call): printf's order among threads
+        # (compiler.Host) follows them, as lanes in step go
+        self.counting = any(s.op.split('.')[0] == 'call' and any(isinstance(a, P.Sym) and a.name == 'vprintf'
+                                                                 for a in s.args) for s in self.stmts)
+        if self.counting:
+            self.regs[IT], self.regs[PATH] = 'u32', 'u64'
+        self.syncs = []                 # where each sync point resumes: ('after', k) or ('label', C label, k)
+        self.sites = {name: [] for name in self.order}     # call statements of each function
+        self.body = []
+        for k, st in enumerate(self.stmts):
+            self.enter(self.owner[k])
+            self.body.append(self.statement(k, st))
         self.text = self.assemble()
 
+    @staticmethod
+    def callees(mod, name):
+        """The kernel and every function it may call, in the order K.link() lays them out."""
+        order, seen = [name], {name}
+
+        def visit(n):
+            for c in sorted(mod.decoded[n][3]):
+                if c not in seen:
+                    seen.add(c)
+                    order.append(c)
+                    visit(c)
+        visit(name)
+        return order
+
+    def enter(self, name):
+        """Translate the statements of function `name` from here on."""
+        fn = self.tree.funcs[name]
+        self.fn, self.pre = fn, name + '|'
+        self.fvars = {v.name: v for v in fn.vars}
+        self.fparams = {v.name: v for v in fn.params} if fn.entry else {}
+
+    @staticmethod
+    def rs(name):
+        """The register holding where a call to `name` returns (one frame a function: no recursion)."""
+        return '@rs|' + name
+
     # -- operands --
-    def rtype(self, name):
-        t = self.fn.regs.get(name)
+    def rtype(self, key):
+        t = self.regs.get(key)
         if t not in CT:
-            raise Refused(f"register {name} of type .{t}")
+            raise Refused(f"register {key.split('|', 1)[1]} of type .{t}")
         return t
 
     def src(self, o, t):
         if isinstance(o, P.Reg):
             if o.name in self.fn.regs:
-                self.reads.add(o.name)
-                e = convert(ident(o.name), self.rtype(o.name), t)
+                key = self.pre + o.name
+                self.reads.add(key)
+                e = convert(ident(key), self.rtype(key), t)
             elif o.name in SPECIAL:
                 e = convert(SPECIAL[o.name], SPECIAL_TYPE.get(o.name, 'u32'), t)
             elif re.fullmatch(r'%envreg\d+', o.name):
@@ -130,6 +189,8 @@ class KernelSource:
 
     def symval(self, name):
         """C expression (uint64) of a symbol's value, as the interpreter's S.sym holds it."""
+        if self.pre + name in self.frame:
+            raise Refused(f"the address of .param variable {name}")
         if name in self.fvars:
             v = self.fvars[name]
             if v.space not in ('shared', 'local'):
@@ -146,6 +207,8 @@ class KernelSource:
         raise Refused(f"symbol {name}")
 
     def symspace(self, name):
+        if self.pre + name in self.frame:
+            return 'param'
         if name in self.fvars:
             return self.fvars[name].space
         if name in self.fparams:
@@ -159,8 +222,9 @@ class KernelSource:
             return f"(void)({e});"
         if not isinstance(o, P.Reg) or o.neg or o.name not in self.fn.regs:
             raise Refused("destination")
-        self.writes.add(o.name)
-        return f"{ident(o.name)} = {convert(e, t, self.rtype(o.name))};"
+        key = self.pre + o.name
+        self.writes.add(key)
+        return f"{ident(key)} = {convert(e, t, self.rtype(key))};"
 
     def ptr(self, o, space, w, line):
         """C statements setting p_ to the host address of [o] (w bytes), returning on a fault."""
@@ -171,6 +235,12 @@ class KernelSource:
             a = f"{off}ull"
         elif isinstance(o.base, P.Reg):
             a = f"((uint64_t){self.src(o.base, 'u64')} + {off}ull)"
+        elif self.pre + o.base.name in self.frame:
+            # a call's .param variable: bytes of the thread's frame, after its local memory
+            off, size = self.frame[self.pre + o.base.name]
+            if space != 'param' or not 0 <= o.off <= size - w:
+                raise Refused(f"access to .param variable {o.base.name}")
+            return f"uint8_t *p_ = lbase + {self.K.local_size + off + o.off}ull;"
         else:
             ss = self.symspace(o.base.name)
             a = f"({self.symval(o.base.name)} + {off}ull)"
@@ -188,7 +258,9 @@ class KernelSource:
 
     # -- statements --
     def statement(self, k, st):
-        self.reads, self.writes = set(), set()
+        """(C code, registers read, registers surely written, opcode, successors) of statement k;
+        an emitter sets self.jumps to where it goes besides (or, with self.falls off, instead of) k + 1."""
+        self.reads, self.writes, self.jumps, self.falls = set(), set(), [], True
         parts = st.op.split('.')
         name, mods = parts[0], parts[1:]
         emit = getattr(self, 'op_' + name, None)
@@ -204,7 +276,8 @@ class KernelSource:
         if st.guard is not None:
             g = self.src(st.guard, 'pred')
             code = f"if ({g}) {{ {code} }}"
-        return code, frozenset(self.reads), frozenset(kills), name
+        succ = self.jumps + ([k + 1] if self.falls or st.guard is not None else [])
+        return code, frozenset(self.reads), frozenset(kills), name, succ
 
     @staticmethod
     def mods(mods, known):
@@ -672,20 +745,110 @@ class KernelSource:
     def op_bra(self, k, st, mods):
         self.mods(mods, {'uni'})
         a = self.args(st, 1)
-        if not isinstance(a[0], P.Sym) or a[0].name not in self.labels:
+        labels = self.labels[self.fn.name]
+        if not isinstance(a[0], P.Sym) or a[0].name not in labels:
             raise Refused("branch target")
-        lab = a[0].name
+        lab, to = a[0].name, labels[a[0].name]
+        self.jumps, self.falls = [to], False
         go = f"goto {self.label(lab)};"
-        if self.labels[lab] > k:
+        if to > k:
             return go
         # a loop: yield now and then, so that a thread spinning on another one lets it run
-        rid = self.sync(('label', lab))
-        return f"if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {go}"
+        rid = self.sync(('label', self.label(lab), to))
+        count = ""
+        if self.counting:
+            self.reads |= {IT, PATH}
+            count = f"{ident(IT)}++; "
+        return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {go}"
 
     def op_ret(self, k, st, mods):
+        self.falls = False
+        if self.fn.entry:
+            return "return ST_EXIT;"
+        # back to the statement after the call that entered this frame (resolved in liveness())
+        key = self.rs(self.fn.name)
+        self.reads.add(key)
+        self.jumps = [('ret', self.fn.name)]
+        return f"RETURN_{ident(self.fn.name)}"
+
+    def op_exit(self, k, st, mods):
+        self.falls = False
         return "return ST_EXIT;"
 
-    op_exit = op_ret
+    def op_call(self, k, st, mods):
+        """A call to a device function: .param arguments copied into its frame, a jump to its body,
+        and back (its `ret` jumps to the call site its return register names); no recursion, so a
+        function's registers and frame are its own. vprintf and __assertfail go to the host."""
+        self.mods(mods, {'uni'})
+        args = list(st.args)
+        rets = args.pop(0).items if args and isinstance(args[0], P.Group) else []
+        if not args or not isinstance(args[0], P.Sym):
+            raise Refused("indirect call")
+        callee = args.pop(0).name
+        actuals = args.pop(0).items if args and isinstance(args[0], P.Group) else []
+        if args:
+            raise Refused("call with a prototype")
+        akeys = [self.param_var(a) for a in actuals]
+        rkeys = [self.param_var(r) for r in rets]
+        if callee in ('vprintf', '__assertfail'):
+            return self.host_call(k, st, callee, akeys, rkeys)
+        fn = self.tree.funcs[callee]
+        if len(fn.params) != len(actuals) or len(fn.rets) != len(rets):
+            raise Refused(f"call to {callee} with the wrong number of arguments")
+        pre = callee + '|'
+        copy_in = self.copies([(pre + p.name, a) for p, a in zip(fn.params, akeys)])
+        copy_out = self.copies([(r, pre + p.name) for p, r in zip(fn.rets, rkeys)])
+        self.sites[callee].append(k)
+        key = self.rs(callee)
+        self.writes.add(key)
+        if self.counting:
+            self.reads.add(PATH)
+            path = ident(PATH)
+            copy_in += f" {path} = ({path} << 16) | {(k + 1) & 0xFFFF};"
+            copy_out += f" {path} >>= 16;"
+        self.jumps, self.falls = [self.entry[callee]], False
+        return (f"{copy_in} {ident(key)} = {k}; goto {self.func_label(callee)}; "
+                f"{self.ret_label(k)}:; {copy_out}")
+
+    def param_var(self, o):
+        if not isinstance(o, P.Sym) or self.pre + o.name not in self.frame:
+            raise Refused("call argument")
+        return self.pre + o.name
+
+    def copies(self, pairs):
+        out = []
+        for dst, src in pairs:
+            (do, dn), (so, sn) = self.frame[dst], self.frame[src]
+            base = self.K.local_size
+            out.append(f"memcpy(lbase + {base + do}ull, lbase + {base + so}ull, {min(dn, sn)});")
+        return " ".join(out)
+
+    def host_call(self, k, st, callee, akeys, rkeys):
+        """printf and assert: the host formats them (compiler.py), as the interpreter does."""
+        def word(key, w=8):
+            off, size = self.frame[key]
+            if size < w:
+                raise Refused(f"{callee} arguments")
+            return f"*(uint{8 * w}_t *)(lbase + {self.K.local_size + off}ull)"
+        if callee == 'vprintf':
+            if len(akeys) != 2:
+                raise Refused("vprintf arguments")
+            self.reads |= {IT, PATH}
+            code = f"{{ int64_t _n = HOST_CALL(0, {word(akeys[0])}, {word(akeys[1])}, ({ident(PATH)} << 16) | {(k + 1) & 0xFFFF}, ((uint64_t)b->epoch << 32) | {ident(IT)}); if (_n < -1) {{ fault(b, E_HOST, 0, 0, {st.line}); return ST_ERR; }} "
+            for r in rkeys:
+                code += f"{word(r, 4)} = (uint32_t)_n; "
+            return code + "}"
+        if len(akeys) < 4:
+            raise Refused("__assertfail arguments")
+        return (f"HOST_CALL(1, {word(akeys[0])}, {word(akeys[1])}, {word(akeys[2], 4)}, {word(akeys[3])}); "
+                f"fault(b, E_ASSERT, 0, 0, {st.line}); return ST_ERR;")
+
+    def func_label(self, name):
+        return 'F' + ident(name)
+
+    @staticmethod
+    def ret_label(k):
+        return f"RS{k}"
 
     def op_bar(self, k, st, mods):
         if 'warp' in mods:
@@ -698,7 +861,11 @@ class KernelSource:
             raise Refused("barrier with a thread count")
         self.src(st.args[0], 'u32')
         rid = self.sync(('after', k))
-        return f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_BAR; {self.resume(rid)}:;"
+        count = ""
+        if self.counting:
+            self.writes.add(IT)
+            count = f" {ident(IT)} = 0;"
+        return f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_BAR; {self.resume(rid)}:;{count}"
 
     op_barrier = op_bar
 
@@ -763,26 +930,25 @@ class KernelSource:
         return f"R{rid}"
 
     def label(self, name):
-        return 'L' + ident(name)
+        return 'L' + ident(self.pre + name)
 
     def liveness(self):
-        """Registers live into each statement (backward dataflow over the statements' graph)."""
+        """Registers live into each statement (backward dataflow over the statements' graph, calls
+        and returns included: a function's `ret` goes on after every call to it)."""
         n = len(self.stmts)
         succ = []
-        for k, st in enumerate(self.stmts):
-            name = self.body[k][3]
+        for k in range(n):
             s = []
-            if name == 'bra':
-                s.append(self.labels[st.args[0].name])
-            if name not in ('bra', 'ret', 'exit', 'trap') or st.guard is not None:
-                s.append(k + 1)
-            succ.append([x for x in s if x < n])
+            for j in self.body[k][4]:
+                s += [c + 1 for c in self.sites[j[1]]] if isinstance(j, tuple) else [j]
+            # past its function's last statement: the kernel's end (callees end in ret: __init__)
+            succ.append([x for x in s if x < n and (x != k + 1 or self.owner[x] == self.owner[k])])
         live = [frozenset()] * (n + 1)
         changed = True
         while changed:
             changed = False
             for k in range(n - 1, -1, -1):
-                _, reads, kills, _ = self.body[k]
+                _, reads, kills, _, _ = self.body[k]
                 out = frozenset().union(*(live[j] for j in succ[k]))
                 new = reads | (out - kills)
                 if new != live[k]:
@@ -791,17 +957,17 @@ class KernelSource:
 
     def assemble(self):
         live = self.liveness()
-        regs = self.fn.regs
+        regs = self.regs
         saves, restores, nsave = {}, [], 0
-        for rid, (kind, where) in enumerate(self.syncs, 1):
-            if kind == 'after':
-                k = where
-                _, _, kills, _ = self.body[k]
+        for rid, where in enumerate(self.syncs, 1):
+            if where[0] == 'after':
+                k = where[1]
+                kills = self.body[k][2]
                 keep = sorted(live[k + 1] - kills) if k + 1 < len(self.stmts) else []
                 target = self.resume(rid)
             else:
-                keep = sorted(live[self.labels[where]])
-                target = self.label(where)
+                keep = sorted(live[where[2]])
+                target = where[1]
             nsave = max(nsave, len(keep))
             slot = {'f32': 'f', 'f64': 'd'}
             saves[rid] = " ".join(f"sv[{i}].{slot.get(regs[r], 'u')} = {ident(r)};" for i, r in enumerate(keep))
@@ -809,16 +975,23 @@ class KernelSource:
                 f"{ident(r)} = ({CT[regs[r]]})sv[{i}].{slot.get(regs[r], 'u')};" for i, r in enumerate(keep))
                 + f" goto {target};")
         decl = "\n".join(f"    {CT[self.rtype(r)]} {ident(r)} = 0;" for r in regs)
+        returns = {f"RETURN_{ident(f)}": "switch (" + ident(self.rs(f)) + ") { " + " ".join(
+            f"case {c}: goto {self.ret_label(c)};" for c in self.sites[f]) + " } return ST_ERR;"
+            for f in self.order[1:]}
         lines = []
-        stmt_at = {}
-        for name, k in self.labels.items():
-            stmt_at.setdefault(k, []).append(name)
-        for k, (code, _, _, _) in enumerate(self.body):
-            for lab in stmt_at.get(k, []):
-                lines.append(f"{self.label(lab)}:;")
-            lines.append("    " + re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], code))
-        for lab in stmt_at.get(len(self.body), []):
-            lines.append(f"{self.label(lab)}:;")
+        for i, f in enumerate(self.order):
+            self.enter(f)
+            end = self.entry[self.order[i + 1]] if i + 1 < len(self.order) else len(self.stmts)
+            at = {}
+            for name, k in self.labels[f].items():
+                at.setdefault(k, []).append(self.label(name))
+            lines.append(f"{self.func_label(f)}:;")
+            for k in range(self.entry[f], end + 1):
+                lines += [f"{lab}:;" for lab in at.get(k, [])]
+                if k < end:
+                    code = re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], self.body[k][0])
+                    lines.append("    " + re.sub(r'RETURN_\w+', lambda m: returns[m.group()], code))
+            lines.append("    return ST_EXIT;" if i == 0 else "    return ST_ERR;")
         prelude = PRELUDE % dict(shared_win=SHARED_WIN, local_win=LOCAL_WIN, param_win=PARAM_WIN, win=WIN)
         return f"""{prelude}
 #define NSAVE {nsave}

@@ -53,7 +53,11 @@ class Ctx(ctypes.Structure):
                 ("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
                 ("shbytes", ctypes.c_uint64), ("dyn", ctypes.c_uint64), ("local_size", ctypes.c_uint64),
                 ("stop", ctypes.c_int32), ("err", ctypes.c_int32), ("err_line", ctypes.c_int32),
-                ("err_width", ctypes.c_int32), ("err_addr", ctypes.c_uint64)]
+                ("err_width", ctypes.c_int32), ("err_addr", ctypes.c_uint64), ("host_call", ctypes.c_void_p)]
+
+
+HOST_CALL = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+                             ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32)
 
 
 def cache_dir():
@@ -105,10 +109,10 @@ class Compiled:
     """A kernel's native code, or None in .fn where it is refused (.why says why)."""
 
     def __init__(self, K):
-        self.fn, self.why, self.globals = None, None, []
+        self.fn, self.why, self.globals, self.frame_bytes = None, None, [], 0
         try:
             src = KernelSource(K)
-            self.globals = src.globals
+            self.globals, self.frame_bytes = src.globals, src.frame_bytes
             self.fn = build(src.text)
         except Refused as e:
             self.why = str(e)
@@ -146,10 +150,85 @@ ERRORS = {1: (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, "{w}-byte access at {a:#x} is
           5: (CUresult.CUDA_ERROR_MISALIGNED_ADDRESS, "misaligned {w}-byte access at {a:#x}"),
           6: (CUresult.CUDA_ERROR_LAUNCH_FAILED, "deadlock, {a} threads wait at a barrier that cannot complete"),
           7: (CUresult.CUDA_ERROR_LAUNCH_TIMEOUT, "stopped at the emu's launch time limit (PHOS_EMU_LAUNCH_TIMEOUT)"),
-          8: (None, "trap at line {line}")}
+          8: (None, "trap at line {line}"),
+          9: (CUresult.CUDA_ERROR_ASSERT, "device-side assert triggered")}
 
 
-def launch(C, K, mem, symbols, grid, block, dyn, params, deadline):
+class Host:
+    """printf and assert of the compiled threads (their host_call), formatted as the interpreter
+    formats them. The text of a launch is kept and handed to printf in the order the interpreter's
+    lanes in step print it: by batch of blocks run together, barrier interval, loop iterations of
+    the thread in that interval, the printf's place in the code, block, thread."""
+
+    def __init__(self, K, c, lo, hi, host, pbuf, grid, block, per_batch):
+        self.K, self.c, self.lo, self.hi, self.host, self.pbuf = K, c, lo, hi, host, pbuf
+        self.grid, self.block, self.per_batch = grid, block, per_batch
+        self.out, self.error = [], None
+        self.fn = HOST_CALL(self.call)
+
+    def read(self, a, n, loc, shm):
+        """n bytes at generic address a, as the thread whose memories are loc and shm sees them."""
+        from phos.gpu_server.ptx.decode import LOCAL_WIN, PARAM_WIN, SHARED_WIN, WIN
+        for win, base, size in ((SHARED_WIN, shm, self.c.shbytes), (LOCAL_WIN, loc, self.c.local_size),
+                                (PARAM_WIN, self.pbuf.ctypes.data, self.c.psize)):
+            if 0 <= a - win < WIN:
+                if a - win + n > size:
+                    break
+                return ctypes.string_at(base + a - win, n)
+        else:
+            i = int(np.searchsorted(self.lo, np.uint64(a), 'right')) - 1
+            if i >= 0 and a + n <= int(self.hi[i]):
+                return ctypes.string_at(int(self.host[i]) + a - int(self.lo[i]), n)
+        raise err(CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, f"kernel '{self.K.name}': {n}-byte access at {a:#x} "
+                                                       "is outside every allocation")
+
+    def cstr(self, a, loc, shm):
+        out = b""
+        while len(out) < 1 << 16:
+            ch = self.read(a + len(out), 1, loc, shm)
+            if ch == b"\0":
+                break
+            out += ch
+        return out.decode('utf-8', 'replace')
+
+    def call(self, kind, x0, x1, x2, x3, loc, shm, blk, t):
+        from phos.gpu_server.ptx import ops
+        try:
+            if kind == 0:
+                if not x0:
+                    return -1                       # what printf returns for a NULL format
+                fmt = self.cstr(x0, loc, shm)
+
+                def arg(off, size, k):
+                    raw = self.read(x1 + off, size, loc, shm)
+                    return int.from_bytes(raw, 'little', signed=k == 'i') if k != 'f' else \
+                        float(np.frombuffer(raw, np.float64)[0])
+                text = ops.format_printf(fmt, arg, lambda a: self.cstr(a, loc, shm))
+                site = []                               # the call sites it is in, outermost first
+                while x2:
+                    site.insert(0, x2 & 0xFFFF)
+                    x2 >>= 16
+                self.out.append(((blk // self.per_batch, x3 >> 32, x3 & 0xFFFFFFFF, site, blk, t), text))
+                return sum(c[-1] != '%' for c in ops._FMT.findall(fmt))     # printf returns the argument count
+            msg, file, func = (self.cstr(a, loc, shm) for a in (x0, x1, x3))
+            bx, by, bz = self.block
+            gx, gy, _ = self.grid
+            tid = (t % bx, t // bx % by, t // (bx * by))
+            bid = (blk % gx, blk // gx % gy, blk // (gx * gy))
+            self.out.append(((blk // self.per_batch, 1 << 62, 0, [], blk, t),
+                             f"{file}:{x2}: {func}: block: [{bid[0]},{bid[1]},{bid[2]}], thread: "
+                             f"[{tid[0]},{tid[1]},{tid[2]}] Assertion `{msg}` failed.\n"))
+            return 0
+        except Exception as e:                      # noqa: BLE001 (raised by launch, in its thread)
+            self.error = self.error or e
+            return -2
+
+    def flush(self, printf):
+        for _, text in sorted(self.out, key=lambda r: r[0]):
+            printf(text)
+
+
+def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, deadline):
     """Run the whole grid of K's compiled code C; raises CudaError as the interpreter does."""
     from phos.gpu_server.ptx.interp import TRAP_STATUS
     lo, hi, host = allocations(mem)
@@ -160,7 +239,9 @@ def launch(C, K, mem, symbols, grid, block, dyn, params, deadline):
     c.lo, c.hi, c.host, c.nalloc = lo.ctypes.data, hi.ctypes.data, host.ctypes.data, len(lo)
     c.params, c.psize, c.gsym = pbuf.ctypes.data, len(params), gsym.ctypes.data
     c.grid[:], c.block[:] = grid, block
-    c.shbytes, c.dyn, c.local_size = K.shared_static + dyn, dyn, K.local_size
+    c.shbytes, c.dyn, c.local_size = K.shared_static + dyn, dyn, K.local_size + C.frame_bytes
+    host_calls = Host(K, c, lo, hi, host, pbuf, grid, block, per_batch)
+    c.host_call = ctypes.cast(host_calls.fn, ctypes.c_void_p)
     nblocks = grid[0] * grid[1] * grid[2]
     n = len(os.sched_getaffinity(0))
     chunk = max(1, min(CHUNK_BLOCKS, -(-nblocks // n)))
@@ -190,6 +271,9 @@ def launch(C, K, mem, symbols, grid, block, dyn, params, deadline):
         for f in futures:
             f.result()
         keep = (lo, hi, host, pbuf, gsym)       # noqa: F841 (alive until every block is done)
+        host_calls.flush(printf)
+    if host_calls.error is not None:
+        raise host_calls.error
     if c.err:
         status, msg = ERRORS.get(c.err, (CUresult.CUDA_ERROR_LAUNCH_FAILED, "error {e}"))
         raise err(status or TRAP_STATUS, f"kernel '{K.name}': " + msg.format(w=c.err_width, a=c.err_addr,

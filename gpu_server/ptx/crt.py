@@ -15,7 +15,8 @@ PRELUDE = r'''
 #include <time.h>
 
 enum { ST_RUN = 0, ST_BAR = 1, ST_WARP = 2, ST_EXIT = 3, ST_ERR = 4 };
-enum { E_GLOBAL = 1, E_SHARED = 2, E_LOCAL = 3, E_PARAM = 4, E_ALIGN = 5, E_DEADLOCK = 6, E_STOP = 7, E_TRAP = 8 };
+enum { E_GLOBAL = 1, E_SHARED = 2, E_LOCAL = 3, E_PARAM = 4, E_ALIGN = 5, E_DEADLOCK = 6, E_STOP = 7, E_TRAP = 8,
+       E_ASSERT = 9, E_HOST = 10 };
 #define SHARED_WIN %(shared_win)dULL
 #define LOCAL_WIN %(local_win)dULL
 #define PARAM_WIN %(param_win)dULL
@@ -31,13 +32,17 @@ typedef struct {                     /* filled by compiler.py (ctypes mirror: Ct
     uint64_t shbytes, dyn, local_size;
     volatile int32_t stop;
     int32_t err, err_line, err_width; uint64_t err_addr;
+    /* printf (kind 0: format, argument buffer) and assert (1: message, file, line, function), done by
+       the host (compiler.py) with the thread's local memory and shared memory to read addresses in */
+    int64_t (*host_call)(int32_t kind, uint64_t, uint64_t, uint64_t, uint64_t, uint8_t *loc, uint8_t *shm,
+                         uint32_t block, uint32_t thread);
 } Ctx;
 
 typedef union { uint64_t u; double d; float f; } Slot;
 typedef struct { uint64_t a, b, c; uint32_t mask; int32_t site, kind; uint64_t r; uint8_t p; } Xchg;
 typedef struct { uint64_t lo, hi; uint8_t *host; } GCache;
 typedef struct {
-    Ctx *c; uint8_t *shm, *loc; uint32_t nt, ctaid[3], lin;
+    Ctx *c; uint8_t *shm, *loc; uint32_t nt, ctaid[3], lin, epoch;   /* epoch: barriers completed */
     uint8_t *state; int32_t *pc; Slot *save; Xchg *x; GCache g;
 } Blk;
 
@@ -98,6 +103,7 @@ static uint8_t *genslow(Blk *b, uint32_t t, uint64_t a, unsigned w, int line) {
 /* The fast paths, inline in thread_fn over its locals (glo, ghi, gh: the last allocation hit;
    shm, shlim; lbase, lsz): kept out of memory, a store through a kernel pointer cannot make
    gcc reload them, as it must reload b->... fields under -fno-strict-aliasing. */
+#define HOST_CALL(kind, x0, x1, x2, x3) c->host_call(kind, x0, x1, x2, x3, lbase, shm, b->lin, t)
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define GPTR(p, a, w, line, slow) do { uint64_t a_ = (a); \
     if (LIKELY(a_ >= glo && a_ + (w) <= ghi && !(a_ & ((w) - 1)))) p = gh + (a_ - glo); \
@@ -193,6 +199,7 @@ SCHEDULER = r'''
 static int run_block(Blk *b) {
     uint32_t nt = b->nt;
     for (uint32_t t = 0; t < nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
+    b->epoch = 0;
     for (;;) {
         int ran = 0;
         for (uint32_t t = 0; t < nt; t++) {
@@ -209,6 +216,7 @@ static int run_block(Blk *b) {
         for (uint32_t t = 0; t < nt; t++) { nbar += b->state[t] == ST_BAR; nexit += b->state[t] == ST_EXIT; }
         if (nexit == nt) return 0;
         if (nbar + nexit == nt) {
+            b->epoch++;
             for (uint32_t t = 0; t < nt; t++) if (b->state[t] == ST_BAR) b->state[t] = ST_RUN;
             continue;
         }

@@ -809,16 +809,16 @@ class PtxModule:
         self.relocate(mem)
         symbols = {**K.static_symbols, **self.addrs}
         params = bytes(params) + bytes(-len(params) % 8)
+        nt = block[0] * block[1] * block[2]
+        nblocks = grid[0] * grid[1] * grid[2]
+        per_block = nt * K.lane_bytes + K.shared_static + shared_bytes
+        nb = max(1, min(nblocks, LANES // nt, BATCH_BYTES // per_block))      # blocks run together
         if settings.emu_compiler():
             from phos.gpu_server.ptx import compiler
             native = compiler.compiled(K)
             if native.fn is not None:
-                compiler.launch(native, K, mem, symbols, grid, block, shared_bytes, params, deadline)
+                compiler.launch(native, K, mem, symbols, grid, block, shared_bytes, params, printf, nb, deadline)
                 return
-        nt = block[0] * block[1] * block[2]
-        nblocks = grid[0] * grid[1] * grid[2]
-        per_block = nt * K.lane_bytes + K.shared_static + shared_bytes
-        nb = max(1, min(nblocks, LANES // nt, BATCH_BYTES // per_block))
         with np.errstate(all='ignore'):
             for b0 in range(0, nblocks, nb):
                 deadline.check()

@@ -55,6 +55,23 @@ extern "C" __global__ void atomics_across_blocks(int *count, unsigned *maxv, flo
     while (atomicCAS(&slots[i], 0, g + 1) != 0) i++;   // every thread claims a slot of its own
 }
 
+__device__ __noinline__ float twice(float x) { return 2.0f * x; }
+
+__device__ __noinline__ int say(int v) {
+    int n = printf("  v=%d twice=%.1f\n", v, twice((float)v));
+    return v + n;
+}
+
+extern "C" __global__ void printf_calls(int *out, int rounds) {
+    int t = threadIdx.x, acc = 0;
+    for (int r = 0; r < rounds; r++) {
+        if ((t + r) % 2) printf("block %d thread %d round %d: %d %.2f\n", blockIdx.x, t, r, r * t, twice(r + 0.5f));
+        __syncthreads();
+        acc += say(t + 100 * blockIdx.x + r);
+    }
+    out[blockIdx.x * blockDim.x + t] = acc;
+}
+
 extern "C" __global__ void misc_fallback(int *out, int a, int b) {
     out[threadIdx.x] = __dp4a(a + (int)threadIdx.x, b, 7);
 }
@@ -152,6 +169,28 @@ def test_atomics_across_blocks(ptx, kernel_cache, monkeypatch):
         assert count == n and fsum == n
         assert maxv == max((g * 2654435761) % 2 ** 32 for g in range(n))
         np.testing.assert_array_equal(slots, np.arange(n + 1))      # one 0 left over, each id once
+
+
+def test_device_functions_and_printf_as_the_interpreter(ptx, kernel_cache, monkeypatch):
+    nb, nt, rounds = 3, 8, 4
+
+    def fn(dev, mod):
+        p = dev.zeros(nb * nt, np.int32)
+        dev.launch(mod, "printf_calls", nb, nt, p, rounds)
+        return dev.printed, dev.read(p, nb * nt, np.int32)
+    (ip, iv), (cp, cv) = run_both(ptx, monkeypatch, fn)
+    # the same lines in the same order: where lanes in step would print them (branches that
+    # rejoin before the next printf; a thread left behind in a callee may print later there)
+    assert cp == ip
+    want = []
+    for r in range(rounds):
+        want += [f"block {b} thread {t} round {r}: {r * t} {2 * r + 1:.2f}\n"
+                 for b in range(nb) for t in range(nt) if (t + r) % 2]
+        want += [f"  v={t + 100 * b + r} twice={2.0 * (t + 100 * b + r):.1f}\n" for b in range(nb) for t in range(nt)]
+    assert cp == want
+    np.testing.assert_array_equal(cv, [sum(t + 100 * b + r + 2 for r in range(rounds))
+                                       for b in range(nb) for t in range(nt)])
+    np.testing.assert_array_equal(cv, iv)
 
 
 def test_refused_kernel_falls_back_once_by_name(ptx, kernel_cache, monkeypatch, caplog):
