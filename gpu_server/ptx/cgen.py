@@ -17,6 +17,7 @@ from phos.gpu_server.ptx.ops import DT
 
 
 IT, PATH = '@it', '@path'
+CC = '@cc'                  # the carry flag of add.cc, addc, ... (one a thread, as the interpreter's %cc)
 
 
 class Refused(Exception):
@@ -31,6 +32,7 @@ ST = {1: 'int8_t', 2: 'int16_t', 4: 'int32_t', 8: 'int64_t'}
 SIZE = {t: P.TYPE_SIZE[t] for t in CT}
 SPACES = {'global': 'global', 'shared': 'shared', 'shared::cta': 'shared', 'local': 'local', 'const': 'global',
           'param': 'param', 'param::entry': 'param'}
+ROUND = {'rn': 'FE_TONEAREST', 'rz': 'FE_TOWARDZERO', 'rm': 'FE_DOWNWARD', 'rp': 'FE_UPWARD'}
 CMP = {'eq': '==', 'ne': '!=', 'lt': '<', 'le': '<=', 'gt': '>', 'ge': '>=', 'lo': '<', 'ls': '<=', 'hi': '>',
        'hs': '>='}
 SHFL = {'up': 0, 'down': 1, 'bfly': 2, 'idx': 3}
@@ -307,8 +309,15 @@ class KernelSource:
         if is_float(t):
             ftz, sat = self.float_mods(mods, t)
             x, y = self.fz(ftz, x, y)
-            e = f"({x}) {'+-*'['add sub mul'.split().index(name)]} ({y})"
+            op = 'add sub mul'.split().index(name)
+            e = self.rounded(t, op, x, y) or f"({x}) {'+-*'[op]} ({y})"
             return self.dst(a[0], t, self.post(e, t, ftz, sat, x, y))
+        if 'cc' in mods:
+            return self.carry(st, mods, t, name, cin=False)
+        if 'sat' in mods and name in ('add', 'sub'):
+            self.mods(mods, {'s32', 'sat'})
+            return self.dst(a[0], t, f"({{ int64_t _r = (int64_t)({x}) {'+' if name == 'add' else '-'} (int64_t)({y}); "
+                                     f"(int32_t)(_r < INT32_MIN ? INT32_MIN : _r > INT32_MAX ? INT32_MAX : _r); }})")
         self.mods(mods, {t, 'lo', 'hi', 'wide'})
         u = UT[SIZE[t]]
         if name == 'mul':
@@ -335,11 +344,18 @@ class KernelSource:
         return t, f"({CT[t]})(({UT[n]})({x}) * ({UT[n]})({y}))"
 
     def float_mods(self, mods, t, extra=()):
-        rnd = [m for m in mods if m in ('rn', 'rz', 'rm', 'rp')]
-        if rnd and rnd != ['rn']:
-            raise Refused("directed rounding")
-        self.mods(mods, {t, 'rn', 'ftz', 'sat', *extra})
+        """(.ftz, .sat); self.rmode: the directed rounding asked for (.rz, .rm, .rp) or None."""
+        rnd = [m for m in mods if m in ROUND]
+        self.rmode = rnd[0] if rnd and rnd[0] != 'rn' else None
+        self.mods(mods, {t, 'ftz', 'sat', *ROUND, *extra})
         return 'ftz' in mods and t == 'f32', 'sat' in mods
+
+    def rounded(self, t, op, *xs):
+        """Float op (crt.py's rnd_f32/rnd_f64 numbering) of xs, under self.rmode, or None for .rn."""
+        if self.rmode is None:
+            return None
+        xs = list(xs) + ['0'] * (3 - len(xs))
+        return f"rnd_{t}({op}, {', '.join(xs)}, {ROUND[self.rmode]})"
 
     @staticmethod
     def fz(ftz, *xs):
@@ -358,12 +374,15 @@ class KernelSource:
         a = self.args(st, 4)
         x, y, z = (self.src(o, t) for o in a[1:])
         if is_float(t):
-            if 'rn' not in mods:
-                raise Refused("mad without .rn")
+            if not any(m in ROUND for m in mods):
+                raise Refused("mad without a rounding mode")
             ftz, sat = self.float_mods(mods, t)
             x, y, z = self.fz(ftz, x, y, z)
             f = 'fmaf' if t == 'f32' else 'fma'
-            return self.dst(a[0], t, self.post(f"{f}({x}, {y}, {z})", t, ftz, sat, x, y, z))
+            e = self.rounded(t, 3, x, y, z) or f"{f}({x}, {y}, {z})"
+            return self.dst(a[0], t, self.post(e, t, ftz, sat, x, y, z))
+        if 'cc' in mods:
+            return self.carry(st, mods, t, 'add', cin=False)
         self.mods(mods, {t, 'lo', 'hi', 'wide'})
         mt, e = self.mul(mods, t, x, y)
         u = UT[SIZE[mt]]
@@ -371,6 +390,71 @@ class KernelSource:
 
     def op_fma(self, k, st, mods):
         return self.op_mad(k, st, mods)
+
+    def carry(self, st, mods, t, name, cin):
+        """add.cc, addc, sub.cc, subc, mad.cc, madc: with a carry (borrow) in and out of CC."""
+        mul = next((m for m in mods if m in ('lo', 'hi')), None)
+        self.mods(mods, {t, 'cc', 'lo', 'hi'})
+        a = self.args(st, 4 if mul or name == 'mad' else 3)
+        if name == 'mad' and mul is None:
+            raise Refused("mad with a carry and no .lo/.hi")
+        u = UT[SIZE[t]]
+        xs = [self.src(o, t) for o in a[1:]]
+        if mul:
+            _, p = self.mul([mul], t, xs[0], xs[1])
+            xs = [p, xs[2]]
+        self.regs[CC] = 'u32'
+        c = ident(CC)
+        cin_e = f"({u}){c}" if cin else f"({u})0"
+        if cin:
+            self.reads.add(CC)
+        if 'cc' in mods:
+            self.writes.add(CC)
+        code = f"{{ {u} _a = ({u})({xs[0]}), _b = ({u})({xs[1]}), _c = {cin_e}, _r1, _r; "
+        if name == 'sub':
+            code += "_r1 = _a - _b; _r = _r1 - _c; "
+            co = "(_a < _b) | (_r1 < _c)"
+        else:
+            code += "_r1 = _a + _b; _r = _r1 + _c; "
+            co = "(_r1 < _a) | (_r < _r1)"
+        if 'cc' in mods:
+            code += f"{c} = {co}; "
+        return code + self.dst(a[0], t, f"({CT[t]})_r") + " }"
+
+    def op_addc(self, k, st, mods):
+        return self.carry(st, mods, self.type1(mods), 'add', cin=True)
+
+    def op_subc(self, k, st, mods):
+        return self.carry(st, mods, self.type1(mods), 'sub', cin=True)
+
+    def op_madc(self, k, st, mods):
+        return self.carry(st, mods, self.type1(mods), 'mad', cin=True)
+
+    def op_sad(self, k, st, mods):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        a = self.args(st, 4)
+        x, y, z = (self.src(o, t) for o in a[1:])
+        u = UT[SIZE[t]]
+        return self.dst(a[0], t, f"({{ {CT[t]} _x = {x}, _y = {y}; ({CT[t]})(({u})(_x > _y ? ({u})_x - ({u})_y : "
+                                 f"({u})_y - ({u})_x) + ({u})({z})); }})")
+
+    def op_mul24(self, k, st, mods, name='mul24'):
+        t = self.type1(mods)
+        mode = next((m for m in mods if m in ('lo', 'hi')), 'lo')
+        self.mods(mods, {t, 'lo', 'hi'})
+        a = self.args(st, 3 if name == 'mul24' else 4)
+        x, y = self.src(a[1], t), self.src(a[2], t)
+        ext = (lambda v: f"(((int64_t)({v}) << 40) >> 40)") if t == 's32' else (lambda v: f"((int64_t)({v}) & 0xFFFFFF)")
+        p = f"({ext(x)} * {ext(y)})"
+        if mode == 'hi':
+            p = f"({p} >> 16)"
+        if name == 'mad24':
+            p = f"({p} + (int64_t)({self.src(a[3], t)}))"
+        return self.dst(a[0], t, f"({CT[t]})(uint32_t)({p})")
+
+    def op_mad24(self, k, st, mods):
+        return self.op_mul24(k, st, mods, 'mad24')
 
     def op_div(self, k, st, mods, rem=False):
         t = self.type1(mods)
@@ -381,7 +465,8 @@ class KernelSource:
                 raise Refused("float rem")
             ftz, sat = self.float_mods(mods, t, ('approx', 'full'))
             x, y = self.fz(ftz, x, y)
-            return self.dst(a[0], t, self.post(f"({x}) / ({y})", t, ftz, sat, x, y))
+            e = self.rounded(t, 4, x, y) or f"({x}) / ({y})"
+            return self.dst(a[0], t, self.post(e, t, ftz, sat, x, y))
         self.mods(mods, {t})
         ct, s = CT[t], t[0] == 's'
         # x/0 gives all ones and x%0 gives x, as NVIDIA GPUs do (ops.int_div); MIN/-1 must not trap
@@ -486,6 +571,109 @@ class KernelSource:
     def op_brev(self, k, st, mods):
         return self.op_popc(k, st, mods, 'brev')
 
+    def op_bfe(self, k, st, mods):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        a = self.args(st, 4)
+        n = 8 * SIZE[t]
+        x = self.src(a[1], 'u' + str(n))
+        e = f"bfe_u({x}, {self.src(a[2], 'u32')}, {self.src(a[3], 'u32')}, {n}, {int(t[0] == 's')})"
+        return self.dst(a[0], t, f"({CT[t]})({e})")
+
+    def op_bfi(self, k, st, mods):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        a = self.args(st, 5)
+        n = 8 * SIZE[t]
+        x, y = self.src(a[1], 'u' + str(n)), self.src(a[2], 'u' + str(n))
+        e = f"bfi_u({x}, {y}, {self.src(a[3], 'u32')}, {self.src(a[4], 'u32')}, {n})"
+        return self.dst(a[0], t, f"({CT[t]})({e})")
+
+    def op_bfind(self, k, st, mods):
+        t = self.type1(mods)
+        self.mods(mods, {t, 'shiftamt'})
+        a = self.args(st, 2)
+        n = 8 * SIZE[t]
+        e = f"bfind_u({self.src(a[1], 'u' + str(n))}, {n}, {int(t[0] == 's')}, {int('shiftamt' in mods)})"
+        return self.dst(a[0], 'u32', e)
+
+    def op_prmt(self, k, st, mods):
+        self.mods(mods, {'b32'})
+        a = self.args(st, 4)
+        return self.dst(a[0], 'u32', f"prmt_u({', '.join(self.src(o, 'u32') for o in a[1:])})")
+
+    def op_lop3(self, k, st, mods):
+        self.mods(mods, {'b32'})
+        a = self.args(st, 5)
+        if not isinstance(a[4], P.Imm):
+            raise Refused("lop3 with a register table")
+        xs = ', '.join(self.src(o, 'u32') for o in a[1:4])
+        return self.dst(a[0], 'u32', f"lop3_u({xs}, {a[4].value & 0xFF}u)")
+
+    def op_shf(self, k, st, mods):
+        left = 'l' in mods
+        clamp = 'clamp' in mods
+        self.mods(mods, {'l', 'r', 'clamp', 'wrap', 'b32'})
+        a = self.args(st, 4)
+        x, y, c = (self.src(o, 'u32') for o in a[1:])
+        n = f"({{ uint32_t _n = {c}; {'_n > 32 ? 32 : _n' if clamp else '_n & 31'}; }})"
+        v = f"(((uint64_t)({y}) << 32) | ({x}))"
+        e = f"(uint32_t)(({v} << {n}) >> 32)" if left else f"(uint32_t)({v} >> {n})"
+        return self.dst(a[0], 'u32', e)
+
+    def op_dp4a(self, k, st, mods, name='dp4a'):
+        half = next((m for m in mods if m in ('lo', 'hi')), None)
+        ta, tb = self.types(mods)
+        self.mods(mods, {ta, tb, half})
+        a = self.args(st, 4)
+        dt = 's32' if 's32' in (ta, tb) else 'u32'
+        x, y = self.src(a[1], 'u32'), self.src(a[2], 'u32')
+        sa, sb = int(ta == 's32'), int(tb == 's32')
+        if name == 'dp4a':
+            terms = [f"dp_part(_a, {i}, 8, {sa}) * dp_part(_b, {i}, 8, {sb})" for i in range(4)]
+        else:
+            o = 2 if half == 'hi' else 0
+            terms = [f"dp_part(_a, {i}, 16, {sa}) * dp_part(_b, {i + o}, 8, {sb})" for i in range(2)]
+        e = (f"({{ uint32_t _a = {x}, _b = {y}; ({CT[dt]})(uint32_t)((int64_t)({self.src(a[3], dt)}) + "
+             f"{' + '.join(terms)}); }})")
+        return self.dst(a[0], dt, e)
+
+    def op_dp2a(self, k, st, mods):
+        return self.op_dp4a(k, st, mods, 'dp2a')
+
+    def op_copysign(self, k, st, mods):
+        t = self.type1(mods)
+        self.mods(mods, {t})
+        a = self.args(st, 3)
+        f = 'copysignf' if t == 'f32' else 'copysign'
+        return self.dst(a[0], t, f"{f}({self.src(a[2], t)}, {self.src(a[1], t)})")
+
+    def op_testp(self, k, st, mods):
+        kind = next(m for m in mods if m in ('finite', 'infinite', 'number', 'notanumber', 'normal', 'subnormal'))
+        t = self.type1(mods)
+        self.mods(mods, {t, kind})
+        a = self.args(st, 2)
+        x = self.src(a[1], t)
+        tiny = '1.17549435e-38f' if t == 'f32' else '2.2250738585072014e-308'
+        ab = f"{'fabsf' if t == 'f32' else 'fabs'}(_x)"
+        e = {'finite': "isfinite(_x)", 'infinite': "isinf(_x)", 'number': "!isnan(_x)", 'notanumber': "isnan(_x)",
+             'normal': f"(isfinite(_x) && {ab} >= {tiny})", 'subnormal': f"(_x != 0 && {ab} < {tiny})"}[kind]
+        return self.dst(a[0], 'pred', f"({{ {CT[t]} _x = {x}; (uint8_t)({e}); }})")
+
+    def op_isspacep(self, k, st, mods):
+        sp = next((m for m in mods if m in SPACES), None)
+        self.mods(mods, {sp})
+        a = self.args(st, 2)
+        x = self.src(a[1], 'u64')
+        win = {'shared': SHARED_WIN, 'local': LOCAL_WIN, 'param': PARAM_WIN}.get(SPACES.get(sp))
+        if win is not None:
+            e = f"(uint8_t)(({x}) - {win}ull < {WIN}ull)"
+        elif SPACES.get(sp) == 'global':
+            e = f"(uint8_t)(({x}) >= c->base && ({x}) < c->base + c->capacity)"
+        else:
+            raise Refused(f"isspacep.{sp}")
+        return self.dst(a[0], 'pred', e)
+
     def op_setp(self, k, st, mods):
         t = self.type1(mods)
         cmp = next((m for m in mods if m in CMP or m in ('equ', 'neu', 'ltu', 'leu', 'gtu', 'geu', 'num', 'nan')), None)
@@ -580,18 +768,22 @@ class KernelSource:
                      f"_x >= {float(hi + 1)!r} ? (int64_t){hi}ll : (int64_t)_x; }})")
             return self.dst(a[0], dt, f"({CT[dt]})({e})")
         if not is_float(stt) and is_float(dt):
-            if frnd not in (None, 'rn') or sat:
-                raise Refused("int-to-float rounding")
-            return self.dst(a[0], dt, self.post(f"({CT[dt]})({x})", dt, ftz and dt == 'f32', False))
+            if sat:
+                raise Refused("int-to-float saturation")
+            e = f"({CT[dt]})({x})"
+            if frnd not in (None, 'rn'):
+                i64 = 'int64_t' if stt[0] == 's' else 'uint64_t'
+                e = f"cvt_{dt}_{'s' if stt[0] == 's' else 'u'}64(({i64})({x}), {ROUND[frnd]})"
+            return self.dst(a[0], dt, self.post(e, dt, ftz and dt == 'f32', False))
         if is_float(stt):
             if irnd:
                 r = {'rni': 'rint', 'rzi': 'trunc', 'rmi': 'floor', 'rpi': 'ceil'}[irnd] + ('f' if dt == 'f32' else '')
                 e = f"{r}(({CT[dt]})({x}))" if stt == dt else None
                 if e is None:
                     raise Refused("cvt between float sizes with integer rounding")
+            elif frnd not in (None, 'rn') and (stt, dt) == ('f64', 'f32'):
+                e = f"cvt_f32_f64({x}, {ROUND[frnd]})"
             else:
-                if frnd not in (None, 'rn'):
-                    raise Refused("directed rounding")
                 e = f"({CT[dt]})({x})"
             return self.dst(a[0], dt, self.post(e, dt, ftz and dt == 'f32', sat))
         if sat:
@@ -711,14 +903,18 @@ class KernelSource:
     def op_rcp(self, k, st, mods, name='rcp'):
         t = self.type1(mods)
         ftz, _ = self.float_mods(mods, t, ('approx',))
-        if not ('approx' in mods or 'rn' in mods):
+        if not ('approx' in mods or any(m in ROUND for m in mods)):
             raise Refused("rounding")
+        if self.rmode and name not in ('rcp', 'sqrt'):
+            raise Refused("directed rounding")
         a = self.args(st, 2)
         x, = self.fz(ftz, self.src(a[1], t))
         f = 'f' if t == 'f32' else ''
         if t == 'f64' and name not in ('rcp', 'sqrt', 'rsqrt'):
             raise Refused("f64 approximation")
-        e = {'rcp': f"(1.0{f} / ({x}))", 'sqrt': f"sqrt{f}({x})", 'rsqrt': f"(1.0{f} / sqrt{f}({x}))",
+        one = f"u2f(0x3f800000u)" if t == 'f32' else "1.0"
+        e = self.rmode and (self.rounded(t, 4, one, x) if name == 'rcp' else self.rounded(t, 5, x))
+        e = e or {'rcp': f"(1.0{f} / ({x}))", 'sqrt': f"sqrt{f}({x})", 'rsqrt': f"(1.0{f} / sqrt{f}({x}))",
              'ex2': f"exp2{f}({x})", 'lg2': f"log2{f}({x})", 'sin': f"sin{f}({x})", 'cos': f"cos{f}({x})",
              'tanh': f"tanh{f}({x})"}[name]
         return self.dst(a[0], t, self.post(e, t, ftz, False, x))

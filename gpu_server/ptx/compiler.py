@@ -53,7 +53,8 @@ class Ctx(ctypes.Structure):
                 ("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
                 ("shbytes", ctypes.c_uint64), ("dyn", ctypes.c_uint64), ("local_size", ctypes.c_uint64),
                 ("stop", ctypes.c_int32), ("err", ctypes.c_int32), ("err_line", ctypes.c_int32),
-                ("err_width", ctypes.c_int32), ("err_addr", ctypes.c_uint64), ("host_call", ctypes.c_void_p)]
+                ("err_width", ctypes.c_int32), ("err_addr", ctypes.c_uint64), ("host_call", ctypes.c_void_p),
+                ("capacity", ctypes.c_uint64)]
 
 
 HOST_CALL = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
@@ -235,7 +236,7 @@ def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, dead
     pbuf = np.frombuffer(bytes(params) + bytes(8), np.uint8)
     gsym = np.array([symbols[g] for g in C.globals] or [0], np.uint64)
     c = Ctx()
-    c.arena, c.base = mem.arena.ctypes.data, mem.base
+    c.arena, c.base, c.capacity = mem.arena.ctypes.data, mem.base, mem.capacity
     c.lo, c.hi, c.host, c.nalloc = lo.ctypes.data, hi.ctypes.data, host.ctypes.data, len(lo)
     c.params, c.psize, c.gsym = pbuf.ctypes.data, len(params), gsym.ctypes.data
     c.grid[:], c.block[:] = grid, block

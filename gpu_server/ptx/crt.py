@@ -13,6 +13,7 @@ PRELUDE = r'''
 #include <stdlib.h>
 #include <math.h>
 #include <time.h>
+#include <fenv.h>
 
 enum { ST_RUN = 0, ST_BAR = 1, ST_WARP = 2, ST_EXIT = 3, ST_ERR = 4 };
 enum { E_GLOBAL = 1, E_SHARED = 2, E_LOCAL = 3, E_PARAM = 4, E_ALIGN = 5, E_DEADLOCK = 6, E_STOP = 7, E_TRAP = 8,
@@ -36,6 +37,7 @@ typedef struct {                     /* filled by compiler.py (ctypes mirror: Ct
        the host (compiler.py) with the thread's local memory and shared memory to read addresses in */
     int64_t (*host_call)(int32_t kind, uint64_t, uint64_t, uint64_t, uint64_t, uint8_t *loc, uint8_t *shm,
                          uint32_t block, uint32_t thread);
+    uint64_t capacity;               /* of the device memory from base (isspacep.global) */
 } Ctx;
 
 typedef union { uint64_t u; double d; float f; } Slot;
@@ -98,6 +100,76 @@ static uint8_t *genslow(Blk *b, uint32_t t, uint64_t a, unsigned w, int line) {
     if (a - LOCAL_WIN < WIN_SIZE) return lptr(b, t, a - LOCAL_WIN, w, line);
     if (a - PARAM_WIN < WIN_SIZE) return pptr(b, a - PARAM_WIN, w, line);
     return gslow(b, a, w, line);
+}
+
+/* Directed rounding (.rz, .rm, .rp): the operation under the rounding mode the PTX names, out of
+   line and compiled with rounding-math so that gcc neither folds nor moves it across fesetround.
+   op: 0 add, 1 sub, 2 mul, 3 fma, 4 div, 5 sqrt. */
+#define RND_OP(T, FMA, SQRT) \
+static __attribute__((noinline, optimize("rounding-math"))) T rnd_##T(int op, T a, T b, T c, int mode) { \
+    int o = fegetround(); fesetround(mode); volatile T x = a, y = b, z = c, r; \
+    switch (op) { case 0: r = x + y; break; case 1: r = x - y; break; case 2: r = x * y; break; \
+                  case 3: r = FMA(x, y, z); break; case 4: r = x / y; break; default: r = SQRT(x); } \
+    T v = r; fesetround(o); return v; }
+typedef float f32; typedef double f64;
+RND_OP(f32, fmaf, sqrtf)
+RND_OP(f64, fma, sqrt)
+#define RND_CVT(NAME, TO, FROM) \
+static __attribute__((noinline, optimize("rounding-math"))) TO NAME(FROM a, int mode) { \
+    int o = fegetround(); fesetround(mode); volatile FROM x = a; volatile TO r = (TO)x; fesetround(o); return r; }
+RND_CVT(cvt_f32_s64, float, int64_t)
+RND_CVT(cvt_f32_u64, float, uint64_t)
+RND_CVT(cvt_f64_s64, double, int64_t)
+RND_CVT(cvt_f64_u64, double, uint64_t)
+RND_CVT(cvt_f32_f64, float, double)
+
+/* Bit manipulation, as ops.py defines each for the interpreter */
+static inline uint64_t bfe_u(uint64_t a, uint32_t pos, uint32_t len, int n, int sgn) {
+    pos &= 0xFF; len &= 0xFF;
+    uint32_t p = pos < (uint32_t)n ? pos : n, avail = len < n - p ? len : n - p;
+    uint64_t field = p >= (uint32_t)n ? 0 : a >> p;
+    uint64_t mask = avail >= 64 ? ~0ULL : (1ULL << avail) - 1;
+    field &= mask;
+    if (sgn) {
+        uint32_t sp = len == 0 ? 0 : (pos + len - 1 < (uint32_t)n - 1 ? pos + len - 1 : n - 1);
+        uint64_t sbit = len == 0 ? 0 : (a >> sp) & 1;
+        if (sbit && avail < (uint32_t)n) field |= ~mask;
+    }
+    return field;
+}
+static inline uint64_t bfi_u(uint64_t a, uint64_t b, uint32_t pos, uint32_t len, int n) {
+    pos &= 0xFF; len &= 0xFF;
+    uint32_t avail = pos >= (uint32_t)n ? 0 : (len < n - pos ? len : n - pos);
+    uint64_t fmask = avail >= 64 ? ~0ULL : (1ULL << avail) - 1;
+    uint32_t ps = pos < 63 ? pos : 63;
+    uint64_t mask = avail == 0 ? 0 : fmask << ps;
+    return (b & ~mask) | ((a << ps) & mask);
+}
+static inline uint32_t bfind_u(uint64_t u, int n, int sgn, int shiftamt) {
+    if (sgn && (u >> (n - 1)) & 1) u = ~u;
+    if (n < 64) u &= (1ULL << n) - 1;
+    if (!u) return 0xFFFFFFFFu;
+    int p = 63 - __builtin_clzll(u);
+    return shiftamt ? (uint32_t)(n - 1 - p) : (uint32_t)p;
+}
+static inline uint32_t prmt_u(uint32_t a, uint32_t b, uint32_t c) {
+    uint64_t pool = ((uint64_t)b << 32) | a; uint32_t r = 0;
+    for (int k = 0; k < 4; k++) {
+        uint32_t sel = (c >> (4 * k)) & 0xF, byte = (pool >> ((sel & 7) * 8)) & 0xFF;
+        if (sel & 8) byte = (byte & 0x80) ? 0xFF : 0;
+        r |= byte << (8 * k);
+    }
+    return r;
+}
+static inline uint32_t lop3_u(uint32_t a, uint32_t b, uint32_t c, uint32_t lut) {
+    uint32_t r = 0;
+    for (int i = 0; i < 8; i++)
+        if ((lut >> i) & 1) r |= ((i & 4) ? a : ~a) & ((i & 2) ? b : ~b) & ((i & 1) ? c : ~c);
+    return r;
+}
+static inline int64_t dp_part(uint32_t x, int k, int bits, int sgn) {
+    int64_t v = (x >> (bits * k)) & ((1u << bits) - 1);
+    return sgn && v >= (1 << (bits - 1)) ? v - (1 << bits) : v;
 }
 
 /* The fast paths, inline in thread_fn over its locals (glo, ghi, gh: the last allocation hit;

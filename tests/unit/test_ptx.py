@@ -26,9 +26,8 @@ def precompile():
 
 
 # kernels the compiler still leaves to the interpreter (each by the construct it refuses)
-INTERPRETED = {"softmax", "rounding", "named_barriers", "libm", "intops", "generic_ptrs", "fastmath",
-               "conversions", "atomics", "sync_ops", "misc", "legacy_reduce", "half_math", "ctl", "bf16_math",
-               "async_copy"}
+INTERPRETED = {"named_barriers", "conversions", "sync_ops", "misc", "legacy_reduce", "half_math", "ctl",
+               "bf16_math", "async_copy"}
 
 
 @pytest.fixture(params=["interpreter", "compiler"], autouse=True)
