@@ -37,6 +37,8 @@ CMP = {'eq': '==', 'ne': '!=', 'lt': '<', 'le': '<=', 'gt': '>', 'ge': '>=', 'lo
        'hs': '>='}
 SHFL = {'up': 0, 'down': 1, 'bfly': 2, 'idx': 3}
 VOTE = {'ballot': 4, 'all': 5, 'any': 6, 'uni': 7}
+MATCH = {'any': 16, 'all': 17}
+SIMD = {'vadd': 0, 'vsub': 1, 'vabsdiff': 2, 'vmin': 3, 'vmax': 4, 'vavrg': 5}
 REDUX = {'add': 9, 'min': 10, 'max': 11, 'and': 12, 'or': 13, 'xor': 14}
 ACTIVEMASK, WARPSYNC = 8, 15
 SPECIAL = {'%laneid': '(t & 31)', '%warpid': '(t >> 5)', '%nwarpid': '64u', '%nsmid': '132u',
@@ -641,6 +643,21 @@ class KernelSource:
     def op_dp2a(self, k, st, mods):
         return self.op_dp4a(k, st, mods, 'dp2a')
 
+    def simd(self, k, st, mods, name):
+        op, n = SIMD[name[:-1]], int(name[-1])
+        ts = self.types(mods)
+        sat, add = 'sat' in mods, 'add' in mods
+        if len(ts) != 3 or sat and add or any(x not in ('u32', 's32') for x in ts):
+            raise Refused("SIMD types")
+        self.mods(mods, {'u32', 's32', 'sat', 'add'})
+        a = self.args(st, 4)
+        if any(not isinstance(x, (P.Reg, P.Imm)) for x in a):
+            raise Refused("byte selectors or masks")
+        dt, at, bt = ts
+        xs = ', '.join(self.src(o, 'u32') for o in a[1:])
+        e = f"simd_op({op}, {n}, {xs}, {int(at == 's32')}, {int(bt == 's32')}, {int(dt == 's32')}, {int(sat)}, {int(add)})"
+        return self.dst(a[0], dt, f"({CT[dt]})({e})")
+
     def op_copysign(self, k, st, mods):
         t = self.type1(mods)
         self.mods(mods, {t})
@@ -957,6 +974,22 @@ class KernelSource:
             count = f"{ident(IT)}++; "
         return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {go}"
 
+    def op_brx(self, k, st, mods):
+        self.mods(mods, {'idx', 'uni'})
+        a = self.args(st, 2)
+        labels = self.fn.targets.get(a[1].name) if isinstance(a[1], P.Sym) else None
+        if not labels or any(x not in self.labels[self.fn.name] for x in labels):
+            raise Refused("brx.idx without .branchtargets")
+        to = [self.labels[self.fn.name][x] for x in labels]
+        self.jumps, self.falls = to, False
+        code = f"switch ({self.src(a[0], 'u32')}) {{ " + " ".join(
+            f"case {i}: goto {self.label(x)};" for i, x in enumerate(labels)) + \
+            f" default: fault(b, E_BRX, 0, 0, {st.line}); return ST_ERR; }}"
+        if min(to) > k:
+            return code
+        rid = self.sync(('label', f"BX{k}", k))        # a loop through the table: yield as bra does
+        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {code}"
+
     def op_ret(self, k, st, mods):
         self.falls = False
         if self.fn.entry:
@@ -1050,18 +1083,32 @@ class KernelSource:
         if 'warp' in mods:
             self.mods(mods, {'warp', 'sync'})
             return self.warp_op(k, st, WARPSYNC, None, '0', '0', '0', self.src(self.args(st, 1)[0], 'u32'))
-        self.mods(mods, {'sync', 'aligned'})
-        if 'sync' not in mods and mods:
-            raise Refused("barrier form")
-        if len(st.args) != 1:
-            raise Refused("barrier with a thread count")
-        self.src(st.args[0], 'u32')
+        kind = next((m for m in mods if m in ('sync', 'arrive', 'red')), 'sync')
+        rop = next((m for m in mods if m in ('popc', 'and', 'or')), None) if kind == 'red' else None
+        self.mods(mods, {'cta', 'sync', 'arrive', 'red', 'aligned', 'u32', 'pred', rop})
+        args = list(st.args)
+        if kind == 'red':
+            if rop is None or len(args) not in (3, 4):
+                raise Refused("bar.red form")
+            out, pv, args = args[0], self.src(args[-1], 'pred'), args[1:-1]
+        if not 1 <= len(args) <= 2 or kind == 'arrive' and len(args) != 2:
+            raise Refused("barrier operands")
+        bid = self.src(args[0], 'u32')
+        count = self.src(args[1], 'u32') if len(args) == 2 else '0u'
+        arrive = f"bar_arrive(b, {bid}, {count});"
+        if kind == 'arrive':
+            return arrive
         rid = self.sync(('after', k))
-        count = ""
+        red = f"x_->a = {pv}; x_->c = {('popc', 'and', 'or').index(rop) + 1};" if rop else "x_->c = 0;"
+        code = (f"{{ Xchg *x_ = &b->x[t]; x_->b = ({bid}) & 15; {red} }} {arrive} "
+                f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_BAR; {self.resume(rid)}:;")
         if self.counting:
             self.writes.add(IT)
-            count = f" {ident(IT)} = 0;"
-        return f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_BAR; {self.resume(rid)}:;{count}"
+            code += f" {ident(IT)} = 0;"
+        if rop:
+            code += " " + self.dst(out, 'u32' if rop == 'popc' else 'pred',
+                                   "(uint32_t)b->x[t].r" if rop == 'popc' else "(uint8_t)b->x[t].r")
+        return code
 
     op_barrier = op_bar
 
@@ -1101,6 +1148,18 @@ class KernelSource:
     def op_activemask(self, k, st, mods):
         self.mods(mods, {'b32'})
         return self.warp_op(k, st, ACTIVEMASK, self.args(st, 1)[0], '0', '0', '0', '0u')
+
+    def op_match(self, k, st, mods):
+        mode = next(m for m in mods if m in MATCH)
+        t = self.type1(mods)
+        if t not in ('b32', 'b64'):
+            raise Refused("match type")
+        self.mods(mods, {'sync', mode, t})
+        a = self.args(st, 3)
+        out = a[0]
+        d, p = (out.a, out.b) if isinstance(out, P.Pair) else (out, None)
+        return self.warp_op(k, st, MATCH[mode], d, self.src(a[1], 'u64' if t == 'b64' else 'u32'), '0', '0',
+                            self.src(a[2], 'u32'), p)
 
     def op_redux(self, k, st, mods):
         rop = next(m for m in mods if m in REDUX)
@@ -1214,3 +1273,8 @@ static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
 }}
 {SCHEDULER}
 """
+
+
+for _v in SIMD:
+    for _n in (2, 4):
+        setattr(KernelSource, f"op_{_v}{_n}", lambda self, k, st, mods, _name=f"{_v}{_n}": self.simd(k, st, mods, _name))

@@ -152,7 +152,8 @@ ERRORS = {1: (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, "{w}-byte access at {a:#x} is
           6: (CUresult.CUDA_ERROR_LAUNCH_FAILED, "deadlock, {a} threads wait at a barrier that cannot complete"),
           7: (CUresult.CUDA_ERROR_LAUNCH_TIMEOUT, "stopped at the emu's launch time limit (PHOS_EMU_LAUNCH_TIMEOUT)"),
           8: (None, "trap at line {line}"),
-          9: (CUresult.CUDA_ERROR_ASSERT, "device-side assert triggered")}
+          9: (CUresult.CUDA_ERROR_ASSERT, "device-side assert triggered"),
+          11: (CUresult.CUDA_ERROR_ILLEGAL_INSTRUCTION, "brx.idx out of range")}
 
 
 class Host:

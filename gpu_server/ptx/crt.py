@@ -17,7 +17,7 @@ PRELUDE = r'''
 
 enum { ST_RUN = 0, ST_BAR = 1, ST_WARP = 2, ST_EXIT = 3, ST_ERR = 4 };
 enum { E_GLOBAL = 1, E_SHARED = 2, E_LOCAL = 3, E_PARAM = 4, E_ALIGN = 5, E_DEADLOCK = 6, E_STOP = 7, E_TRAP = 8,
-       E_ASSERT = 9, E_HOST = 10 };
+       E_ASSERT = 9, E_HOST = 10, E_BRX = 11 };
 #define SHARED_WIN %(shared_win)dULL
 #define LOCAL_WIN %(local_win)dULL
 #define PARAM_WIN %(param_win)dULL
@@ -46,6 +46,7 @@ typedef struct { uint64_t lo, hi; uint8_t *host; } GCache;
 typedef struct {
     Ctx *c; uint8_t *shm, *loc; uint32_t nt, ctaid[3], lin, epoch;   /* epoch: barriers completed */
     uint8_t *state; int32_t *pc; Slot *save; Xchg *x; GCache g;
+    struct { uint32_t arrived, expect; } bar[16];   /* named barriers: arrivals, thread count (0: all) */
 } Blk;
 
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -167,6 +168,27 @@ static inline uint32_t lop3_u(uint32_t a, uint32_t b, uint32_t c, uint32_t lut) 
         if ((lut >> i) & 1) r |= ((i & 4) ? a : ~a) & ((i & 2) ? b : ~b) & ((i & 1) ? c : ~c);
     return r;
 }
+/* vadd4, vabsdiff2, ... (SIMD video ops): per byte (n 4) or half (n 2); sat clamps each part to the
+   destination's type, add sums the parts into c instead (ops d_simd in decode.py) */
+static inline uint32_t simd_op(int op, int n, uint32_t a, uint32_t b, uint32_t c, int sa, int sb, int sd,
+                               int sat, int add) {
+    int bits = 32 / n; int64_t m = (1LL << bits) - 1, sum = (int32_t)c; uint32_t r = 0;
+    if (!sd) sum = c;
+    for (int k = 0; k < n; k++) {
+        int64_t x = (a >> (bits * k)) & m, y = (b >> (bits * k)) & m, v;
+        if (sa && x >= (1LL << (bits - 1))) x -= 1LL << bits;
+        if (sb && y >= (1LL << (bits - 1))) y -= 1LL << bits;
+        switch (op) { case 0: v = x + y; break; case 1: v = x - y; break; case 2: v = x > y ? x - y : y - x; break;
+                      case 3: v = x < y ? x : y; break; case 4: v = x > y ? x : y; break; default: v = (x + y + 1) >> 1; }
+        if (add) { sum += v; continue; }
+        if (sat) {
+            int64_t lo = sd ? -(1LL << (bits - 1)) : 0, hi = sd ? (1LL << (bits - 1)) - 1 : m;
+            v = v < lo ? lo : v > hi ? hi : v;
+        }
+        r |= (uint32_t)((v & m) << (bits * k));
+    }
+    return add ? (uint32_t)sum : r;
+}
 static inline int64_t dp_part(uint32_t x, int k, int bits, int sgn) {
     int64_t v = (x >> (bits * k)) & ((1u << bits) - 1);
     return sgn && v >= (1 << (bits - 1)) ? v - (1 << bits) : v;
@@ -188,6 +210,11 @@ static inline int64_t dp_part(uint32_t x, int k, int bits, int sgn) {
 #define LPTR(p, a, w, line) do { uint64_t a_ = (a); \
     if (LIKELY(a_ + (w) <= lsz && a_ + (w) >= a_ && !(a_ & ((w) - 1)))) p = lbase + a_; \
     else { lptr(b, t, a_, w, line); return ST_ERR; } } while (0)
+
+static inline void bar_arrive(Blk *b, uint32_t id, uint32_t count) {
+    b->bar[id & 15].arrived++;
+    if (count) b->bar[id & 15].expect = count;
+}
 
 static inline uint8_t *genptr(Blk *b, uint32_t t, uint64_t a, unsigned w, int line) {
     if (a >= b->g.lo && a + w <= b->g.hi && !(a & (w - 1))) return b->g.host + (a - b->g.lo);
@@ -256,6 +283,10 @@ static int warp_resolve(Blk *b, uint32_t w) {
                     else if (kind == 12) acc &= v; else if (kind == 13) acc |= v; else acc ^= v;
                 }
                 x->r = acc;
+            } else if (kind == 16 || kind == 17) {   /* match.any, match.all */
+                uint32_t same = 0;
+                for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a == x->a) same |= 1u << q;
+                x->r = kind == 16 ? same : same == grp ? grp : 0; x->p = same == grp;
             } else {                          /* bar.warp.sync */
                 x->r = 0;
             }
@@ -268,10 +299,35 @@ static int warp_resolve(Blk *b, uint32_t w) {
 '''
 
 SCHEDULER = r'''
+/* A thread at bar.sync/bar.red waits (ST_BAR) with the barrier in x.b, its bar.red op in x.c
+   (1 popc, 2 and, 3 or) and predicate in x.a; bar.arrive only counts. A barrier completes when
+   its arrivals reach its thread count, or every thread not exited when it names none. */
+static int bar_release(Blk *b) {
+    uint32_t nt = b->nt, alive = 0; int woke = 0;
+    for (uint32_t t = 0; t < nt; t++) alive += b->state[t] != ST_EXIT;
+    for (uint32_t id = 0; id < 16; id++) {
+        uint32_t arr = b->bar[id].arrived, need = b->bar[id].expect ? b->bar[id].expect : alive;
+        if (!arr || arr < need) continue;
+        uint32_t cnt = 0, tot = 0;
+        for (uint32_t t = 0; t < nt; t++)
+            if (b->state[t] == ST_BAR && b->x[t].b == id) { tot++; cnt += b->x[t].a != 0; }
+        for (uint32_t t = 0; t < nt; t++) {
+            Xchg *x = &b->x[t];
+            if (b->state[t] != ST_BAR || x->b != id) continue;
+            x->r = x->c == 1 ? cnt : x->c == 2 ? cnt == tot : cnt > 0;
+            b->state[t] = ST_RUN;
+        }
+        b->bar[id].arrived = b->bar[id].expect = 0;
+        b->epoch++; woke = 1;
+    }
+    return woke;
+}
+
 static int run_block(Blk *b) {
     uint32_t nt = b->nt;
     for (uint32_t t = 0; t < nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
     b->epoch = 0;
+    memset(b->bar, 0, sizeof b->bar);
     for (;;) {
         int ran = 0;
         for (uint32_t t = 0; t < nt; t++) {
@@ -283,15 +339,11 @@ static int run_block(Blk *b) {
         if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
         int woke = 0;
         for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
+        woke |= bar_release(b);
         if (woke || ran) continue;
-        uint32_t nbar = 0, nexit = 0;
-        for (uint32_t t = 0; t < nt; t++) { nbar += b->state[t] == ST_BAR; nexit += b->state[t] == ST_EXIT; }
+        uint32_t nexit = 0;
+        for (uint32_t t = 0; t < nt; t++) nexit += b->state[t] == ST_EXIT;
         if (nexit == nt) return 0;
-        if (nbar + nexit == nt) {
-            b->epoch++;
-            for (uint32_t t = 0; t < nt; t++) if (b->state[t] == ST_BAR) b->state[t] = ST_RUN;
-            continue;
-        }
         fault(b, E_DEADLOCK, nt - nexit, 0, 0); return -1;
     }
 }
