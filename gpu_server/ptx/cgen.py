@@ -26,7 +26,12 @@ class Refused(Exception):
 
 CT = {'b8': 'uint8_t', 'u8': 'uint8_t', 's8': 'int8_t', 'b16': 'uint16_t', 'u16': 'uint16_t', 's16': 'int16_t',
       'b32': 'uint32_t', 'u32': 'uint32_t', 's32': 'int32_t', 'b64': 'uint64_t', 'u64': 'uint64_t',
-      's64': 'int64_t', 'f32': 'float', 'f64': 'double', 'pred': 'uint8_t'}
+      's64': 'int64_t', 'f32': 'float', 'f64': 'double', 'pred': 'uint8_t',
+      'f16': 'uint16_t', 'bf16': 'uint16_t', 'f16x2': 'uint32_t', 'bf16x2': 'uint32_t'}
+# f16 and bf16 values are kept as their bits (two to a b32 when packed), as the interpreter keeps
+# them; their arithmetic goes through crt.py's half_op in double, where f16 sums and products are exact
+HALFS = {'f16': (0, 0), 'bf16': (1, 0), 'f16x2': (0, 1), 'bf16x2': (1, 1)}     # (bf16?, packed?)
+HOP = {'add': 0, 'sub': 1, 'mul': 2, 'fma': 3, 'mad': 3, 'min': 4, 'max': 5, 'neg': 6, 'abs': 7}
 UT = {1: 'uint8_t', 2: 'uint16_t', 4: 'uint32_t', 8: 'uint64_t'}
 ST = {1: 'int8_t', 2: 'int16_t', 4: 'int32_t', 8: 'int64_t'}
 SIZE = {t: P.TYPE_SIZE[t] for t in CT}
@@ -293,11 +298,22 @@ class KernelSource:
     def types(mods):
         return [m for m in mods if m in P.TYPE_SIZE]
 
-    def type1(self, mods):
+    def type1(self, mods, halves=False):
+        """The one type in mods; f16/bf16 only where the caller handles them (halves)."""
         ts = self.types(mods)
-        if len(ts) != 1 or ts[0] not in CT:
+        if len(ts) != 1 or ts[0] not in CT or ts[0] in HALFS and not halves:
             raise Refused(f"type {ts}")
         return ts[0]
+
+    def half(self, st, mods, t, name):
+        """add, sub, mul, fma, min, max, neg, abs of f16, bf16 or a packed pair of them (.rn only)."""
+        bf, packed = HALFS[t]
+        self.mods(mods, {t, 'rn', 'sat'})
+        n = 1 if name in ('neg', 'abs') else 3 if name in ('fma', 'mad') else 2
+        a = self.args(st, n + 1)
+        xs = [self.src(o, 'u32' if packed else 'u16') for o in a[1:]] + ['0'] * (3 - n)
+        e = f"half_op({HOP[name]}, {bf}, {packed}, {', '.join(xs)}, {int('sat' in mods)})"
+        return self.dst(a[0], t, f"({CT[t]})({e})")
 
     def args(self, st, n):
         if len(st.args) != n:
@@ -305,7 +321,9 @@ class KernelSource:
         return st.args
 
     def op_add(self, k, st, mods, name='add'):
-        t = self.type1(mods)
+        t = self.type1(mods, halves=True)
+        if t in HALFS:
+            return self.half(st, mods, t, name)
         a = self.args(st, 3)
         x, y = self.src(a[1], t), self.src(a[2], t)
         if is_float(t):
@@ -372,7 +390,9 @@ class KernelSource:
         return e
 
     def op_mad(self, k, st, mods):
-        t = self.type1(mods)
+        t = self.type1(mods, halves=True)
+        if t in HALFS:
+            return self.half(st, mods, t, 'fma')
         a = self.args(st, 4)
         x, y, z = (self.src(o, t) for o in a[1:])
         if is_float(t):
@@ -481,7 +501,9 @@ class KernelSource:
         return self.op_div(k, st, mods, True)
 
     def op_min(self, k, st, mods, name='min'):
-        t = self.type1(mods)
+        t = self.type1(mods, halves=True)
+        if t in HALFS:
+            return self.half(st, mods, t, name)
         a = self.args(st, 3)
         x, y = self.src(a[1], t), self.src(a[2], t)
         if is_float(t):
@@ -496,7 +518,9 @@ class KernelSource:
         return self.op_min(k, st, mods, 'max')
 
     def op_abs(self, k, st, mods, name='abs'):
-        t = self.type1(mods)
+        t = self.type1(mods, halves=True)
+        if t in HALFS:
+            return self.half(st, mods, t, name)
         a = self.args(st, 2)
         x = self.src(a[1], t)
         if is_float(t):
@@ -692,7 +716,9 @@ class KernelSource:
         return self.dst(a[0], 'pred', e)
 
     def op_setp(self, k, st, mods):
-        t = self.type1(mods)
+        t = self.type1(mods, halves=True)
+        if t in ('f16x2', 'bf16x2'):
+            raise Refused("packed comparison")
         cmp = next((m for m in mods if m in CMP or m in ('equ', 'neu', 'ltu', 'leu', 'gtu', 'geu', 'num', 'nan')), None)
         bop = next((m for m in mods if m in ('and', 'or', 'xor')), None)
         self.mods(mods, {t, cmp, bop, 'ftz'})
@@ -700,7 +726,9 @@ class KernelSource:
         x, y = self.src(a[1], t), self.src(a[2], t)
         if 'ftz' in mods and t == 'f32':
             x, y = f"ftzf({x})", f"ftzf({y})"
-        if is_float(t):
+        if t in HALFS:
+            x, y = f"half_val({x}, {HALFS[t][0]})", f"half_val({y}, {HALFS[t][0]})"
+        if is_float(t) or t in HALFS:
             nan = f"(({x}) != ({x}) || ({y}) != ({y}))"
             if cmp == 'num':
                 e = f"!{nan}"
@@ -737,13 +765,13 @@ class KernelSource:
         return code + " }"
 
     def op_selp(self, k, st, mods):
-        t = self.type1(mods)
+        t = self.type1(mods, halves=True)
         self.mods(mods, {t})
         a = self.args(st, 4)
         return self.dst(a[0], t, f"(({self.src(a[3], 'pred')}) ? ({self.src(a[1], t)}) : ({self.src(a[2], t)}))")
 
     def op_mov(self, k, st, mods):
-        t = self.type1(mods)
+        t = self.type1(mods, halves=True)
         self.mods(mods, {t})
         a = self.args(st, 2)
         d, s = a
@@ -762,6 +790,8 @@ class KernelSource:
 
     def op_cvt(self, k, st, mods):
         ts = self.types(mods)
+        if len(ts) == 2 and any(x in HALFS for x in ts):
+            return self.cvt_half(st, mods, *ts)
         if len(ts) != 2 or any(x not in CT or x == 'pred' for x in ts):
             raise Refused(f"types {ts}")
         dt, stt = ts
@@ -812,6 +842,64 @@ class KernelSource:
             return self.dst(a[0], dt, e)
         return self.dst(a[0], dt, f"({CT[dt]})({CT[stt]})({x})")
 
+    def cvt_half(self, st, mods, dt, stt):
+        """cvt to or from f16/bf16 (and two f32 to a packed pair), the conversions interp's _cvt_fn does
+        that round once; the rest (directed modes to halves, 64-bit integers, .relu, .sat) refused."""
+        irnd = next((m for m in mods if m in ('rni', 'rzi', 'rmi', 'rpi')), None)
+        frnd = next((m for m in mods if m in ('rn', 'rz', 'rm', 'rp')), None)
+        self.mods(mods, {dt, stt, irnd, frnd, 'ftz'})
+        if dt in ('f16x2', 'bf16x2'):
+            if stt != 'f32' or frnd != 'rn':
+                raise Refused("packed cvt")
+            a = self.args(st, 3)
+            one = [self.half_of(self.src(o, 'f32'), 'f32', dt[:-2], frnd) for o in a[1:]]
+            return self.dst(a[0], 'u32', f"(((uint32_t)({one[0]}) << 16) | (uint32_t)({one[1]}))")
+        a = self.args(st, 2)
+        if stt in HALFS:                        # from a half: exact into f32/f64, then as cvt does
+            if stt not in ('f16', 'bf16') or dt in HALFS:
+                raise Refused("cvt between halves")
+            x = f"half_val({self.src(a[1], stt)}, {HALFS[stt][0]})"
+            if is_float(dt):
+                if irnd:
+                    x = f"{ {'rni': 'rint', 'rzi': 'trunc', 'rmi': 'floor', 'rpi': 'ceil'}[irnd]}({x})"
+                return self.dst(a[0], dt, f"({CT[dt]})({x})")
+            if not irnd:
+                raise Refused("float-to-int without an integer rounding")
+            return self.op_cvt_value(a[0], dt, x, irnd)
+        if irnd:
+            raise Refused("integer rounding to a half")
+        x = self.src(a[1], stt)
+        if 'ftz' in mods and stt == 'f32':
+            x = f"ftzf({x})"
+        return self.dst(a[0], dt, self.half_of(x, stt, dt, frnd))
+
+    def half_of(self, x, stt, dt, frnd):
+        """C expression of the half bits (dt f16 or bf16) of x (of type stt), rounded by frnd."""
+        if dt == 'bf16':                        # through f32, as interp's to_bf16 (rn or rz)
+            if frnd not in ('rn', 'rz') or stt not in ('f32', 'f64', 's32', 'u32', 's16', 'u16', 's8', 'u8'):
+                raise Refused(f"cvt.{frnd}.bf16.{stt}")
+            if not is_float(stt) and frnd != 'rn':
+                raise Refused(f"cvt.{frnd}.bf16.{stt}")
+            return f"bf16_of_f32((float)({x}), {int(frnd == 'rz')})"
+        if frnd not in ROUND or SIZE[stt] > 4 and not is_float(stt):
+            raise Refused(f"cvt.{frnd}.f16.{stt}")
+        if frnd != 'rn':                        # exact in double, then one rounding under the mode
+            return f"f16_of_rnd((double)({x}), {ROUND[frnd]})"
+        return f"f16_of((double)({x}))"
+
+    def op_cvt_value(self, d, dt, x, irnd):
+        """d = the double x rounded to an integer of type dt by irnd, saturated (NaN: 0)."""
+        r = {'rni': 'rint', 'rzi': 'trunc', 'rmi': 'floor', 'rpi': 'ceil'}[irnd]
+        x = f"{r}((double)({x}))"
+        if dt[0] == 'u':
+            hi = (1 << 8 * SIZE[dt]) - 1
+            e = f"({{ double _x = {x}; _x != _x || _x <= 0.0 ? 0 : _x >= {float(hi + 1)!r} ? {hi}ull : (uint64_t)_x; }})"
+        else:
+            lo, hi = -(1 << 8 * SIZE[dt] - 1), (1 << 8 * SIZE[dt] - 1) - 1
+            e = (f"({{ double _x = {x}; _x != _x ? 0 : _x <= {float(lo)!r} ? (int64_t)(-{hi}ll - 1) : "
+                 f"_x >= {float(hi + 1)!r} ? (int64_t){hi}ll : (int64_t)_x; }})")
+        return self.dst(d, dt, f"({CT[dt]})({e})")
+
     def op_cvta(self, k, st, mods):
         t = self.type1(mods)
         to = 'to' in mods
@@ -825,7 +913,7 @@ class KernelSource:
     def access(self, k, st, mods, store):
         sp = next((m for m in mods if m in SPACES), 'generic')
         space = SPACES.get(sp, sp)
-        t = self.type1(mods)
+        t = self.type1(mods, halves=True)
         if t == 'pred':
             raise Refused("pred access")
         vec = next((int(m[1:]) for m in mods if m in ('v2', 'v4', 'v8')), 1)

@@ -124,6 +124,47 @@ RND_CVT(cvt_f64_s64, double, int64_t)
 RND_CVT(cvt_f64_u64, double, uint64_t)
 RND_CVT(cvt_f32_f64, float, double)
 
+/* f16 and bf16, held as bits. f16 converts exactly through _Float16; a bf16 from a double rounds
+   to odd in f32 first, so that the rounding to nearest bf16 after it rounds once (ops.half_op). */
+static inline double half_val(uint32_t h, int bf) {
+    if (bf) return (double)u2f(h << 16);
+    _Float16 f; uint16_t u = h; memcpy(&f, &u, 2); return (double)f;
+}
+static inline uint16_t f16_of(double x) { _Float16 f = (_Float16)x; uint16_t u; memcpy(&u, &f, 2); return u; }
+static __attribute__((noinline, optimize("rounding-math"))) uint16_t f16_of_rnd(double x, int mode) {
+    int o = fegetround(); fesetround(mode); volatile double v = x; volatile _Float16 f = (_Float16)v;
+    fesetround(o); _Float16 g = f; uint16_t u; memcpy(&u, &g, 2); return u;
+}
+static inline uint16_t bf16_of_f32(float x, int rz) {
+    uint32_t b = f2u(x);
+    if (x != x) return 0x7FFF;                  /* the canonical NaN, as sm_75 emulation gives too */
+    return rz ? b >> 16 : (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+static inline uint16_t bf16_of(double x) {
+    if (x != x) return 0x7FFF;
+    float f = (float)x;
+    if ((double)f != x && isfinite(f)) {
+        if (fabs((double)f) > fabs(x)) f = nextafterf(f, 0.0f);
+        f = u2f(f2u(f) | 1);
+    } else if (!isfinite(f) && isfinite(x)) f = u2f(f2u(copysignf(3.4028235e38f, f)) | 1);
+    return bf16_of_f32(f, 0);
+}
+/* op: 0 add, 1 sub, 2 mul, 3 fma, 4 min, 5 max, 6 neg, 7 abs; on each half of a packed pair */
+static inline uint32_t half_op(int op, int bf, int packed, uint32_t a, uint32_t b, uint32_t c, int sat) {
+    uint32_t r = 0;
+    for (int k = 0; k < (packed ? 2 : 1); k++) {
+        uint32_t s = 16 * k;
+        double x = half_val((a >> s) & 0xFFFF, bf), y = half_val((b >> s) & 0xFFFF, bf),
+               z = half_val((c >> s) & 0xFFFF, bf), v;
+        switch (op) { case 0: v = x + y; break; case 1: v = x - y; break; case 2: v = x * y; break;
+                      case 3: v = fma(x, y, z); break; case 4: v = fmin(x, y); break; case 5: v = fmax(x, y); break;
+                      case 6: v = -x; break; default: v = fabs(x); }
+        if (sat) v = v != v ? 0.0 : v < 0.0 ? 0.0 : v > 1.0 ? 1.0 : v;
+        r |= (uint32_t)(bf ? bf16_of(v) : f16_of(v)) << s;
+    }
+    return r;
+}
+
 /* Bit manipulation, as ops.py defines each for the interpreter */
 static inline uint64_t bfe_u(uint64_t a, uint32_t pos, uint32_t len, int n, int sgn) {
     pos &= 0xFF; len &= 0xFF;

@@ -26,7 +26,7 @@ def precompile():
 
 
 # kernels the compiler still leaves to the interpreter (each by the construct it refuses)
-INTERPRETED = {"conversions", "misc", "legacy_reduce", "half_math", "bf16_math", "async_copy"}
+INTERPRETED = {"legacy_reduce", "async_copy"}
 
 
 @pytest.fixture(params=["interpreter", "compiler"], autouse=True)
