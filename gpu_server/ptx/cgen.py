@@ -991,6 +991,70 @@ class KernelSource:
     def op_red(self, k, st, mods):
         return self.op_atom(k, st, mods, True)
 
+    def op_mbarrier(self, k, st, mods):
+        """mbarrier.init/arrive/arrive_drop/test_wait/try_wait{.parity}/inval on .shared (cuda::barrier);
+        a wait not yet complete yields, so that the threads it waits for run."""
+        kind = next((m for m in mods if m in ('init', 'arrive', 'arrive_drop', 'test_wait', 'try_wait', 'inval')), None)
+        sp = next((m for m in mods if m in SPACES), None)
+        self.mods(mods, {kind, sp, 'parity', 'b64', 'cta', 'acquire', 'release'})
+        if kind is None or SPACES.get(sp) != 'shared':
+            raise Refused("mbarrier form")
+        a = st.args
+        if kind == 'inval':
+            return ";"
+        if kind == 'init':
+            self.args(st, 2)
+            return f"{{ {self.ptr(a[0], 'shared', 8, st.line)} *(uint64_t *)p_ = (uint64_t)({self.src(a[1], 'u32')} & 0x7FFFFFFFu) * 0x100000001ull; }}"
+        if kind in ('arrive', 'arrive_drop'):
+            if len(a) not in (2, 3):
+                raise Refused("operand count")
+            n = self.src(a[2], 'u32') if len(a) == 3 else '1u'
+            return (f"{{ {self.ptr(a[1], 'shared', 8, st.line)} uint64_t _s = mb_arrive(p_, {n}, {int(kind == 'arrive_drop')}); "
+                    + self.dst(a[0], 'u64', "_s") + " }")
+        if len(a) not in (3, 4):
+            raise Refused("operand count")
+        rid = self.sync(('label', f"BX{k}", k))
+        return (f"BX{k}:; {{ {self.ptr(a[1], 'shared', 8, st.line)} uint8_t _d = mb_done(p_, {self.src(a[2], 'u64')}, "
+                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} "
+                + self.dst(a[0], 'pred', "_d") + " }")
+
+    def op_cp(self, k, st, mods):
+        """cp.async, done at once (as the interpreter does): commit and wait have nothing to wait for,
+        and an mbarrier arrival on completion is one now (.noinc) or none (it adds a pending count first)."""
+        if 'async' not in mods:
+            raise Refused("cp")
+        if any(m in mods for m in ('commit_group', 'wait_group', 'wait_all')):
+            return ";"
+        if 'mbarrier' in mods:
+            sp = next((m for m in mods if m in SPACES), None)
+            self.mods(mods, {'async', 'mbarrier', 'arrive', 'noinc', sp, 'b64'})
+            if SPACES.get(sp) != 'shared':
+                raise Refused("cp.async.mbarrier space")
+            self.args(st, 1)
+            if 'noinc' not in mods:
+                return ";"
+            return f"{{ {self.ptr(st.args[0], 'shared', 8, st.line)} mb_arrive(p_, 1, 0); }}"
+        self.mods(mods, {'async', 'ca', 'cg', 'shared', 'global', 'L2::64B', 'L2::128B', 'L2::256B', 'L2::cache_hint'})
+        if 'shared' not in mods or 'global' not in mods:
+            raise Refused("cp.async spaces")
+        a = st.args
+        if len(a) < 3 or not isinstance(a[2], P.Imm) or a[2].value not in (4, 8, 16):
+            raise Refused("cp-size")
+        n = a[2].value
+        code = f"{{ {self.ptr(a[0], 'shared', n, st.line)} uint8_t *d_ = p_; "
+        ss = a[3] if len(a) > 3 and not (isinstance(a[3], P.Reg) and 'L2::cache_hint' in mods
+                                         and self.regs.get(self.pre + a[3].name) in ('b64', 'u64')) else None
+        if ss is None:
+            return code + f"{{ {self.ptr(a[1], 'global', n, st.line)} memcpy(d_, p_, {n}); }} }}"
+        src = a[1]
+        if not isinstance(src, P.Addr) or not isinstance(src.base, P.Reg):
+            raise Refused("cp.async source")
+        sa = f"((uint64_t){self.src(src.base, 'u64')} + {src.off & ((1 << 64) - 1)}ull)"
+        # src-size: the bytes copied; the rest of the destination is zeroed
+        return code + (f"uint32_t _n = {self.src(ss, 'u32')}; if (_n > {n}) _n = {n}; "
+                       f"for (uint32_t _i = 0; _i < _n; _i++) {{ uint8_t *q_ = gptr(b, {sa} + _i, 1, {st.line}); "
+                       f"if (!q_) return ST_ERR; d_[_i] = *q_; }} memset(d_ + _n, 0, {n} - _n); }}")
+
     def op_membar(self, k, st, mods):
         return "__atomic_thread_fence(__ATOMIC_SEQ_CST);"
 

@@ -165,6 +165,22 @@ static inline uint32_t half_op(int op, int bf, int packed, uint32_t a, uint32_t 
     return r;
 }
 
+/* mbarrier objects in shared memory, laid out as ops.mb_init describes. A block's threads run on
+   one OS thread, so plain reads and writes do. */
+#define MB_PHASE (1ULL << 63)
+static inline uint64_t mb_arrive(uint8_t *p, uint32_t n, int drop) {
+    uint64_t w = *(uint64_t *)p, phase = w & MB_PHASE, pending = w & 0xFFFFFFFFu, expected = (w >> 32) & 0x7FFFFFFFu;
+    if (drop) expected = expected > n ? expected - n : 0;
+    pending = pending > n ? pending - n : 0;
+    if (!pending) { phase ^= MB_PHASE; pending = expected; }
+    *(uint64_t *)p = phase | expected << 32 | pending;
+    return w & MB_PHASE;
+}
+static inline int mb_done(uint8_t *p, uint64_t state, int parity) {
+    uint64_t w = *(uint64_t *)p;
+    return parity ? (w >> 63) != (state & 1) : (w & MB_PHASE) != (state & MB_PHASE);
+}
+
 /* Bit manipulation, as ops.py defines each for the interpreter */
 static inline uint64_t bfe_u(uint64_t a, uint32_t pos, uint32_t len, int n, int sgn) {
     pos &= 0xFF; len &= 0xFF;

@@ -595,3 +595,34 @@ def format_printf(fmt, read_arg, read_str):
         # %n writes nothing here: device printf does not support it
     out.append(fmt[pos:])
     return ''.join(out)
+
+
+# ---- mbarrier (cuda::barrier) ----
+# The 64-bit object in shared memory: pending arrivals in bits 0-31, the expected count in 32-62,
+# the phase in bit 63; an arrival's state token is the phase it arrived in (bit 63). The compiled
+# engine's crt.py keeps the same layout.
+MB_PHASE = 1 << 63
+
+
+def mb_init(count):
+    count &= 0x7FFFFFFF
+    return count | count << 32
+
+
+def mb_arrive(word, n=1, drop=False):
+    """(new word, state token) after n arrivals (arrive_drop: the expected count drops by n too)."""
+    phase, pending, expected = word & MB_PHASE, word & 0xFFFFFFFF, (word >> 32) & 0x7FFFFFFF
+    if drop:
+        expected = max(expected - n, 0)
+    pending = max(pending - n, 0)
+    if pending == 0:                            # the phase completes: the next one starts
+        phase ^= MB_PHASE
+        pending = expected
+    return phase | expected << 32 | pending, word & MB_PHASE
+
+
+def mb_done(word, state, parity):
+    """Whether the phase that state (a token, or with parity a phase parity) names has completed."""
+    if parity:
+        return (word >> 63) != (state & 1)
+    return (word & MB_PHASE) != (state & MB_PHASE)

@@ -26,7 +26,7 @@ def precompile():
 
 
 # kernels the compiler still leaves to the interpreter (each by the construct it refuses)
-INTERPRETED = {"legacy_reduce", "async_copy"}
+INTERPRETED = {"legacy_reduce"}
 
 
 @pytest.fixture(params=["interpreter", "compiler"], autouse=True)
@@ -626,6 +626,19 @@ def test_async_copy(dev):
     ok = src < n4
     ref = v[np.minimum(src, n4 - 1)] @ np.float32([1, 2, 3, 4])
     np.testing.assert_allclose(dev.read(po, n4)[ok], ref[ok], rtol=1e-6)
+
+
+def test_cuda_barrier_and_memcpy_async(dev):
+    mod = dev.load("async.cu", "compute_90")
+    nb, nt, rounds = 4, 256, 3
+    x = rng.random(nb * nt, np.float32)
+    px, po = dev.array(x), dev.zeros(nb * nt)
+    dev.launch(mod, "barrier_copy", nb, nt, px, po, rounds)
+    t = np.arange(nt)
+    ref = [sum(x[((b + r) % nb) * nt + (t + 1) % nt] * (r + 1) for r in range(rounds)) for b in range(nb)]
+    np.testing.assert_allclose(dev.read(po, nb * nt), np.concatenate(ref), rtol=1e-6)
+    dev.launch(mod, "group_copy", nb, nt, px, po)
+    np.testing.assert_array_equal(dev.read(po, nb * nt), x.reshape(nb, nt)[:, ::-1].reshape(-1) + 1)
 
 
 @arch
