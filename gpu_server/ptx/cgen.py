@@ -176,8 +176,8 @@ class KernelSource:
                 e = convert(ident(key), self.rtype(key), t)
             elif o.name in SPECIAL:
                 e = convert(SPECIAL[o.name], SPECIAL_TYPE.get(o.name, 'u32'), t)
-            elif re.fullmatch(r'%envreg\d+', o.name):
-                e = convert('0u', 'u32', t)
+            elif re.fullmatch(r'%envreg([0-9]|[12][0-9]|3[01])', o.name):
+                e = convert(f"c->envreg[{o.name[7:]}]", 'u32', t)
             else:
                 raise Refused(f"register {o.name}")
             return f"(!{e})" if o.neg else e

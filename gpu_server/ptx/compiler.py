@@ -54,7 +54,7 @@ class Ctx(ctypes.Structure):
                 ("shbytes", ctypes.c_uint64), ("dyn", ctypes.c_uint64), ("local_size", ctypes.c_uint64),
                 ("stop", ctypes.c_int32), ("err", ctypes.c_int32), ("err_line", ctypes.c_int32),
                 ("err_width", ctypes.c_int32), ("err_addr", ctypes.c_uint64), ("host_call", ctypes.c_void_p),
-                ("capacity", ctypes.c_uint64)]
+                ("capacity", ctypes.c_uint64), ("envreg", ctypes.c_uint32 * 32)]
 
 
 HOST_CALL = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
@@ -80,13 +80,14 @@ def workers():
 
 
 def build(source):
-    """run_blocks of the shared object compiled from C source (from the disk cache if there)."""
+    """The shared object compiled from C source (from the disk cache if there): its run_blocks
+    (a range of blocks, one after another) and run_grid (every block at once)."""
     flags = CFLAGS + cpu_flags()
     digest = hashlib.sha256((" ".join(flags) + "\n" + source).encode()).hexdigest()[:32]
     with _lock:
-        fn = _loaded.get(digest)
-        if fn is not None:
-            return fn
+        lib = _loaded.get(digest)
+        if lib is not None:
+            return lib
         d = cache_dir()
         so = d / f"{digest}.so"
         if not so.exists():
@@ -99,11 +100,11 @@ def build(source):
                 raise Refused(f"gcc failed: {r.stderr[:2000]}")
             os.replace(f"{tmp}.so", so)            # atomic: a concurrent process sees all of it or none
         lib = ctypes.CDLL(str(so))
-        fn = lib.run_blocks
-        fn.argtypes = [ctypes.POINTER(Ctx), ctypes.c_int64, ctypes.c_int64]
-        fn.restype = ctypes.c_int
-        _loaded[digest] = fn
-        return fn
+        lib.run_blocks.argtypes = [ctypes.POINTER(Ctx), ctypes.c_int64, ctypes.c_int64]
+        lib.run_grid.argtypes = [ctypes.POINTER(Ctx), ctypes.c_int64]
+        lib.run_blocks.restype = lib.run_grid.restype = ctypes.c_int
+        _loaded[digest] = lib
+        return lib
 
 
 class Compiled:
@@ -230,7 +231,7 @@ class Host:
             printf(text)
 
 
-def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, deadline):
+def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, deadline, envreg=None, cooperative=False):
     """Run the whole grid of K's compiled code C; raises CudaError as the interpreter does."""
     from phos.gpu_server.ptx.interp import TRAP_STATUS
     lo, hi, host = allocations(mem)
@@ -242,6 +243,8 @@ def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, dead
     c.params, c.psize, c.gsym = pbuf.ctypes.data, len(params), gsym.ctypes.data
     c.grid[:], c.block[:] = grid, block
     c.shbytes, c.dyn, c.local_size = K.shared_static + dyn, dyn, K.local_size + C.frame_bytes
+    for n, v in (envreg or {}).items():
+        c.envreg[n] = v
     host_calls = Host(K, c, lo, hi, host, pbuf, grid, block, per_batch)
     c.host_call = ctypes.cast(host_calls.fn, ctypes.c_void_p)
     nblocks = grid[0] * grid[1] * grid[2]
@@ -255,9 +258,12 @@ def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, dead
             with lock:
                 first = taken[0]
                 taken[0] += chunk
-            if first >= nblocks or C.fn(ref, first, min(first + chunk, nblocks)):
+            if first >= nblocks or C.fn.run_blocks(ref, first, min(first + chunk, nblocks)):
                 return
-    futures = [workers().submit(worker) for _ in range(min(n, -(-nblocks // chunk)))]
+    if cooperative:
+        futures = [workers().submit(C.fn.run_grid, ref, nblocks)]
+    else:
+        futures = [workers().submit(worker) for _ in range(min(n, -(-nblocks // chunk)))]
     try:
         for f in futures:
             while True:

@@ -38,6 +38,7 @@ typedef struct {                     /* filled by compiler.py (ctypes mirror: Ct
     int64_t (*host_call)(int32_t kind, uint64_t, uint64_t, uint64_t, uint64_t, uint8_t *loc, uint8_t *shm,
                          uint32_t block, uint32_t thread);
     uint64_t capacity;               /* of the device memory from base (isspacep.global) */
+    uint32_t envreg[32];             /* %%envreg0-31: a cooperative launch's grid.sync() word (interp.launch) */
 } Ctx;
 
 typedef union { uint64_t u; double d; float f; } Slot;
@@ -380,52 +381,91 @@ static int bar_release(Blk *b) {
     return woke;
 }
 
-static int run_block(Blk *b) {
+/* One round of a block: each runnable thread to its next sync point, then the barriers and warp
+   collectives that completed. Returns 1 while the block runs, 0 once every thread exited, -1 on an
+   error (c->err says which). */
+static int block_step(Blk *b) {
     uint32_t nt = b->nt;
-    for (uint32_t t = 0; t < nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
-    b->epoch = 0;
-    memset(b->bar, 0, sizeof b->bar);
-    for (;;) {
-        int ran = 0;
-        for (uint32_t t = 0; t < nt; t++) {
-            if (b->state[t] != ST_RUN) continue;
-            int s = thread_fn(b, t);
-            if (s == ST_ERR) return -1;
-            b->state[t] = s; ran = 1;
-        }
-        if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
-        int woke = 0;
-        for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
-        woke |= bar_release(b);
-        if (woke || ran) continue;
-        uint32_t nexit = 0;
-        for (uint32_t t = 0; t < nt; t++) nexit += b->state[t] == ST_EXIT;
-        if (nexit == nt) return 0;
-        fault(b, E_DEADLOCK, nt - nexit, 0, 0); return -1;
+    int ran = 0;
+    for (uint32_t t = 0; t < nt; t++) {
+        if (b->state[t] != ST_RUN) continue;
+        int s = thread_fn(b, t);
+        if (s == ST_ERR) return -1;
+        b->state[t] = s; ran = 1;
     }
+    if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
+    int woke = 0;
+    for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
+    woke |= bar_release(b);
+    if (woke || ran) return 1;
+    uint32_t nexit = 0;
+    for (uint32_t t = 0; t < nt; t++) nexit += b->state[t] == ST_EXIT;
+    if (nexit == nt) return 0;
+    fault(b, E_DEADLOCK, nt - nexit, 0, 0); return -1;
 }
 
-/* Blocks first..last-1 of the grid, on the calling OS thread; returns 0 or -1 (c->err says why). */
-int run_blocks(Ctx *c, int64_t first, int64_t last) {
+static int block_open(Blk *b, Ctx *c) {
     uint32_t nt = c->block[0] * c->block[1] * c->block[2];
-    Blk b; memset(&b, 0, sizeof b);
-    b.c = c; b.nt = nt;
+    memset(b, 0, sizeof *b);
+    b->c = c; b->nt = nt;
     uint64_t shstride = (c->shbytes + 15) / 16 * 16;
-    b.shm = calloc(shstride ? shstride : 16, 1);
-    b.loc = calloc(c->local_size ? (size_t)nt * c->local_size : 16, 1);
-    b.state = malloc(nt); b.pc = malloc(nt * sizeof(int32_t));
-    b.save = malloc((size_t)nt * (NSAVE ? NSAVE : 1) * sizeof(Slot));
-    b.x = calloc(nt, sizeof(Xchg));
-    int rc = 0;
-    if (!b.shm || !b.loc || !b.state || !b.pc || !b.save || !b.x) { c->err = -1; rc = -1; }
+    b->shm = calloc(shstride ? shstride : 16, 1);
+    b->loc = calloc(c->local_size ? (size_t)nt * c->local_size : 16, 1);
+    b->state = malloc(nt); b->pc = malloc(nt * sizeof(int32_t));
+    b->save = malloc((size_t)nt * (NSAVE ? NSAVE : 1) * sizeof(Slot));
+    b->x = calloc(nt, sizeof(Xchg));
+    if (!b->shm || !b->loc || !b->state || !b->pc || !b->save || !b->x) { c->err = -1; return -1; }
+    return 0;
+}
+
+static void block_start(Blk *b, int64_t g) {
+    Ctx *c = b->c;
+    b->lin = (uint32_t)g;
+    b->ctaid[0] = g % c->grid[0]; b->ctaid[1] = (g / c->grid[0]) % c->grid[1];
+    b->ctaid[2] = g / ((int64_t)c->grid[0] * c->grid[1]);
+    if (c->shbytes) memset(b->shm, 0, (c->shbytes + 15) / 16 * 16);
+    for (uint32_t t = 0; t < b->nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
+    b->epoch = 0;
+    memset(b->bar, 0, sizeof b->bar);
+}
+
+static void block_close(Blk *b) { free(b->shm); free(b->loc); free(b->state); free(b->pc); free(b->save); free(b->x); }
+
+/* Blocks first..last-1 of the grid, one after another on the calling OS thread; returns 0 or -1 (c->err says why). */
+int run_blocks(Ctx *c, int64_t first, int64_t last) {
+    Blk b;
+    int rc = block_open(&b, c);
     for (int64_t g = first; g < last && !rc && !c->err && !c->stop; g++) {
-        b.lin = (uint32_t)g;
-        b.ctaid[0] = g % c->grid[0]; b.ctaid[1] = (g / c->grid[0]) % c->grid[1];
-        b.ctaid[2] = g / ((int64_t)c->grid[0] * c->grid[1]);
-        if (c->shbytes) memset(b.shm, 0, shstride);
-        rc = run_block(&b);
+        block_start(&b, g);
+        while ((rc = block_step(&b)) > 0) {}
     }
-    free(b.shm); free(b.loc); free(b.state); free(b.pc); free(b.save); free(b.x);
+    block_close(&b);
+    return rc || c->err ? -1 : 0;
+}
+
+/* Every block of the grid at once, a round of each in turn (a cooperative launch: a block may wait
+   in grid.sync() for all the others, which must run meanwhile). */
+int run_grid(Ctx *c, int64_t nblocks) {
+    Blk *bs = calloc(nblocks, sizeof(Blk));
+    int8_t *live = malloc(nblocks);
+    int rc = !bs || !live ? -1 : 0;
+    int64_t opened = 0;
+    for (; opened < nblocks && !rc; opened++) {
+        rc = block_open(&bs[opened], c);
+        if (!rc) block_start(&bs[opened], opened);
+        if (live) live[opened] = 1;
+    }
+    for (int64_t running = nblocks; running && !rc && !c->err;) {
+        for (int64_t g = 0; g < nblocks && !rc; g++) {
+            if (!live[g]) continue;
+            int s = block_step(&bs[g]);
+            if (s < 0) rc = -1;
+            else if (s == 0) { live[g] = 0; running--; }
+        }
+    }
+    for (int64_t g = 0; g < opened; g++) block_close(&bs[g]);
+    free(bs); free(live);
+    if (rc && !c->err) c->err = -1;
     return rc || c->err ? -1 : 0;
 }
 '''

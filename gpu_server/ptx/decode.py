@@ -236,9 +236,9 @@ class Decoder:
             elif o.name in SPECIAL:
                 key = o.name
                 g = (lambda S: S.R[key]) if SPECIAL[key] == dt else (lambda S: as_(S.R[key], dt))
-            elif ENVREG.fullmatch(o.name):          # the driver's environment registers: none set
-                zero = as_(np.asarray(u32(0)), dt)[()]
-                g = lambda S: zero
+            elif ENVREG.fullmatch(o.name):          # the driver's environment registers (interp.launch)
+                n = int(ENVREG.fullmatch(o.name).group(1))
+                g = lambda S: as_(np.asarray(u32(S.envreg.get(n, 0))), dt)[()]
             else:
                 raise Unsupported(f"unknown register {o.name}")
             if o.neg:

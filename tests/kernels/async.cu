@@ -47,3 +47,18 @@ extern "C" __global__ void group_copy(const float *in, float *out) {
     cg::wait(block);
     out[base + threadIdx.x] = tile[blockDim.x - 1 - threadIdx.x] + 1.0f;
 }
+
+// cooperative groups' grid.sync() (a cooperative launch: %envreg1:%envreg2 name its counter)
+extern "C" __global__ void grid_rounds(int *partial, int *out, int rounds) {
+    cg::grid_group grid = cg::this_grid();
+    for (int r = 0; r < rounds; r++) {
+        if (threadIdx.x == 0) partial[blockIdx.x] = blockIdx.x * 10 + r;
+        grid.sync();                            // every block's value of this round is there
+        if (grid.thread_rank() == 0) {
+            int s = 0;
+            for (int b = 0; b < gridDim.x; b++) s += partial[b];
+            out[r] = s;
+        }
+        grid.sync();                            // read before the next round writes
+    }
+}

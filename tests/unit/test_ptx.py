@@ -641,6 +641,19 @@ def test_cuda_barrier_and_memcpy_async(dev):
     np.testing.assert_array_equal(dev.read(po, nb * nt), x.reshape(nb, nt)[:, ::-1].reshape(-1) + 1)
 
 
+def test_grid_sync_in_a_cooperative_launch(dev):
+    mod = dev.load("async.cu", "compute_90")
+    nb, nt, rounds = 12, 64, 3
+    part, out = dev.zeros(nb, np.int32), dev.zeros(rounds, np.int32)
+
+    def launch(cooperative):
+        params = dev.pack(mod.kernels["grid_rounds"], (part, out, rounds))
+        mod.launch("grid_rounds", dev.mem, (nb, 1, 1), (nt, 1, 1), 0, params, dev.printed.append, 60, cooperative)
+    launch(True)
+    np.testing.assert_array_equal(dev.read(out, rounds, np.int32), [10 * sum(range(nb)) + nb * r for r in range(rounds)])
+    raises(TRAP_STATUS, lambda: launch(False), "grid_rounds")   # no grid.sync() outside one, as on a GPU
+
+
 @arch
 def test_spin_waits_need_yields(dev, arch):
     """Min-PC scheduling alone would spin forever here; the spinning group must yield to parked lanes."""
