@@ -1404,8 +1404,7 @@ class KernelSource:
 #define NSAVE {nsave}
 static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {{
     Ctx *c = b->c;
-    const uint32_t tid_x = c->block[1] * c->block[2] == 1 ? t : t % c->block[0], tid_y = (t / c->block[0]) % c->block[1],
-                   tid_z = t / (c->block[0] * c->block[1]);
+    const uint32_t tid_ = b->tid[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
     (void)tid_x; (void)tid_y; (void)tid_z;
     Slot *sv = b->save + (size_t)t * (NSAVE ? NSAVE : 1); (void)sv;
     int yc = YIELD_EVERY; (void)yc;

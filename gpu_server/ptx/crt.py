@@ -47,6 +47,8 @@ typedef struct { uint64_t lo, hi; uint8_t *host; } GCache;
 typedef struct {
     Ctx *c; uint8_t *shm, *loc; uint32_t nt, ctaid[3], lin, epoch;   /* epoch: barriers completed */
     uint8_t *state; int32_t *pc; Slot *save; Xchg *x; GCache g;
+    GCache recent[4]; uint32_t next_recent;         /* allocations hit lately, before a binary search */
+    uint32_t *tid;                                  /* each thread's %%tid: x | y << 10 | z << 20 */
     struct { uint32_t arrived, expect; } bar[16];   /* named barriers: arrivals, thread count (0: all) */
 } Blk;
 
@@ -66,13 +68,20 @@ static int fault(Blk *b, int kind, uint64_t a, int w, int line) {
     return 0;
 }
 
+/* A global access outside the allocation the fast path caches (b->g): the few allocations hit
+   lately first (a kernel reading two arrays in turn), then a binary search of them all. */
 static uint8_t *gslow(Blk *b, uint64_t a, unsigned w, int line) {
     Ctx *c = b->c;
     if (w > 1 && (a & (w - 1))) { fault(b, E_ALIGN, a, w, line); return NULL; }
+    for (int k = 0; k < 4; k++) {
+        GCache *r = &b->recent[k];
+        if (a >= r->lo && a + w <= r->hi && a + w > a) { b->g = *r; return r->host + (a - r->lo); }
+    }
     int64_t l = 0, h = c->nalloc - 1, i = -1;
     while (l <= h) { int64_t m = (l + h) / 2; if (c->lo[m] <= a) { i = m; l = m + 1; } else h = m - 1; }
     if (i < 0 || a + w > c->hi[i] || a + w < a) { fault(b, E_GLOBAL, a, w, line); return NULL; }
     b->g.lo = c->lo[i]; b->g.hi = c->hi[i]; b->g.host = c->host[i];
+    b->recent[b->next_recent++ & 3] = b->g;
     return c->host[i] + (a - c->lo[i]);
 }
 
@@ -360,9 +369,8 @@ SCHEDULER = r'''
 /* A thread at bar.sync/bar.red waits (ST_BAR) with the barrier in x.b, its bar.red op in x.c
    (1 popc, 2 and, 3 or) and predicate in x.a; bar.arrive only counts. A barrier completes when
    its arrivals reach its thread count, or every thread not exited when it names none. */
-static int bar_release(Blk *b) {
-    uint32_t nt = b->nt, alive = 0; int woke = 0;
-    for (uint32_t t = 0; t < nt; t++) alive += b->state[t] != ST_EXIT;
+static int bar_release(Blk *b, uint32_t alive) {
+    uint32_t nt = b->nt; int woke = 0;
     for (uint32_t id = 0; id < 16; id++) {
         uint32_t arr = b->bar[id].arrived, need = b->bar[id].expect ? b->bar[id].expect : alive;
         if (!arr || arr < need) continue;
@@ -385,23 +393,25 @@ static int bar_release(Blk *b) {
    collectives that completed. Returns 1 while the block runs, 0 once every thread exited, -1 on an
    error (c->err says which). */
 static int block_step(Blk *b) {
-    uint32_t nt = b->nt;
+    uint32_t nt = b->nt, n[5] = {0, 0, 0, 0, 0};      /* threads in each state after the round */
     int ran = 0;
     for (uint32_t t = 0; t < nt; t++) {
-        if (b->state[t] != ST_RUN) continue;
-        int s = thread_fn(b, t);
-        if (s == ST_ERR) return -1;
-        b->state[t] = s; ran = 1;
+        int s = b->state[t];
+        if (s == ST_RUN) {
+            s = thread_fn(b, t);
+            if (s == ST_ERR) return -1;
+            b->state[t] = s; ran = 1;
+        }
+        n[s]++;
     }
     if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
     int woke = 0;
-    for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
-    woke |= bar_release(b);
+    if (n[ST_WARP])
+        for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
+    if (n[ST_BAR]) woke |= bar_release(b, nt - n[ST_EXIT]);
     if (woke || ran) return 1;
-    uint32_t nexit = 0;
-    for (uint32_t t = 0; t < nt; t++) nexit += b->state[t] == ST_EXIT;
-    if (nexit == nt) return 0;
-    fault(b, E_DEADLOCK, nt - nexit, 0, 0); return -1;
+    if (n[ST_EXIT] == nt) return 0;
+    fault(b, E_DEADLOCK, nt - n[ST_EXIT], 0, 0); return -1;
 }
 
 static int block_open(Blk *b, Ctx *c) {
@@ -414,7 +424,10 @@ static int block_open(Blk *b, Ctx *c) {
     b->state = malloc(nt); b->pc = malloc(nt * sizeof(int32_t));
     b->save = malloc((size_t)nt * (NSAVE ? NSAVE : 1) * sizeof(Slot));
     b->x = calloc(nt, sizeof(Xchg));
-    if (!b->shm || !b->loc || !b->state || !b->pc || !b->save || !b->x) { c->err = -1; return -1; }
+    b->tid = malloc(nt * sizeof(uint32_t));
+    if (!b->shm || !b->loc || !b->state || !b->pc || !b->save || !b->x || !b->tid) { c->err = -1; return -1; }
+    for (uint32_t t = 0; t < nt; t++)
+        b->tid[t] = t % c->block[0] | (t / c->block[0] % c->block[1]) << 10 | (t / (c->block[0] * c->block[1])) << 20;
     return 0;
 }
 
@@ -429,7 +442,9 @@ static void block_start(Blk *b, int64_t g) {
     memset(b->bar, 0, sizeof b->bar);
 }
 
-static void block_close(Blk *b) { free(b->shm); free(b->loc); free(b->state); free(b->pc); free(b->save); free(b->x); }
+static void block_close(Blk *b) {
+    free(b->shm); free(b->loc); free(b->state); free(b->pc); free(b->save); free(b->x); free(b->tid);
+}
 
 /* Blocks first..last-1 of the grid, one after another on the calling OS thread; returns 0 or -1 (c->err says why). */
 int run_blocks(Ctx *c, int64_t first, int64_t last) {
