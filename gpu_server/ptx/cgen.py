@@ -43,6 +43,7 @@ CMP = {'eq': '==', 'ne': '!=', 'lt': '<', 'le': '<=', 'gt': '>', 'ge': '>=', 'lo
 SHFL = {'up': 0, 'down': 1, 'bfly': 2, 'idx': 3}
 VOTE = {'ballot': 4, 'all': 5, 'any': 6, 'uni': 7}
 MATCH = {'any': 16, 'all': 17}
+LOCKSTEP = 18
 SIMD = {'vadd': 0, 'vsub': 1, 'vabsdiff': 2, 'vmin': 3, 'vmax': 4, 'vavrg': 5}
 REDUX = {'add': 9, 'min': 10, 'max': 11, 'and': 12, 'or': 13, 'xor': 14}
 ACTIVEMASK, WARPSYNC = 8, 15
@@ -918,10 +919,6 @@ class KernelSource:
             raise Refused("pred access")
         vec = next((int(m[1:]) for m in mods if m in ('v2', 'v4', 'v8')), 1)
         volatile = any(m in mods for m in ('volatile', 'relaxed', 'acquire', 'release'))
-        if volatile and space == 'shared':
-            # warp-synchronous code (volatile shared memory, no syncs) needs the lanes of a warp in
-            # lockstep, as the interpreter runs them; here a thread runs alone up to its next sync
-            raise Refused("volatile shared memory (warp-synchronous code)")
         self.mods(mods, {t, sp, 'v2', 'v4', 'v8', 'nc', 'L1::no_allocate'})
         a = st.args
         if len(a) != 2:
@@ -939,7 +936,15 @@ class KernelSource:
                 code += f"{lv} = {self.src(o, t)}; "
             else:
                 code += self.dst(o, t, lv) + " "
-        return code + "}"
+        code += "}"
+        if volatile and space in ('shared', 'generic'):
+            # warp-synchronous code (volatile shared memory, no syncs between lanes' stores and
+            # loads) needs the lanes of a warp in step, as the interpreter runs them: every lane
+            # of the warp reaches its next such access (or a barrier, or its end) before any makes it
+            rid = self.sync(('label', f"VS{k}", k))       # resumes at the access: its operands live
+            code = (f"{{ Xchg *x_ = &b->x[t]; x_->mask = 0u; x_->site = {k}; x_->kind = {LOCKSTEP}; }} "
+                    f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_WARP; VS{k}:; " + code)
+        return code
 
     def op_ld(self, k, st, mods):
         return self.access(k, st, mods, False)

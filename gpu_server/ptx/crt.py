@@ -305,15 +305,17 @@ static inline double atom_add_f64(uint8_t *p, double v) {
 /* A warp collective: lanes wait (ST_WARP) until every live lane their member mask names waits
    too; then the lanes at each site complete together, as the interpreter's group does. */
 static int warp_resolve(Blk *b, uint32_t w) {
-    uint32_t t0 = w * 32, n = b->nt - t0 < 32 ? b->nt - t0 : 32, waiting = 0, live = 0, done = 0;
+    uint32_t t0 = w * 32, n = b->nt - t0 < 32 ? b->nt - t0 : 32, waiting = 0, live = 0, running = 0, done = 0;
     for (uint32_t l = 0; l < n; l++) {
         uint8_t s = b->state[t0 + l];
         if (s == ST_WARP) waiting |= 1u << l;
         if (s != ST_EXIT) live |= 1u << l;
+        if (s == ST_RUN) running |= 1u << l;
     }
     if (!waiting) return 0;
-    for (uint32_t l = 0; l < n; l++)
-        if (((waiting >> l) & 1) && (b->x[t0 + l].mask & live & ~waiting)) waiting &= ~(1u << l);
+    for (uint32_t l = 0; l < n; l++)     /* kind 18 (lanes in step) waits for every lane that runs */
+        if (((waiting >> l) & 1) && ((b->x[t0 + l].mask & live & ~waiting) || (b->x[t0 + l].kind == 18 && running)))
+            waiting &= ~(1u << l);
     for (uint32_t l = 0; l < n; l++) {
         if (!((waiting >> l) & 1)) continue;
         int32_t site = b->x[t0 + l].site;
@@ -354,7 +356,7 @@ static int warp_resolve(Blk *b, uint32_t w) {
                 uint32_t same = 0;
                 for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a == x->a) same |= 1u << q;
                 x->r = kind == 16 ? same : same == grp ? grp : 0; x->p = same == grp;
-            } else {                          /* bar.warp.sync */
+            } else {                          /* bar.warp.sync, lanes in step */
                 x->r = 0;
             }
         }

@@ -16,6 +16,7 @@ from phos.gpu_server.ptx import compiler
 from ptx_helpers import CACHE, NVCC, Device
 
 SOURCE = r'''
+#include <cuda_fp16.h>
 extern "C" __global__ void bar_loops(int *out, int rounds) {
     __shared__ int s[256];
     int t = threadIdx.x, acc = t + blockIdx.x;
@@ -73,12 +74,18 @@ extern "C" __global__ void printf_calls(int *out, int rounds) {
 }
 
 extern "C" __global__ void misc_fallback(int *out, int a, int b) {
-    volatile __shared__ int s[64];      // warp-synchronous: the lanes of a warp in lockstep, no sync
+    // a 64-bit integer to f16 (cvt.rn.f16.s64): the interpreter rounds it exactly, the compiler refuses
+    out[threadIdx.x] = (int)__half2float(__ll2half_rn((long long)a * b + threadIdx.x));
+}
+
+extern "C" __global__ void lockstep_reduce(const int *in, int *out) {
+    volatile __shared__ int s[64];      // warp-synchronous: the lanes of a warp in step, no sync
     int t = threadIdx.x;
-    s[t] = a + t;
-    s[t + 32] = b;
-    if (t < 16) s[t] += s[t + 16] + s[t + 32];
-    out[t] = s[t];
+    s[t] = in[t];
+    if (t < 32) {
+        s[t] += s[t + 32]; s[t] += s[t + 16]; s[t] += s[t + 8]; s[t] += s[t + 4]; s[t] += s[t + 2]; s[t] += s[t + 1];
+    }
+    if (t == 0) out[0] = s[0];
 }
 '''
 
@@ -161,6 +168,20 @@ def test_warp_collectives_under_partial_masks(ptx, kernel_cache, monkeypatch):
     np.testing.assert_array_equal(nb_, ib)
 
 
+def test_warp_synchronous_shared_memory_in_step(ptx, kernel_cache, monkeypatch):
+    nb = 3
+    x = np.arange(nb * 64, dtype=np.int32) * 7 % 101
+
+    def fn(dev, mod):
+        pin, po = dev.array(x), dev.zeros(nb, np.int32)
+        for b in range(nb):
+            dev.launch(mod, "lockstep_reduce", 1, 64, pin + 4 * 64 * b, po + 4 * b)
+        return dev.read(po, nb, np.int32)
+    interp, native = run_both(ptx, monkeypatch, fn)
+    np.testing.assert_array_equal(native, x.reshape(nb, 64).sum(1))
+    np.testing.assert_array_equal(native, interp)
+
+
 def test_atomics_across_blocks(ptx, kernel_cache, monkeypatch):
     nb, nt = 37, 64
     n = nb * nt
@@ -205,14 +226,13 @@ def test_refused_kernel_falls_back_once_by_name(ptx, kernel_cache, monkeypatch, 
     p = dev.zeros(32, np.int32)
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
-            dev.launch(mod, "misc_fallback", 1, 32, p, 0x01020304, 0x01010101)
+            dev.launch(mod, "misc_fallback", 1, 32, p, 2049, 8)
     why = mod.kernels['misc_fallback']._compiled.why
-    assert why.endswith("volatile shared memory (warp-synchronous code)")
+    assert why.startswith("'cvt.rn.f16.s64' at line ")
     assert [r.getMessage() for r in caplog.records if "misc_fallback" in r.getMessage()] == \
         [f"emu: kernel 'misc_fallback' runs in the PTX interpreter: the compiler refused {why}"]
-    t = np.arange(32)
-    ref = np.where(t < 16, 2 * 0x01020304 + 2 * t + 16 + 0x01010101, 0x01020304 + t)
-    np.testing.assert_array_equal(dev.read(p, 32, np.int32), ref)
+    exact = 2049 * 8 + np.arange(32)         # f16 steps by 16 here: halfway cases and both sides of them
+    np.testing.assert_array_equal(dev.read(p, 32, np.int32), np.float16(exact).astype(np.int32))
 
 
 def test_a_second_process_reuses_the_compiled_kernel(ptx, kernel_cache, monkeypatch, tmp_path):

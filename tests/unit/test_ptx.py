@@ -25,8 +25,8 @@ def precompile():
         list(ex.map(lambda j: compile_ptx(*j), jobs))
 
 
-# kernels the compiler still leaves to the interpreter (each by the construct it refuses)
-INTERPRETED = {"legacy_reduce"}
+# kernels the compiler still leaves to the interpreter (each by the construct it refuses): none
+INTERPRETED = set()
 
 
 @pytest.fixture(params=["interpreter", "compiler"], autouse=True)
