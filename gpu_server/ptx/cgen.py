@@ -805,16 +805,7 @@ class KernelSource:
         if ftz and stt == 'f32':
             x = f"ftzf({x})"
         if is_float(stt) and not is_float(dt):
-            r = {'rni': 'rint', 'rzi': 'trunc', 'rmi': 'floor', 'rpi': 'ceil'}[irnd]
-            x = f"{r}((double)({x}))"
-            if dt[0] == 'u':
-                hi = (1 << 8 * SIZE[dt]) - 1
-                e = f"({{ double _x = {x}; _x != _x || _x <= 0.0 ? 0 : _x >= {float(hi + 1)!r} ? {hi}ull : (uint64_t)_x; }})"
-            else:
-                lo, hi = -(1 << 8 * SIZE[dt] - 1), (1 << 8 * SIZE[dt] - 1) - 1
-                e = (f"({{ double _x = {x}; _x != _x ? 0 : _x <= {float(lo)!r} ? (int64_t)(-{hi}ll - 1) : "
-                     f"_x >= {float(hi + 1)!r} ? (int64_t){hi}ll : (int64_t)_x; }})")
-            return self.dst(a[0], dt, f"({CT[dt]})({e})")
+            return self.cvt_to_int(a[0], dt, x, irnd)
         if not is_float(stt) and is_float(dt):
             if sat:
                 raise Refused("int-to-float saturation")
@@ -866,7 +857,7 @@ class KernelSource:
                 return self.dst(a[0], dt, f"({CT[dt]})({x})")
             if not irnd:
                 raise Refused("float-to-int without an integer rounding")
-            return self.op_cvt_value(a[0], dt, x, irnd)
+            return self.cvt_to_int(a[0], dt, x, irnd)
         if irnd:
             raise Refused("integer rounding to a half")
         x = self.src(a[1], stt)
@@ -888,7 +879,7 @@ class KernelSource:
             return f"f16_of_rnd((double)({x}), {ROUND[frnd]})"
         return f"f16_of((double)({x}))"
 
-    def op_cvt_value(self, d, dt, x, irnd):
+    def cvt_to_int(self, d, dt, x, irnd):
         """d = the double x rounded to an integer of type dt by irnd, saturated (NaN: 0)."""
         r = {'rni': 'rint', 'rzi': 'trunc', 'rmi': 'floor', 'rpi': 'ceil'}[irnd]
         x = f"{r}((double)({x}))"
