@@ -130,11 +130,61 @@ class KernelSource:
             self.regs[IT], self.regs[PATH] = 'u32', 'u64'
         self.syncs = []                 # where each sync point resumes: ('after', k) or ('label', C label, k)
         self.sites = {name: [] for name in self.order}     # call statements of each function
+        self.in_step = self.unordered_volatile()
         self.body = []
         for k, st in enumerate(self.stmts):
             self.enter(self.owner[k])
             self.body.append(self.statement(k, st))
         self.text = self.assemble()
+
+    def unordered_volatile(self):
+        """The volatile shared (or generic) accesses that an earlier one may reach with no block
+        barrier between them: a load after a store, a store after either. Only these need the
+        warp's lanes in step (access()); a barrier orders the others for every thread already."""
+        n = len(self.stmts)
+        kinds, succ, succ_extra = [], [], {}
+        for k, st in enumerate(self.stmts):
+            parts = st.op.split('.')
+            name, mods = parts[0], parts[1:]
+            vol = name in ('ld', 'st') and any(m in mods for m in ('volatile', 'relaxed', 'acquire', 'release')) \
+                and SPACES.get(next((m for m in mods if m in SPACES), 'generic'), 'generic') in ('shared', 'generic')
+            barrier = name in ('bar', 'barrier') and 'warp' not in mods and 'arrive' not in mods
+            kinds.append('load' if vol and name == 'ld' else 'store' if vol else 'barrier' if barrier else None)
+            labels, s = self.labels[self.owner[k]], []
+            guarded = st.guard is not None
+            if name == 'bra' and st.args and isinstance(st.args[0], P.Sym) and st.args[0].name in labels:
+                s.append(labels[st.args[0].name])
+            elif name == 'brx' and len(st.args) == 2 and isinstance(st.args[1], P.Sym):
+                targets = self.tree.funcs[self.owner[k]].targets.get(st.args[1].name) or []
+                s += [labels[x] for x in targets if x in labels]
+            elif name == 'call':
+                callee = next((a.name for a in st.args if isinstance(a, P.Sym)), None)
+                if callee in self.entry:
+                    s.append(self.entry[callee])
+                    # its ret statements go on after this call
+                    end = self.entry[callee]
+                    while end < n and self.owner[end] == callee:
+                        if self.stmts[end].op.split('.')[0] == 'ret':
+                            succ_extra.setdefault(end, []).append(k + 1)
+                        end += 1
+                    if not guarded:
+                        succ.append(s)
+                        continue
+            if name not in ('bra', 'brx', 'ret', 'exit', 'trap') or guarded:
+                s.append(k + 1)
+            succ.append(s)
+        for k, extra in succ_extra.items():
+            succ[k] = succ[k] + extra
+        seen = [set() for _ in range(n + 1)]        # volatile kinds reaching each statement unordered
+        work = list(range(n))
+        while work:
+            k = work.pop()
+            out = set() if kinds[k] == 'barrier' else seen[k] | ({kinds[k]} if kinds[k] in ('load', 'store') else set())
+            for j in succ[k]:
+                if j < n and not out <= seen[j]:
+                    seen[j] |= out
+                    work.append(j)
+        return {k for k in range(n) if kinds[k] == 'load' and 'store' in seen[k] or kinds[k] == 'store' and seen[k]}
 
     @staticmethod
     def callees(mod, name):
@@ -928,8 +978,8 @@ class KernelSource:
             else:
                 code += self.dst(o, t, lv) + " "
         code += "}"
-        if volatile and space in ('shared', 'generic'):
-            # warp-synchronous code (volatile shared memory, no syncs between lanes' stores and
+        if volatile and space in ('shared', 'generic') and k in self.in_step:
+            # warp-synchronous code (volatile shared memory, no barrier between lanes' stores and
             # loads) needs the lanes of a warp in step, as the interpreter runs them: every lane
             # of the warp reaches its next such access (or a barrier, or its end) before any makes it
             rid = self.sync(('label', f"VS{k}", k))       # resumes at the access: its operands live
