@@ -679,6 +679,12 @@ class KernelSource:
         a = self.args(st, 4)
         return self.dst(a[0], 'u32', f"prmt_u({', '.join(self.src(o, 'u32') for o in a[1:])})")
 
+    def op_bmsk(self, k, st, mods):
+        mode = next((m for m in mods if m in ('clamp', 'wrap')), None)
+        self.mods(mods, {'clamp', 'wrap', 'b32'})
+        a = self.args(st, 3)
+        return self.dst(a[0], 'u32', f"bmsk_u({self.src(a[1], 'u32')}, {self.src(a[2], 'u32')}, {int(mode == 'clamp')})")
+
     def op_lop3(self, k, st, mods):
         self.mods(mods, {'b32'})
         a = self.args(st, 5)

@@ -229,6 +229,14 @@ static inline uint32_t prmt_u(uint32_t a, uint32_t b, uint32_t c) {
     }
     return r;
 }
+static inline uint32_t bmsk_u(uint32_t a, uint32_t b, int clamp) {   /* as the PTX ISA defines it */
+    uint32_t a1 = a & 31, b1 = b & 31, sum = a1 + b1, mask0 = ~0u << a1;
+    uint32_t mask1 = sum >= 32 ? 0 : ~0u << sum;
+    int over = sum >= 32;
+    if (clamp) { if (a >= 32) { mask0 = 0; over = 1; } if (b >= 32) over = 1; }
+    if (over) mask1 = 0; else if (b1 == 0) mask1 = ~0u;
+    return mask0 & ~mask1;
+}
 static inline uint32_t lop3_u(uint32_t a, uint32_t b, uint32_t c, uint32_t lut) {
     uint32_t r = 0;
     for (int i = 0; i < 8; i++)

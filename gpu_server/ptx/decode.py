@@ -756,6 +756,13 @@ def d_prmt(D, st, M):
     return alu(D, st, u32, ops.prmt, 3)
 
 
+@op('bmsk')
+def d_bmsk(D, st, M):
+    clamp = M.take('clamp', 'wrap') == 'clamp'
+    M.take('b32')
+    return alu(D, st, u32, lambda a, b: ops.bmsk(a, b, clamp), 2)
+
+
 @op('lop3')
 def d_lop3(D, st, M):
     M.take('b32')

@@ -435,6 +435,22 @@ def prmt(a, b, c):
     return r[()] if r.ndim == 0 else r
 
 
+def bmsk(a, b, clamp):
+    """bmsk.{clamp,wrap}.b32: the mask of b bits from bit a, as the PTX ISA defines it (per lane)."""
+    a, b = np.asarray(a).astype(u64), np.asarray(b).astype(u64)
+    a1, b1 = a & u64(31), b & u64(31)
+    s = a1 + b1
+    full = u64(0xFFFFFFFF)
+    mask0 = (full << a1) & full
+    mask1 = np.where(s >= 32, u64(0), (full << np.minimum(s, u64(31))) & full)
+    if clamp:
+        mask0 = np.where(a >= 32, u64(0), mask0)
+        mask1 = np.where(b >= 32, u64(0), mask1)
+    mask1 = np.where((s < 32) & (b1 == 0) & ~(clamp & (b >= 32)), full, mask1)
+    r = (mask0 & ~mask1 & full).astype(u32)
+    return r[()] if r.ndim == 0 else r
+
+
 def lop3(a, b, c, lut):
     r = np.zeros(np.broadcast(a, b, c).shape, a.dtype)
     for i in range(8):

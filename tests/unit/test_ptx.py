@@ -871,6 +871,21 @@ def test_builtin_constants_and_timers(dev, insn, value):
     assert dev.read(out, 1, np.int32)[0] == value
 
 
+@pytest.mark.parametrize("insn, value", [
+    ("bmsk.wrap.b32 %r2, 1, 2;", 0x6),                          # the PTX ISA's example
+    ("bmsk.clamp.b32 %r2, %r1, 3;", 0xE0),                     # 3 bits from bit 5
+    ("bmsk.wrap.b32 %r2, %r1, 0;", 0),                         # width 0: none
+    ("bmsk.wrap.b32 %r2, %r1, 30;", 0xFFFFFFE0),               # past bit 31: cut there
+    ("bmsk.wrap.b32 %r2, 37, 3;", 0xE0),                       # position and width wrap at 32
+    ("bmsk.clamp.b32 %r2, 37, 3;", 0),                         # a position past 31 clamps to none
+    ("bmsk.clamp.b32 %r2, %r1, 40;", 0xFFFFFFE0)])             # a width past 31 to the top
+def test_bit_masks(dev, insn, value):
+    mod = parse_module(HAND.format(insn=insn))
+    out = dev.zeros(1, np.uint32)
+    dev.launch(mod, "k", 1, 1, out)
+    assert dev.read(out, 1, np.uint32)[0] == value
+
+
 @pytest.mark.parametrize("text", ["garbage", HAND.format(insn="mov.u32 %r2 %r1;"), HAND.format(insn="@ bra;"),
                                   HAND.format(insn="add.s32 %r2, [%r1;")[:-3]])
 def test_syntax_errors_are_invalid_ptx(text):
