@@ -1056,7 +1056,8 @@ class KernelSource:
             return ";"
         if kind == 'init':
             self.args(st, 2)
-            return f"{{ {self.ptr(a[0], 'shared', 8, st.line)} *(uint64_t *)p_ = (uint64_t)({self.src(a[1], 'u32')} & 0x7FFFFFFFu) * 0x100000001ull; }}"
+            count = f"(uint64_t)({self.src(a[1], 'u32')} & 0x7FFFFFFFu)"      # pending = expected = count
+            return f"{{ {self.ptr(a[0], 'shared', 8, st.line)} *(uint64_t *)p_ = {count} * 0x100000001ull; }}"
         if kind in ('arrive', 'arrive_drop'):
             if len(a) not in (2, 3):
                 raise Refused("operand count")
@@ -1267,7 +1268,10 @@ class KernelSource:
             if len(akeys) != 2:
                 raise Refused("vprintf arguments")
             self.reads |= {IT, PATH}
-            code = f"{{ int64_t _n = HOST_CALL(0, {word(akeys[0])}, {word(akeys[1])}, ({ident(PATH)} << 16) | {(k + 1) & 0xFFFF}, ((uint64_t)b->epoch << 32) | {ident(IT)}); if (_n < -1) {{ fault(b, E_HOST, 0, 0, {st.line}); return ST_ERR; }} "
+            site = f"({ident(PATH)} << 16) | {(k + 1) & 0xFFFF}"
+            when = f"((uint64_t)b->epoch << 32) | {ident(IT)}"
+            code = (f"{{ int64_t _n = HOST_CALL(0, {word(akeys[0])}, {word(akeys[1])}, {site}, {when}); "
+                    f"if (_n < -1) {{ fault(b, E_HOST, 0, 0, {st.line}); return ST_ERR; }} ")
             for r in rkeys:
                 code += f"{word(r, 4)} = (uint32_t)_n; "
             return code + "}"
