@@ -415,6 +415,7 @@ static int block_step(Blk *b) {
         n[s]++;
     }
     if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
+    if (n[ST_EXIT] == nt) return 0;
     int woke = 0;
     if (n[ST_WARP])
         for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
