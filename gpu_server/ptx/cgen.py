@@ -131,6 +131,7 @@ class KernelSource:
         self.syncs = []                 # where each sync point resumes: ('after', k) or ('label', C label, k)
         self.sites = {name: [] for name in self.order}     # call statements of each function
         self.in_step = self.unordered_volatile()
+        self.nsites = 0                 # global accesses, each with its allocation cache (crt.py GPTR)
         self.body = []
         for k, st in enumerate(self.stmts):
             self.enter(self.owner[k])
@@ -313,7 +314,8 @@ class KernelSource:
             return f"uint8_t *p_; PPTR(p_, {a}, {w}, {line});"
         if space in ('global', 'generic'):
             slow = f"gslow(b, a_, {w}, {line})" if space == 'global' else f"genslow(b, t, a_, {w}, {line})"
-            return f"uint8_t *p_; GPTR(p_, {a}, {w}, {line}, {slow});"
+            self.nsites += 1
+            return f"uint8_t *p_; GPTR(p_, {a}, {w}, {line}, {slow}, {self.nsites - 1});"
         return f"uint8_t *p_; {'SPTR' if space == 'shared' else 'LPTR'}(p_, {a}, {w}, {line});"
 
     # -- statements --
@@ -1458,6 +1460,7 @@ class KernelSource:
         prelude = PRELUDE % dict(shared_win=SHARED_WIN, local_win=LOCAL_WIN, param_win=PARAM_WIN, win=WIN)
         return f"""{prelude}
 #define NSAVE {nsave}
+#define NSITES {self.nsites}
 static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {{
     Ctx *c = b->c;
     const uint32_t tid_ = b->tid[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;

@@ -49,6 +49,7 @@ typedef struct {
     uint8_t *state; int32_t *pc; Slot *save; Xchg *x; GCache g;
     GCache recent[4]; uint32_t next_recent;         /* allocations hit lately, before a binary search */
     uint32_t *tid;                                  /* each thread's %%tid: x | y << 10 | z << 20 */
+    GCache *site;                                   /* each global access's allocation hit last */
     struct { uint32_t arrived, expect; } bar[16];   /* named barriers: arrivals, thread count (0: all) */
 } Blk;
 
@@ -274,9 +275,14 @@ static inline int64_t dp_part(uint32_t x, int k, int bits, int sgn) {
    gcc reload them, as it must reload b->... fields under -fno-strict-aliasing. */
 #define HOST_CALL(kind, x0, x1, x2, x3) c->host_call(kind, x0, x1, x2, x3, lbase, shm, b->lin, t)
 #define LIKELY(x) __builtin_expect(!!(x), 1)
-#define GPTR(p, a, w, line, slow) do { uint64_t a_ = (a); \
+/* Past the last allocation hit, the one this access (site) hit last: threads reading a, b and
+   writing c in turn hit each array at its own access. */
+#define GPTR(p, a, w, line, slow, k) do { uint64_t a_ = (a); \
     if (LIKELY(a_ >= glo && a_ + (w) <= ghi && !(a_ & ((w) - 1)))) p = gh + (a_ - glo); \
-    else { p = slow; if (!p) return ST_ERR; glo = b->g.lo; ghi = b->g.hi; gh = b->g.host; } } while (0)
+    else { GCache *s_ = &b->site[k]; \
+        if (a_ >= s_->lo && a_ + (w) <= s_->hi && !(a_ & ((w) - 1))) { b->g = *s_; p = s_->host + (a_ - s_->lo); } \
+        else { p = slow; if (!p) return ST_ERR; *s_ = b->g; } \
+        glo = b->g.lo; ghi = b->g.hi; gh = b->g.host; } } while (0)
 #define SPTR(p, a, w, line) do { uint64_t a_ = (a); \
     if (LIKELY(a_ + (w) <= shlim && a_ + (w) >= a_ && !(a_ & ((w) - 1)))) p = shm + a_; \
     else { sptr(b, a_, w, line); return ST_ERR; } } while (0)
@@ -436,7 +442,10 @@ static int block_open(Blk *b, Ctx *c) {
     b->save = malloc((size_t)nt * (NSAVE ? NSAVE : 1) * sizeof(Slot));
     b->x = calloc(nt, sizeof(Xchg));
     b->tid = malloc(nt * sizeof(uint32_t));
-    if (!b->shm || !b->loc || !b->state || !b->pc || !b->save || !b->x || !b->tid) { c->err = -1; return -1; }
+    b->site = calloc(NSITES ? NSITES : 1, sizeof(GCache));
+    if (!b->shm || !b->loc || !b->state || !b->pc || !b->save || !b->x || !b->tid || !b->site) {
+        c->err = -1; return -1;
+    }
     for (uint32_t t = 0; t < nt; t++)
         b->tid[t] = t % c->block[0] | (t / c->block[0] % c->block[1]) << 10 | (t / (c->block[0] * c->block[1])) << 20;
     return 0;
@@ -454,7 +463,7 @@ static void block_start(Blk *b, int64_t g) {
 }
 
 static void block_close(Blk *b) {
-    free(b->shm); free(b->loc); free(b->state); free(b->pc); free(b->save); free(b->x); free(b->tid);
+    free(b->shm); free(b->loc); free(b->state); free(b->pc); free(b->save); free(b->x); free(b->tid); free(b->site);
 }
 
 /* Blocks first..last-1 of the grid, one after another on the calling OS thread; returns 0 or -1 (c->err says why). */
