@@ -21,7 +21,7 @@ from phos.gpu_server import host_memory
 from phos.gpu_server.emu_memory import EmuMemory, emu_ledger
 from phos.gpu_server.staging_layout import FrozenLayout
 from phos.schema.cuda_types import CudaError, CUresult
-from phos.schema.wire import launch_cluster
+from phos.schema.wire import LAUNCH_COOPERATIVE, launch_cluster
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.ops import ahead_memory
 
@@ -188,10 +188,9 @@ class EmuBackend:
     def launch(self, function, grid, block, shared_bytes, stream, params, options=0):
         if launch_cluster(options):
             raise CudaError(CUresult.CUDA_ERROR_NOT_SUPPORTED, f"launch of {function.name}: emu runs no thread-block clusters")
-        # A cooperative launch needs every block resident at once: emu runs a grid's blocks
-        # together, so it is a plain launch here.
         module, name = function.handle
-        module.launch(name, self.mem, grid, block, shared_bytes, bytes(params), self.output.append, LAUNCH_TIMEOUT)
+        module.launch(name, self.mem, grid, block, shared_bytes, bytes(params), self.output.append, LAUNCH_TIMEOUT,
+                      cooperative=bool(options & LAUNCH_COOPERATIVE))
 
     def set_function_attribute(self, function, attribute, value):
         if attribute == MAX_DYNAMIC_SHARED:

@@ -302,6 +302,12 @@ emu_launch_timeout = _declare("PHOS_EMU_LAUNCH_TIMEOUT", float, 60.0, SERVER,
 emu_module_load_timeout = _declare("PHOS_EMU_MODULE_LOAD_TIMEOUT", float, 20.0, SERVER,
                                    "seconds loading one module (parsing its PTX, placing its globals) may take on "
                                    "emu: a load taking longer is refused with CUDA_ERROR_INVALID_PTX (0: no limit)")
+emu_compiler = _declare("PHOS_EMU_COMPILER", lambda raw: {"1": True, "0": False}[raw.strip()], True, SERVER,
+                        "1: emu kernels run as native code compiled from their PTX (C through gcc), those the "
+                        "compiler cannot translate in the interpreter; 0: every kernel in the PTX interpreter")
+emu_kernel_cache = _declare("PHOS_EMU_KERNEL_CACHE", str, "", SERVER,
+                            "the directory of the emu's compiled kernels, by digest, shared by its processes",
+                            shown="phos-emu-kernels-UID in the temporary directory")
 
 
 # -- the `phos` command line --------------------------------------------------------------------

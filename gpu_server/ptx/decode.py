@@ -7,6 +7,7 @@ decode to tuples for the scheduler in interp.py: (kind, arg, None, guard, line).
 Register and symbol names of function f become 'f|name' in the register file and the
 symbol table, so callees never clobber their callers.
 """
+import re
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ from phos.schema.cuda_types import CudaError, CUresult
 PARAM_WIN, LOCAL_WIN, SHARED_WIN, WIN = BASE - (1 << 40), BASE - (2 << 40), BASE - (3 << 40), 1 << 32
 OP, BRA, BRX, CALL, RET, EXIT, BAR, TRAP = range(8)
 M64 = (1 << 64) - 1
+ENVREG = re.compile(r'%envreg([0-9]|[12][0-9]|3[01])')
 
 
 class Unsupported(Exception):
@@ -234,6 +236,9 @@ class Decoder:
             elif o.name in SPECIAL:
                 key = o.name
                 g = (lambda S: S.R[key]) if SPECIAL[key] == dt else (lambda S: as_(S.R[key], dt))
+            elif ENVREG.fullmatch(o.name):          # the driver's environment registers (interp.launch)
+                n = int(ENVREG.fullmatch(o.name).group(1))
+                g = lambda S: as_(np.asarray(u32(S.envreg.get(n, 0))), dt)[()]
             else:
                 raise Unsupported(f"unknown register {o.name}")
             if o.neg:
@@ -246,6 +251,9 @@ class Decoder:
             c = imm(o, dt)
             return lambda S: c
         if isinstance(o, P.Sym):
+            if o.name == 'WARP_SZ':                 # PTX's built-in constant
+                c = as_(np.asarray(u32(32)), dt)[()]
+                return lambda S: c
             key, kind = self.sym(o.name)
             if kind in ('func', 'fparam'):
                 raise Unsupported(f"address of {o.name}")
@@ -746,6 +754,13 @@ def d_prmt(D, st, M):
     if M.l:
         raise Unsupported(f"prmt mode .{M.l[0]}")
     return alu(D, st, u32, ops.prmt, 3)
+
+
+@op('bmsk')
+def d_bmsk(D, st, M):
+    clamp = M.take('clamp', 'wrap') == 'clamp'
+    M.take('b32')
+    return alu(D, st, u32, lambda a, b: ops.bmsk(a, b, clamp), 2)
 
 
 @op('lop3')
@@ -1261,14 +1276,106 @@ def d_atom(D, st, M):
     return f
 
 
+def _mb_update(D, o, fn):
+    """An op on the mbarrier at shared (or generic) address o: fn(S, lane, word) -> new word or None,
+    lane by lane in order, as the arrivals of a warp happen one after another."""
+    space = 'shared'
+    ga = D.addr(o, space)
+
+    def f(S, m):
+        a = np.broadcast_to(ga(S), (S.N,))
+        for lane in S.lane_list(m):
+            sel = np.zeros(S.N, bool)
+            sel[lane] = True
+            (_, buf, off), = S.locate(space, np.array([a[lane]], u64), 8, sel)
+            o8 = int(off[0])
+            word = int(np.frombuffer(bytes(buf[o8:o8 + 8]), u64)[0])
+            new = fn(S, lane, word)
+            if new is not None:
+                buf[o8:o8 + 8] = np.frombuffer(np.uint64(new).tobytes(), u8)
+    return f
+
+
+@op('mbarrier')
+def d_mbarrier(D, st, M):
+    """mbarrier.init/arrive/arrive_drop/test_wait/try_wait{.parity}/inval on .shared, as cuda::barrier uses them."""
+    kind = M.take('init', 'arrive', 'arrive_drop', 'test_wait', 'try_wait', 'inval')
+    parity = M.take('parity')
+    sp = M.space()
+    M.drop(MEM_IGNORED)
+    M.take('b64')
+    if kind is None or sp not in ('shared', 'generic') or M.l:
+        raise Unsupported()
+    if sp == 'generic':
+        raise Unsupported("mbarrier on a generic address")
+    args = st.args
+    if kind == 'inval':
+        return lambda S, m: None
+    if kind == 'init':
+        D.args(st, 2)
+        gc = D.src(args[1], u32)
+        return _mb_update(D, args[0], lambda S, lane, w: ops.mb_init(int(np.broadcast_to(gc(S), (S.N,))[lane])))
+    if kind in ('arrive', 'arrive_drop'):
+        if len(args) not in (2, 3):
+            raise Unsupported("operand count")
+        gc = D.src(args[2], u32) if len(args) == 3 else None
+        d = D.dst(args[0], u64)
+        tokens = {}
+
+        def arrive(S, lane, w):
+            n = 1 if gc is None else int(np.broadcast_to(gc(S), (S.N,))[lane])
+            new, tokens[lane] = ops.mb_arrive(w, n, kind == 'arrive_drop')
+            return new
+        up = _mb_update(D, args[1], arrive)
+
+        def f(S, m):
+            tokens.clear()
+            up(S, m)
+            tok = np.zeros(S.N, u64)
+            for lane, v in tokens.items():
+                tok[lane] = v
+            d(S, tok, m)
+        return f
+    if len(args) not in (3, 4):
+        raise Unsupported("operand count")
+    d = D.dst(args[0], pred)
+    gs = D.src(args[2], u64)
+    done = {}
+
+    def test(S, lane, w):
+        done[lane] = ops.mb_done(w, int(np.broadcast_to(gs(S), (S.N,))[lane]), bool(parity))
+    up = _mb_update(D, args[1], test)
+
+    def f(S, m):
+        done.clear()
+        up(S, m)
+        r = np.zeros(S.N, bool)
+        for lane, v in done.items():
+            r[lane] = v
+        d(S, r, m)
+    return f
+
+
 @op('cp')
 def d_cp(D, st, M):
-    """cp.async.{ca,cg}.shared.global: done synchronously (commit/wait become no-ops)."""
+    """cp.async.{ca,cg}.shared.global: done synchronously (commit/wait become no-ops); so an mbarrier
+    arrival on their completion is an arrival now (.noinc), or none (the pending count it adds first)."""
     if M.take('async') is None:
         raise Unsupported()
     if M.take('commit_group', 'wait_group', 'wait_all'):
         M.l = []
         return lambda S, m: None
+    if M.take('mbarrier'):
+        M.take('arrive')
+        noinc = M.take('noinc')
+        sp = M.space()
+        M.take('b64')
+        if sp != 'shared' or M.l:
+            raise Unsupported()
+        D.args(st, 1)
+        if not noinc:
+            return lambda S, m: None
+        return _mb_update(D, st.args[0], lambda S, lane, w: ops.mb_arrive(w)[0])
     M.take('ca', 'cg')
     if M.take('shared') is None or M.take('global') is None:
         raise Unsupported()

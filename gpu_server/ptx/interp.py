@@ -14,9 +14,11 @@ below it (decode.py), so generic ld/st/atom dispatch by range. Shared memory is 
 """
 import math
 import time
+import weakref
 
 import numpy as np
 
+from phos import settings
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.ptx import ops
 from phos.gpu_server.ptx import parser as P
@@ -82,6 +84,7 @@ class State:
     def __init__(self, K, symbols, mem, kparams, printf, grid, block, dyn, b0, nb, deadline=None):
         nt = block[0] * block[1] * block[2]
         self.kname, self.mem, self.printf, self.kparams = K.name, mem, printf, kparams
+        self.envreg = {}
         self.deadline = deadline or Deadline(K.name)
         self.N = N = nt * nb
         self.nt, self.nb = nt, nb
@@ -790,10 +793,13 @@ class PtxModule:
                 mem.view(self.addrs[name] + off, width)[:] = np.frombuffer(val.to_bytes(width, 'little'), u8)
             self._patched.add((name, self.addrs[name]))
 
-    def launch(self, name, mem, grid, block, shared_bytes, params, printf, timeout=0):
+    def launch(self, name, mem, grid, block, shared_bytes, params, printf, timeout=0, cooperative=False):
         """Run the whole grid on EmuMemory `mem`; device printf text goes to printf(str), thread by thread.
 
-        A launch running longer than timeout seconds (0: no limit) fails with CUDA_ERROR_LAUNCH_TIMEOUT."""
+        A launch running longer than timeout seconds (0: no limit) fails with CUDA_ERROR_LAUNCH_TIMEOUT.
+        A cooperative launch runs every block at once, and gives the kernel (in %envreg1:%envreg2, as
+        the driver does) the word cooperative groups' grid.sync() counts arrivals in; a plain launch
+        gives it none, and grid.sync() traps there as on a GPU."""
         deadline = Deadline(name, timeout)
         K = self.kernels.get(name)
         if K is None:
@@ -812,16 +818,42 @@ class PtxModule:
         nt = block[0] * block[1] * block[2]
         nblocks = grid[0] * grid[1] * grid[2]
         per_block = nt * K.lane_bytes + K.shared_static + shared_bytes
-        nb = max(1, min(nblocks, LANES // nt, BATCH_BYTES // per_block))
+        nb = max(1, min(nblocks, LANES // nt, BATCH_BYTES // per_block))      # blocks run together
+        envreg = {}
+        if cooperative:
+            nb = nblocks
+            ws = grid_workspace(mem)
+            envreg = {1: ws >> 32, 2: ws & 0xFFFFFFFF}
+        if settings.emu_compiler():
+            from phos.gpu_server.ptx import compiler
+            native = compiler.compiled(K)
+            if native.fn is not None:
+                compiler.launch(native, K, mem, symbols, grid, block, shared_bytes, params, printf, nb, deadline,
+                                envreg, cooperative)
+                return
         with np.errstate(all='ignore'):
             for b0 in range(0, nblocks, nb):
                 deadline.check()
                 S = State(K, symbols, mem, params, printf, grid, block, shared_bytes, b0, min(nb, nblocks - b0),
                           deadline)
+                S.envreg = envreg
                 try:
                     execute(S, code)
                 finally:
                     _clock[0] = S.clock
+
+
+_workspaces = weakref.WeakKeyDictionary()
+
+
+def grid_workspace(mem):
+    """Device address of the 8 bytes grid.sync() of a cooperative launch on mem counts in, zeroed
+    (one an EmuMemory: its launches run one at a time)."""
+    ws = _workspaces.get(mem)
+    if ws is None:
+        ws = _workspaces[mem] = mem.alloc(8)
+    mem.view(ws, 8)[:] = 0
+    return int(ws)
 
 
 def parse_module(text, deadline=math.inf):

@@ -435,6 +435,22 @@ def prmt(a, b, c):
     return r[()] if r.ndim == 0 else r
 
 
+def bmsk(a, b, clamp):
+    """bmsk.{clamp,wrap}.b32: the mask of b bits from bit a, as the PTX ISA defines it (per lane)."""
+    a, b = np.asarray(a).astype(u64), np.asarray(b).astype(u64)
+    a1, b1 = a & u64(31), b & u64(31)
+    s = a1 + b1
+    full = u64(0xFFFFFFFF)
+    mask0 = (full << a1) & full
+    mask1 = np.where(s >= 32, u64(0), (full << np.minimum(s, u64(31))) & full)
+    if clamp:
+        mask0 = np.where(a >= 32, u64(0), mask0)
+        mask1 = np.where(b >= 32, u64(0), mask1)
+    mask1 = np.where((s < 32) & (b1 == 0) & ~(clamp & (b >= 32)), full, mask1)
+    r = (mask0 & ~mask1 & full).astype(u32)
+    return r[()] if r.ndim == 0 else r
+
+
 def lop3(a, b, c, lut):
     r = np.zeros(np.broadcast(a, b, c).shape, a.dtype)
     for i in range(8):
@@ -595,3 +611,34 @@ def format_printf(fmt, read_arg, read_str):
         # %n writes nothing here: device printf does not support it
     out.append(fmt[pos:])
     return ''.join(out)
+
+
+# ---- mbarrier (cuda::barrier) ----
+# The 64-bit object in shared memory: pending arrivals in bits 0-31, the expected count in 32-62,
+# the phase in bit 63; an arrival's state token is the phase it arrived in (bit 63). The compiled
+# engine's crt.py keeps the same layout.
+MB_PHASE = 1 << 63
+
+
+def mb_init(count):
+    count &= 0x7FFFFFFF
+    return count | count << 32
+
+
+def mb_arrive(word, n=1, drop=False):
+    """(new word, state token) after n arrivals (arrive_drop: the expected count drops by n too)."""
+    phase, pending, expected = word & MB_PHASE, word & 0xFFFFFFFF, (word >> 32) & 0x7FFFFFFF
+    if drop:
+        expected = max(expected - n, 0)
+    pending = max(pending - n, 0)
+    if pending == 0:                            # the phase completes: the next one starts
+        phase ^= MB_PHASE
+        pending = expected
+    return phase | expected << 32 | pending, word & MB_PHASE
+
+
+def mb_done(word, state, parity):
+    """Whether the phase that state (a token, or with parity a phase parity) names has completed."""
+    if parity:
+        return (word >> 63) != (state & 1)
+    return (word & MB_PHASE) != (state & MB_PHASE)

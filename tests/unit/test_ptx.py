@@ -1,4 +1,5 @@
 """The emu backend's PTX interpreter, on real nvcc output (tests/kernels/*.cu), against NumPy references."""
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
@@ -22,6 +23,21 @@ def precompile():
     jobs = [(p.name, a) for p in sorted(KERNELS.glob("*.cu")) for a in ARCHS]
     with ThreadPoolExecutor(4) as ex:
         list(ex.map(lambda j: compile_ptx(*j), jobs))
+
+
+# kernels the compiler still leaves to the interpreter (each by the construct it refuses): none
+INTERPRETED = set()
+
+
+@pytest.fixture(params=["interpreter", "compiler"], autouse=True)
+def engine(request, monkeypatch, caplog):
+    """Every test runs on both engines: the same kernels must give the same results. On the
+    compiler, a kernel it refuses (and the interpreter runs) must be one INTERPRETED names."""
+    monkeypatch.setenv("PHOS_EMU_COMPILER", "1" if request.param == "compiler" else "0")
+    with caplog.at_level(logging.WARNING, logger="phos.gpu_server.ptx.compiler"):
+        yield request.param
+    said = [r.getMessage() for r in caplog.get_records("call") if "runs in the PTX interpreter" in r.getMessage()]
+    assert {m.split("'")[1] for m in said} <= INTERPRETED, said
 
 
 @pytest.fixture
@@ -612,6 +628,32 @@ def test_async_copy(dev):
     np.testing.assert_allclose(dev.read(po, n4)[ok], ref[ok], rtol=1e-6)
 
 
+def test_cuda_barrier_and_memcpy_async(dev):
+    mod = dev.load("async.cu", "compute_90")
+    nb, nt, rounds = 4, 256, 3
+    x = rng.random(nb * nt, np.float32)
+    px, po = dev.array(x), dev.zeros(nb * nt)
+    dev.launch(mod, "barrier_copy", nb, nt, px, po, rounds)
+    t = np.arange(nt)
+    ref = [sum(x[((b + r) % nb) * nt + (t + 1) % nt] * (r + 1) for r in range(rounds)) for b in range(nb)]
+    np.testing.assert_allclose(dev.read(po, nb * nt), np.concatenate(ref), rtol=1e-6)
+    dev.launch(mod, "group_copy", nb, nt, px, po)
+    np.testing.assert_array_equal(dev.read(po, nb * nt), x.reshape(nb, nt)[:, ::-1].reshape(-1) + 1)
+
+
+def test_grid_sync_in_a_cooperative_launch(dev):
+    mod = dev.load("async.cu", "compute_90")
+    nb, nt, rounds = 12, 64, 3
+    part, out = dev.zeros(nb, np.int32), dev.zeros(rounds, np.int32)
+
+    def launch(cooperative):
+        params = dev.pack(mod.kernels["grid_rounds"], (part, out, rounds))
+        mod.launch("grid_rounds", dev.mem, (nb, 1, 1), (nt, 1, 1), 0, params, dev.printed.append, 60, cooperative)
+    launch(True)
+    np.testing.assert_array_equal(dev.read(out, rounds, np.int32), [10 * sum(range(nb)) + nb * r for r in range(rounds)])
+    raises(TRAP_STATUS, lambda: launch(False), "grid_rounds")   # no grid.sync() outside one, as on a GPU
+
+
 @arch
 def test_spin_waits_need_yields(dev, arch):
     """Min-PC scheduling alone would spin forever here; the spinning group must yield to parked lanes."""
@@ -817,6 +859,31 @@ def test_hand_written_ptx_runs(dev):
     out = dev.zeros(1, np.int32)
     dev.launch(mod, "k", 1, 1, out)
     assert dev.read(out, 1, np.int32)[0] == 42
+
+
+@pytest.mark.parametrize("insn, value", [("mov.u32 %r2, WARP_SZ;", 32), ("add.u32 %r2, %envreg2, 9;", 9),
+                                         ("mov.u64 %rd2, %globaltimer; shr.u64 %rd2, %rd2, 62; cvt.u32.u64 %r2, %rd2;", 0),
+                                         ("mov.u64 %rd2, %clock64; shr.u64 %rd2, %rd2, 62; cvt.u32.u64 %r2, %rd2;", 0)])
+def test_builtin_constants_and_timers(dev, insn, value):
+    mod = parse_module(HAND.format(insn=insn))
+    out = dev.zeros(1, np.int32)
+    dev.launch(mod, "k", 1, 1, out)
+    assert dev.read(out, 1, np.int32)[0] == value
+
+
+@pytest.mark.parametrize("insn, value", [
+    ("bmsk.wrap.b32 %r2, 1, 2;", 0x6),                          # the PTX ISA's example
+    ("bmsk.clamp.b32 %r2, %r1, 3;", 0xE0),                     # 3 bits from bit 5
+    ("bmsk.wrap.b32 %r2, %r1, 0;", 0),                         # width 0: none
+    ("bmsk.wrap.b32 %r2, %r1, 30;", 0xFFFFFFE0),               # past bit 31: cut there
+    ("bmsk.wrap.b32 %r2, 37, 3;", 0xE0),                       # position and width wrap at 32
+    ("bmsk.clamp.b32 %r2, 37, 3;", 0),                         # a position past 31 clamps to none
+    ("bmsk.clamp.b32 %r2, %r1, 40;", 0xFFFFFFE0)])             # a width past 31 to the top
+def test_bit_masks(dev, insn, value):
+    mod = parse_module(HAND.format(insn=insn))
+    out = dev.zeros(1, np.uint32)
+    dev.launch(mod, "k", 1, 1, out)
+    assert dev.read(out, 1, np.uint32)[0] == value
 
 
 @pytest.mark.parametrize("text", ["garbage", HAND.format(insn="mov.u32 %r2 %r1;"), HAND.format(insn="@ bra;"),
