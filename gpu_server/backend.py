@@ -136,6 +136,10 @@ class Backend(Protocol):
     def load_module(self, image):
         """Load a module (PTX, cubin or fatbin bytes); the backend's module object."""
 
+    def module_host_bytes(self, image) -> int:
+        """The host memory a module of image holds at most, its image included (the tenant's
+        PHOS_TENANT_HOST_QUOTA is charged it before the load)."""
+
     def unload_module(self, module) -> None:
         """Unload a module and free its globals."""
 

@@ -197,7 +197,7 @@ def module_image(s, a, p):
 
 def module_load(s, a, p):
     image = module_image(s, a, p)
-    module = s.backend.load_module(image)
+    module = s.load_module(image)
     mid = s.add("module", module, image=image, image_hashing=engine.hash_in_background(image))
     places = s.globals_noted.get(mid) or {}
     # asked of the backend only when needed: a replay's reload, or a recovery store to note them in
@@ -215,7 +215,7 @@ def module_unload(s, a, p):
     if s.snapshotting:
         for _, ptr, _ in s.backend.module_globals(module):
             s.touch(s.space.to_app(ptr), 0, whole=True)     # as the image knows it
-    s.backend.unload_module(module)
+    s.unload_module(module)
     s.drop(a.id)
     for fid in [f for f, (kind, obj) in s.objects.items() if kind == "function" and obj.module_id == a.id]:
         s.drop(fid)

@@ -404,6 +404,10 @@ class CudaBackend:
                 pass             # not a variable the driver knows by that name
         return module
 
+    def module_host_bytes(self, image):
+        """Its image, which the worker keeps for checkpoints (what the driver keeps is its own)."""
+        return len(image)
+
     def unload_module(self, module):
         for _, ptr, _ in module[1]:
             self.space.forget(ptr)

@@ -1,8 +1,9 @@
 """Device memory that several worker processes hold together, each counting its own.
 
 A DeviceLedger accounts one pool of bytes shared by the contexts of a server, each a worker
-process of its own: the emu device's memory (gpu_server/emu_memory.py), and a tenant's quota
-on every backend (PHOS_TENANT_QUOTA: one ledger directory per tenant, tenant_ledger).
+process of its own: the emu device's memory (gpu_server/emu_memory.py), a tenant's quota on
+every backend (PHOS_TENANT_QUOTA: one ledger directory per tenant, tenant_ledger), and the host
+memory a tenant's workers hold for it (PHOS_TENANT_HOST_QUOTA: a twin ledger, host_ledger_dir).
 """
 import contextlib
 import fcntl
@@ -28,6 +29,8 @@ OVER_QUOTA = "{what} of {nbytes} bytes exceeds this context's quota: it holds {h
 TENANT_NAME = re.compile(r"[0-9a-f]{64}")
 TENANT_FULL = ("{what} of {nbytes} bytes would pass this tenant's quota: its contexts on this server hold "
                "{total} of its {capacity} bytes (PHOS_TENANT_QUOTA)")
+TENANT_HOST_FULL = ("{what} of {nbytes} bytes would pass this tenant's host memory quota: its contexts on this "
+                    "server hold {total} of its {capacity} bytes of host memory (PHOS_TENANT_HOST_QUOTA)")
 
 
 class DeviceLedger:
@@ -181,9 +184,15 @@ def check_tenant_name(name):
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{name!r:.80} is not a tenant's name")
 
 
-def tenant_ledger(root, name, quota):
+def tenant_ledger(root, name, quota, full=TENANT_FULL):
     """This worker's share of tenant `name`'s ledger: its directory under root (schema/control.py
-    tenant_ledger_dir), capacity the quota."""
+    tenant_ledger_dir, or host_ledger_dir of it for PHOS_TENANT_HOST_QUOTA), capacity the quota."""
     check_tenant_name(name)
     private_directory(root, create=True, what="tenant ledger directory")    # makedirs leaves parents' modes to umask
-    return DeviceLedger(quota, os.path.join(root, name), full=TENANT_FULL)
+    return DeviceLedger(quota, os.path.join(root, name), full=full)
+
+
+def host_ledger_dir(root):
+    """Where, under a server's tenant ledgers (root), each tenant's host memory is accounted: a
+    ledger of its own, since host and device memory are two resources (PHOS_TENANT_HOST_QUOTA)."""
+    return os.path.join(root, "host")

@@ -161,6 +161,16 @@ class EmuBackend:
             raise
         return module
 
+    def module_host_bytes(self, image):
+        """Its image and what its parse may take at most (parser.PARSE_BYTES_PER_TOKEN, each byte of
+        its text a token at most, MAX_MODULE_TOKENS and a check's stride at most). The parsed module
+        keeps part of it (its instructions, its initialisers' values) while loaded, so the whole is
+        charged for the module's life: a bound, not a measure."""
+        from phos.gpu_server.fatbin import extract_ptx
+        from phos.gpu_server.ptx import parser
+        tokens = min(len(extract_ptx(bytes(image))), parser.MAX_MODULE_TOKENS + parser.CHECK_EVERY)
+        return len(image) + parser.PARSE_BYTES_PER_TOKEN * tokens
+
     def unload_module(self, module):
         for _, ptr, _ in module.allocations:
             self.mem.free_global(ptr)

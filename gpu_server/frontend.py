@@ -261,6 +261,7 @@ class FrontEnd:
         self.creating = []          # the clients of contexts asked for whose workers are not yet theirs
         self.pool_size = POOL_SIZE
         self.tenant_quota = settings.tenant_quota()     # bytes all the contexts of one client may hold (0: any)
+        self.tenant_host_quota = settings.tenant_host_quota()   # ... of host memory (0: any)
         self.insecure = False       # --insecure: keyless listeners other local users can reach
         self.client_keys = None     # with CURVE: the admitted clients (gpu_server/client_keys.py)
         self.killed = set()         # contexts the operator ended: never restored for their clients
@@ -337,7 +338,7 @@ class FrontEnd:
         finally:
             self.creating.remove(client)
         worker.client = client
-        if self.tenant_quota > 0 or self.module_cache:    # its memory counts against its client's quota before
+        if self.tenant_quota > 0 or self.tenant_host_quota > 0 or self.module_cache:   # its memory counts against its client's quota before
             try:                                             # the client has it; its module images are its own
                 await self.control(worker, "tenant", {"name": tenant_name(client)})
             except BaseException:
@@ -479,8 +480,9 @@ class FrontEnd:
             *(["--host-store", self.host_store] if self.host_store and standby else []),
             *(["--module-cache", self.module_cache] if self.module_cache else []),
             *(["--emu-ledger", emu_ledger_dir(self.listen, physical)] if self.backend_name == "emu" else []),
-            *(["--tenant-ledgers", tenant_ledger_dir(self.listen), "--tenant-quota", str(self.tenant_quota)]
-              if self.tenant_quota > 0 else []),
+            *(["--tenant-ledgers", tenant_ledger_dir(self.listen), "--tenant-quota", str(self.tenant_quota),
+               "--tenant-host-quota", str(self.tenant_host_quota)]
+              if self.tenant_quota > 0 or self.tenant_host_quota > 0 else []),
             *(["--client-keys", self.curve[2]] if self.curve else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         try:

@@ -34,7 +34,7 @@ from phos.gpu_server.backend import load_backend
 from phos import settings
 from phos.gpu_server.calls import CONNECTION_CALLS, WORKER_CALLS
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
-from phos.gpu_server.device_ledger import check_tenant_name, tenant_ledger
+from phos.gpu_server.device_ledger import TENANT_HOST_FULL, check_tenant_name, host_ledger_dir, tenant_ledger
 from phos.gpu_server import native_box
 from phos.gpu_server.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
@@ -106,7 +106,10 @@ class Session:
         self.in_place = {}         # ... those the device reads and writes in place: id -> FixedMapping
         self.host_bytes = 0        # ... how many bytes they hold together
         self.tenant = None         # the name of the tenant whose quota its memory counts against (join_tenant)
-        self.tenants = None        # (their ledgers' directory, the quota) when the server has PHOS_TENANT_QUOTA
+        self.tenants = None        # (their ledgers' directory, PHOS_TENANT_QUOTA, PHOS_TENANT_HOST_QUOTA) when it has either
+        self.host_ledger = None    # the tenant's host memory ledger (PHOS_TENANT_HOST_QUOTA), once it has joined
+        self.host_held = 0         # the host memory held for the client: its staging area, pinned ranges, modules
+        self.module_bytes = {}     # id() of a loaded module -> the host memory charged for it (load_module)
 
     def staging(self, offset, nbytes):
         """A range of the shared staging area, checked."""
@@ -117,10 +120,24 @@ class Session:
         return self.shm[offset:offset + nbytes]
 
     def map_staging(self, path, cookie, size):
-        """Map the client's staging file if it is really theirs (map_client_file)."""
-        area = map_client_file(path, cookie, size, self.client) if size >= wire.SLOTS_OFFSET else None   # room for the mailbox
-        if area is None:
+        """Map the client's staging file if it is really theirs (map_client_file) and its tenant's
+        host memory quota has room for it; else the client copies through the socket."""
+        if size < wire.SLOTS_OFFSET:        # no room for the mailbox
             return False
+        # a client attaching again: its earlier area goes when this one replaces it, so only the
+        # growth is charged (a refusal keeps the earlier one)
+        more = size - (len(self.shm) if self.shm is not None else 0)
+        try:
+            self.charge_host(max(more, 0), "a staging area")
+        except CudaError as e:
+            log.warning("context %d: its client's staging area is not mapped: %s", self.ctx_id, e.message)
+            return False
+        area = map_client_file(path, cookie, size, self.client)
+        if area is None:
+            self.refund_host(max(more, 0))
+            return False
+        if more < 0:
+            self.refund_host(-more)
         self.shm = np.frombuffer(area, np.uint8)
         self.box = wire.Mailbox(self.shm)
         self.backend.register_host(self.shm)
@@ -137,6 +154,16 @@ class Session:
         if not 0 < size <= PINNED_HOST_BYTES - self.host_bytes:
             return (f"{size} more bytes of pinned host memory would pass the {PINNED_HOST_BYTES} a worker maps "
                     f"(PHOS_PINNED_HOST_BYTES; {self.host_bytes} mapped)")
+        try:
+            self.charge_host(size, "a pinned host range")
+        except CudaError as e:
+            return e.message
+        why = self._map_host(rid, path, cookie, size, address)
+        if why is not None:
+            self.refund_host(size)
+        return why
+
+    def _map_host(self, rid, path, cookie, size, address):
         if address:
             mapping = map_client_file_at(path, cookie, size, address, self.client)
             if isinstance(mapping, str):
@@ -166,6 +193,7 @@ class Session:
         self.backend.synchronize()
         del self.host_ranges[rid]
         self.host_bytes -= data.nbytes
+        self.refund_host(data.nbytes)
         mapping = self.in_place.pop(rid, None)
         if mapping is None:
             self.backend.unregister_host(data)       # the mapping goes with the last reference to data
@@ -173,6 +201,37 @@ class Session:
         self.backend.unmap_device_host(data)
         del data
         mapping.close()
+
+    # -- the host memory held for the client, charged to its tenant (PHOS_TENANT_HOST_QUOTA) --------
+    def charge_host(self, nbytes, what):
+        """Count nbytes more of host memory held for the client; CUDA_ERROR_OUT_OF_MEMORY, naming
+        PHOS_TENANT_HOST_QUOTA, where they would pass its tenant's quota."""
+        if self.host_ledger is not None:
+            self.host_ledger.charge(nbytes, what)
+        self.host_held += nbytes
+
+    def refund_host(self, nbytes):
+        self.host_held -= nbytes
+        if self.host_ledger is not None:
+            self.host_ledger.refund(nbytes)
+
+    def load_module(self, image):
+        """The backend's module of image, the host memory it holds (Backend.module_host_bytes: its
+        image, kept for checkpoints, and on emu what its parse may take) charged first, so that a
+        load past the tenant's quota is refused before it takes the memory; unload_module gives them back."""
+        nbytes = self.backend.module_host_bytes(image)
+        self.charge_host(nbytes, "a module load")
+        try:
+            module = self.backend.load_module(image)
+        except BaseException:
+            self.refund_host(nbytes)
+            raise
+        self.module_bytes[id(module)] = nbytes      # the module is held (objects) until unload_module
+        return module
+
+    def unload_module(self, module):
+        self.backend.unload_module(module)
+        self.refund_host(self.module_bytes.pop(id(module), 0))
 
     def pinned(self, rid, offset, nbytes):
         """Bytes [offset, offset + nbytes) of the client's pinned range `rid`, checked."""
@@ -278,13 +337,25 @@ class Session:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this context has its tenant already")
         check_tenant_name(name)
         if self.tenants is not None:
-            root, quota = self.tenants
-            ledger = tenant_ledger(root, name, quota)
-            try:
-                self.space.charge_to(ledger)
-            except CudaError:
-                ledger.close()
-                raise
+            root, quota, host_quota = self.tenants
+            if quota > 0:
+                ledger = tenant_ledger(root, name, quota)
+                try:
+                    self.space.charge_to(ledger)
+                except CudaError:
+                    ledger.close()
+                    raise
+            if host_quota > 0:
+                host = tenant_ledger(host_ledger_dir(root), name, host_quota, full=TENANT_HOST_FULL)
+                try:
+                    host.charge(self.host_held, "the host memory held")
+                except CudaError:
+                    host.close()
+                    if quota > 0:
+                        self.space.ledger.close()
+                        self.space.ledger = None
+                    raise
+                self.host_ledger = host
         if self.modules is not None:       # its loads by digest find only the images it sent itself
             self.modules = self.modules.view(name)
         self.tenant = name
@@ -1320,6 +1391,8 @@ def main(argv=None):
     ap.add_argument("--emu-ledger", help="emu: the device memory the server's contexts hold (gpu_server/emu_memory.py)")
     ap.add_argument("--tenant-ledgers", help="the device memory each tenant holds (gpu_server/device_ledger.py)")
     ap.add_argument("--tenant-quota", type=int, default=0, help="bytes a tenant's contexts may hold (PHOS_TENANT_QUOTA)")
+    ap.add_argument("--tenant-host-quota", type=int, default=0,
+                    help="bytes of host memory a tenant's contexts may hold (PHOS_TENANT_HOST_QUOTA)")
     ap.add_argument("--client-keys", help="CURVE: the directory of admitted client keys (gpu_server/client_keys.py)")
     opts = ap.parse_args(argv)
     logging.basicConfig(level=settings.log_level(), format="%(asctime)s %(name)s[%(process)d] %(message)s")
@@ -1371,8 +1444,8 @@ def main(argv=None):
     if not opts.standby:
         backend.device_info()
     session = Session(backend, opts.ctx, token)
-    if opts.tenant_quota > 0 and opts.tenant_ledgers:
-        session.tenants = (opts.tenant_ledgers, opts.tenant_quota)
+    if (opts.tenant_quota > 0 or opts.tenant_host_quota > 0) and opts.tenant_ledgers:
+        session.tenants = (opts.tenant_ledgers, opts.tenant_quota, opts.tenant_host_quota)
     if opts.module_cache:
         session.modules = ModuleCache(opts.module_cache, settings.module_cache_bytes())
     recovery = (opts.recovery_dir, opts.checkpoint_every, opts.checkpoint_calls) if opts.recovery_dir else None
@@ -1408,6 +1481,8 @@ def main(argv=None):
         backend.close()
         if session.space.ledger is not None:      # the tenant's share back now, not at another worker's recount
             session.space.ledger.close()
+        if session.host_ledger is not None:
+            session.host_ledger.close()
         # when, and how long: freeing a big context may stall the device's other contexts
         log.info("context %d: its device memory freed in %.1f ms", session.ctx_id, (time.perf_counter() - t) * 1e3)
         for ep in (endpoint, ctl_endpoint):

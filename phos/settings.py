@@ -223,6 +223,13 @@ tenant_quota = _declare("PHOS_TENANT_QUOTA", int, 0, SERVER,
                         "on every backend, a tenant being a client as PHOS_MAX_CONTEXTS_PER_CLIENT counts them: an "
                         "allocation beyond fails with CUDA_ERROR_OUT_OF_MEMORY, and cuMemGetInfo reports no more "
                         "free than the quota leaves (0: no quota)")
+tenant_host_quota = _declare("PHOS_TENANT_HOST_QUOTA", int, 0, SERVER,
+                             "the bytes of host memory all the contexts of one tenant (as PHOS_TENANT_QUOTA counts "
+                             "them) may hold together on a server: the staging areas and pinned host ranges their "
+                             "workers map and the modules they keep loaded (on emu, what a module's parse may take "
+                             "as well). Past it a module load fails with CUDA_ERROR_OUT_OF_MEMORY, and a staging "
+                             "area or a pinned range stays the client's own, its copies going through the socket "
+                             "or the staging area (0: no quota)")
 worker_start_timeout = _declare("PHOS_WORKER_START_TIMEOUT", float, 60.0, SERVER,
                                 "seconds the front end waits for a worker to start")
 attach_timeout = _declare("PHOS_ATTACH_TIMEOUT", float, 30.0, SERVER,

@@ -1015,7 +1015,7 @@ class Restore(ChunkJob):
                 image = read_chunk(self.store, e["image"], expected_len=e["size"])
             except ImageError as err:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(err)) from None
-            module = backend.load_module(image)
+            module = s.load_module(image)     # charged to its tenant, as its first load was
             s.place(e["id"], "module", module, {"image": image, "name": e["name"], "kind": e["kind"], "image_fp": bytes.fromhex(e["image"])})
             for g in (g for g in m.globals if g["module"] == e["id"]):
                 ptr, size = backend.get_global(module, g["name"])

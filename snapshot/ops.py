@@ -150,6 +150,10 @@ class SnapshotSession(Protocol):
         """Keep more facts (a dict) about object hid (a module image's fingerprint,
         "image_fp"), as listing() gives them."""
 
+    def load_module(self, image):
+        """The backend's module of image (bytes), its host memory charged to the context's tenant
+        first: CudaError CUDA_ERROR_OUT_OF_MEMORY past the tenant's PHOS_TENANT_HOST_QUOTA."""
+
     def place(self, hid, kind, obj, facts=None) -> None:
         """Put a recreated object under the id it had (a restore), with its facts (a dict)."""
 

@@ -38,6 +38,10 @@ MAX_INITIALIZER_VALUES = 1 << 24    # values in one initialiser
 # (34 MB) took 66 s and 4.1 GiB. So a module's tokens are capped (each costs ~150 bytes while it
 # is parsed), and its load has a deadline (load_deadline; emu.py adds its globals' placing).
 MAX_MODULE_TOKENS = 1 << 21
+# What a load's parse may take at its peak, per token, counted against the tenant's host memory
+# (PHOS_TENANT_HOST_QUOTA) before it starts: an initialiser of 10^6 values (2*10^6 tokens, each
+# one or two bytes of text) peaked at ~120 bytes a byte of text; a text has no more tokens than bytes.
+PARSE_BYTES_PER_TOKEN = 160
 CHECK_EVERY = 1 << 16               # tokens or values between two looks at the clock
 
 

@@ -51,7 +51,7 @@ def test_the_protocols_declare_their_members():
     assert {"name", "pins_host_memory", "space", "snap", "devices", "alloc", "launch", "close"} <= set(members(Backend))
     assert set(members(SnapshotOps)) == {"map_ahead", "freeze", "release", "fingerprints", "read", "write", "maps", "pin", "prepare",
                                          "threads_at_work"}
-    assert {"backend", "space", "listing", "note", "place", "handle", "reach_global", "state", "adopt"} == \
+    assert {"backend", "space", "listing", "note", "load_module", "place", "handle", "reach_global", "state", "adopt"} == \
         set(members(SnapshotSession))
     for proto in (Backend, SnapshotOps, SnapshotSession):
         for name, fn in members(proto).items():
