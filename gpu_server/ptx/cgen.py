@@ -3,8 +3,7 @@
 Each thread is a C function `thread_fn(block, t)` over its registers as C locals. A sync point
 (bar.sync, a warp collective, the periodic yield of a loop) saves the registers live there
 (liveness below) in the thread's slots, records where to resume, and returns to the block's
-scheduler (crt.py); calling the function again restores them and jumps back in. A kernel with
-many sync points and registers (CUB's) saves and restores them through one shared frame instead. Anything this
+scheduler (crt.py); calling the function again restores them and jumps back in. Anything this
 translator does not know raises Refused, and the interpreter runs that kernel instead.
 """
 import re
@@ -18,8 +17,6 @@ from phos.gpu_server.ptx.ops import DT
 
 
 IT, PATH = '@it', '@path'
-SHARED_FRAME_ABOVE = 4096  # register saves over all sync points from which they share one frame: below it each
-                           # sync point saves only its live registers (cheapest to run)
 CC = '@cc'                  # the carry flag of add.cc, addc, ... (one a thread, as the interpreter's %cc)
 
 
@@ -995,7 +992,7 @@ class KernelSource:
             # of the warp reaches its next such access (or a barrier, or its end) before any makes it
             rid = self.sync(('label', f"VS{k}", k))       # resumes at the access: its operands live
             code = (f"{{ Xchg *x_ = &b->x[t]; x_->mask = 0u; x_->site = {k}; x_->kind = {LOCKSTEP}; }} "
-                    f"{self.save_marker(rid, 'ST_WARP')} VS{k}:; " + code)
+                    f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_WARP; VS{k}:; " + code)
         return code
 
     def op_ld(self, k, st, mods):
@@ -1073,7 +1070,7 @@ class KernelSource:
             raise Refused("operand count")
         rid = self.sync(('label', f"BX{k}", k))
         return (f"BX{k}:; {{ {self.ptr(a[1], 'shared', 8, st.line)} uint8_t _d = mb_done(p_, {self.src(a[2], 'u64')}, "
-                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid, 'ST_RUN')} }} "
+                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} "
                 + self.dst(a[0], 'pred', "_d") + " }")
 
     def op_cp(self, k, st, mods):
@@ -1182,7 +1179,7 @@ class KernelSource:
         if self.counting:
             self.reads |= {IT, PATH}
             count = f"{ident(IT)}++; "
-        return f"{count}if (--yc == 0) {{ {self.save_marker(rid, 'ST_RUN')} }} {go}"
+        return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {go}"
 
     def op_brx(self, k, st, mods):
         self.mods(mods, {'idx', 'uni'})
@@ -1198,7 +1195,7 @@ class KernelSource:
         if min(to) > k:
             return code
         rid = self.sync(('label', f"BX{k}", k))        # a loop through the table: yield as bra does
-        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid, 'ST_RUN')} }} {code}"
+        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {code}"
 
     def op_ret(self, k, st, mods):
         self.falls = False
@@ -1314,7 +1311,7 @@ class KernelSource:
         rid = self.sync(('after', k))
         red = f"x_->a = {pv}; x_->c = {('popc', 'and', 'or').index(rop) + 1};" if rop else "x_->c = 0;"
         code = (f"{{ Xchg *x_ = &b->x[t]; x_->b = ({bid}) & 15; {red} }} {arrive} "
-                f"{self.save_marker(rid, 'ST_BAR')} {self.resume(rid)}:;")
+                f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_BAR; {self.resume(rid)}:;")
         if self.counting:
             self.writes.add(IT)
             code += f" {ident(IT)} = 0;"
@@ -1329,7 +1326,7 @@ class KernelSource:
         rid = self.sync(('after', k))
         code = (f"{{ Xchg *x_ = &b->x[t]; x_->a = (uint64_t)({a}); x_->b = {bb}; x_->c = {cc}; "
                 f"x_->mask = {mask}; x_->site = {k}; x_->kind = {kind}; }} "
-                f"{self.save_marker(rid, 'ST_WARP')} {self.resume(rid)}:; ")
+                f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_WARP; {self.resume(rid)}:; ")
         if dst is not None:
             code += self.dst(dst, dtype, f"({CT[dtype]})b->x[t].{'p' if dtype == 'pred' else 'r'}")
         if pdst is not None:
@@ -1390,10 +1387,8 @@ class KernelSource:
         return len(self.syncs)
 
     @staticmethod
-    def save_marker(rid, status):
-        """Where a thread leaves at sync point rid, returning status to the scheduler: assemble()
-        puts the saving of its live registers there."""
-        return f"@SAVE{rid}:{status}@"
+    def save_marker(rid):
+        return f"@SAVE{rid}@"
 
     @staticmethod
     def resume(rid):
@@ -1428,39 +1423,22 @@ class KernelSource:
     def assemble(self):
         live = self.liveness()
         regs = self.regs
-        keeps, targets = {}, {}         # per sync point: the registers live on resuming, where it resumes
+        saves, restores, nsave = {}, [], 0
         for rid, where in enumerate(self.syncs, 1):
             if where[0] == 'after':
                 k = where[1]
-                keeps[rid] = sorted(live[k + 1] - self.body[k][2]) if k + 1 < len(self.stmts) else []
-                targets[rid] = self.resume(rid)
+                kills = self.body[k][2]
+                keep = sorted(live[k + 1] - kills) if k + 1 < len(self.stmts) else []
+                target = self.resume(rid)
             else:
-                keeps[rid], targets[rid] = sorted(live[where[2]]), where[1]
-        slot = {'f32': 'f', 'f64': 'd'}
-
-        def moves(keep, index, restore):
-            if restore:
-                return " ".join(f"{ident(r)} = ({CT[regs[r]]})sv[{index(i, r)}].{slot.get(regs[r], 'u')};"
-                                for i, r in enumerate(keep))
-            return " ".join(f"sv[{index(i, r)}].{slot.get(regs[r], 'u')} = {ident(r)};" for i, r in enumerate(keep))
-        frame = sorted(set().union(*keeps.values()))
-        if sum(map(len, keeps.values())) > SHARED_FRAME_ABOVE:
-            # one frame shared by every sync point, each register in a slot of its own, saved and
-            # restored in one place: the C grows with sync points + registers, not their product
-            # (CUB's kernels: 264 sync points x 52 live registers were 27,000 of 40,000 statements)
-            at = {r: i for i, r in enumerate(frame)}
-            nsave = len(frame)
-            leave = {rid: f"b->pc[t] = {rid}; st_ = {{}}; goto SAVE_ALL;" for rid in keeps}
-            tail = [f"SAVE_ALL:; {moves(frame, lambda i, r: at[r], False)} return st_;"]
-            restores = [f"default: {moves(frame, lambda i, r: at[r], True)} switch (b->pc[t]) {{ " + " ".join(
-                f"case {rid}: goto {targets[rid]};" for rid in keeps) + " default: return ST_ERR; }"]
-        else:
-            nsave = max(map(len, keeps.values()), default=0)
-            leave = {rid: f"{moves(keep, lambda i, r: i, False)} b->pc[t] = {rid}; return {{}};"
-                     for rid, keep in keeps.items()}
-            tail = []
-            restores = [f"case {rid}: {moves(keep, lambda i, r: i, True)} goto {targets[rid]};"
-                        for rid, keep in keeps.items()] + ["default: return ST_ERR;"]
+                keep = sorted(live[where[2]])
+                target = where[1]
+            nsave = max(nsave, len(keep))
+            slot = {'f32': 'f', 'f64': 'd'}
+            saves[rid] = " ".join(f"sv[{i}].{slot.get(regs[r], 'u')} = {ident(r)};" for i, r in enumerate(keep))
+            restores.append(f"case {rid}: " + " ".join(
+                f"{ident(r)} = ({CT[regs[r]]})sv[{i}].{slot.get(regs[r], 'u')};" for i, r in enumerate(keep))
+                + f" goto {target};")
         decl = "\n".join(f"    {CT[self.rtype(r)]} {ident(r)} = 0;" for r in regs)
         returns = {f"RETURN_{ident(f)}": "switch (" + ident(self.rs(f)) + ") { " + " ".join(
             f"case {c}: goto {self.ret_label(c)};" for c in self.sites[f]) + " } return ST_ERR;"
@@ -1476,8 +1454,7 @@ class KernelSource:
             for k in range(self.entry[f], end + 1):
                 lines += [f"{lab}:;" for lab in at.get(k, [])]
                 if k < end:
-                    code = re.sub(r'@SAVE(\d+):(\w+)@', lambda m: leave[int(m.group(1))].format(m.group(2)),
-                                  self.body[k][0])
+                    code = re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], self.body[k][0])
                     lines.append("    " + re.sub(r'RETURN_\w+', lambda m: returns[m.group()], code))
             lines.append("    return ST_EXIT;" if i == 0 else "    return ST_ERR;")
         prelude = PRELUDE % dict(shared_win=SHARED_WIN, local_win=LOCAL_WIN, param_win=PARAM_WIN, win=WIN)
@@ -1489,7 +1466,7 @@ static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
     const uint32_t tid_ = b->tid[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
     (void)tid_x; (void)tid_y; (void)tid_z;
     Slot *sv = b->save + (size_t)t * (NSAVE ? NSAVE : 1); (void)sv;
-    int yc = YIELD_EVERY, st_ = ST_RUN; (void)yc; (void)st_;
+    int yc = YIELD_EVERY; (void)yc;
     uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
     uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
     const uint64_t lsz = c->local_size; uint8_t *const lbase = b->loc + (uint64_t)t * lsz;
@@ -1499,10 +1476,10 @@ static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
     switch (b->pc[t]) {{
     case 0: break;
     {chr(10).join('    ' + r for r in restores)}
+    default: return ST_ERR;
     }}
 {chr(10).join(lines)}
     return ST_EXIT;
-{chr(10).join('    ' + r for r in tail)}
 }}
 {SCHEDULER}
 """

@@ -33,8 +33,9 @@ CFLAGS = ["-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fno
           "-w", "-std=gnu11"]
 
 
-LARGE_SOURCE = 1 << 20      # bytes of C from which gcc optimises at -O1: CUB's radix sort kernels (1-3 MB)
-                            # took 2.5x longer at -O2 (12 s against 5 s each)
+LARGE_SOURCE = 1 << 20      # bytes of C from which gcc optimises at -O1: CUB's onesweep kernel (9.8 MB of C,
+                            # its registers saved at 264 sync points) took 30 s at -O2, 10-13 s at -O1, and
+                            # sorted as fast from either (perf/RESULTS.md, radixSortThrust)
 
 
 def opt_flag(source):

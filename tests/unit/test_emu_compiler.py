@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from phos.gpu_server.ptx import cgen, compiler
+from phos.gpu_server.ptx import compiler
 from ptx_helpers import CACHE, NVCC, Device
 
 SOURCE = r'''
@@ -113,15 +113,6 @@ def kernel_cache(tmp_path, monkeypatch):
     return tmp_path / "kernels"
 
 
-@pytest.fixture(params=["per sync point", "shared frame"])
-def saves(request, monkeypatch):
-    """Both ways the compiled threads keep their registers across sync points: each sync point
-    its live ones (small kernels), or one frame that all share (kernels as large as CUB's)."""
-    if request.param == "shared frame":
-        monkeypatch.setattr(cgen, "SHARED_FRAME_ABOVE", 0)
-    return request.param
-
-
 def run_both(ptx, monkeypatch, fn):
     """fn(dev, mod) on the interpreter, then on the compiler (each on a fresh device); both results."""
     out = []
@@ -137,7 +128,7 @@ def run_both(ptx, monkeypatch, fn):
     return out
 
 
-def test_barriers_in_loops_under_divergent_branches(ptx, kernel_cache, monkeypatch, saves):
+def test_barriers_in_loops_under_divergent_branches(ptx, kernel_cache, monkeypatch):
     nb, nt, rounds = 3, 96, 5
 
     def fn(dev, mod):
@@ -158,7 +149,7 @@ def test_barriers_in_loops_under_divergent_branches(ptx, kernel_cache, monkeypat
     np.testing.assert_array_equal(native, interp)
 
 
-def test_warp_collectives_under_partial_masks(ptx, kernel_cache, monkeypatch, saves):
+def test_warp_collectives_under_partial_masks(ptx, kernel_cache, monkeypatch):
     nt = 64
 
     def fn(dev, mod):
@@ -177,7 +168,7 @@ def test_warp_collectives_under_partial_masks(ptx, kernel_cache, monkeypatch, sa
     np.testing.assert_array_equal(nb_, ib)
 
 
-def test_warp_synchronous_shared_memory_in_step(ptx, kernel_cache, monkeypatch, saves):
+def test_warp_synchronous_shared_memory_in_step(ptx, kernel_cache, monkeypatch):
     nb = 3
     x = np.arange(nb * 64, dtype=np.int32) * 7 % 101
 
