@@ -29,8 +29,17 @@ from phos.gpu_server.ptx.decode import err
 from phos.schema.cuda_types import CUresult
 
 log = logging.getLogger(__name__)
-CFLAGS = ["-O2", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-math-errno",
+CFLAGS = ["-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-math-errno",
           "-w", "-std=gnu11"]
+
+
+LARGE_SOURCE = 1 << 20      # bytes of C from which gcc optimises at -O1: CUB's onesweep kernel (9.8 MB of C,
+                            # its registers saved at 264 sync points) took 30 s at -O2, 10-13 s at -O1, and
+                            # sorted as fast from either (perf/RESULTS.md, radixSortThrust)
+
+
+def opt_flag(source):
+    return "-O1" if len(source) >= LARGE_SOURCE else "-O2"
 
 
 def cpu_flags():
@@ -82,7 +91,7 @@ def workers():
 def build(source):
     """The shared object compiled from C source (from the disk cache if there): its run_blocks
     (a range of blocks, one after another) and run_grid (every block at once)."""
-    flags = CFLAGS + cpu_flags()
+    flags = [opt_flag(source)] + CFLAGS + cpu_flags()
     digest = hashlib.sha256((" ".join(flags) + "\n" + source).encode()).hexdigest()[:32]
     with _lock:
         lib = _loaded.get(digest)

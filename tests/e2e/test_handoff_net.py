@@ -192,8 +192,10 @@ def test_target_killed_mid_handoff_leaves_the_context_live_on_the_source(pair, k
     """B is stopped once its warm copy of the context exists (rounds landed, the handoff going
     on), then killed: the link drops, A's handoff fails saying the context stays, and the
     application, which kept computing, finishes on A with its results intact. The application
-    also rewrites a scratch buffer of SCRATCH words each step, so that every round copies more
-    than a round that ends the pre-copy: the handoff is still going on when B stops."""
+    also rewrites a scratch buffer of SCRATCH words each step, and goes on rewriting it after
+    its TOTAL jacobi steps until the handoff has ended, so that every round copies more than a
+    round that ends the pre-copy: the handoff is still going on when B stops, however fast the
+    steps run."""
     a, b, a_keys, b_keys, env = pair
     cu = keyed_client(a, env)
     rhs = np.cos(np.arange(N, dtype=np.float32)) + 1
@@ -216,15 +218,18 @@ def test_target_killed_mid_handoff_leaves_the_context_live_on_the_source(pair, k
             close_admin(watcher)
     mover = threading.Thread(target=lambda: done.update(r=phos_handoff(app.id, a, b, b_keys, env)))
     killer = threading.Thread(target=kill_b_once_warm)
-    for i in range(TOTAL):
+    i = 0
+    while i < TOTAL or mover.is_alive():
         if i == 10:
             killer.start()
             mover.start()
-        app.jacobi(x, y, r, N, 1)
+        if i < TOTAL:          # the expected result is that of TOTAL steps
+            app.jacobi(x, y, r, N, 1)
+            x, y = y, x
         app.ok(cu.cuMemsetD32(scratch, i, SCRATCH))
-        x, y = y, x
         if i % 5 == 4:
             app.sync()
+        i += 1
     mover.join(300)
     killer.join(60)
     assert done.get("warm"), "B never held a warm copy"
