@@ -122,6 +122,15 @@ def test_bad_device(raw):
     assert statuses == [CUresult.CUDA_ERROR_INVALID_DEVICE] * 2
 
 
+def dealer(address, timeout_ms=30000):
+    """A DEALER connected to `address` that never lingers and waits at most timeout_ms for a reply."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.connect(address)
+    return sock
+
+
 def open_worker(raw):
     raw.send(request(("ctxCreate", {"device": 0, "flags": 0})))
     frames = raw.recv_multipart()
@@ -129,10 +138,7 @@ def open_worker(raw):
         r = reply.results[0]
         assert r.status == 0, r.message
         ctx, endpoint, token = r.u64s[0], r.text, bytes(r.data)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10000)
-    sock.connect(endpoint)
+    sock = dealer(endpoint, timeout_ms=10000)
     return sock, ctx, token, endpoint
 
 
@@ -294,10 +300,7 @@ def test_contexts_past_the_servers_limit_are_refused(servers, monkeypatch):
     CUDA_ERROR_OUT_OF_MEMORY, and the server and its contexts carry on."""
     monkeypatch.setenv("PHOS_MAX_CONTEXTS", "2")
     srv = servers("limited")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 30000)
-    sock.connect(srv.address)
+    sock = dealer(srv.address)
     try:
         made = []
         for _ in range(3):
@@ -318,10 +321,7 @@ def test_contexts_past_a_clients_limit_are_refused_to_that_client_alone(servers,
     srv = servers("per-client")
     socks = []
     for _ in range(2):      # two connections of one user are one client
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 30000)
-        sock.connect(srv.address)
+        sock = dealer(srv.address)
         socks.append(sock)
     try:
         made = []
@@ -358,10 +358,7 @@ def test_local_users_over_loopback_tcp_are_told_apart_by_uid(servers, monkeypatc
     from share_nothing import free_port_pair
     monkeypatch.setenv("PHOS_MAX_CONTEXTS_PER_CLIENT", "1")
     srv = servers("loopback", listen=f"tcp://127.0.0.1:{free_port_pair()}", args=("--insecure",))
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 30000)
-    sock.connect(srv.address)
+    sock = dealer(srv.address)
     try:
         made = []
         for _ in range(2):
