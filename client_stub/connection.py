@@ -453,6 +453,10 @@ class Connection:
             self.late_error = res
         self.close()
         self.open_socket("inproc://phos-detached")      # reattach closes a socket first
+        self.forget_staging()
+
+    def forget_staging(self):
+        """The staging area was the worker's we talked to: the next one maps one of its own."""
         self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
 
     def resume(self, server):
@@ -483,7 +487,7 @@ class Connection:
                 old_staging = self.staging if self.staging is not None else old_staging
                 self.close(keep_ahead=True)
                 ahead = self.open_socket(endpoint)
-                self.staging, self.box, self.box_waiting, self.slot_seq = None, None, False, [0, 0]
+                self.forget_staging()
                 try:
                     res = self.attach(args, lambda a: self.call_now("attach", a))
                 except CudaError as e:

@@ -22,7 +22,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from torch_recovery import Server  # noqa: E402  (perf/ is not a package)
+from torch_recovery import Server, wait_for  # noqa: E402  (perf/ is not a package)
 
 
 def generate(path, layers, tokens):
@@ -51,14 +51,6 @@ def generate(path, layers, tokens):
 def tokens(path):
     with open(path) as f:
         return [line.split() for line in f if line.startswith("token ")]
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 def bench(args):

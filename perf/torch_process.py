@@ -23,21 +23,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from torch_recovery import LADDER, Server  # noqa: E402  (perf/ is not a package)
+from torch_recovery import LADDER, Server, wait_for  # noqa: E402  (perf/ is not a package)
 
 
 def native(steps):
     out = subprocess.run([sys.executable, LADDER, "--one", "transformer", "--train-steps", str(steps)],
                          capture_output=True, text=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def through_phos(args, work, backend):

@@ -65,6 +65,15 @@ class Server:
                 self.kill()
 
 
+def wait_for(predicate, timeout, what):
+    """Until predicate() holds, polling; RuntimeError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
 def server_logs(*servers):
     """The last lines of each server's log, for a report of what went wrong."""
     return "".join(f"\n--- {s.address}:\n" + "".join(s.log().splitlines(True)[-25:]) for s in servers)

@@ -906,12 +906,7 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     reattaching_ = true;
     char* old_area = shm_;
     if (shm_) old_areas_.push_back(shm_);   // a resent copy may still read or fill it
-    shm_ = nullptr;
-    box_waiting_ = false;
-    box_seq_ = 0;
-    slot_seq_[0] = slot_seq_[1] = 0;
-    next_slot_ = 0;
-    host_ranges_.clear();                    // the worker found maps none of them: asked again as they are used
+    forget_worker_mappings();
     std::string why = "no answer";
     uint64_t cut = 0;
     bool attached = false, told = false;
@@ -980,11 +975,26 @@ bool Connection::reattach(uint64_t seq, wire::Result& mine, double budget) {
     return true;
 }
 
+// The staging area and pinned ranges belong to the worker we talked to: the next one (found by a
+// re-attach) maps a staging area of its own, and the ranges again as they are used (in place
+// ones: reattach announces them).
+void Connection::forget_worker_mappings() {
+    shm_ = nullptr;
+    box_waiting_ = false;
+    box_seq_ = 0;
+    slot_seq_[0] = slot_seq_[1] = 0;
+    next_slot_ = 0;
+    host_ranges_.clear();
+}
+
+bool Connection::lost(std::string& why) const {
+    if (dead_.empty() && ctx_ != 0) return false;
+    why = dead_.empty() ? "the context never attached" : dead_;
+    return true;
+}
+
 bool Connection::detach(std::string& why) {
-    if (!dead_.empty() || ctx_ == 0) {
-        why = dead_.empty() ? "the context never attached" : dead_;
-        return false;
-    }
+    if (lost(why)) return false;
     wire::Result r = call(wire::Call::plain(wire::Kind::ctxSynchronize));
     if (!dead_.empty()) {   // lost while it drained
         why = dead_;
@@ -998,20 +1008,12 @@ bool Connection::detach(std::string& why) {
     if (shm_) munmap(shm_, staging::kAreaSize);
     for (char* area : old_areas_) munmap(area, staging::kAreaSize);
     old_areas_.clear();
-    shm_ = nullptr;
-    box_waiting_ = false;
-    box_seq_ = 0;
-    slot_seq_[0] = slot_seq_[1] = 0;
-    next_slot_ = 0;
-    host_ranges_.clear();   // a worker maps them again as they are used (in place ones: reattach)
+    forget_worker_mappings();
     return true;
 }
 
 bool Connection::resume(const std::string& server, std::string& why) {
-    if (!dead_.empty() || ctx_ == 0) {
-        why = dead_.empty() ? "the context never attached" : dead_;
-        return false;
-    }
+    if (lost(why)) return false;
     found_at_ = server;   // asked first
     passed_over_.clear();
     refused_ = false;

@@ -170,6 +170,8 @@ private:
     void resend_after(uint64_t cut, char* old_area);
     void resend_unpinned(wire::Call& c);
     void give_up(const std::string& why);
+    void forget_worker_mappings();
+    bool lost(std::string& why) const;   // the context is gone (or never attached): why
     bool log_full() const;
     void bound_log();
     void wait_for_image();
