@@ -102,6 +102,25 @@ def backend(request):
     return request.config.getoption("--backend")
 
 
+STUB_DIR = os.path.join(ROOT, "phos", "stub")
+CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+
+
+@pytest.fixture(scope="session")
+def stub():
+    """phos/stub, built by make (a no-op when it is up to date). A machine without the build
+    tools (the device machine) runs the stub built elsewhere and carried in phos/stub."""
+    if not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda.h")):
+        pytest.skip(f"no CUDA 13 headers under {CUDA_HOME}: the stub cannot be built here")
+    r = subprocess.run(["make", "-s", "-C", os.path.join(ROOT, "client_stub", "native")], capture_output=True, text=True)
+    if r.returncode != 0 and "client_stub/native: " in r.stderr:   # a build dependency is missing
+        if not os.path.exists(os.path.join(STUB_DIR, "libcuda.so.1")):
+            pytest.skip(r.stderr.strip().splitlines()[-1])
+        return STUB_DIR
+    assert r.returncode == 0, f"building the native stub failed:\n{r.stdout}\n{r.stderr}"
+    return STUB_DIR
+
+
 class ServerProc(LocalServer):
     """A real `phos server` for a test, in the test's tmp dir; workers() lists its context workers.
     Its socket is there too, unless a long temporary directory (TMPDIR, pytest's numbering) would

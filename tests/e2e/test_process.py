@@ -40,10 +40,9 @@ pytestmark = pytest.mark.skipif(criu_missing() is not None, reason=f"{criu_missi
 
 
 @pytest.fixture(scope="module")
-def programs(tmp_path_factory):
+def programs(stub, tmp_path_factory):
     """steps (native, nvcc -cudart shared) and the PTX steps.py loads."""
     out = tmp_path_factory.mktemp("steps")
-    subprocess.run(["make", "-s", "-C", os.path.join(ROOT, "client_stub", "native")], check=True)
     src = out / "step.cu"
     src.write_text('extern "C" __global__ void step(float* x, int n, int k) {\n'
                    "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
@@ -143,26 +142,26 @@ def tree_digest(directory):
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("stub", ["native", "python"])
-def test_checkpointed_process_comes_back_on_a_new_server(stub, programs, servers, tmp_path):
+@pytest.mark.parametrize("which", ["native", "python"])
+def test_checkpointed_process_comes_back_on_a_new_server(which, programs, servers, tmp_path):
     """Checkpointed mid-run with --pid; the program and its server are killed; a new server gets
     the contexts, CRIU brings the process back, and the output is an uninterrupted run's."""
-    expected, app, image = checkpointed(programs[stub], servers(), tmp_path, 5)
+    expected, app, image = checkpointed(programs[which], servers(), tmp_path, 5)
     b = servers()
     r = phos("restore", image, "--process", "--server", b.address, "--json")
     assert r.returncode == 0, r.stderr
     assert finished(app.out, app.pid) == expected
 
 
-@pytest.mark.parametrize("stub", ["native", "python"])
-def test_restored_on_a_server_in_a_namespace_of_its_own(stub, programs, servers, backend, tmp_path):
+@pytest.mark.parametrize("which", ["native", "python"])
+def test_restored_on_a_server_in_a_namespace_of_its_own(which, programs, servers, backend, tmp_path):
     """The program's server is gone; a server in a mount namespace of its own, sharing no files,
     reached over TCP with CURVE keys (which the program was not started with), gets the contexts
     through its network admin API and the restored program finishes there."""
     why = unshare_permitted()
     if why:
         pytest.skip(f"cannot make a mount namespace: {why}")
-    expected, app, image = checkpointed(programs[stub], servers(), tmp_path, 3)
+    expected, app, image = checkpointed(programs[which], servers(), tmp_path, 3)
     keys = keygen(tmp_path / "keys")
     (tmp_path / "b").mkdir(mode=0o700)
     b = start_isolated(backend, str(tmp_path / "b"), keys)

@@ -20,7 +20,7 @@ from phos.schema.cuda_types import STICKY, CUresult
 from ptx_helpers import compile_ptx
 from test_bad_input import assert_server_healthy, open_worker, request, results
 from test_kernels_e2e import Dev, i32, ptr
-from test_stub import APPS, NVCC, phos_run, stub  # noqa: F401 (stub is a fixture)
+from test_stub import APPS, NVCC, phos_run
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 

@@ -11,7 +11,7 @@ from conftest import recovery_images, wait_until
 from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
 from ptx_helpers import compile_ptx
-from test_stub import LIBCUDA, stub, stub_env  # noqa: F401 (stub: a fixture)
+from test_stub import LIBCUDA, stub_env
 from test_stub_recovery import kill_worker
 
 pytestmark = pytest.mark.gpu

@@ -6,7 +6,7 @@ import sys
 
 from phos.gpu_server.address_space import device_base
 from phos.schema import admin_pb2 as pb
-from test_stub import LIBCUDA, apps, phos_run, stub, stub_env  # noqa: F401 (apps, stub: fixtures)
+from test_stub import LIBCUDA, apps, phos_run, stub_env  # noqa: F401 (apps: a fixture)
 from test_stub_reattach import PAUSE, Program, admin, context_of, iterate, reference  # noqa: F401 (iterate: a fixture)
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import pytest
 
-from test_stub import APPS, CUDA_HOME, KERNEL_APPS, LIBCUDA, NVCC, stub, stub_env  # noqa: F401 (stub: a fixture)
+from test_stub import APPS, CUDA_HOME, KERNEL_APPS, LIBCUDA, NVCC, stub_env
 
 RUNTIME_INTERFACE = bytes.fromhex("6bd5fb6c5bf4e74a8987d93912fd9df9")
 INTEGRITY_CHECK = bytes.fromhex("d4082055bde6704b8d34ba123c66e1f2")

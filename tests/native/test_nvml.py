@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from test_stub import STUB, stub, stub_env  # noqa: F401 (stub: a fixture)
+from test_stub import STUB, stub_env
 
 pytestmark = pytest.mark.gpu
 

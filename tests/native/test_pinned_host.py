@@ -20,7 +20,7 @@ from phos.admin_cli import stub as admin
 from phos.schema import admin_pb2 as pb
 from phos.schema import wire
 from phos.schema.cuda_types import CUresult
-from test_stub import LIBCUDA, stub, stub_env  # noqa: F401 (stub: a fixture)
+from test_stub import LIBCUDA, stub_env
 from test_stub_recovery import kill_worker
 from wire_client import RawSession, client_file, decode_reply
 

@@ -20,27 +20,12 @@ import pytest
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NATIVE = os.path.join(ROOT, "client_stub", "native")
 STUB = os.path.join(ROOT, "phos", "stub")
 APPS = os.path.join(ROOT, "tests", "apps")
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 NVCC = shutil.which("nvcc") or os.path.join(CUDA_HOME, "bin", "nvcc")
 LIBCUDA = os.path.join(STUB, "libcuda.so.1")
 LIBCUDART = os.path.join(STUB, "libcudart.so.13")
-
-
-@pytest.fixture(scope="session")
-def stub():
-    """Builds phos/stub with make (a no-op when it is up to date)."""
-    if not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda.h")):
-        pytest.skip(f"no CUDA 13 headers under {CUDA_HOME}: the stub cannot be built here")
-    r = subprocess.run(["make", "-s", "-C", NATIVE], capture_output=True, text=True)
-    if r.returncode != 0 and "client_stub/native: " in r.stderr:   # a build dependency is missing
-        if not os.path.exists(LIBCUDA):
-            pytest.skip(r.stderr.strip().splitlines()[-1])
-        return STUB   # a machine without build tools, with the stub built elsewhere
-    assert r.returncode == 0, f"building the native stub failed:\n{r.stdout}\n{r.stderr}"
-    return STUB
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,6 @@ from phos.schema import admin_pb2 as pb
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NATIVE = os.path.join(ROOT, "client_stub", "native")
 STUB = os.path.join(ROOT, "phos", "stub")
 APP = os.path.join(ROOT, "tests", "apps", "iterate.cu")
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
@@ -34,13 +33,8 @@ TIMEOUT = 120
 
 
 @pytest.fixture(scope="module")
-def iterate(tmp_path_factory):
-    """The stub (built by make, a no-op when current) and tests/apps/iterate.cu, built with nvcc."""
-    if not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda.h")):
-        pytest.skip(f"no CUDA 13 headers under {CUDA_HOME}: the stub cannot be built here")
-    r = subprocess.run(["make", "-s", "-C", NATIVE], capture_output=True, text=True)
-    if r.returncode != 0 and "client_stub/native: " in r.stderr and not os.path.exists(os.path.join(STUB, "libcuda.so.1")):
-        pytest.skip(r.stderr.strip().splitlines()[-1])
+def iterate(stub, tmp_path_factory):
+    """tests/apps/iterate.cu, built with nvcc, for the stub."""
     if not os.path.exists(NVCC):
         pytest.skip("nvcc not found: cannot build tests/apps/iterate.cu")
     out = tmp_path_factory.mktemp("iterate") / "iterate"

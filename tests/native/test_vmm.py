@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from test_stub import LIBCUDA, stub, stub_env  # noqa: F401 (stub: a fixture)
+from test_stub import LIBCUDA, stub_env
 
 pytestmark = pytest.mark.gpu
 
