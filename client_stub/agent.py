@@ -18,7 +18,7 @@ log = logging.getLogger("phos.client")
 
 FROZEN_TICKS = 600        # seconds of running time a freeze waits for its thaw (a dump stops that clock)
 MAX_LINE = 4096
-_started = False
+_driver = None            # the module it serves (client_stub/driver.py), given to start()
 _start_lock = threading.Lock()
 _listening = []           # the listener, which a forked child must not keep (it has no agent thread)
 
@@ -28,12 +28,14 @@ def address(pid):
     return f"\0phos-agent-{pid}"
 
 
-def start():
-    global _started
+def start(driver):
+    """Serve the driver module's contexts from a thread of their own (once a process); the
+    driver hands itself over, so that this module needs no import of it."""
+    global _driver
     with _start_lock:
-        if _started:
+        if _driver is not None:
             return
-        _started = True
+        _driver = driver
     os.register_at_fork(after_in_child=_forget_listener)
     threading.Thread(target=_run, name="phos-agent", daemon=True).start()
 
@@ -94,7 +96,7 @@ def _contexts(driver):
 
 
 def _freeze(conn, listener):
-    from phos.client_stub import driver
+    driver = _driver
     with driver._lock:
         frozen, lost = [], []
         for ctx_id, c in list(driver._contexts.items()):
@@ -146,7 +148,7 @@ def _resume(driver, frozen, server):
 
 
 def _serve(conn, listener):
-    from phos.client_stub import driver
+    driver = _driver
     line = _read_line(conn, 10)
     if line == "contexts":
         with driver._lock:

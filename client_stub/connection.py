@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 import zmq.utils.monitor
 
-from phos import settings
+from phos.base import settings
 from phos.schema import wire
 from phos.schema.wire import Result, read_result
 from phos.schema.cuda_types import CudaError, CUresult

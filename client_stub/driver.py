@@ -11,9 +11,10 @@ import bisect
 import contextlib
 import ctypes
 import os
+import sys
 import threading
 
-from phos import settings
+from phos.base import settings
 from phos.client_stub import agent
 from phos.client_stub.connection import CONNECT_TIMEOUT, Connection, host_writer
 from phos.schema import wire
@@ -322,7 +323,7 @@ def _open_context(dev, flags):
         raise
     conn.find_again = _finder(conn, ctx_id, token)
     _contexts[ctx_id] = conn
-    agent.start()
+    agent.start(sys.modules[__name__])
     _known[ctx_id] = _Ranges()
     _device_of[ctx_id] = int(dev)
     return ctx_id

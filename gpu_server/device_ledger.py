@@ -1,7 +1,7 @@
 """Device memory that several worker processes hold together, each counting its own.
 
 A DeviceLedger accounts one pool of bytes shared by the contexts of a server, each a worker
-process of its own: the emu device's memory (gpu_server/emu_memory.py), a tenant's quota on
+process of its own: the emu device's memory (gpu_server/backends/emu_memory.py), a tenant's quota on
 every backend (PHOS_TENANT_QUOTA: one ledger directory per tenant, tenant_ledger), and the host
 memory a tenant's workers hold for it (PHOS_TENANT_HOST_QUOTA: a twin ledger, host_ledger_dir).
 """

@@ -1,5 +1,5 @@
 """The pfp1 fingerprint pass on the GPU: every chunk of a context hashed, as a checkpoint's cut
-and a handoff's frozen round do it (gpu_server/cuda.py, CudaSnapshotOps.fingerprints).
+and a handoff's frozen round do it (gpu_server/backends/cuda.py, CudaSnapshotOps.fingerprints).
 
     python perf/bench_fingerprint.py --sizes 1,8        # on the H200 (perf/device/run.sh handoff)
 
@@ -25,7 +25,7 @@ def best_of(n, fn):
 
 
 def main():
-    from phos.gpu_server.cuda import CudaBackend
+    from phos.gpu_server.backends.cuda import CudaBackend
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,8", help="GiB")
     ap.add_argument("--chunks", default="2,16", help="chunk sizes, MiB")

@@ -9,7 +9,7 @@ memory per second, between two server processes on one GPU (issue 6).
 
 --via tcp: each server in a mount namespace of its own (own /dev/shm, /tmp, /run, keys and
 image key: tests/share_nothing.py), on tcp://127.0.0.1 with CURVE keys; the rounds stream
-over the target's network admin API (gpu_server/handoff_net.py) and the client follows with
+over the target's network admin API (gpu_server/control/handoff_net.py) and the client follows with
 the target's key. The source has a host store of its own, where the rounds go (unless
 --no-source-host-store). Needs root's `unshare -m`.
 
@@ -71,7 +71,7 @@ def share_nothing_servers(backend, work_dir, source_host_memory=0):
     """Two servers in mount namespaces of their own, on TCP with keys of their own (tests/share_nothing.py);
     returns them, the client's environment and the Handoff's to_server_key. source_host_memory:
     the first (the source) has a host store of its own that big, in its own /dev/shm, as a GPU
-    server is set up (README): the rounds go there (gpu_server/handoff.py, host_store_for)."""
+    server is set up (README): the rounds go there (gpu_server/control/handoff.py, host_store_for)."""
     import pathlib
     from share_nothing import PRIVATE, key_pairs, start_isolated, unshare_permitted
     from phos.schema.admin_net import read_key_file

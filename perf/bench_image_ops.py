@@ -69,8 +69,8 @@ def one_size(root, n):
 
 def rounds(root, n, chunk=4096):
     """A context of n small chunks on emu: (frozen round, advance) in ms, bookkeeping only."""
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import Session
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.worker.session import Session
     from phos.snapshot.engine import Checkpoint, Restore
     s = Session(EmuBackend(), 1, b"t" * 16)
     ptr = s.backend.alloc(n * chunk)

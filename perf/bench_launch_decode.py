@@ -10,7 +10,7 @@ Session.execute, as they come off the socket. Also times the Python client's enc
 the same launches. Needs no GPU.
 
 With --backend cuda the launches reach the GPU (an empty kernel, synchronized after each
-round), batches through the worker's compiled launch path (gpu_server/native_launch.py) where
+round), batches through the worker's compiled launch path (gpu_server/backends/native_launch.py) where
 it was built, which splits a remote launch's cost into the worker's and the transport's; the
 table then also has the backend's launch alone (the driver through ctypes) called from Python in a loop.
 A second table times --back-to-back launches (10,000) with one synchronize at the end, as
@@ -24,8 +24,9 @@ import time
 import zmq
 
 from phos.gpu_server.address_space import AddressSpace
-from phos.gpu_server.backend import Function
-from phos.gpu_server.worker import Session, Worker
+from phos.gpu_server.backends.backend import Function
+from phos.gpu_server.worker.loop import Worker
+from phos.gpu_server.worker.session import Session
 from phos.schema import wire
 
 PEER = b"bench-client"
@@ -60,7 +61,7 @@ EMPTY_PTX = b"""
 
 def worker_with_kernel(backend_name="null"):
     if backend_name == "cuda":
-        from phos.gpu_server.cuda import CudaBackend
+        from phos.gpu_server.backends.cuda import CudaBackend
         backend = CudaBackend(0)
         fn = backend.get_function(backend.load_module(EMPTY_PTX), "empty")
     else:

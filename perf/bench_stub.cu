@@ -15,7 +15,7 @@
 // --settle-ms (250): wait this long after creating the context, natively and through phos alike.
 // The figures are steady-state ones: a phos worker pins the client's staging area in the
 // background for ~100 ms after it attaches, and each piece it pins holds the driver's lock
-// (gpu_server/cuda.py, register_host) that the launches and syncs measured here take too.
+// (gpu_server/backends/cuda.py, register_host) that the launches and syncs measured here take too.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -6,7 +6,7 @@
 A target server listens on tcp://127.0.0.1 with CURVE keys (its admin API at the next port,
 as for a source on another host). This process plays the source: it fills a store in /dev/shm
 with --mib MiB of distinct raw chunks, as a handoff's round leaves them, and sends them all
-into a fresh inbox of the target through gpu_server/handoff_net.py's RemoteTarget, with the
+into a fresh inbox of the target through gpu_server/control/handoff_net.py's RemoteTarget, with the
 key pair of a server admitted by the target (the target verifies and stores every chunk).
 Beside it, in the same run, bare ZeroMQ DEALER/ROUTER pairs with the same keys move the same
 bytes in messages of the same shape (a batch's bytes, a frame a chunk; each answered by a
@@ -61,7 +61,7 @@ def fill_store(path, nbytes, chunk):
 
 def through_phos(server, curve, local, chunk_keys):
     """MiB/s of RemoteTarget sending every chunk of chunk_keys into a fresh inbox of server."""
-    from phos.gpu_server.handoff_net import RemoteTarget
+    from phos.gpu_server.control.handoff_net import RemoteTarget
     from phos.schema import admin_pb2 as pb
 
     async def send():
@@ -78,7 +78,7 @@ def bare(nbytes, chunk, connections, curve):
     """MiB/s of nbytes over `connections` CURVE DEALER/ROUTER connections on loopback TCP, in
     messages of a batch's bytes (handoff_net.BATCH_BYTES) in frames of `chunk` bytes, each
     answered by a short reply."""
-    from phos.gpu_server.handoff_net import BATCH_BYTES
+    from phos.gpu_server.control.handoff_net import BATCH_BYTES
     public, secret = curve
     server_ctx = zmq.Context(io_threads=connections)
     srv = server_ctx.socket(zmq.ROUTER)
@@ -146,7 +146,7 @@ def main():
                     "(default: the setting's own)")
     ap.add_argument("--repeat", type=int, default=REPEAT, help="runs of each figure (least, median, most)")
     args = ap.parse_args()
-    from phos import settings
+    from phos.base import settings
     sweep = [int(c) for c in args.connections.split(",")] if args.connections else [None]
     with tempfile.TemporaryDirectory(prefix="phos-tcp-rounds-") as work, \
             tempfile.TemporaryDirectory(prefix="phos-tcp-rounds-", dir="/dev/shm") as shm:

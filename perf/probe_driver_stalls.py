@@ -6,7 +6,7 @@
    application launches and synchronizes, or runs Python: does the driver hold its launches,
    or the binding the GIL, meanwhile? For a client's staging file fresh from ftruncate, and
    one its maker populated.
-3. another process (a retiring worker, gpu_server/cuda.py's CudaBackend) freeing its
+3. another process (a retiring worker, gpu_server/backends/cuda.py's CudaBackend) freeing its
    memory and its context: how long does the application's launch+sync stall?
 4. the same, one operation at a time, 30 ms apart, for memory that was written and a pinned
    host store (as a retiring handoff source has): which of them stalls the application?
@@ -111,7 +111,7 @@ def pin_stall(fn, buf, kind, driver_loop=True):
 
 RETIRING = """
 import json, sys, time
-from phos.gpu_server.cuda import CudaBackend, GiB
+from phos.gpu_server.backends.cuda import CudaBackend, GiB
 b = CudaBackend()
 ptrs = [b.alloc(GiB) for _ in range(int(sys.argv[1]))]
 print("ready", flush=True)
@@ -165,7 +165,7 @@ TEARDOWN_OPS = """
 import json, mmap, os, sys, time
 import numpy as np
 from cuda.bindings import driver as cu
-from phos.gpu_server.cuda import CudaBackend, DEVICEMAP, GiB
+from phos.gpu_server.backends.cuda import CudaBackend, DEVICEMAP, GiB
 MiB = 1 << 20
 b = CudaBackend()
 big = [b.alloc(GiB) for _ in range(4)]
@@ -206,7 +206,7 @@ print(json.dumps(ops), flush=True)
 
 def keep_pinning(ctx, stop):
     """What a worker does for a client that re-attached: pin its fresh 64 MiB staging file in
-    2 MiB pieces, 1 ms apart (gpu_server/cuda.py, register_host); again and again until stop."""
+    2 MiB pieces, 1 ms apart (gpu_server/backends/cuda.py, register_host); again and again until stop."""
     ok(cu.cuCtxSetCurrent(ctx))
     while not stop.is_set():
         area, _ = staging_area("shm file, fresh")

@@ -6,7 +6,7 @@ restore's loader, a checkpoint's I/O threads, module images hashed in the backgr
 A thread fingerprints 2 MiB chunks (pfp1 through NumPy, and through the native library where it
 is built) while another spins as the worker's loop does when hot (ZeroMQ's getsockopt in a
 loop), with the interpreter's switch interval at 200 µs (PHOS_SWITCH_US) and at 20 µs, and
-with the spinner letting go of the lock each turn (time.sleep(0), as gpu_server/worker.py does
+with the spinner letting go of the lock each turn (time.sleep(0), as gpu_server/worker/loop.py does
 while a checkpoint's or restore's threads have work). Prints MiB/s fingerprinted in each case.
 
 On dev (2 vCPUs): NumPy 2,203 MiB/s alone, 144 beside the spinner, 298 at 20 µs, 2,183 when the

@@ -4,28 +4,16 @@ import logging
 import os
 import sys
 
-from phos import settings
+from phos.base import settings
+from phos.base.keys import load_curve
 
 
 def default_server():
     return settings.server()
 
 
-def load_curve(auth_dir):
-    """(public, secret, authorized-clients dir, admins dir or None) from a directory made by
-    `phos keygen`: clients/ holds the keys that may make contexts, admins/ those that may call
-    the admin API over TCP (without it, the admin API stays on the Unix socket)."""
-    import zmq.auth
-    public, secret = zmq.auth.load_certificate(os.path.join(auth_dir, "server.key_secret"))
-    clients = os.path.join(auth_dir, "clients")
-    if not os.path.isdir(clients):
-        raise SystemExit(f"phos: {clients} is missing: put the public keys of authorized clients there")
-    admins = os.path.join(auth_dir, "admins")
-    return public, secret, clients, admins if os.path.isdir(admins) else None
-
-
 def cmd_server(opts):
-    from phos.gpu_server import frontend
+    from phos.gpu_server.control import frontend
     logging.basicConfig(level=opts.log_level, format="%(asctime)s %(name)s[%(process)d] %(message)s")
     curve = load_curve(opts.auth_dir) if opts.auth_dir else None
     recovery = None
@@ -164,7 +152,7 @@ def main(argv=None):
 
     from phos import admin_cli
     admin_cli.add_commands(sub, default_server)
-    from phos.pool import cli as pool_cli
+    from phos import pool_cli
     pool_cli.add_commands(sub)
 
     opts = ap.parse_args(argv)

@@ -30,7 +30,7 @@ import subprocess
 import tempfile
 import time
 
-from phos import settings
+from phos.base import settings
 from phos.client_stub.agent import address as agent_address
 from phos.schema import admin_pb2 as pb
 
@@ -427,7 +427,7 @@ def restore_contexts(body, directory, server):
 def push_and_restore(server, ctx, store, name):
     import asyncio
 
-    from phos.gpu_server.handoff_net import RemoteTarget
+    from phos.gpu_server.control.handoff_net import RemoteTarget
     from phos.schema.admin_net import client_curve
     from phos.schema.cuda_types import CudaError
 

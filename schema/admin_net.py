@@ -1,14 +1,14 @@
 """The admin API (schema/admin.proto) over the network: its client, and the framing it shares
-with the server (gpu_server/admin_net.py).
+with the server (gpu_server/control/admin_net.py).
 
 A server that listens on tcp://HOST:PORT serves its admin API on tcp://HOST:PORT+1 as well
 (admin_address), on a ZeroMQ ROUTER that speaks CURVE only, admitting the public keys in its
 `--auth-dir`'s admins/ directory. A message carries one call of the Admin service, by name,
 with its request serialized as protobuf; the server answers with the serialized reply (a
 streaming call: several, then an end marker) or an error carrying a gRPC status code's name.
-The same `Admin` servicer (gpu_server/admin.py) serves both transports.
+The same `Admin` servicer (gpu_server/control/admin.py) serves both transports.
 
-One call is this transport's alone: PUT_CHUNKS, a handoff's chunks (gpu_server/handoff_net.py).
+One call is this transport's alone: PUT_CHUNKS, a handoff's chunks (gpu_server/control/handoff_net.py).
 Its request (a PutChunksRequest) is followed by the chunks' frames (one or more each), each
 chunk a stored blob sent from the sender's memory as it is and verified where it lands: in one
 protobuf message, every batch would be copied three times more on the way (serialized, parsed,
@@ -33,7 +33,7 @@ import urllib.parse
 import grpc
 import zmq
 
-from phos import settings
+from phos.base import settings
 from phos.schema import admin_pb2 as pb
 
 PROTOCOL = b"phos-admin-1"      # the first frame of every request: a peer of another version is told so

@@ -7,7 +7,7 @@ import os
 import stat
 import urllib.parse
 
-from phos import settings
+from phos.base import settings
 
 # a checkpoint's result: its dict's scalar keys, the same in CheckpointResult (admin.proto)
 CHECKPOINT_SCALARS = ("name", "bytes", "copied_bytes", "stored_bytes", "new_chunks", "reused_chunks", "seconds", "mode",
@@ -37,13 +37,13 @@ def admin_socket(server):
 
 
 def module_cache_dir(server):
-    """Where the server listening on `server` keeps its clients' module images (gpu_server/module_cache.py)."""
+    """Where the server listening on `server` keeps its clients' module images (gpu_server/worker/module_cache.py)."""
     return _beside(server, ".modules", "modules-{port}")
 
 
 def emu_ledger_dir(server, device=0):
     """Where the emu workers of the server listening on `server` account the memory of its emu
-    device `device` together (gpu_server/emu_memory.py DeviceLedger): each device's is its own."""
+    device `device` together (gpu_server/backends/emu_memory.py DeviceLedger): each device's is its own."""
     return _beside(server, f".emu-memory-{device}", f"emu-memory-{{port}}-{device}")
 
 

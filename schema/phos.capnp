@@ -111,7 +111,7 @@
 # u64s[2] is the worker's last executed seq, the image's cut), and resends its unacknowledged
 # calls after that seq.
 #
-# Recovery (gpu_server/recovery.py). A server started with --recovery-dir takes periodic
+# Recovery (gpu_server/worker/recovery.py). A server started with --recovery-dir takes periodic
 # incremental images of every context (--checkpoint-every SECONDS, --checkpoint-calls N)
 # so that a context whose worker or server died can be restored, there or on the server's
 # --standby. attach's Result then has u64s[3] = 1 and text = the standby's address ("" for
@@ -130,7 +130,7 @@ const protocolVersion :UInt32 = 4;   # 4: hostMap's address (memory the device r
 
 # Where a client looks for the server when PHOS_SERVER is unset, and where `phos server`
 # listens by default: ipc://DIR/defaultSocket in the user's own socket directory DIR, which
-# is /run/phos for root, else $XDG_RUNTIME_DIR/phos, else /tmp/phos-UID (phos/settings.py
+# is /run/phos for root, else $XDG_RUNTIME_DIR/phos, else /tmp/phos-UID (phos/base/settings.py
 # socket_directory, the stub's settings.cpp); a directory another user owns is refused.
 const defaultSocket :Text = "phos.sock";
 # A Request holding more calls than this is refused whole, before any of them runs: one

@@ -1,7 +1,7 @@
 """The snapshot engine: consistent checkpoints taken while the application runs, and
 restores that hand the context back before its contents are loaded (DESIGN 7, 8, 10).
 
-It runs inside a context worker and sees its Session (gpu_server/worker.py) as a
+It runs inside a context worker and sees its Session (gpu_server/worker/loop.py) as a
 SnapshotSession, through its methods alone; the device work goes through the backend's snapshot
 operations (`backend.snap`, SnapshotOps). Both interfaces are in snapshot/ops.py.
 
@@ -44,7 +44,7 @@ import types
 
 import numpy as np
 
-from phos import settings
+from phos.base import settings
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, check_chunks, chunk_count,

@@ -215,7 +215,7 @@ def _words(mv):
 def _native():
     """phos_pfp1_lane_sums of the server's native library (gpu_server/native/fingerprint.cpp),
     or None: not built, or a big-endian host (it reads words as they lie in memory)."""
-    from phos import native
+    from phos.base import native
     lib = native.library() if sys.byteorder == "little" else None
     if lib is None:
         return None

@@ -12,7 +12,7 @@ import stat
 import tempfile
 import threading
 
-from phos import settings
+from phos.base import settings
 from phos.schema.control import private_directory
 
 from .store import ImageError

@@ -1,7 +1,7 @@
 """The snapshot engine's interfaces: what it needs of a device (SnapshotOps, a backend's
 `snap`) and of the context it checkpoints or restores (SnapshotSession, the worker's Session).
 
-gpu_server/emu.py and gpu_server/cuda.py implement SnapshotOps; gpu_server/worker.py's
+gpu_server/backends/emu.py and gpu_server/backends/cuda.py implement SnapshotOps; gpu_server/worker/loop.py's
 Session implements SnapshotSession. tests/unit/test_interfaces.py checks that they declare every
 member with the same parameters.
 
@@ -129,12 +129,12 @@ class SnapshotOps(Protocol):
 
 @runtime_checkable
 class SnapshotSession(Protocol):
-    """What the engine needs of the context it checkpoints or restores (gpu_server/worker.py's
+    """What the engine needs of the context it checkpoints or restores (gpu_server/worker/loop.py's
     Session). The engine reads and changes the context through these methods alone."""
 
     @property
     def backend(self):
-        """The context's device (gpu_server/backend.py Backend); its `snap` is SnapshotOps."""
+        """The context's device (gpu_server/backends/backend.py Backend); its `snap` is SnapshotOps."""
 
     @property
     def space(self):

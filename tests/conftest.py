@@ -17,7 +17,7 @@ import time
 import pytest
 import zmq
 
-from phos.gpu_server.frontend import check_listen
+from phos.gpu_server.control.frontend import check_listen
 from phos.stub_run import LocalServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,7 +219,7 @@ def cu(server, monkeypatch):
 def recovery_images(directory, ctx):
     """The committed recovery images of context `ctx` under a --recovery-dir. Its manifest
     commits an image (its digest file lands first): a killed server may leave only that."""
-    from phos.gpu_server.recovery import context_store
+    from phos.gpu_server.worker.recovery import context_store
     from phos.snapshot import DirStore
     path = context_store(directory, ctx)
     return [n for n in DirStore(path).list_images() if n.startswith("rec-")] if os.path.isdir(path) else []

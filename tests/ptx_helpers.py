@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from phos.gpu_server.emu_memory import EmuMemory
-from phos.gpu_server.ptx import parse_module
+from phos.gpu_server.backends.emu_memory import EmuMemory
+from phos.gpu_server.backends.ptx import parse_module
 
 KERNELS = Path(__file__).parent / "kernels"
 NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc") if os.path.exists(p)), None)

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import threading
 
-from phos.stub_run import LocalServer, free_port_pair, private_mounts  # noqa: F401 (free_port_pair: the tests')
+from phos.base.mounts import private_mounts
+from phos.stub_run import LocalServer, free_port_pair  # noqa: F401 (free_port_pair: the tests')
 
 # Inside the server's new mount namespace: private tmpfs on /dev/shm, /tmp and /run (Python,
 # phos and the keys' directory kept visible where they live there: private_mounts), its keys

@@ -22,7 +22,7 @@ bool verbose();
 void log_line(const char* fmt, va_list ap);
 
 // Every PHOS_* variable the stub reads, read once, in settings.cpp alone (NVML reads none).
-// phos/settings.py declares them all, with their defaults and meanings, for README.md's table;
+// phos/base/settings.py declares them all, with their defaults and meanings, for README.md's table;
 // tests/unit/test_settings.py checks that the two agree.
 struct Settings {
     std::string server;          // PHOS_SERVER: the front end's ZeroMQ endpoint

@@ -1,4 +1,4 @@
-// The stub's settings: every PHOS_* variable it reads, and nowhere else (phos/settings.py
+// The stub's settings: every PHOS_* variable it reads, and nowhere else (phos/base/settings.py
 // declares them with the Python side's, for README.md's table). Part of the driver library,
 // which links the generated schema: the default server's socket is schema/phos.capnp's defaultSocket.
 #include "common.h"
@@ -42,7 +42,7 @@ static int env_tristate(const char* name) {
 }
 
 // schema/phos.capnp's defaultSocket in the user's own socket directory, by the rule
-// phos/settings.py's socket_directory() follows: /run/phos for root, else
+// phos/base/settings.py's socket_directory() follows: /run/phos for root, else
 // $XDG_RUNTIME_DIR/phos, else /tmp/phos-UID.
 static std::string default_server() {
     std::string dir;

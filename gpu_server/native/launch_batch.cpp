@@ -3,7 +3,7 @@
 //
 // Why native: a launch through the worker's Python (decode, check, ctypes into the driver) cost
 // ~6 µs on the H200 where NVIDIA's runtime takes ~3.6 µs (perf/RESULTS.md, bench_launch_decode).
-// gpu_server/native_launch.py owns the policy: it registers the context's functions and streams
+// gpu_server/backends/native_launch.py owns the policy: it registers the context's functions and streams
 // here as batches name them, and keeps every other case (a checkpoint or restore watching the
 // launches, a moved address space, a record this code refuses) on the Python path, which
 // decides what such records mean and how their errors read.
@@ -68,7 +68,7 @@ T read(const unsigned char* at) {
     return value;
 }
 
-// Outcomes (gpu_server/native_launch.py reads them)
+// Outcomes (gpu_server/backends/native_launch.py reads them)
 enum : int {
     kLaunched = 0,          // every record from `first` on ran; *count: the records in the batch
     kUnknownFunction = 1,   // nothing ran: record *at names function *value, not registered

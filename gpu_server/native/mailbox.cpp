@@ -6,7 +6,7 @@
 // driver does in ~1 µs, and the round trip stood at 10-15 µs against a 10 µs target
 // (perf/RESULTS.md, bench_stub and bench_launch_decode).
 //
-// gpu_server/native_box.py owns the policy: it spins here only while the context has nothing
+// gpu_server/worker/native_box.py owns the policy: it spins here only while the context has nothing
 // else going on (no checkpoint, restore or recovery image, no result or error waiting to be
 // told), and for a slice of time, after which the worker's loop looks at its sockets. Every
 // request this code does not answer is left in the box, untouched, for the Python path
@@ -51,7 +51,7 @@ inline void store(unsigned char* at, uint64_t v) { std::memcpy(at, &v, 8); }
 
 extern "C" {
 
-// Shared with gpu_server/native_box.py (its BoxServer structure), field for field.
+// Shared with gpu_server/worker/native_box.py (its BoxServer structure), field for field.
 struct BoxServer {
     unsigned char* area;        // the client's staging area
     uint64_t request_box;       // offsets in it of the request box and the reply box: (seq, len), then the frame

@@ -378,7 +378,7 @@ def curve_options(auth_dir):
     """(listener keys, the pool's own client keys) from a `phos keygen` directory, or (None, None)."""
     if not auth_dir:
         return None, None
-    from phos.cli import load_curve
+    from phos.base.keys import load_curve
     from phos.pool.admin_client import pool_keys
     return load_curve(auth_dir), pool_keys(auth_dir)
 

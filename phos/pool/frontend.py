@@ -1,7 +1,7 @@
 """The pool's front end: the address applications set PHOS_SERVER to.
 
 It speaks the front-end part of the data-plane protocol (schema/phos.capnp: hello, the
-device queries, ctxCreate, reattach), as gpu_server/frontend.py does, and passes each
+device queries, ctxCreate, reattach), as gpu_server/control/frontend.py does, and passes each
 request on, frames unchanged, to one of the pool's servers; the server's reply goes back
 unchanged. So the stub, Python or native, notices nothing and needs no other protocol:
 
@@ -10,7 +10,7 @@ unchanged. So the stub, Python or native, notices nothing and needs no other pro
 - reattach (a stub whose worker went away: schema/phos.capnp, "Recovery") goes to the
   server that holds the context. After a handoff that server answers with where the context
   went, as it does today. If that server is lost, the pool picks another, which restores the
-  context from its recovery images in the store every server shares (gpu_server/frontend.py
+  context from its recovery images in the store every server shares (gpu_server/control/frontend.py
   FrontEnd.recover), and the stub attaches there and replays its log. A server is only asked
   to restore a context once its own server is known lost: one still alive would leave two
   copies of the context.
@@ -27,7 +27,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from phos.gpu_server.frontend import receive_until
+from phos.gpu_server.control.frontend import receive_until
 from phos.schema import wire
 from phos.schema.cuda_types import CUresult
 from phos.schema.wire import error_reply
@@ -46,7 +46,7 @@ class Unanswered(Exception):
 
 class PoolFrontEnd:
     def __init__(self, listen, directory, curve=None, client_curve=None):
-        """curve: (public, secret, clients dir) for the listener (phos.cli load_curve), or None;
+        """curve: (public, secret, clients dir) for the listener (phos/base/keys.py load_curve), or None;
         client_curve: (server public, client public, client secret) for the pool's own
         connections to its servers, or None."""
         self.listen, self.directory = listen, directory

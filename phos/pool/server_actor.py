@@ -53,7 +53,7 @@ def private_mounts(paths):
     """A command prefix that runs a command in a mount namespace of its own, with an empty
     tmpfs on each of paths (e.g. /dev/shm and /tmp): a server that shares no files with the
     others there, as on a machine of its own (needs CAP_SYS_ADMIN, e.g. root)."""
-    from phos.stub_run import private_mounts as hide
+    from phos.base.mounts import private_mounts as hide
     script = " && ".join([*hide(paths), 'exec "$0" "$@"'])
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
 
@@ -69,7 +69,7 @@ class PhosServer:
         unnice()                 # before its server starts: it inherits ours
         self.options = options
         if options.get("auth_dir"):      # this process is a client of its server too (_total_memory): with the pool's keys
-            from phos import settings
+            from phos.base import settings
             settings.use_client_keys(os.path.join(options["auth_dir"], "server.key"),
                                      os.path.join(options["auth_dir"], "client.key_secret"))
         self.node_id = ray.get_runtime_context().get_node_id()

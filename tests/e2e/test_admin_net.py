@@ -1,7 +1,7 @@
-"""The admin API over TCP (gpu_server/admin_net.py, phos.schema.admin_net): served at a tcp://
+"""The admin API over TCP (gpu_server/control/admin_net.py, phos.schema.admin_net): served at a tcp://
 server's port + 1, CURVE only, to the keys in its auth dir's admins/. Unauthenticated callers
 get nothing; a handoff's inbox takes only verified chunks, at paths it gave, and a round's
-chunks travel on several connections at once (gpu_server/handoff_net.py), a link cut
+chunks travel on several connections at once (gpu_server/control/handoff_net.py), a link cut
 mid-batch failing the round."""
 import asyncio
 import os
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import zmq
 
-from phos.gpu_server import handoff_net
-from phos.gpu_server.handoff_net import RemoteTarget
+from phos.gpu_server.control import handoff_net
+from phos.gpu_server.control.handoff_net import RemoteTarget
 from phos.schema import admin_pb2 as pb
 from phos.schema.admin_net import (PROTOCOL, PUT_CHUNKS, NetAdminConnection, admin_address, close_admin, open_admin,
                                    read_key_file)

@@ -390,7 +390,7 @@ def test_a_tenant_cannot_tell_whether_another_loaded_a_module(servers):
     from share_nothing import free_port_pair
     from ptx_helpers import compile_ptx
     from wire_client import RawSession
-    from phos.gpu_server.module_cache import image_digest
+    from phos.gpu_server.worker.module_cache import image_digest
     srv = servers("modules", listen=f"tcp://127.0.0.1:{free_port_pair()}", args=("--insecure",))
     image = compile_ptx("vecadd.cu", "compute_75").encode()
     digest = image_digest(image)

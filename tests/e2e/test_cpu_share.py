@@ -1,5 +1,5 @@
 """Each tenant's context workers weigh one worker together on the host's CPU
-(gpu_server/cpu_share.py): a tenant does not take more of it by opening more contexts."""
+(gpu_server/control/cpu_share.py): a tenant does not take more of it by opening more contexts."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ from conftest import wait_until
 from share_nothing import free_port_pair
 from wire_client import RawSession
 from phos.admin_cli import stub as admin
-from phos.gpu_server.cpu_share import nice_for
+from phos.gpu_server.control.cpu_share import nice_for
 from phos.schema import admin_pb2 as pb
 
 NOBODY_HOLDS_A_CONTEXT = """

@@ -10,9 +10,9 @@ from types import SimpleNamespace as Args
 import numpy as np
 import pytest
 
-from phos.gpu_server import calls
-from phos.gpu_server.emu import EmuBackend
-from phos.gpu_server.worker import Session
+from phos.gpu_server.worker import calls
+from phos.gpu_server.backends.emu import EmuBackend
+from phos.gpu_server.worker.session import Session
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import LAUNCH_CONFIG, TENSOR_MAP_TILED
 from phos.snapshot.engine import Checkpoint, Restore
@@ -190,7 +190,7 @@ def test_a_mapping_outside_a_reserved_range_is_refused():
 # -- module images kept by the server, by digest ------------------------------------------
 
 def test_a_module_image_sent_with_its_digest_is_loaded_by_it_later(tmp_path):
-    from phos.gpu_server.module_cache import ModuleCache, image_digest
+    from phos.gpu_server.worker.module_cache import ModuleCache, image_digest
     cache = ModuleCache(str(tmp_path), 1 << 30)
     image = compile_ptx("dynshared.cu").encode()
     digest = image_digest(image)
@@ -205,7 +205,7 @@ def test_a_module_image_sent_with_its_digest_is_loaded_by_it_later(tmp_path):
 
 
 def test_a_module_image_that_does_not_match_its_digest_is_refused_and_not_kept(tmp_path):
-    from phos.gpu_server.module_cache import ModuleCache, image_digest
+    from phos.gpu_server.worker.module_cache import ModuleCache, image_digest
     s = Session(EmuBackend(), 7, b"t" * 16)
     s.modules = ModuleCache(str(tmp_path), 1 << 30)
     image = compile_ptx("dynshared.cu").encode()

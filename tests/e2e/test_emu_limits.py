@@ -13,7 +13,7 @@ import pytest
 
 from conftest import wait_until
 from phos.gpu_server.client_keys import pid_alive
-from phos.gpu_server.ptx import parser
+from phos.gpu_server.backends.ptx import parser
 from phos.schema.cuda_types import CudaError, CUresult
 
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""Live handoff of a context between two server processes (gpu_server/handoff.py).
+"""Live handoff of a context between two server processes (gpu_server/control/handoff.py).
 
 The application is a Python client program; it keeps its PHOS_SERVER pointing at the first
 server, whose front end redirects its re-attach to the context's new worker.
@@ -494,7 +494,7 @@ def test_a_program_rewriting_its_memory_between_rounds_is_held_until_they_conver
 def test_a_pace_outside_its_range_is_refused():
     import types
 
-    from phos.gpu_server.worker import Worker
+    from phos.gpu_server.worker.loop import Worker
     from phos.schema.cuda_types import CudaError
     worker = types.SimpleNamespace(pace=None, paced_served=-1)
     with pytest.raises(CudaError, match="0 to 0.95"):

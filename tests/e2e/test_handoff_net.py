@@ -1,4 +1,4 @@
-"""Live handoff between two servers that share nothing but the network (gpu_server/handoff_net.py).
+"""Live handoff between two servers that share nothing but the network (gpu_server/control/handoff_net.py).
 
 Each server runs in a mount namespace of its own, with its own tmpfs on /dev/shm, /tmp and
 /run, its own CURVE keys and its own image key: they talk only over tcp://127.0.0.1, with

@@ -158,7 +158,7 @@ def test_trap(cu, dev):
     _, fn = dev.kernel("faults.cu", "trap_kernel")
     dev.launch(fn, (1, 1, 1), (32, 1, 1), [(po, ptr), (5, i32)])
     err = cu.cuCtxSynchronize()[0]
-    from phos.gpu_server.ptx import TRAP_STATUS
+    from phos.gpu_server.backends.ptx import TRAP_STATUS
     assert err == TRAP_STATUS, f"trap gave {err!r}; emu reports {TRAP_STATUS!r}"
 
 

@@ -82,8 +82,9 @@ def test_a_sleeping_client_is_answered_over_the_socket(client):
     """A Reply in the box wakes nobody: once the client says in clientAsleep that it sleeps
     on the socket for this request, the worker answers there, or wakes it there if the
     answer already went into the box."""
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import BOX, Session, Worker
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.worker.loop import BOX, Worker
+    from phos.gpu_server.worker.session import Session
     s = Session(EmuBackend(), 7, b"t" * 16)
     s.box = (LateSleeper if client == "falls asleep meanwhile" else wire.Mailbox)(np.zeros(wire.SLOTS_OFFSET, np.uint8))
     w = Worker(s, Sent())

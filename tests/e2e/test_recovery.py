@@ -1,4 +1,4 @@
-"""Transparent recovery (gpu_server/recovery.py): a Python client program carries on, with
+"""Transparent recovery (gpu_server/worker/recovery.py): a Python client program carries on, with
 bit-exact results, when its worker or its whole server is killed, under periodic images.
 
 The program mixes what a replay must get right: launches, staged and framed copies both
@@ -134,7 +134,7 @@ def test_where_module_globals_were_is_noted_for_a_replay_and_a_bad_note_is_ignor
     """A module loaded after the latest image's cut is loaded again by the client's replay: its
     worker notes where its globals were, a restored worker keeps the note, and a damaged note
     costs only the aliases (a warning), not the restore."""
-    from phos.gpu_server.recovery import GLOBALS_FILE, Recovery, module_globals_noted
+    from phos.gpu_server.worker.recovery import GLOBALS_FILE, Recovery, module_globals_noted
     first = Recovery(str(tmp_path), 7)
     first.note_globals(3, {"counter": 0x600400000100, "table": 0x600400000200})
     first.note_globals(9, {"weights": 0x600400200000})
@@ -155,7 +155,7 @@ def test_a_recovery_image_is_paused_while_it_copies_little(tmp_path):
     (PyTorch's training on the H200: 100x slower while one ran): an image that should copy
     little (what the last one copied, else the whole context) is taken paused, unless a paused
     image here held the application past the budget."""
-    from phos.gpu_server.recovery import PAUSE_BUDGET_MS, Recovery
+    from phos.gpu_server.worker.recovery import PAUSE_BUDGET_MS, Recovery
     r = Recovery(str(tmp_path), 1)
     try:
         assert r.paused(100 << 20, 256 << 20)                   # the first: the context's bytes
@@ -179,7 +179,7 @@ def test_a_recovery_image_is_paused_while_it_copies_little(tmp_path):
 
 @pytest.mark.parametrize("limit, mode", [("268435456", "paused"), ("0", "concurrent")])
 def test_the_server_takes_small_recovery_images_paused(servers, client, tmp_path, monkeypatch, limit, mode):
-    from phos.gpu_server.recovery import context_store
+    from phos.gpu_server.worker.recovery import context_store
     from phos.snapshot import DirStore, read_image
     monkeypatch.setenv("PHOS_RECOVERY_PAUSED_BYTES", limit)
     directory = tmp_path / "rec"

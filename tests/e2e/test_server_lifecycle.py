@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ServerProc, wait_until
 from test_emu_limits import ENDLESS_PTX
-from phos.gpu_server.frontend import check_listen
+from phos.gpu_server.control.frontend import check_listen
 from share_nothing import free_port_pair
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
@@ -105,7 +105,7 @@ def test_a_tcp_listener_names_its_port(address):
 def test_an_abstract_listeners_files_are_in_the_users_socket_directory(tmp_path, monkeypatch):
     """An abstract socket has no directory: its admin socket and caches are in the user's socket
     directory, found from any working directory, not in the one the server started in."""
-    from phos import settings
+    from phos.base import settings
     from phos.schema.control import admin_socket, module_cache_dir, tenant_ledger_dir
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)
@@ -237,7 +237,7 @@ def test_a_worker_told_to_stop_stops_even_when_the_exit_lands_in_a_callback():
     import time
     child = """
 import time, weakref
-from phos.gpu_server.worker import _exit_on_sigterm
+from phos.gpu_server.worker.loop import _exit_on_sigterm
 class Thing: pass
 thing = Thing()
 ref = weakref.ref(thing, lambda _: _exit_on_sigterm())
@@ -528,7 +528,7 @@ def test_a_worker_whose_start_is_cancelled_does_not_outlive_it(tmp_path):
     import asyncio
     import glob
 
-    from phos.gpu_server.frontend import FrontEnd
+    from phos.gpu_server.control.frontend import FrontEnd
     front = FrontEnd("emu", f"ipc://{tmp_path}/phos.sock")
     started, ready = [], front.worker_ready
 

@@ -92,8 +92,8 @@ def copy_on_write(monkeypatch):
 
 def emu_session_holding(data):
     """A worker's session on an emulated device, in process, with one allocation holding data."""
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import Session
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.worker.session import Session
     s = Session(EmuBackend(), 7, b"t" * 16)
     ptr = s.backend.alloc(len(data))
     s.backend.htod(ptr, data.tobytes(), None)
@@ -150,7 +150,7 @@ def shipped_ptx(name):
 
 def test_pfp1_kernel_matches_the_reference():
     """The GPU hash kernel computes pfp1 exactly (run here on the emulator), and its PTX is current."""
-    from phos.gpu_server.emu import EmuBackend
+    from phos.gpu_server.backends.emu import EmuBackend
     ptx = shipped_ptx("pfp1")
     b = EmuBackend()
     fn = b.get_function(b.load_module(ptx), "pfp1_lane_sums")
@@ -191,8 +191,8 @@ def test_copy_pieces_kernel_copies_each_piece_and_nothing_else():
     """The cut's device copy kernel (run here on the emulator) copies every piece whole: 16
     bytes at a time where both ends allow, a byte at a time elsewhere, the tail past the last
     16-byte word too; bytes between pieces stay as they were. Its PTX is current."""
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.staging_layout import pieces
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.backends.staging_layout import pieces
     b = EmuBackend()
     fn = b.get_function(b.load_module(shipped_ptx("copy_pieces")), "copy_pieces")
     size = 1 << 16
@@ -660,8 +660,8 @@ def test_a_deferred_loader_loads_only_what_calls_touch_until_it_is_started(tmp_p
     """A restore on demand holds its background loader until the worker starts it (its client
     served first): meanwhile a call loads just the chunks it touches; once started, everything
     loads and the contents are the image's."""
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import Session
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.worker.session import Session
     from phos.snapshot.engine import Checkpoint, Restore
     s, ptr = emu_session_holding(filler(8 << 20))
     cp = Checkpoint(s, DirStore(tmp_path), "a", paused=True, chunk_size=1 << 20)
@@ -987,7 +987,7 @@ class Sent(list):
 def worker_holding(data):
     """A worker in process (emu) whose context holds data (emu_session_holding), with the
     front end attached to its control socket."""
-    from phos.gpu_server.worker import Worker
+    from phos.gpu_server.worker.loop import Worker
     s, ptr = emu_session_holding(data)
     w = Worker(s, Sent(), Sent())
     w.ctl_peers.add(b"front end")
@@ -1154,7 +1154,7 @@ def test_a_checkpoint_whose_device_copy_could_not_be_mapped_saves_by_copy_on_wri
 def test_a_checkpoint_asked_for_while_a_recovery_image_maps_ahead_waits_for_it(tmp_path, monkeypatch):
     """A recovery image whose cut waits for its memory is the running checkpoint: a checkpoint
     asked for meanwhile is queued behind it, as behind one that copies, and taken once it ends."""
-    from phos.gpu_server import worker
+    from phos.gpu_server.worker import loop as worker
     from phos.snapshot import engine
     monkeypatch.setattr(engine, "DEVICE_COPY", True)
     monkeypatch.setattr(worker, "RECOVERY_PAUSED_BYTES", 0)        # concurrent, as a big context's

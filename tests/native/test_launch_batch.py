@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from phos.gpu_server.emu import EmuBackend
-from phos.gpu_server.worker import Session
+from phos.gpu_server.backends.emu import EmuBackend
+from phos.gpu_server.worker.session import Session
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CUresult
 from ptx_helpers import compile_ptx

@@ -1,5 +1,5 @@
 """A big module image crosses the wire once per server: the stub names it by its digest
-first, and sends it only when the server does not keep it (gpu_server/module_cache.py)."""
+first, and sends it only when the server does not keep it (gpu_server/worker/module_cache.py)."""
 import os
 import subprocess
 import sys

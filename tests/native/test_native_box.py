@@ -1,4 +1,4 @@
-"""The worker's compiled mailbox (gpu_server/native/mailbox.cpp, gpu_server/native_box.py): plain
+"""The worker's compiled mailbox (gpu_server/native/mailbox.cpp, gpu_server/worker/native_box.py): plain
 synchronizes answered in a spin, every other request left in the box for the Python path.
 
 The client's side is played here: its requests are put in a staging area's request box as the
@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from phos import native
-from phos.gpu_server import native_box
-from phos.gpu_server.emu import EmuBackend
-from phos.gpu_server.worker import Session, Worker
+from phos.base import native
+from phos.gpu_server.worker import native_box
+from phos.gpu_server.backends.emu import EmuBackend
+from phos.gpu_server.worker.loop import Worker
+from phos.gpu_server.worker.session import Session
 from phos.schema import wire
 
 LIBRARY = os.path.join(ROOT, "phos", "stub", native.LIBRARY)

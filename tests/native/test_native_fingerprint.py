@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from phos import native
+from phos.base import native
 from phos.snapshot import fingerprint as pfp1
 
 

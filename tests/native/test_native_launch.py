@@ -1,4 +1,4 @@
-"""The worker's compiled launch path (gpu_server/native/launch_batch.cpp, gpu_server/native_launch.py):
+"""The worker's compiled launch path (gpu_server/native/launch_batch.cpp, gpu_server/backends/native_launch.py):
 a launchBatch through a stand-in for the driver's cuLaunchKernelEx, in a real Session on emu.
 
 Checks what the driver is handed (config, attributes, each parameter's bytes), that a batch the
@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import ROOT
-from phos import native
-from phos.gpu_server import native_launch
-from phos.gpu_server.backend import Function
-from phos.gpu_server.emu import EmuBackend
-from phos.gpu_server.worker import Session
+from phos.base import native
+from phos.gpu_server.backends import native_launch
+from phos.gpu_server.backends.backend import Function
+from phos.gpu_server.backends.emu import EmuBackend
+from phos.gpu_server.worker.session import Session
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 

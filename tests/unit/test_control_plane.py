@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from phos import settings
+from phos.base import settings
 from phos.schema import admin_pb2 as pb
 from phos.schema import wire
 from phos.schema.control import admin_socket, checkpoint_message, checkpoint_result
@@ -113,14 +113,14 @@ def test_the_command_line_loads_no_server_code(module):
 
 
 def test_the_server_loads_no_client_code():
-    modules = loaded_by("import phos.gpu_server.frontend, phos.gpu_server.admin, phos.gpu_server.worker, "
-                        "phos.gpu_server.handoff")
+    modules = loaded_by("import phos.gpu_server.control.frontend, phos.gpu_server.control.admin, phos.gpu_server.worker.loop, "
+                        "phos.gpu_server.control.handoff")
     assert not [m for m in modules if m.startswith("phos.client_stub")], modules
 
 
 def test_admin_does_not_import_the_front_end():
     """No import cycle: the front end starts the admin API, which gets the front end as a value."""
-    assert "phos.gpu_server.frontend" not in loaded_by("import phos.gpu_server.admin")
+    assert "phos.gpu_server.control.frontend" not in loaded_by("import phos.gpu_server.control.admin")
 
 
 def test_no_server_module_imports_the_client():
@@ -154,7 +154,7 @@ def _failed_checkpoint(tmp_path, commit_first):
     import asyncio
     import types
     from test_snapshot_image import make_contents, write_image
-    from phos.gpu_server.admin import Admin
+    from phos.gpu_server.control.admin import Admin
     from phos.schema import admin_pb2 as pb
     from phos.schema.cuda_types import CudaError, CUresult
     from phos.snapshot import DirStore, ImageWriter

@@ -1,4 +1,4 @@
-"""The emu's PTX compiler (gpu_server/ptx/compiler.py) against the interpreter and exact references:
+"""The emu's PTX compiler (gpu_server/backends/ptx/compiler.py) against the interpreter and exact references:
 barriers in loops under divergent branches, warp collectives under partial masks, atomics across
 blocks, the fallback, and a compiled kernel reused by a second process from the disk cache."""
 import hashlib
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from phos.gpu_server.ptx import compiler
+from phos.gpu_server.backends.ptx import compiler
 from ptx_helpers import CACHE, NVCC, Device
 
 SOURCE = r'''

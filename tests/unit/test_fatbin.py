@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from phos.gpu_server import fatbin
-from phos.gpu_server.fatbin import describe, extract_ptx, fatbin_size, image_kind
+from phos.gpu_server.backends import fatbin
+from phos.gpu_server.backends.fatbin import describe, extract_ptx, fatbin_size, image_kind
 from phos.schema.cuda_types import CudaError, CUresult
 
 NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")

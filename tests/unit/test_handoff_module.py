@@ -1,4 +1,4 @@
-"""The handoff's algorithm (gpu_server/handoff.py) driven without gRPC, processes or a device:
+"""The handoff's algorithm (gpu_server/control/handoff.py) driven without gRPC, processes or a device:
 a fake front end whose checkpoints copy given byte counts, and a fake target."""
 import asyncio
 import time
@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from phos.gpu_server import handoff
+from phos.gpu_server.control import handoff
 from phos.schema.cuda_types import CudaError, CUresult
 
 MiB = 1 << 20
@@ -227,7 +227,7 @@ def test_a_dropped_inbox_is_refused_at_once_and_its_files_go_after():
     import os
     import time
 
-    from phos.gpu_server.handoff_net import Inboxes
+    from phos.gpu_server.control.handoff_net import Inboxes
     inboxes = Inboxes()
     try:
         path = inboxes.open(7)
@@ -362,7 +362,7 @@ def test_a_rounds_chunks_are_shared_out_among_the_links(monkeypatch, chunks, mos
     would encrypt the second after the first, while another link stood idle."""
     import concurrent.futures
 
-    from phos.gpu_server import handoff_net
+    from phos.gpu_server.control import handoff_net
     monkeypatch.setattr(handoff_net, "BATCH_BYTES", 100 * 4000)      # 100 of FakeStore's chunks
     target = handoff_net.RemoteTarget("tcp://127.0.0.1:1", 1, (b"k", b"k", b"k"))
     target.inbox = "/inbox"

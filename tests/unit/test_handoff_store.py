@@ -1,11 +1,11 @@
-"""Where a handoff's rounds go (gpu_server/handoff_store.py), on a real HostStore shared with
+"""Where a handoff's rounds go (gpu_server/control/handoff_store.py), on a real HostStore shared with
 other images: the rounds the target holds already are dropped while the handoff goes on."""
 import os
 
 import numpy as np
 import pytest
 
-from phos.gpu_server.handoff_store import HandoffStore
+from phos.gpu_server.control.handoff_store import HandoffStore
 from phos.snapshot import HostStore, read_image
 from test_snapshot_image import CS, write_image
 

@@ -1,6 +1,6 @@
-"""The host memory a server may use, cgroup limits included (gpu_server/host_memory.py), read
+"""The host memory a server may use, cgroup limits included (gpu_server/backends/host_memory.py), read
 from file trees laid out as a host's are."""
-from phos.gpu_server import host_memory
+from phos.gpu_server.backends import host_memory
 
 
 def tree(tmp_path, files):

@@ -215,8 +215,8 @@ def test_a_chunk_reads_as_the_buffers_it_lies_in(store, tmp_path):
 
 
 def test_a_chunk_size_over_the_slots_is_refused_before_anything_is_copied(store):
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import Session
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.worker.session import Session
     from phos.schema.cuda_types import CudaError
     from phos.snapshot.engine import Checkpoint
     s = Session(EmuBackend(), 7, b"t" * 16)

@@ -9,8 +9,8 @@ import stat
 import numpy as np
 import pytest
 
-from phos.gpu_server.emu import EmuBackend
-from phos.gpu_server.worker import Session
+from phos.gpu_server.backends.emu import EmuBackend
+from phos.gpu_server.worker.session import Session
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import DirStore, HostStore, ImageError, ImageWriter, MemoryStore, delete_image, gc, read_image
 from phos.snapshot.engine import Checkpoint, Restore

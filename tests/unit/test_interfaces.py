@@ -1,4 +1,4 @@
-"""The interfaces in code: Backend (gpu_server/backend.py), SnapshotOps and SnapshotSession
+"""The interfaces in code: Backend (gpu_server/backends/backend.py), SnapshotOps and SnapshotSession
 (snapshot/ops.py). emu's classes and the worker's Session are checked as objects; cuda.py
 cannot be imported without a GPU driver, so its classes are checked in its source."""
 import ast
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from phos.gpu_server.backend import Backend
+from phos.gpu_server.backends.backend import Backend
 from phos.snapshot.ops import SnapshotOps, SnapshotSession
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,8 +59,8 @@ def test_the_protocols_declare_their_members():
 
 
 def test_emu_provides_every_member():
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import Session
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.worker.session import Session
     backend = EmuBackend()
     check(backend, Backend)
     check(backend.snap, SnapshotOps)
@@ -68,8 +68,8 @@ def test_emu_provides_every_member():
 
 
 def test_a_session_keeps_its_state_through_the_interface():
-    from phos.gpu_server.emu import EmuBackend
-    from phos.gpu_server.worker import Session
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.worker.session import Session
     s = Session(EmuBackend(), 3, b"t" * 16)
     sess, error = s.state()
     assert sess == {"ctx": 3, "token": s.token_digest, "next_id": s.next_id} and error == {"status": 0, "message": ""}
@@ -83,7 +83,7 @@ def test_a_session_keeps_its_state_through_the_interface():
 
 
 def cuda_classes():
-    with open(os.path.join(ROOT, "gpu_server", "cuda.py")) as f:
+    with open(os.path.join(ROOT, "gpu_server", "backends", "cuda.py")) as f:
         tree = ast.parse(f.read())
     return {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
 
@@ -137,7 +137,7 @@ def test_cuda_declares_every_member(cls, proto):
 
 def test_no_backend_is_told_by_its_name():
     """A backend's abilities are Protocol members (pins_host_memory), not checks of its name."""
-    for path in ("gpu_server/worker.py", "gpu_server/calls.py", "snapshot/engine.py"):
+    for path in ("gpu_server/worker/loop.py", "gpu_server/worker/session.py", "gpu_server/worker/calls.py", "snapshot/engine.py"):
         with open(os.path.join(ROOT, path)) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):

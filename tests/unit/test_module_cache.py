@@ -1,8 +1,8 @@
-"""The server's module images by digest (gpu_server/module_cache.py): kept once their digest
+"""The server's module images by digest (gpu_server/worker/module_cache.py): kept once their digest
 is checked, checked again when read, bounded by size."""
 import os
 
-from phos.gpu_server.module_cache import ModuleCache, image_digest
+from phos.gpu_server.worker.module_cache import ModuleCache, image_digest
 
 
 def test_an_image_is_kept_and_found_by_its_digest(tmp_path):

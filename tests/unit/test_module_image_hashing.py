@@ -4,8 +4,8 @@ import threading
 
 import numpy as np
 
-from phos.gpu_server.emu import EmuBackend
-from phos.gpu_server.worker import Session
+from phos.gpu_server.backends.emu import EmuBackend
+from phos.gpu_server.worker.session import Session
 from phos.snapshot import MemoryStore, read_image
 from phos.snapshot import engine
 from phos.snapshot.engine import Checkpoint, Restore

@@ -7,7 +7,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from phos.gpu_server.ptx import TRAP_STATUS, parse_module
+from phos.gpu_server.backends.ptx import TRAP_STATUS, parse_module
 from phos.schema.cuda_types import CudaError, CUresult
 from ptx_helpers import ARCHS, KERNELS, NVCC, Device, compile_ptx
 
@@ -34,7 +34,7 @@ def engine(request, monkeypatch, caplog):
     """Every test runs on both engines: the same kernels must give the same results. On the
     compiler, a kernel it refuses (and the interpreter runs) must be one INTERPRETED names."""
     monkeypatch.setenv("PHOS_EMU_COMPILER", "1" if request.param == "compiler" else "0")
-    with caplog.at_level(logging.WARNING, logger="phos.gpu_server.ptx.compiler"):
+    with caplog.at_level(logging.WARNING, logger="phos.gpu_server.backends.ptx.compiler"):
         yield request.param
     said = [r.getMessage() for r in caplog.get_records("call") if "runs in the PTX interpreter" in r.getMessage()]
     assert {m.split("'")[1] for m in said} <= INTERPRETED, said
@@ -985,7 +985,7 @@ def test_a_modules_tokens_are_capped_and_its_parse_has_a_deadline(monkeypatch):
     """Past every cap of what it declares, a module's cost grows with its text (an initialiser
     of 2^24 values took 66 s and 4.1 GiB): its tokens are capped, and its parse has a deadline."""
     import time
-    from phos.gpu_server.ptx import parser
+    from phos.gpu_server.backends.ptx import parser
     from phos.schema.cuda_types import CudaError, CUresult
     text = ".version 8.0\n.target sm_90\n.address_size 64\n.global .u32 g[] = {" + "1," * 100 + "1};"
     monkeypatch.setattr(parser, "CHECK_EVERY", 16)

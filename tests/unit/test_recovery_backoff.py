@@ -1,7 +1,7 @@
-"""When a worker takes its recovery images (gpu_server/recovery.py), without a worker."""
+"""When a worker takes its recovery images (gpu_server/worker/recovery.py), without a worker."""
 import logging
 
-from phos.gpu_server import recovery
+from phos.gpu_server.worker import recovery
 
 
 def test_failed_images_back_off_and_are_logged_once_in_a_while(tmp_path, monkeypatch, caplog):

@@ -1,6 +1,6 @@
 """One definition of every setting, of the staging area's layout and of the default server.
 
-phos/settings.py declares every PHOS_* variable; README.md's "Settings" table is generated
+phos/base/settings.py declares every PHOS_* variable; README.md's "Settings" table is generated
 from it; the Python product code and the native stub read them nowhere else; and the
 staging layout and the default server are schema/phos.capnp constants both sides use.
 """
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from phos import settings
+from phos.base import settings
 from phos.schema import wire
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ NATIVE = ROOT / "client_stub" / "native"
 def product_python():
     for top in PRODUCT:
         for path in (ROOT / top).rglob("*.py"):
-            if path != ROOT / "phos" / "settings.py" and "tools" not in path.relative_to(ROOT).parts:
+            if path != ROOT / "phos" / "base" / "settings.py" and "tools" not in path.relative_to(ROOT).parts:
                 yield path
 
 
@@ -37,7 +37,7 @@ def test_readme_table_is_the_declarations():
     section = readme.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
     start = section.index("| Variable |")
     table = "".join(line + "\n" for line in section[start:].splitlines() if line.startswith("|"))
-    assert table == settings.markdown_table(), "README.md's Settings table drifted: paste `python -m phos.settings`"
+    assert table == settings.markdown_table(), "README.md's Settings table drifted: paste `python -m phos.base.settings`"
 
 
 def test_each_variable_is_declared_once():
@@ -50,7 +50,7 @@ def test_python_reads_no_phos_variable_outside_settings():
     read = re.compile(r"""(environ\b[^\n]*|getenv\()\s*\(?\s*["']PHOS_""")
     stray = [f"{p.relative_to(ROOT)}:{n}" for p in product_python()
              for n, line in enumerate(p.read_text().splitlines(), 1) if read.search(line)]
-    assert not stray, f"PHOS_* read outside phos/settings.py: {stray}"
+    assert not stray, f"PHOS_* read outside phos/base/settings.py: {stray}"
 
 
 def test_every_variable_python_names_is_declared():
@@ -105,7 +105,7 @@ def test_settings_are_read_when_asked(monkeypatch):
 
 
 def test_reattach_timeout_is_the_clients_and_restore_grace_the_workers():
-    code = ("from phos.gpu_server import worker; from phos.client_stub import connection; "
+    code = ("from phos.gpu_server.worker import loop as worker; from phos.client_stub import connection; "
             "print(worker.REATTACH_TIMEOUT, connection.REATTACH_TIMEOUT)")
     env = {k: v for k, v in os.environ.items() if k not in ("PHOS_REATTACH_TIMEOUT", "PHOS_RESTORE_GRACE")}
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, PHOS_REATTACH_TIMEOUT="7"),
@@ -156,7 +156,7 @@ def test_default_server_is_defined_once():
     in Python and the same rule in the stub's settings.cpp: both name the same address."""
     assert settings.default_server() == f"ipc://{settings.socket_directory()}/{wire.phos_capnp.defaultSocket}"
     literal = f'"{wire.phos_capnp.defaultSocket}"'
-    sources = list(product_python()) + native_sources() + [ROOT / "phos" / "settings.py"]
+    sources = list(product_python()) + native_sources() + [ROOT / "phos" / "base" / "settings.py"]
     assert not [str(p.relative_to(ROOT)) for p in sources if literal in p.read_text()]
     assert "::DEFAULT_SOCKET" in (NATIVE / "settings.cpp").read_text()
     lib = ROOT / "phos" / "stub" / "libcuda.so.1"
@@ -165,7 +165,7 @@ def test_default_server_is_defined_once():
     for env in ({}, {"XDG_RUNTIME_DIR": "/nonexistent/run"}):
         full = {k: v for k, v in os.environ.items() if k not in ("PHOS_SERVER", "XDG_RUNTIME_DIR")}
         full.update(env, PHOS_CONNECT_TIMEOUT="0.2")
-        code = f"import ctypes; ctypes.CDLL({str(lib)!r}).cuInit(0); from phos import settings; print(settings.default_server())"
+        code = f"import ctypes; ctypes.CDLL({str(lib)!r}).cuInit(0); from phos.base import settings; print(settings.default_server())"
         r = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=60)
         assert f"no phos server answered at {r.stdout.strip()} " in r.stderr, (r.stdout, r.stderr)
 

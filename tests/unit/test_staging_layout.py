@@ -1,8 +1,8 @@
-"""The staging layout of a checkpoint's copies (gpu_server/staging_layout.py): chunks at
+"""The staging layout of a checkpoint's copies (gpu_server/backends/staging_layout.py): chunks at
 16-byte boundaries, and one copy for neighbouring chunks only while they are of one region.
 On the H200, one copy over two modules' globals whose addresses touched was refused
 (CUDA_ERROR_INVALID_VALUE) and failed a handoff of a PyTorch process."""
-from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, join_runs, pieces, stage_offsets
+from phos.gpu_server.backends.staging_layout import FrozenLayout, copy_runs, join_runs, pieces, stage_offsets
 
 GLOBAL_A, GLOBAL_B = 0x7F0000000100, 0x7F0000019100     # two modules' globals, side by side
 

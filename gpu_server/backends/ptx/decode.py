@@ -13,9 +13,9 @@ import time
 import numpy as np
 
 from phos.gpu_server.address_space import BASE
-from phos.gpu_server.ptx import ops
-from phos.gpu_server.ptx import parser as P
-from phos.gpu_server.ptx.ops import DT, as_, f32, f64, i64, pred, u8, u16, u32, u64
+from phos.gpu_server.backends.ptx import ops
+from phos.gpu_server.backends.ptx import parser as P
+from phos.gpu_server.backends.ptx.ops import DT, as_, f32, f64, i64, pred, u8, u16, u32, u64
 from phos.schema.cuda_types import CudaError, CUresult
 
 # Generic-address windows of the state spaces, 4 GiB each, 1-3 TiB below EmuMemory's arena at BASE
@@ -28,6 +28,9 @@ ENVREG = re.compile(r'%envreg([0-9]|[12][0-9]|3[01])')
 
 class Unsupported(Exception):
     pass
+
+
+TRAP_STATUS = CUresult.CUDA_ERROR_LAUNCH_FAILED    # what __trap() gave on the H200 (CUDA 13, driver 580)
 
 
 def err(status, msg):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from phos.gpu_server.ptx.cgen import KernelSource, Refused
-from phos.gpu_server.ptx.decode import err
+from phos.gpu_server.backends.ptx.cgen import KernelSource, Refused
+from phos.gpu_server.backends.ptx.decode import TRAP_STATUS, err
 from phos.schema.cuda_types import CUresult
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ HOST_CALL = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64, ct
 
 
 def cache_dir():
-    from phos import settings
+    from phos.base import settings
     d = settings.emu_kernel_cache()
     return Path(d) if d else Path(tempfile.gettempdir()) / f"phos-emu-kernels-{os.getuid()}"
 
@@ -180,7 +180,7 @@ class Host:
 
     def read(self, a, n, loc, shm):
         """n bytes at generic address a, as the thread whose memories are loc and shm sees them."""
-        from phos.gpu_server.ptx.decode import LOCAL_WIN, PARAM_WIN, SHARED_WIN, WIN
+        from phos.gpu_server.backends.ptx.decode import LOCAL_WIN, PARAM_WIN, SHARED_WIN, WIN
         for win, base, size in ((SHARED_WIN, shm, self.c.shbytes), (LOCAL_WIN, loc, self.c.local_size),
                                 (PARAM_WIN, self.pbuf.ctypes.data, self.c.psize)):
             if 0 <= a - win < WIN:
@@ -204,7 +204,7 @@ class Host:
         return out.decode('utf-8', 'replace')
 
     def call(self, kind, x0, x1, x2, x3, loc, shm, blk, t):
-        from phos.gpu_server.ptx import ops
+        from phos.gpu_server.backends.ptx import ops
         try:
             if kind == 0:
                 if not x0:
@@ -242,7 +242,6 @@ class Host:
 
 def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, deadline, envreg=None, cooperative=False):
     """Run the whole grid of K's compiled code C; raises CudaError as the interpreter does."""
-    from phos.gpu_server.ptx.interp import TRAP_STATUS
     lo, hi, host = allocations(mem)
     pbuf = np.frombuffer(bytes(params) + bytes(8), np.uint8)
     gsym = np.array([symbols[g] for g in C.globals] or [0], np.uint64)

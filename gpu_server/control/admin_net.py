@@ -1,6 +1,6 @@
 """The admin API over the network: a ZeroMQ ROUTER speaking CURVE only, beside a TCP
 listener (at its port + 1: phos.schema.admin_net.admin_address), serving the same `Admin`
-servicer (gpu_server/admin.py) as the Unix socket does. The framing is in
+servicer (gpu_server/control/admin.py) as the Unix socket does. The framing is in
 phos.schema.admin_net, with the client.
 
 Who may call: the public keys in `--auth-dir`'s admins/ directory (ClientKeys, read again
@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from phos import settings
+from phos.base import settings
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id
 from phos.schema import admin_pb2 as pb
 from phos.schema.admin_net import END, ERROR, METHODS, MORE, PROTOCOL, PUT_CHUNKS, REPLY, ZAP_DOMAIN

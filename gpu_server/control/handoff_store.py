@@ -1,7 +1,7 @@
-"""Where a handoff's rounds go (gpu_server/handoff.py).
+"""Where a handoff's rounds go (gpu_server/control/handoff.py).
 
 A target that takes recovery images gets them in its recovery store of the context
-(gpu_server/recovery.py): the last round is then the context's recovery image there from
+(gpu_server/worker/recovery.py): the last round is then the context's recovery image there from
 the moment it adopts it, its own recovery images follow it incrementally, and a target that
 dies before it took one loses nothing. The path must be one this server can write, as a
 handoff's store always had to be (the same host, or a shared file system). Otherwise, when
@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 
-from phos.gpu_server.recovery import context_store
+from phos.gpu_server.worker.recovery import context_store
 from phos.snapshot import DirStore, ImageError, gc, open_store
 from phos.snapshot.store import ImageInUse
 

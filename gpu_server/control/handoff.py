@@ -26,11 +26,11 @@ and the freeze is what the frozen round carries: kept off that window, the targe
 shrink the rounds the link must carry, and the frozen one with them.
 
 Plain code over two parties, so that it runs without gRPC or processes (tests fake both):
-  source  the front end holding the context (gpu_server/frontend.py FrontEnd): checkpoint,
+  source  the front end holding the context (gpu_server/control/frontend.py FrontEnd): checkpoint,
           thaw, retire and moving_to on the worker's control socket, worker_alive, host_store, moved,
           counts
-  target  the server it goes to (gpu_server/admin.py TargetServer, over its admin API; or
-          gpu_server/handoff_net.py RemoteTarget, over the network), or another device of the
+  target  the server it goes to (gpu_server/control/admin.py TargetServer, over its admin API; or
+          gpu_server/control/handoff_net.py RemoteTarget, over the network), or another device of the
           same server (DeviceTarget, below):
           same_server: whether the target is the source's front end itself;
           remote: whether it reads the rounds only as the source sends them (another host);
@@ -48,8 +48,8 @@ import time
 import types
 from dataclasses import dataclass, field
 
-from phos import settings
-from phos.gpu_server.handoff_store import HandoffStore
+from phos.base import settings
+from phos.gpu_server.control.handoff_store import HandoffStore
 from phos.schema.cuda_types import CudaError
 from phos.snapshot import open_store
 from phos.snapshot.image import DEFAULT_CHUNK_SIZE

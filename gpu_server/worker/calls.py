@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from phos.gpu_server.module_cache import image_digest
+from phos.gpu_server.worker.module_cache import image_digest
 from phos.schema.cuda_types import STICKY, CudaError, CUresult
 from phos.schema.wire import (LAUNCH_CONFIG, STREAM_ALIASES, TENSOR_MAP_IM2COL, TENSOR_MAP_TILED, WireError, phos_capnp,
                               read_launch_batch)

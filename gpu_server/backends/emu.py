@@ -12,14 +12,14 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from phos import settings
-from phos.gpu_server import native_box
+from phos.base import settings
+from phos.base import native
 from phos.gpu_server.address_space import device_base
-from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
-from phos.gpu_server.emu_attributes import EMU_ATTRIBUTES
-from phos.gpu_server import host_memory
-from phos.gpu_server.emu_memory import EmuMemory, emu_ledger
-from phos.gpu_server.staging_layout import FrozenLayout
+from phos.gpu_server.backends.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
+from phos.gpu_server.backends.emu_attributes import EMU_ATTRIBUTES
+from phos.gpu_server.backends import host_memory
+from phos.gpu_server.backends.emu_memory import EmuMemory, emu_ledger
+from phos.gpu_server.backends.staging_layout import FrozenLayout
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import LAUNCH_COOPERATIVE, launch_cluster
 from phos.snapshot.fingerprint import fingerprint
@@ -44,7 +44,7 @@ EMU_LIMITS = {
     9: (0, False),              # CIG shared memory fallback
 }
 EMU_DEVICES = settings.emu_devices()
-# Each device no bigger than its share of what the host can back (gpu_server/host_memory.py).
+# Each device no bigger than its share of what the host can back (gpu_server/backends/host_memory.py).
 EMU_MEMORY = min(settings.emu_memory(), (host_memory.backable() or 1 << 62) // max(1, EMU_DEVICES))
 CONTEXT_QUOTA = settings.emu_context_quota()
 LAUNCH_TIMEOUT = settings.emu_launch_timeout()
@@ -52,7 +52,7 @@ MODULE_LOAD_TIMEOUT = settings.emu_module_load_timeout()
 
 
 class EmuBackend:
-    """The Backend (gpu_server/backend.py) of an emulated device."""
+    """The Backend (gpu_server/backends/backend.py) of an emulated device."""
     name = "emu"
     pins_host_memory = False     # the CPU reads any host memory as it is
     launcher = None              # the interpreter's launches have no compiled path
@@ -141,9 +141,9 @@ class EmuBackend:
 
     # modules
     def load_module(self, image):
-        from phos.gpu_server.ptx import parse_module
-        from phos.gpu_server.fatbin import extract_ptx
-        from phos.gpu_server.ptx.parser import check_deadline
+        from phos.gpu_server.backends.ptx import parse_module
+        from phos.gpu_server.backends.fatbin import extract_ptx
+        from phos.gpu_server.backends.ptx.parser import check_deadline
         deadline = time.monotonic() + MODULE_LOAD_TIMEOUT if MODULE_LOAD_TIMEOUT > 0 else math.inf
         module = parse_module(extract_ptx(bytes(image)), deadline)
         module.allocations = []
@@ -166,8 +166,8 @@ class EmuBackend:
         its text a token at most, MAX_MODULE_TOKENS and a check's stride at most). The parsed module
         keeps part of it (its instructions, its initialisers' values) while loaded, so the whole is
         charged for the module's life: a bound, not a measure."""
-        from phos.gpu_server.fatbin import extract_ptx
-        from phos.gpu_server.ptx import parser
+        from phos.gpu_server.backends.fatbin import extract_ptx
+        from phos.gpu_server.backends.ptx import parser
         tokens = min(len(extract_ptx(bytes(image))), parser.MAX_MODULE_TOKENS + parser.CHECK_EVERY)
         return len(image) + parser.PARSE_BYTES_PER_TOKEN * tokens
 
@@ -295,7 +295,7 @@ class EmuBackend:
 
     def native_synchronize(self):
         # nothing to wait for; printed output is told by the Python path's reply
-        return None if self.output else native_box.no_wait_address()
+        return None if self.output else native.address("phos_box_no_wait")    # a synchronize that waits for nothing
 
     def close(self):
         self.mem.close()

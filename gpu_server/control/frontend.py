@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from phos import settings
-from phos.gpu_server.backend import load_backend
-from phos.gpu_server import cpu_share
+from phos.base import settings
+from phos.gpu_server.backends import load_backend
+from phos.gpu_server.control import cpu_share
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, loopback_uid, peer_credentials, pid_alive
 from phos.gpu_server.device_ledger import tenant_name
-from phos.gpu_server.strangers import PeerWarnings
+from phos.gpu_server.worker.strangers import PeerWarnings
 from phos.schema import wire
 from phos.schema.control import (admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file,
                                  tenant_ledger_dir)
@@ -197,7 +197,7 @@ def control_endpoint(listen, ctx_id):
 
 @dataclass
 class RecoveryOptions:
-    """--recovery-dir and friends (gpu_server/recovery.py)."""
+    """--recovery-dir and friends (gpu_server/worker/recovery.py)."""
     directory: str
     every_s: float = 0.0
     every_calls: int = 0
@@ -253,7 +253,7 @@ class FrontEnd:
         self.devices = [present[i] for i in self.physical]
         # (server public, server secret, authorized client keys dir, admins' keys dir or None) or None
         self.curve = curve
-        self.admin = None           # the admin API's servicer (gpu_server/admin.py), once serving
+        self.admin = None           # the admin API's servicer (gpu_server/control/admin.py), once serving
         self.admin_endpoint = ""    # where the admin API is served over TCP ("" only on its Unix socket)
         self.workers = {}           # ctx id -> WorkerProc
         self.pool = []              # started workers no context has claimed yet
@@ -375,7 +375,7 @@ class FrontEnd:
     async def recover(self, ctx, token):
         """The supervisor's part: a context whose worker died (here, or with its whole server)
         comes back from its latest recovery image, if the asker holds its session token."""
-        from phos.gpu_server.recovery import context_store
+        from phos.gpu_server.worker.recovery import context_store
         from phos.snapshot import ImageError, latest_image, open_store
         from phos.snapshot.image_key import image_key
         store = context_store(self.recovery.directory, ctx)
@@ -449,7 +449,7 @@ class FrontEnd:
         self.fill_pool()
 
     def open_module_cache(self):
-        """The directory of the module images clients sent (gpu_server/module_cache.py), or None."""
+        """The directory of the module images clients sent (gpu_server/worker/module_cache.py), or None."""
         if settings.module_cache_bytes() <= 0:
             return None
         path = module_cache_dir(self.listen)
@@ -771,7 +771,7 @@ class FrontEnd:
         self.killed.add(ctx)
         self.discard(ctx)
         if self.recovery is not None:
-            from phos.gpu_server.recovery import context_store
+            from phos.gpu_server.worker.recovery import context_store
             shutil.rmtree(context_store(self.recovery.directory, ctx), ignore_errors=True)
         log.warning("context %d: killed by the operator", ctx)
 
@@ -806,14 +806,14 @@ class FrontEnd:
 
     def serve_admin_on_tcp(self, bound):
         """A TCP listener's admin API on the next port (admin_address), CURVE only, for the keys in
-        the auth dir's admins/ (gpu_server/admin_net.py); None for an ipc:// listener, or without them."""
+        the auth dir's admins/ (gpu_server/control/admin_net.py); None for an ipc:// listener, or without them."""
         if not bound.startswith("tcp://"):
             return None
         if not self.curve or not self.curve[3]:
             log.warning("the admin API is served on the Unix socket only: over TCP it needs CURVE keys with an "
                         "admins/ directory of admitted keys (--auth-dir, `phos keygen`)")
             return None
-        from phos.gpu_server.admin_net import NetAdminServer
+        from phos.gpu_server.control.admin_net import NetAdminServer
         from phos.schema.admin_net import admin_address
         try:
             net = NetAdminServer(self.admin, self.curve[1], self.curve[3], admin_address(bound))
@@ -825,7 +825,7 @@ class FrontEnd:
         return net
 
     async def serve(self):
-        from phos.gpu_server import admin        # gRPC, once run() has set its fork support off
+        from phos.gpu_server.control import admin        # gRPC, once run() has set its fork support off
         gone = sweep_shm()
         if gone:
             log.info("removed %d file(s) that killed processes left in /dev/shm: %s", len(gone), ", ".join(gone[:5]))
@@ -850,7 +850,7 @@ class FrontEnd:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         self.module_cache = self.open_module_cache()
-        from phos.gpu_server.handoff_net import Inboxes
+        from phos.gpu_server.control.handoff_net import Inboxes
         self.inboxes = Inboxes()           # rounds of handoffs from servers on other hosts
         admin_server = await admin.start(self, admin_socket(self.listen))     # before we say we listen
         net_admin = self.serve_admin_on_tcp(sock.getsockopt_string(zmq.LAST_ENDPOINT))

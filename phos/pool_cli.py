@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from phos import settings
+from phos.base import settings
 
 STATE_FILE = "pool.json"          # in the user's socket directory: the Ray cluster `up` used
 

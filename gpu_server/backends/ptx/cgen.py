@@ -10,10 +10,10 @@ import re
 
 import numpy as np
 
-from phos.gpu_server.ptx import parser as P
-from phos.gpu_server.ptx.crt import PRELUDE, SCHEDULER
-from phos.gpu_server.ptx.decode import LOCAL_WIN, MEM_IGNORED, PARAM_WIN, SHARED_WIN, WIN, imm
-from phos.gpu_server.ptx.ops import DT
+from phos.gpu_server.backends.ptx import parser as P
+from phos.gpu_server.backends.ptx.crt import PRELUDE, SCHEDULER
+from phos.gpu_server.backends.ptx.decode import LOCAL_WIN, MEM_IGNORED, PARAM_WIN, SHARED_WIN, WIN, imm
+from phos.gpu_server.backends.ptx.ops import DT
 
 
 IT, PATH = '@it', '@path'

@@ -1,4 +1,4 @@
-"""The worker's synchronize round trip in C++ (gpu_server/native/mailbox.cpp, in phos/native.py's
+"""The worker's synchronize round trip in C++ (gpu_server/native/mailbox.cpp, in phos/base/native.py's
 library): the mailbox's plain ctxSynchronize requests answered in a spin, without Python.
 
 The worker's loop calls serve() while its client is mid-burst (it would spin in Python
@@ -7,11 +7,10 @@ A request the native code does not answer stays in the box for the Python path: 
 says so, and the loop's next look at the box takes it.
 """
 import ctypes
-import functools
 
 import zmq
 
-from phos import native
+from phos.base import native
 from phos.schema import wire
 
 SPUN_OUT, FOR_PYTHON, WAKE, MESSAGE = range(4)       # mailbox.cpp's outcomes
@@ -33,14 +32,6 @@ def load(path=None):
         return None
     lib.phos_box_serve.argtypes, lib.phos_box_serve.restype = [ctypes.POINTER(BoxServer), _U64], ctypes.c_int
     return lib
-
-
-@functools.cache
-def no_wait_address():
-    """The library's synchronize that waits for nothing (emu's work is done when it arrives), or
-    None where the library was not built."""
-    lib = native.library()
-    return None if lib is None else ctypes.cast(lib.phos_box_no_wait, _P).value
 
 
 class NativeBox:

@@ -18,16 +18,15 @@ import weakref
 
 import numpy as np
 
-from phos import settings
+from phos.base import settings
 from phos.gpu_server.address_space import BASE
-from phos.gpu_server.ptx import ops
-from phos.gpu_server.ptx import parser as P
-from phos.gpu_server.ptx.decode import (BAR, BRA, BRX, CALL, EXIT, LOCAL_WIN, OP, PARAM_WIN, RET, SHARED_WIN,
+from phos.gpu_server.backends.ptx import ops
+from phos.gpu_server.backends.ptx import parser as P
+from phos.gpu_server.backends.ptx.decode import (TRAP_STATUS, BAR, BRA, BRX, CALL, EXIT, LOCAL_WIN, OP, PARAM_WIN, RET, SHARED_WIN,
                                         TRAP, WIN, Decoder, err)
-from phos.gpu_server.ptx.ops import DT, as_, u8, u32, u64
+from phos.gpu_server.backends.ptx.ops import DT, as_, u8, u32, u64
 from phos.schema.cuda_types import CudaError, CUresult
 
-TRAP_STATUS = CUresult.CUDA_ERROR_LAUNCH_FAILED    # what __trap() gave on the H200 (CUDA 13, driver 580)
 LAUNCH_BOUNDS_STATUS = CUresult.CUDA_ERROR_INVALID_VALUE  # block shape outside .maxntid/.reqntid; to verify on the H200
 MAX_SHARED = 48 * 1024          # per block without the opt-in attribute
 MAX_SHARED_OPTIN = 227 * 1024   # H100/H200 opt-in limit (Kernel.max_dynamic_shared may raise up to this)
@@ -825,7 +824,7 @@ class PtxModule:
             ws = grid_workspace(mem)
             envreg = {1: ws >> 32, 2: ws & 0xFFFFFFFF}
         if settings.emu_compiler():
-            from phos.gpu_server.ptx import compiler
+            from phos.gpu_server.backends.ptx import compiler
             native = compiler.compiled(K)
             if native.fn is not None:
                 compiler.launch(native, K, mem, symbols, grid, block, shared_bytes, params, printf, nb, deadline,

@@ -1,4 +1,4 @@
-"""A context worker: one OS process that owns one context (DESIGN decision 6).
+"""A context worker's loop: one OS process that owns one context (DESIGN decision 6).
 
 After the handshake the client talks to this process directly. The hot path is a
 tight synchronous ZeroMQ loop rather than an await per call: a worker serves one
@@ -12,48 +12,41 @@ not be created.
 import argparse
 import collections
 import ctypes
-import fcntl
 import logging
-import mmap
 import os
-import re
 import select
 import signal
-import stat
 import sys
 import threading
 import time
 
-import numpy as np
 import zmq
 import zmq.utils.monitor
 from zmq.auth.thread import ThreadAuthenticator
 
-from phos.gpu_server.address_space import check_base
-from phos.gpu_server.backend import load_backend
-from phos import settings
-from phos.gpu_server.calls import CONNECTION_CALLS, WORKER_CALLS
+from phos.gpu_server.backends import load_backend
+from phos.base import settings
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, peer_credentials, pid_alive
-from phos.gpu_server.device_ledger import TENANT_HOST_FULL, check_tenant_name, host_ledger_dir, tenant_ledger
-from phos.gpu_server import native_box
-from phos.gpu_server.module_cache import ModuleCache
+from phos.gpu_server.worker import native_box
+from phos.gpu_server.worker.module_cache import ModuleCache
 # at import, not at the first attach: a handoff's client would wait 1.1-1.7 ms for it there (emu)
-from phos.gpu_server.recovery import Recovery, module_globals_noted
-from phos.gpu_server.strangers import PeerWarnings, Strangers
+from phos.gpu_server.worker.recovery import Recovery, module_globals_noted
+from phos.gpu_server.worker.strangers import PeerWarnings, Strangers
 from phos.schema import wire
 from phos.schema.control import remove_socket_file
 from phos.schema.wire import build_reply, error_reply
-from phos.schema.cuda_types import STICKY, CudaError, CUresult
+from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import engine
 from phos.snapshot.host_store import open_store
-from phos.snapshot.image import ImageError, check_token, token_digest
+from phos.snapshot.image import ImageError, check_token
+
+from phos.gpu_server.worker.session import Session
 
 log = logging.getLogger("phos.worker")
 ORPHAN_GRACE = settings.orphan_grace()   # seconds without a client before the context is freed
 MOST_KEEP = 3600.0        # seconds a context may wait for a client that said it comes back (keep)
 ATTACH_TIMEOUT = settings.attach_timeout()
 REATTACH_TIMEOUT = settings.restore_grace()   # a restored context waits this long for its client
-PINNED_HOST_BYTES = settings.pinned_host_bytes()   # the client's pinned host memory a worker maps, at most
 RECOVERY_PAUSED_BYTES = settings.recovery_paused_bytes()   # a recovery image this small is taken paused
 # A restore on demand loads in the background once its client has attached and gone quiet
 # this long (its re-attach and first calls served first: a loader thread would slow them
@@ -72,430 +65,9 @@ NATIVE_BOX_SLICE_NS = 200_000  # a spin on the mailbox in compiled code, unless 
 PACE_PERIOD = 0.005
 PROFILE_DIR = settings.profile_dir()   # cProfile each checkpoint's run into DIR/checkpoint-PID-NS.prof
 PROFILE_WORKER = bool(PROFILE_DIR and settings.profile_workers())   # ... or the whole loop into DIR/worker-PID.prof
-FIRST_HANDLE = 0x1000
 POLLIN = int(zmq.POLLIN)   # a plain int: `&` with the enum costs microseconds, twice a loop
 EVENTS = int(zmq.EVENTS)   # ... and getsockopt makes an enum of the enum it is given
-BOX = object()            # the "peer" of a request that came through the shared mailbox     # below are reserved stream ids (0, 1, 2 name the default stream)
-
-
-class Session:
-    """One context's state: backend, virtual handles, error state. The snapshot engine sees
-    it as a SnapshotSession (snapshot/ops.py): through handle, reach_global and the methods
-    after drop."""
-
-    def __init__(self, backend, ctx_id, token):
-        self.backend, self.space = backend, backend.space
-        self.ctx_id, self.token_digest = ctx_id, token_digest(token)
-        self.checkpoint = None     # a snapshot.engine.Checkpoint while one runs
-        self.restoring = None      # a snapshot.engine.Restore while contents load
-        self.snapshotting = False  # either of them: calls must tell them what they touch
-        self.objects = {}          # virtual id -> (kind, object)
-        self.meta = {}             # virtual id -> extra facts kept for snapshots (module images)
-        self.next_id = FIRST_HANDLE
-        self.recovery = None       # a gpu_server.recovery.Recovery when the server takes recovery images
-        self.globals_noted = {}    # {module id: {name: address}} of a recovery store restored from (module_load)
-        self.limits = {}           # {CUlimit: value} the application set
-        self.modules = None        # the server's ModuleCache, if it keeps module images
-        self.sticky = None         # (status, message) that fails every later call
-        self.deferred = None       # first failure of an asynchronous call since the last reply
-        self.closing = False
-        self.client = None         # (pid, uid) of the process that attached last, on this host (open_client_file)
-        self.shm = None            # the client's staging area, when it shares our host
-        self.box = None            # its mailbox (wire.Mailbox)
-        self.host_ranges = {}      # the client's pinned host ranges we map: hostMap's id -> their bytes
-        self.in_place = {}         # ... those the device reads and writes in place: id -> FixedMapping
-        self.host_bytes = 0        # ... how many bytes they hold together
-        self.tenant = None         # the name of the tenant whose quota its memory counts against (join_tenant)
-        self.tenants = None        # (their ledgers' directory, PHOS_TENANT_QUOTA, PHOS_TENANT_HOST_QUOTA) when it has either
-        self.host_ledger = None    # the tenant's host memory ledger (PHOS_TENANT_HOST_QUOTA), once it has joined
-        self.host_held = 0         # the host memory held for the client: its staging area, pinned ranges, modules
-        self.module_bytes = {}     # id() of a loaded module -> the host memory charged for it (load_module)
-
-    def staging(self, offset, nbytes):
-        """A range of the shared staging area, checked."""
-        if self.shm is None:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "no shared staging area is attached")
-        if offset + nbytes > len(self.shm):
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"staging range {offset}+{nbytes} exceeds the {len(self.shm)}-byte area")
-        return self.shm[offset:offset + nbytes]
-
-    def map_staging(self, path, cookie, size):
-        """Map the client's staging file if it is really theirs (map_client_file) and its tenant's
-        host memory quota has room for it; else the client copies through the socket."""
-        if size < wire.SLOTS_OFFSET:        # no room for the mailbox
-            return False
-        # a client attaching again: its earlier area goes when this one replaces it, so only the
-        # growth is charged (a refusal keeps the earlier one)
-        more = size - (len(self.shm) if self.shm is not None else 0)
-        try:
-            self.charge_host(max(more, 0), "a staging area")
-        except CudaError as e:
-            log.warning("context %d: its client's staging area is not mapped: %s", self.ctx_id, e.message)
-            return False
-        area = map_client_file(path, cookie, size, self.client)
-        if area is None:
-            self.refund_host(max(more, 0))
-            return False
-        if more < 0:
-            self.refund_host(-more)
-        self.shm = np.frombuffer(area, np.uint8)
-        self.box = wire.Mailbox(self.shm)
-        self.backend.register_host(self.shm)
-        return True
-
-    def map_host(self, rid, path, cookie, size, address=0):
-        """Map the client's pinned host range `rid` (phos.capnp, "Pinned host memory"): its file,
-        if it is really theirs (map_client_file), while we map PINNED_HOST_BYTES at most; the
-        backend pins it. With `address` (memory the device reads and writes in place: managed,
-        mapped host memory) it is mapped at that address, the client's own, and the backend makes
-        it the device's there. None once mapped, else why not."""
-        if not rid or rid in self.host_ranges:
-            return f"pinned host range {rid} is 0 or mapped already"
-        if not 0 < size <= PINNED_HOST_BYTES - self.host_bytes:
-            return (f"{size} more bytes of pinned host memory would pass the {PINNED_HOST_BYTES} a worker maps "
-                    f"(PHOS_PINNED_HOST_BYTES; {self.host_bytes} mapped)")
-        try:
-            self.charge_host(size, "a pinned host range")
-        except CudaError as e:
-            return e.message
-        why = self._map_host(rid, path, cookie, size, address)
-        if why is not None:
-            self.refund_host(size)
-        return why
-
-    def _map_host(self, rid, path, cookie, size, address):
-        if address:
-            mapping = map_client_file_at(path, cookie, size, address, self.client)
-            if isinstance(mapping, str):
-                return mapping
-            data = mapping.array()
-            why = self.backend.map_device_host(data, address)
-            if why is not None:
-                del data
-                mapping.close()
-                return why
-            self.in_place[rid] = mapping
-        else:
-            area = map_client_file(path, cookie, wire.PINNED_HEADER + size, self.client)
-            if area is None:
-                return f"{path!r} is not a pinned host file of this client's"
-            data = np.frombuffer(area, np.uint8, size, wire.PINNED_HEADER)
-            self.backend.register_host(data, whole=True)
-        self.host_ranges[rid] = data
-        self.host_bytes += size
-        return None
-
-    def unmap_host(self, rid):
-        """The client freed pinned range `rid`: unmapped once the device's work that may use it is done."""
-        data = self.host_ranges.get(rid)
-        if data is None:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"pinned host range {rid} is not mapped for this context")
-        self.backend.synchronize()
-        del self.host_ranges[rid]
-        self.host_bytes -= data.nbytes
-        self.refund_host(data.nbytes)
-        mapping = self.in_place.pop(rid, None)
-        if mapping is None:
-            self.backend.unregister_host(data)       # the mapping goes with the last reference to data
-            return
-        self.backend.unmap_device_host(data)
-        del data
-        mapping.close()
-
-    # -- the host memory held for the client, charged to its tenant (PHOS_TENANT_HOST_QUOTA) --------
-    def charge_host(self, nbytes, what):
-        """Count nbytes more of host memory held for the client; CUDA_ERROR_OUT_OF_MEMORY, naming
-        PHOS_TENANT_HOST_QUOTA, where they would pass its tenant's quota."""
-        if self.host_ledger is not None:
-            self.host_ledger.charge(nbytes, what)
-        self.host_held += nbytes
-
-    def refund_host(self, nbytes):
-        self.host_held -= nbytes
-        if self.host_ledger is not None:
-            self.host_ledger.refund(nbytes)
-
-    def load_module(self, image):
-        """The backend's module of image, the host memory it holds (Backend.module_host_bytes: its
-        image, kept for checkpoints, and on emu what its parse may take) charged first, so that a
-        load past the tenant's quota is refused before it takes the memory; unload_module gives them back."""
-        nbytes = self.backend.module_host_bytes(image)
-        self.charge_host(nbytes, "a module load")
-        try:
-            module = self.backend.load_module(image)
-        except BaseException:
-            self.refund_host(nbytes)
-            raise
-        self.module_bytes[id(module)] = nbytes      # the module is held (objects) until unload_module
-        return module
-
-    def unload_module(self, module):
-        self.backend.unload_module(module)
-        self.refund_host(self.module_bytes.pop(id(module), 0))
-
-    def pinned(self, rid, offset, nbytes):
-        """Bytes [offset, offset + nbytes) of the client's pinned range `rid`, checked."""
-        data = self.host_ranges.get(rid)
-        if data is None:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"pinned host range {rid} is not mapped for this context")
-        if offset > data.nbytes or nbytes > data.nbytes - offset:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE,
-                            f"pinned range {offset}+{nbytes} exceeds the {data.nbytes} bytes of range {rid}")
-        return data[offset:offset + nbytes]
-
-    def add(self, kind, obj, **meta):
-        hid, self.next_id = self.next_id, self.next_id + 1
-        self.objects[hid] = (kind, obj)
-        if meta:
-            self.meta[hid] = meta
-        return hid
-
-    def handle(self, kind, hid):
-        found = self.objects.get(hid)
-        if found is None or found[0] != kind:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_HANDLE, f"{hid:#x} is not a {kind} of this context")
-        return found[1]
-
-    def threads_at_work(self):
-        """Whether a running checkpoint's or restore's threads have work to do."""
-        job = self.checkpoint or self.restoring
-        return job is not None and job.threads_at_work()
-
-    def touch(self, ptr, nbytes, write=True, whole=False):
-        """A call is about to access [ptr, ptr+nbytes) (whole: the allocation holding ptr).
-        A restore loads it first; a checkpoint saves it first if the call writes it."""
-        if self.restoring is not None:
-            self.restoring.before_access(ptr, nbytes, whole)
-        if write and self.checkpoint is not None:
-            self.checkpoint.before_write(ptr, nbytes, whole)
-
-    def reach_global(self, old, ptr, size, name):
-        """Make the address the client knows a module global by (old) reach where the device
-        put it now (ptr): the device places a module's globals itself, elsewhere in each
-        process (AddressSpace.alias). False, with a warning, when another range holds old."""
-        if old == ptr or self.space.alias(old, ptr, size):
-            return True
-        log.warning("context %d: global %s moved from %#x to %#x, and its old address is taken: the client's "
-                    "pointers to it are stale", self.ctx_id, name, old, ptr)
-        return False
-
-    @property
-    def watches_launches(self):
-        """Whether a launch must say what it may touch before it runs (touch_kernel): while a
-        restore loads on demand, or a checkpoint saves what calls write first. Not while one
-        saves from the cut's device copy, which no launch can change."""
-        return self.restoring is not None or self.checkpoint is not None and self.checkpoint.watches_writes
-
-    def touch_kernel(self, fn, params):
-        """A launch may write anywhere in each allocation its parameters point into, and in
-        every global of its module (which it names without a pointer)."""
-        if not self.watches_launches:
-            return
-        for ptr in engine.kernel_pointers(self, params):
-            self.touch(ptr, 0, whole=True)
-        for _, ptr, size in self.backend.module_globals(self.handle("module", fn.module_id)):
-            self.touch(self.space.to_app(ptr), size)
-        if self.restoring is not None:       # and the allocations those globals point into
-            for ptr in tuple(self.restoring.followed):
-                self.touch(ptr, 0, whole=True)
-
-    def drop(self, hid):
-        self.objects.pop(hid, None)
-        self.meta.pop(hid, None)
-        if self.backend.launcher is not None:
-            self.backend.launcher.forget(hid)
-
-    # -- SnapshotSession (snapshot/ops.py): what the snapshot engine reads and changes
-    def listing(self):
-        return [(hid, kind, obj, self.meta.get(hid, {})) for hid, (kind, obj) in sorted(self.objects.items())]
-
-    def note(self, hid, facts):
-        self.meta.setdefault(hid, {}).update(facts)
-
-    def place(self, hid, kind, obj, facts=None):
-        self.objects[hid] = (kind, obj)
-        if self.backend.launcher is not None:
-            self.backend.launcher.forget(hid)
-        if facts:
-            self.meta[hid] = facts
-
-    def state(self):
-        status, message = self.sticky or (0, "")
-        session = {"ctx": self.ctx_id, "token": self.token_digest, "next_id": self.next_id}
-        if self.limits:
-            session["limits"] = [[limit, value] for limit, value in sorted(self.limits.items())]
-        if self.space.reserved:
-            session["reserved"] = [[base, length] for base, length in sorted(self.space.reserved.items())]
-        if self.tenant is not None:        # a restore of the image charges the same tenant
-            session["tenant"] = self.tenant
-        return session, {"status": int(status), "message": message}
-
-    def join_tenant(self, name):
-        """Count this context's allocations against tenant `name`'s quota from now on, if the
-        server has one (the address space charges them); its images name the tenant either way."""
-        if self.tenant is not None:
-            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, "this context has its tenant already")
-        check_tenant_name(name)
-        if self.tenants is not None:
-            root, quota, host_quota = self.tenants
-            if quota > 0:
-                ledger = tenant_ledger(root, name, quota)
-                try:
-                    self.space.charge_to(ledger)
-                except CudaError:
-                    ledger.close()
-                    raise
-            if host_quota > 0:
-                host = tenant_ledger(host_ledger_dir(root), name, host_quota, full=TENANT_HOST_FULL)
-                try:
-                    host.charge(self.host_held, "the host memory held")
-                except CudaError:
-                    host.close()
-                    if quota > 0:
-                        self.space.ledger.close()
-                        self.space.ledger = None
-                    raise
-                self.host_ledger = host
-        if self.modules is not None:       # its loads by digest find only the images it sent itself
-            self.modules = self.modules.view(name)
-        self.tenant = name
-
-    def take_base(self, base):
-        """A restored context's addresses are where its image had them, on whichever device it
-        lands (a handoff between devices keeps its pointers): move the empty range there."""
-        if base != self.space.base:
-            check_base(base)
-            self.backend.rebase(base)
-            self.space = self.backend.space
-
-    def adopt(self, session, error):
-        self.ctx_id, self.token_digest, self.next_id = session["ctx"], session["token"], session["next_id"]
-        for base, length in session.get("reserved", []):     # around the mappings recreated in them
-            self.space.adopt_reservation(base, length)
-        for limit, value in session.get("limits", []):
-            self.backend.set_limit(limit, value)
-            self.limits[limit] = value
-        self.sticky = (error["status"], error["message"]) if error["status"] else None
-
-    def execute(self, name, args, payloads, last):
-        """Run one call; returns (status, message, fields)."""
-        if self.sticky:
-            return (*self.sticky, {})
-        if last and self.deferred and name not in CONNECTION_CALLS:
-            deferred, self.deferred = self.deferred, None
-            return (*deferred, {})
-        handler = WORKER_CALLS.get(name)
-        if handler is None:
-            return CUresult.CUDA_ERROR_NOT_SUPPORTED, f"call {name!r} is not served by a context worker", {}
-        try:
-            return CUresult.CUDA_SUCCESS, "", handler(self, args, payloads) or {}
-        except CudaError as e:
-            status, message = int(e.status), f"{name}: {e.message}"
-        except Exception as e:     # a bug of ours: fail the call loudly, keep serving
-            log.exception("context %d: %s raised", self.ctx_id, name)
-            status, message = int(CUresult.CUDA_ERROR_UNKNOWN), f"{name}: internal error: {type(e).__name__}: {e}"
-        if status in STICKY:
-            self.sticky = (status, message)
-        elif not last and self.deferred is None:
-            self.deferred = (status, message)
-        return status, message, {}
-
-
-# A client's file, as it names it: a memfd of its own process (schema/phos.capnp, "Pinned host memory").
-CLIENT_FILE = re.compile(r"/proc/(\d+)/fd/(\d+)")
-F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
-
-
-def open_client_file(path, cookie, size, client):
-    """A file a client made for us (its staging area, a pinned host range), opened read-write, if
-    it is really theirs: a memfd of the client's process, /proc/PID/fd/N as it names it, of
-    `size` bytes or more, sealed against shrinking (so that our mapping of it can never fault:
-    SIGBUS would kill the worker), made by the client's user, starting with the random cookie the
-    client sent (which only its maker knows). client: (pid, uid) of the connection that asked
-    (SO_PEERCRED), whose pid replaces the one in the path (the kernel's word, right in any PID
-    namespace); None over loopback TCP, where the name's pid stands and the memfd's name, seal
-    and cookie alone vouch for it. Its descriptor, or None."""
-    m = CLIENT_FILE.fullmatch(path)
-    if m is None or len(cookie) < wire.COOKIE_BYTES or size <= 0:
-        return None
-    pid, uid = client if client and client[0] else (int(m.group(1)), None)
-    try:
-        # The link is followed, but only into that process's own descriptors; what it leads to must
-        # then be a sealed memfd (below), so naming any other file (an O_PATH descriptor of a file
-        # the client may not write, say) gets nothing. Non-blocking: a FIFO must not stall us.
-        fd = os.open(f"/proc/{pid}/fd/{m.group(2)}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, ValueError, OverflowError):
-        return None
-    try:
-        st = os.fstat(fd)
-        if (stat.S_ISREG(st.st_mode) and uid in (None, st.st_uid) and st.st_size >= size
-                and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:phos")
-                and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_SHRINK and os.pread(fd, len(cookie), 0) == cookie):
-            return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
-def map_client_file(path, cookie, size, client):
-    """Map `size` bytes of a client's file (open_client_file's checks). The mmap, or None."""
-    fd = open_client_file(path, cookie, size, client)
-    if fd is None:
-        return None
-    try:
-        return mmap.mmap(fd, size)
-    except (OSError, ValueError, OverflowError):
-        return None
-    finally:
-        os.close(fd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-MAP_FIXED_NOREPLACE = 0x100000     # Linux 4.17+; an older kernel takes it as a hint, which the check below catches
-
-
-class FixedMapping:
-    """`size` bytes of a client's file mapped at a chosen address (map_client_file_at)."""
-
-    def __init__(self, address, size):
-        self.address, self.size = address, size
-
-    def array(self):
-        return np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self.address))
-
-    def close(self):
-        if self.address:
-            _libc.munmap(self.address, self.size)
-            self.address = 0
-
-
-def map_client_file_at(path, cookie, size, address, client):
-    """The application's bytes of a client's pinned host file (open_client_file's checks) mapped
-    at `address`, the client's own address of them, so that pointers the application stored in
-    them mean the same here and on the device. A FixedMapping, or why not."""
-    page = mmap.PAGESIZE
-    if address % page or not 0 < address < 1 << 47:
-        return f"{address:#x} is not a page of the user address space"
-    fd = open_client_file(path, cookie, wire.PINNED_HEADER + size, client)
-    if fd is None:
-        return f"{path!r} is not a pinned host file of this client's"
-    try:
-        got = _libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | MAP_FIXED_NOREPLACE,
-                         fd, wire.PINNED_HEADER)
-        errno = ctypes.get_errno()
-    finally:
-        os.close(fd)
-    if got in (None, ctypes.c_void_p(-1).value):
-        return (f"the worker cannot map {size} bytes at the application's address {address:#x}: "
-                f"{os.strerror(errno)}")
-    if got != address:
-        _libc.munmap(got, size)
-        return f"the worker cannot map {size} bytes at the application's address {address:#x}: the kernel placed them elsewhere"
-    return FixedMapping(address, size)
+BOX = object()            # the "peer" of a request that came through the shared mailbox
 
 
 class Worker:
@@ -724,7 +296,7 @@ class Worker:
 
     def box_serves_natively(self):
         """Spin on the mailbox in compiled code for a slice, answering the client's plain
-        synchronizes there (gpu_server/native_box.py), where the context has nothing else going
+        synchronizes there (gpu_server/worker/native_box.py), where the context has nothing else going
         on: no checkpoint, restore or recovery image (they watch the calls), nothing frozen, no
         reply, result or error waiting. False where it may not: the Python loop serves."""
         s = self.session
@@ -771,7 +343,7 @@ class Worker:
         full (it sends without reading), the reply waits in our backlog, and we read nothing
         more from the client until it has room (the loop: wait_for_room), so that its sends
         block instead of its replies being dropped; a client that is gone loses them. A peer
-        that has not attached is never waited for (gpu_server/strangers.py)."""
+        that has not attached is never waited for (gpu_server/worker/strangers.py)."""
         if peer not in self.attached:
             return self.strangers.answer(peer, frames)
         self.backlog.append((peer, frames))
@@ -897,7 +469,7 @@ class Worker:
             self.profiler = cProfile.Profile()
             self.profiler.enable()
 
-    # -- recovery images (gpu_server/recovery.py) -----------------------------------------
+    # -- recovery images (gpu_server/worker/recovery.py) -----------------------------------------
     def start_recovery(self, restored=None):
         """The context is live here: take recovery images of it from now on, if the server does.
         restored: the Restore it came from (at the cut self.ack)."""
@@ -1382,13 +954,13 @@ def main(argv=None):
     ap.add_argument("--flags", type=int, default=0)
     ap.add_argument("--control", help="bind address of the control socket for the front end")
     ap.add_argument("--standby", action="store_true", help="pre-started: wait for a client or a restore without a deadline")
-    ap.add_argument("--recovery-dir", help="take recovery images of the context into DIR/ctx<ID> (gpu_server/recovery.py)")
+    ap.add_argument("--recovery-dir", help="take recovery images of the context into DIR/ctx<ID> (gpu_server/worker/recovery.py)")
     ap.add_argument("--checkpoint-every", type=float, default=0.0, help="seconds between recovery images")
     ap.add_argument("--checkpoint-calls", type=int, default=0, help="calls between recovery images")
     ap.add_argument("--standby-server", default="", help="the server that restores the context if this one dies")
     ap.add_argument("--host-store", help="a HostStore whose memory to pin, for copies straight to and from it")
-    ap.add_argument("--module-cache", help="the server's module images by digest (gpu_server/module_cache.py)")
-    ap.add_argument("--emu-ledger", help="emu: the device memory the server's contexts hold (gpu_server/emu_memory.py)")
+    ap.add_argument("--module-cache", help="the server's module images by digest (gpu_server/worker/module_cache.py)")
+    ap.add_argument("--emu-ledger", help="emu: the device memory the server's contexts hold (gpu_server/backends/emu_memory.py)")
     ap.add_argument("--tenant-ledgers", help="the device memory each tenant holds (gpu_server/device_ledger.py)")
     ap.add_argument("--tenant-quota", type=int, default=0, help="bytes a tenant's contexts may hold (PHOS_TENANT_QUOTA)")
     ap.add_argument("--tenant-host-quota", type=int, default=0,
@@ -1489,6 +1061,3 @@ def main(argv=None):
             remove_socket_file(ep)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

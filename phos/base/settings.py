@@ -5,7 +5,7 @@ that wants a value at import reads it then (`CONNECT_TIMEOUT = settings.connect_
 one that must see a change reads it at call time (the client reads PHOS_SERVER again when it
 looks for a lost context). An empty value counts as unset. The native stub reads its own
 variables in client_stub/native/settings.cpp (its Settings struct): the table below declares
-those too, so that README.md's "Settings" table (`python -m phos.settings` prints it;
+those too, so that README.md's "Settings" table (`python -m phos.base.settings` prints it;
 tests/unit/test_settings.py checks it) lists every variable once, with the side that reads it.
 
 Light on purpose: stdlib only, imported by the client, the server and the `phos` command.

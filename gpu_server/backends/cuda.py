@@ -16,12 +16,12 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
-from phos import settings
-from phos.gpu_server import native_launch
+from phos.base import settings
+from phos.gpu_server.backends import native_launch
 from phos.gpu_server.address_space import DEVICE_SPAN, AddressSpace, device_base
-from phos.gpu_server.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
-from phos.gpu_server.fatbin import module_variables
-from phos.gpu_server.staging_layout import FrozenLayout, copy_runs, join_runs, pieces, stage_offsets
+from phos.gpu_server.backends.backend import FUNCTION_ATTRIBUTES, DeviceInfo, Function
+from phos.gpu_server.backends.fatbin import module_variables
+from phos.gpu_server.backends.staging_layout import FrozenLayout, copy_runs, join_runs, pieces, stage_offsets
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.schema.wire import LAUNCH_COOPERATIVE, STREAM_ALIASES, launch_cluster
 from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES, WorkThreads, ahead_memory
@@ -164,7 +164,7 @@ def _init():
 
 
 class CudaBackend:
-    """The Backend (gpu_server/backend.py) of a real GPU."""
+    """The Backend (gpu_server/backends/backend.py) of a real GPU."""
     name = "cuda"
     pins_host_memory = True      # unpinned host memory copies slowly, and pinning takes ~280 ms per GiB
 

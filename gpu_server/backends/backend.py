@@ -45,7 +45,7 @@ class Function:
 @runtime_checkable
 class Backend(Protocol):
     """What a context worker and the snapshot engine need of a device; EmuBackend
-    (gpu_server/emu.py) and CudaBackend (gpu_server/cuda.py) implement it, and
+    (gpu_server/backends/emu.py) and CudaBackend (gpu_server/backends/cuda.py) implement it, and
     tests/unit/test_interfaces.py checks that they declare every member with its parameters.
     Addresses are device addresses inside `space`; streams and events are the backend's own
     objects (the worker maps handles to them); `stream` None is the default stream."""
@@ -220,19 +220,9 @@ class Backend(Protocol):
 
     def native_synchronize(self) -> int | None:
         """The address of an `int f(void)` that waits as synchronize does while no snapshot
-        runs, for the worker's compiled mailbox (gpu_server/native_box.py); None: only
+        runs, for the worker's compiled mailbox (gpu_server/worker/native_box.py); None: only
         synchronize() will do now."""
 
     def close(self) -> None:
         """Free the context's device memory and everything else it holds."""
 
-
-def load_backend(name):
-    """The backend class for a name; imported lazily so `emu` never needs cuda-python."""
-    if name == "emu":
-        from phos.gpu_server.emu import EmuBackend
-        return EmuBackend
-    if name == "cuda":
-        from phos.gpu_server.cuda import CudaBackend
-        return CudaBackend
-    raise ValueError(f"unknown backend {name!r}: choose 'cuda' or 'emu'")

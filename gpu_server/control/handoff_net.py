@@ -1,9 +1,9 @@
 """A handoff to a server that shares nothing with this one but the network (a tcp:// target).
 
-The source (gpu_server/handoff.py) takes its rounds into its own host store where it has one
+The source (gpu_server/control/handoff.py) takes its rounds into its own host store where it has one
 (--host-store: the device copies them straight into its slots), else into a directory in
 /dev/shm, as for any target without a shared store. RemoteTarget, the target party it talks to, sends each
-round to the target over the target's network admin API (gpu_server/admin_net.py; CURVE,
+round to the target over the target's network admin API (gpu_server/control/admin_net.py; CURVE,
 this server's own key pair) before asking it to adopt the round (send, then restore; it loads
 one round while the next travels): the chunks the target does
 not hold yet (PUT_CHUNKS, in batches), then the manifest (PutManifest); the final round's
@@ -33,8 +33,8 @@ import types
 
 import grpc
 
-from phos import settings
-from phos.gpu_server.admin import TargetServer
+from phos.base import settings
+from phos.gpu_server.control.handoff_target import TargetServer
 from phos.schema import admin_pb2 as pb
 from phos.schema import wire
 from phos.schema.admin_net import PUT_CHUNKS, AdminCallError, NetAdminConnection, admin_address

@@ -2,8 +2,8 @@
 
 Only the server's user can reach the socket (mode 0600), so it needs no other
 authentication; tenants never see it. A thin adapter: requests become the front end's
-calls on its workers' control sockets (gpu_server/frontend.py) or a Handoff
-(gpu_server/handoff.py), and their results or CudaErrors become replies or gRPC statuses.
+calls on its workers' control sockets (gpu_server/control/frontend.py) or a Handoff
+(gpu_server/control/handoff.py), and their results or CudaErrors become replies or gRPC statuses.
 """
 import asyncio
 import contextlib
@@ -14,10 +14,11 @@ import time
 
 import grpc
 
-from phos.gpu_server.handoff import DeviceTarget, Handoff
+from phos.gpu_server.control.handoff import DeviceTarget, Handoff
+from phos.gpu_server.control.handoff_target import TargetServer
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
-from phos.schema.admin_net import is_loopback, open_admin_async
+from phos.schema.admin_net import is_loopback
 from phos.schema.control import admin_socket, checkpoint_message, private_directory
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import ImageError, delete_image, gc, latest_image, open_store, read_image
@@ -35,8 +36,6 @@ GRPC_CODE = {   # how CUDA errors of the workers map onto gRPC status codes
 }
 
 
-HANDOFF_RESTORE_TIMEOUT = 120    # seconds the target may take to adopt the context
-HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 DESCRIBE_TIMEOUT = 5.0           # seconds a worker may take to describe its context (ListContexts)
 DESCRIBE_WAIT = 1.0              # ... and how long a listing waits for it: a busy one is listed as last known
 DROP_WAIT = 3.0                  # seconds DropWarm waits for the killed worker to be gone
@@ -53,77 +52,6 @@ def has_images(path):
     if os.path.isdir(os.path.join(path, "images")):
         open_store(path)
     return False
-
-
-class TargetServer:
-    """A handoff's target (gpu_server/handoff.py) over its admin API; use with `async with`.
-    address: its admin API (unix:PATH, or the tcp:// server, with curve: see open_admin).
-    Its failures become CudaErrors that say the context stays here."""
-    same_server = False
-    remote = False           # on this host: it reads the rounds where we put them
-
-    def __init__(self, address, ctx, to, curve=None):
-        self.address, self.ctx, self.to, self.curve = address, ctx, to, curve
-        self.stub = None
-        self.loads = None        # where restores go, if not on stub (handoff_net.RemoteTarget)
-
-    async def __aenter__(self):
-        self.stub = self.open()
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.stub.close()
-
-    def open(self):
-        try:
-            return open_admin_async(self.address, self.curve)
-        except ValueError as e:
-            raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"target server {self.to}: {e}") from None
-
-    async def ask(self, call, request, timeout):
-        try:
-            return await call(request, timeout=timeout)
-        except (grpc.RpcError, OSError) as e:
-            why = e.details() if isinstance(e, grpc.RpcError) else str(e)
-            raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE,
-                            f"handoff of context {self.ctx} to {self.to} failed, it stays live here: {why}") from None
-
-    async def stats(self):
-        return await self.ask(self.stub.Stats, pb.StatsRequest(), HANDOFF_ASK_TIMEOUT)
-
-    async def send(self, store, name, delta=b""):
-        """Nothing to send: it reads the rounds where we put them."""
-
-    async def restore(self, store, name, **how):
-        return await self.ask((self.loads or self.stub).Restore,
-                              pb.RestoreRequest(store=store, name=name, ctx=self.ctx, **how), HANDOFF_RESTORE_TIMEOUT)
-
-    async def drop_warm(self):
-        """A failed handoff: the target frees its warm copy now (if it still has one, and lives).
-        Its own connection: the handoff's may be the one that failed."""
-        stub = self.open()
-        try:
-            await stub.DropWarm(pb.DropWarmRequest(ctx=self.ctx), timeout=5)
-        except grpc.RpcError:
-            pass
-        finally:
-            await stub.close()
-
-    async def wait_loaded(self, timeout):
-        """Until the target no longer restores the context (it loads on demand), at most timeout
-        seconds, or until it cannot be asked. Its own connection: the handoff's is closed by then."""
-        deadline = time.monotonic() + timeout
-        stub = self.open()
-        try:
-            while time.monotonic() < deadline:
-                contexts = (await stub.ListContexts(pb.ListContextsRequest(), timeout=10)).contexts
-                if not any(c.id == self.ctx and c.state == "restoring" for c in contexts):
-                    break
-                await asyncio.sleep(0.5)
-        except grpc.RpcError:
-            pass
-        finally:
-            await stub.close()
 
 
 class Admin(admin_pb2_grpc.AdminServicer):
@@ -288,7 +216,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
 
     async def Handoff(self, request, context):
         """Move a live context to the server at request.to, or to request.to_device of this one
-        (gpu_server/handoff.py)."""
+        (gpu_server/control/handoff.py)."""
         try:
             w = self.worker(request.ctx)
             to = f"device {request.to_device}" if request.HasField("to_device") else request.to
@@ -303,7 +231,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
     def target(self, request, worker):
         """The Handoff's target: another device of this server; or a server over its Unix admin
         socket on this host, or, for a tcp:// server when this one has keys, over the network
-        (gpu_server/handoff_net.py: the rounds stream there, as between hosts), authenticated with
+        (gpu_server/control/handoff_net.py: the rounds stream there, as between hosts), authenticated with
         this server's key pair."""
         if request.HasField("to_device"):
             return self.device_target(request, worker)
@@ -316,7 +244,7 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 return TargetServer(admin_socket(request.to), request.ctx, request.to)
             except ValueError as e:
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"target server: {e}") from None
-        from phos.gpu_server.handoff_net import RemoteTarget
+        from phos.gpu_server.control.handoff_net import RemoteTarget
         if not self.front.curve:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"a handoff to {request.to}, on another host, needs "
                             "this server's CURVE keys (--auth-dir): it authenticates to the target's admin API with them")
@@ -421,7 +349,7 @@ async def start(front, address):
     if os.path.exists(path):
         os.unlink(path)        # a stale socket of a server that died
     server = grpc.aio.server()
-    front.admin = Admin(front)       # the network admin API (gpu_server/admin_net.py) serves the same one
+    front.admin = Admin(front)       # the network admin API (gpu_server/control/admin_net.py) serves the same one
     admin_pb2_grpc.add_AdminServicer_to_server(front.admin, server)
     old = os.umask(0o077)          # the socket is created at bind: make it ours alone
     try:

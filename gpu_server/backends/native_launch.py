@@ -1,4 +1,4 @@
-"""The launchBatch hot path in C++ (gpu_server/native/launch_batch.cpp, in phos/native.py's
+"""The launchBatch hot path in C++ (gpu_server/native/launch_batch.cpp, in phos/base/native.py's
 library), for a backend whose launches go to a driver's cuLaunchKernelEx.
 
 calls.launch_batch offers each batch here first. run() answers False where the Python path
@@ -11,7 +11,7 @@ forgotten when the context drops or replaces their ids (Session.drop, Session.pl
 """
 import ctypes
 
-from phos import native
+from phos.base import native
 from phos.schema.cuda_types import STICKY, CudaError
 from phos.schema.wire import read_launch_batch
 
@@ -20,7 +20,7 @@ _U64 = ctypes.c_uint64
 
 
 def load(path=None):
-    """The native library (phos/native.py) with the launcher's calls declared, or None where it
+    """The native library (phos/base/native.py) with the launcher's calls declared, or None where it
     was not built: every launch then takes the Python path."""
     lib = native.library(path)
     if lib is None:
