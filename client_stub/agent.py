@@ -14,11 +14,14 @@ import socket
 import struct
 import threading
 
+from phos.base import settings
+from phos.schema.cuda_types import CudaError
+
 log = logging.getLogger("phos.client")
 
 FROZEN_TICKS = 600        # seconds of running time a freeze waits for its thaw (a dump stops that clock)
 MAX_LINE = 4096
-_driver = None            # the module it serves (client_stub/driver.py), given to start()
+_process = None           # the driver's contexts as the agent sees them (driver.py's AgentView), given to start()
 _start_lock = threading.Lock()
 _listening = []           # the listener, which a forked child must not keep (it has no agent thread)
 
@@ -28,14 +31,14 @@ def address(pid):
     return f"\0phos-agent-{pid}"
 
 
-def start(driver):
-    """Serve the driver module's contexts from a thread of their own (once a process); the
-    driver hands itself over, so that this module needs no import of it."""
-    global _driver
+def start(process):
+    """Serve the contexts of `process` (the driver's AgentView) from a thread of their own, once
+    a process. The driver hands them over, so this module needs no import of it."""
+    global _process
     with _start_lock:
-        if _driver is not None:
+        if _process is not None:
             return
-        _driver = driver
+        _process = process
     os.register_at_fork(after_in_child=_forget_listener)
     threading.Thread(target=_run, name="phos-agent", daemon=True).start()
 
@@ -91,28 +94,26 @@ def _write(conn, obj):
         pass          # the peer went: it learns nothing more
 
 
-def _contexts(driver):
-    return [{"ctx": ctx_id, "server": driver.settings.server()} for ctx_id in driver._contexts]
+def _contexts(process):
+    return [{"ctx": ctx_id, "server": settings.server()} for ctx_id in process.contexts]
 
 
 def _freeze(conn, listener):
-    driver = _driver
-    with driver._lock:
+    process = _process
+    with process.lock:
         frozen, lost = [], []
-        for ctx_id, c in list(driver._contexts.items()):
+        for ctx_id, c in list(process.contexts.items()):
             try:
                 c.detach()
                 frozen.append(ctx_id)
-            except driver.CudaError as e:
+            except CudaError as e:
                 lost.append(f"context {ctx_id}: {e.message}")
-        before = driver.settings.server()
+        before = settings.server()
         if lost:        # nothing to image for a lost context, and the cut would lie
-            _resume(driver, frozen, before)
+            _resume(process, frozen, before)
             _write(conn, {"error": "a context of this process is lost: " + "; ".join(lost)})
             return listener
-        if driver._front is not None:
-            driver._front.close()
-            driver._front = None
+        process.close_front_end()
         _write(conn, {"frozen": True, "stub": "python", "pid": os.getpid(), "socket": os.fstat(conn.fileno()).st_ino,
                       "contexts": [{"ctx": i, "server": before} for i in frozen]})
         _listening.clear()
@@ -123,36 +124,34 @@ def _freeze(conn, listener):
             line = "thaw"
         server, *keys = line[5:].split()[:3] or [""]
         if server:
-            os.environ[driver.settings.server.name] = server      # where later contexts are made too
+            os.environ[settings.server.name] = server      # where later contexts are made too
         if len(keys) == 2:        # the CURVE key files of that server (PHOS_SERVER_KEY, PHOS_CLIENT_KEY)
-            os.environ[driver.settings.server_key.name], os.environ[driver.settings.client_key.name] = keys
-        resumed, lost = _resume(driver, frozen, server or before)
+            os.environ[settings.server_key.name], os.environ[settings.client_key.name] = keys
+        resumed, lost = _resume(process, frozen, server or before)
         _write(conn, {"thawed": True, "stub": "python", "pid": os.getpid(), "contexts": resumed, "lost": "; ".join(lost)})
         return None
 
 
-def _resume(driver, frozen, server):
-    driver._front = None
-    status, = driver.cuInit(0)
-    if status:
-        log.error("checkpoint agent: the front end at %s: %s", server, driver.last_error)
+def _resume(process, frozen, server):
+    why = process.reach_front_end()
+    if why:
+        log.error("checkpoint agent: the front end at %s: %s", server, why)
     resumed, lost = [], []
     for ctx_id in frozen:
         try:
-            driver._contexts[ctx_id].resume(server)
+            process.contexts[ctx_id].resume(server)
             resumed.append(ctx_id)
-        except driver.CudaError as e:
+        except CudaError as e:
             log.error("checkpoint agent: context %d: %s", ctx_id, e.message)
             lost.append(f"context {ctx_id}: {e.message}")
     return resumed, lost
 
 
 def _serve(conn, listener):
-    driver = _driver
     line = _read_line(conn, 10)
     if line == "contexts":
-        with driver._lock:
-            _write(conn, {"stub": "python", "pid": os.getpid(), "contexts": _contexts(driver)})
+        with _process.lock:
+            _write(conn, {"stub": "python", "pid": os.getpid(), "contexts": _contexts(_process)})
     elif line == "freeze":
         return _freeze(conn, listener)
     elif line is not None:

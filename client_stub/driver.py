@@ -11,7 +11,6 @@ import bisect
 import contextlib
 import ctypes
 import os
-import sys
 import threading
 
 from phos.base import settings
@@ -80,6 +79,26 @@ _params = {}                  # (ctx id, function id) -> [(offset, size)]
 _known = {}                   # ctx id -> _Ranges: the device ranges its calls have named
 _tls = _State()
 last_error = ""               # the server's explanation of the last failure, for people
+
+
+class AgentView:
+    """This module's contexts as the checkpoint agent (agent.py) sees them: the agent gets this
+    rather than the module (it need not import the driver, and a copy of the module loaded
+    apart, as the load test loads one per user, hands over its own)."""
+    lock, contexts = _lock, _contexts
+
+    def close_front_end(self):
+        global _front
+        if _front is not None:
+            _front.close()
+            _front = None
+
+    def reach_front_end(self):
+        """Connect to the front end again (PHOS_SERVER may have changed); why not, or None."""
+        global _front
+        _front = None
+        status, = cuInit(0)
+        return last_error if status else None
 
 
 class _Ranges:
@@ -323,7 +342,7 @@ def _open_context(dev, flags):
         raise
     conn.find_again = _finder(conn, ctx_id, token)
     _contexts[ctx_id] = conn
-    agent.start(sys.modules[__name__])
+    agent.start(AgentView())
     _known[ctx_id] = _Ranges()
     _device_of[ctx_id] = int(dev)
     return ctx_id
