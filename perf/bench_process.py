@@ -15,6 +15,7 @@ The model runs in a child: `bench_process.py --generate OUT_FILE`.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,7 +86,15 @@ def bench(args):
         report.update(checkpoint=cp, restore=rs, restore_to_next_token_s=next_token)
         app_pid = app.pid
         wait_for(lambda: process.pid_state(app_pid) in (None, "Z") or len(tokens(out)) >= seen + 3, 600, "more tokens")
+        # each token's time from the one before, around the cut: is the first one after the restore slow alone?
+        times = [float(t[3]) for t in tokens(out)]
+        report["token_gaps_s"] = [round(b - a, 4) for a, b in zip(times, times[1:])][max(0, seen - 4):seen + 3]
     finally:
+        if args.logs:       # the servers' and the application's logs, for what went slow or wrong
+            os.makedirs(args.logs, exist_ok=True)
+            for name in ("a.log", "b.log", "app.err"):
+                if os.path.exists(os.path.join(work, name)):
+                    shutil.copy(os.path.join(work, name), args.logs)
         if app.poll() is None:
             app.kill()
         a.stop()
@@ -113,6 +122,7 @@ def main():
     p.add_argument("--backend", default="cuda")
     p.add_argument("--host-memory", default="40G", help="the servers' host store (the contexts' images)")
     p.add_argument("--json")
+    p.add_argument("--logs", help="copy the servers' and the application's logs into this directory")
     p.add_argument("--generate", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.generate:

@@ -72,11 +72,15 @@ if want snap || want snap-bench; then
         --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-3}" --json "$OUT/bench_snapshot.json" \
         ${PHOS_BENCH_ARGS:-}
 fi
-if want process; then
-    # whole processes (phos/process.py): CRIU here first, then the tests on the cuda backend, PyTorch
-    # training through a checkpoint and restore, and the LLM benchmark (PHOS_PROCESS_LAYERS: its depth)
+if want process || want process-bench; then
+    # whole processes (phos/process.py): CRIU here first, then the LLM benchmark (PHOS_PROCESS_LAYERS: its depth;
+    # the servers' logs into $OUT/process-logs), PyTorch training through a checkpoint and restore, and the tests
+    # on the cuda backend; process-bench: CRIU's check and the benchmark alone
     step criu-check "${PHOS_CRIU:-criu}" check
-    step bench-process python3 perf/bench_process.py --layers "${PHOS_PROCESS_LAYERS:-32}" --json "$OUT/bench_process.json"
+    step bench-process python3 perf/bench_process.py --layers "${PHOS_PROCESS_LAYERS:-32}" --json "$OUT/bench_process.json" \
+        --logs "$OUT/process-logs"
+fi
+if want process; then
     step torch-process python3 perf/torch_process.py --backend cuda --steps 200 --at 100 --json "$OUT/torch_process.json"
     step process-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/e2e/test_process.py
 fi

@@ -72,7 +72,7 @@ def _image_key_default():
 
 
 def _stub_dir_default():
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stub")   # phos/stub
 
 
 def tristate(raw):
