@@ -1,7 +1,7 @@
 """The snapshot engine's interfaces: what it needs of a device (SnapshotOps, a backend's
 `snap`) and of the context it checkpoints or restores (SnapshotSession, the worker's Session).
 
-gpu_server/backends/emu.py and gpu_server/backends/cuda.py implement SnapshotOps; gpu_server/worker/loop.py's
+gpu_server/backends/emu.py and gpu_server/backends/cuda_snapshot.py implement SnapshotOps; gpu_server/worker/loop.py's
 Session implements SnapshotSession. tests/unit/test_interfaces.py checks that they declare every
 member with the same parameters.
 

@@ -1,4 +1,4 @@
-// A checkpoint's copy of the context on the device, in one launch (gpu_server/backends/cuda.py,
+// A checkpoint's copy of the context on the device, in one launch (gpu_server/backends/cuda_snapshot.py,
 // CudaSnapshotOps.freeze). PyTorch's contexts hold thousands of regions, and a device copy
 // costs ~8 µs to issue from Python, so a copy each held the application for ~14 ms; one
 // launch of this kernel takes them all.
