@@ -72,7 +72,7 @@ def _init():
 class CudaBackend:
     """The Backend (gpu_server/backends/backend.py) of a real GPU."""
     name = "cuda"
-    pins_host_memory = True      # unpinned host memory copies slowly, and pinning takes ~280 ms per GiB
+    pins_host_memory = True      # unpinned host memory copies slowly, and pinning is slow: done ahead
 
     @staticmethod
     def devices():
@@ -220,10 +220,10 @@ class CudaBackend:
     def register_host(self, buf, whole=False):
         """Pin the shared staging area, so copies through it run at full link speed.
 
-        Pinning holds a driver lock that stalls this process's launches and copies meanwhile:
-        36-43 ms for a client's fresh 64 MiB (perf/probe_driver_stalls.py), which a client
-        re-attaching after a handoff would wait for. So a thread pins it in 2 MiB pieces a
-        moment apart (a stall of ~1 ms each), and copies through it split where pieces meet
+        Pinning holds a driver lock that stalls this process's launches and copies meanwhile,
+        the longer the more it pins at once (perf/probe_driver_stalls.py), and a client
+        re-attaching after a handoff would wait for it. So a thread pins it in PIN_PIECE pieces a
+        moment apart (each a short stall), and copies through it split where pieces meet
         (a copy runs pinned only within one registration). Until then copies run unpinned.
         It starts PIN_AFTER the attach: a client re-attaching (a handoff, a restore) replays its
         calls and syncs at once, and a piece pinned meanwhile would hold that sync up.
@@ -476,8 +476,8 @@ class CudaBackend:
             self._snap.mapper.shutdown()     # its mappings made and released, before the context goes
         # Piece by piece, a moment apart: unpinning holds a driver lock that every process on
         # the GPU shares, and a process pinning meanwhile stalls its own launches behind it. A
-        # handoff's target pins its client's staging area just as the retiring source lets go:
-        # each 1 GiB piece the source unpinned held that application 14-21 ms on the H200.
+        # handoff's target pins its client's staging area just as the retiring source lets go,
+        # and a large piece unpinned at once would hold that application (perf/probe_driver_stalls.py).
         for addr in self.registered + list(self.pinned_ranges) + (self._snap.pieces if self._snap is not None else []):
             cu.cuMemHostUnregister(addr)
             time.sleep(PIN_PAUSE)

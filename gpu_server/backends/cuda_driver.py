@@ -38,7 +38,7 @@ def _driver_call(name, *argtypes):
     return f
 
 
-# Launches are the hot path: calling the driver through ctypes costs a third of cuda-python's
+# Launches are the hot path: calling the driver through ctypes costs less than cuda-python's
 # wrapper, and cuLaunchKernelEx with a prepared CUlaunchConfig less again than cuLaunchKernel:
 # four arguments to convert instead of eleven (an application repeats a handful of launch shapes).
 # A checkpoint's copies are the other: a dozen calls a batch, taken between the application's.
@@ -58,7 +58,7 @@ cuMemUnmap = _driver_call("cuMemUnmap", _U64, _N)
 cuMemRelease = _driver_call("cuMemRelease", _U64)
 cuEventQuery = _driver_call("cuEventQuery", _P)
 cuStreamQuery = _driver_call("cuStreamQuery", _P)      # a synchronize polls it while a checkpoint runs
-cuCtxSynchronize = _driver_call("cuCtxSynchronize")     # the sync round trip's call: ctypes is ~1 µs quicker
+cuCtxSynchronize = _driver_call("cuCtxSynchronize")     # the sync round trip's call: quicker through ctypes
 CTX_SYNCHRONIZE_ADDRESS = ctypes.cast(cuCtxSynchronize, ctypes.c_void_p).value     # ... and native_box's
 cuOccupancyMaxActiveClusters = _driver_call("cuOccupancyMaxActiveClusters", _P, _P, _P)
 # The tensor maps a client's libraries encode for the device (the format is the driver's own).

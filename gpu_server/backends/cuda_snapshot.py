@@ -21,24 +21,23 @@ from phos.snapshot.ops import BATCH_BYTES, URGENT_BATCH_BYTES, WorkThreads, ahea
 log = logging.getLogger("phos.cuda")
 STORE_PIN_PIECE = 16 << 20   # a HostStore is pinned in pieces of whole slots about this big (see CudaSnapshotOps.pin)
 # Batches of a read from freeze()'s copy into a store's slots under way at once (others: two, in
-# buffers that take turns): the link idles once those are copied (512 MiB, ~10 ms each), and the
-# worker's steps can come that far apart (a batch's bookkeeping took 8-10 ms beside the module
-# images being stored, on the H200). Not more: enqueueing a batch's copies can wait for room in
-# the driver's queue, the application's calls held meanwhile (16 and 29 ms with four under way).
+# buffers that take turns): the link idles once those are copied, and the worker's steps (a
+# batch's bookkeeping) can come as far apart as a batch takes to copy. Not more: enqueueing a
+# batch's copies can wait for room in the driver's queue, the application's calls held meanwhile.
 FROZEN_IN_FLIGHT = 3
 HASH_PART = 1 << 20      # a chunk bigger than this is hashed in parts of this size ...
 SPLIT_BELOW = 1024       # ... when fewer chunks than this are hashed at once (a cut's thousands fill the GPU as they are)
 FREEZE_HEADROOM = 2 << 30   # a checkpoint's device copy leaves this much free at least (or 5% of the device)
 CUT_TABLE = 1 << 16      # chunks a cut hashes without growing its table (128 GiB in 2 MiB chunks): 1 MiB, pinned
 FREEZE_PIECE = 4 << 20   # the cut's device copy gives each block of its kernel this much at most ...
-FREEZE_TABLE = 1 << 15   # ... and copies this many pieces without growing its table (GPT-2's 9.65 GiB: ~4,400): 768 KiB, pinned
+FREEZE_TABLE = 1 << 15   # ... and copies this many pieces without growing its table (a large model's training context): 768 KiB, pinned
 
 
 def _wait_event(event):
     """Wait for an event, polling: the worker's loop serving the application must not stall
     behind our copies. (cuda.bindings releases the GIL in every driver call, NVIDIA/cuda-python
-    #1065, so cuEventSynchronize on a blocking-sync event would do too: on the H200 it gives
-    the same application throughput during a checkpoint and the same copy rate.)"""
+    #1065, so cuEventSynchronize on a blocking-sync event would do as well: neither the
+    application's throughput during a checkpoint nor the copy rate gains by it.)"""
     while not _event_done(event):
         time.sleep(0.00005)
 
@@ -62,7 +61,7 @@ _char = ctypes.c_char
 
 
 def _addresses(views):
-    """The addresses of host views (NumPy arrays), three times quicker than ndarray.ctypes."""
+    """The addresses of host views (NumPy arrays), quicker than ndarray.ctypes."""
     try:
         return [ctypes.addressof(_char.from_buffer(v)) for v in views]
     except (TypeError, ValueError):     # read-only, or empty
@@ -139,8 +138,8 @@ class CudaSnapshotOps:
 
     def _hash(self, chunks, key, stream):
         """Enqueue pfp1 lane sums of chunks on stream; returns a function giving the fingerprints.
-        A few chunks (a batch of copies: 8 of 16 MiB) are hashed in parts, so that many blocks
-        share the work: one block per chunk held a batch's copies to 22 GB/s on the H200."""
+        A few chunks (a batch of copies) are hashed in parts, so that many blocks share the
+        work: with one block per chunk, the hash would hold a batch's copies below the link's speed."""
         from phos.snapshot.fingerprint import finish_many, hash_parts
         rows = np.asarray(chunks, np.uint64).reshape(-1, 2)     # a cut's thousands come as an array already
         parts, firsts = rows, None
@@ -213,18 +212,17 @@ class CudaSnapshotOps:
     def freeze(self, regions, step=None, ahead=None):
         """A copy of the regions on the device (SnapshotOps.freeze), on the bulk stream, which
         the cut's fingerprint pass and its fence follow: the application's next kernels wait for
-        a copy at device speed (GPT-2's 9.65 GiB: milliseconds), and the checkpoint then reads
+        a copy at device speed (milliseconds for a large model), and the checkpoint then reads
         what it needs from the copy, with no copy-on-write. None while the device has too little
         free.
 
         The application is held while this runs, so both halves are made cheap. The memory is
-        mapped as the application's is (cuMemCreate, cuMemMap: 0.8 ms for GPT-2's 9.65 GiB on
-        the H200, where cuMemAllocAsync took 10-24 ms, perf/probe_freeze_alloc.py), and unmapping
-        it later stalls no other work; mapped ahead of the cut (map_ahead), the cut only copies:
-        mapping took 4.2 ms of an 8 GiB cut's 5.4 on the H200. The copy is one launch of a
-        kernel that copies every region (snapshot/kernels/copy_pieces.cu): a driver copy costs
-        ~8 µs to issue, and PyTorch's contexts hold thousands of regions (GPT-2's 1,951 held the
-        application 14 ms)."""
+        mapped as the application's is (cuMemCreate, cuMemMap: far quicker than cuMemAllocAsync,
+        perf/probe_freeze_alloc.py), and unmapping it later stalls no other work; mapped ahead
+        of the cut (map_ahead), the cut only copies: mapping would be most of its time. The copy
+        is one launch of a kernel that copies every region (snapshot/kernels/copy_pieces.cu):
+        each driver copy costs microseconds to issue, and PyTorch's contexts hold thousands of
+        regions."""
         t = time.perf_counter()
         layout = FrozenLayout(regions)
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
@@ -325,8 +323,8 @@ class CudaSnapshotOps:
             ok(cu.cuStreamSynchronize(self.streams["bulk"]), "cuStreamSynchronize")
             mapped = frozen[2]
         if mapped is not None:
-            # on the mapping thread: unmapping a context's copy takes as long as mapping it (26 ms
-            # for 32 GiB on the H200), which held the application's calls on this one
+            # on the mapping thread: unmapping a context's copy takes as long as mapping it, which
+            # would hold the application's calls on this one
             self.mapper.submit(self._unmap_current, mapped)
 
     def _unmap_current(self, mapped):
@@ -338,8 +336,8 @@ class CudaSnapshotOps:
         if frozen is not None:
             # The copy's bytes, after it on the same stream (freeze fenced it), and before the copy
             # to the host, which follows on it: with that copy on another stream, its queue of
-            # batches held the pass's lane sums back to its end (219-233 ms into checkpoints of
-            # 270-310 ms on the H200), and left its batches unchecked until then.
+            # batches held the pass's lane sums back to near its end, and left its batches
+            # unchecked until then.
             rows = np.asarray(chunks, np.uint64).reshape(-1, 2)
             copied = np.column_stack([frozen[1].source(frozen[0], rows[:, 0]), rows[:, 1]])
             return self._hash(copied, "cut", self.handles["bulk"])
@@ -371,9 +369,9 @@ class CudaSnapshotOps:
         """Pin a HostStore's shared memory (a NumPy view) for copies straight to and from it, in
         pieces of whole slots of slot_bytes, about STORE_PIN_PIECE each: one copy runs pinned
         only within one registration. A pre-started worker does it before any application uses
-        it: pinning costs ~280 ms per GiB of a fresh store's pages (perf/RESULTS.md). Small pieces, a moment apart: pinning and unpinning
-        hold a driver lock that all processes on the GPU share (see CudaBackend.close), ~18 ms
-        per 64 MiB of fresh pages. Returns False (logged) if it could not."""
+        it: pinning a fresh store's pages is slow (perf/probe_host_arena.py). Small pieces, a
+        moment apart: pinning and unpinning hold a driver lock that all processes on the GPU
+        share (see CudaBackend.close). Returns False (logged) if it could not."""
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         piece = slot_bytes * max(1, STORE_PIN_PIECE // slot_bytes)
         start, done = memory.ctypes.data, []
@@ -405,7 +403,7 @@ class CudaSnapshotOps:
 
     def _buffers(self, key, at_least):
         """The two pinned host buffers of a stream, grown to hold a chunk of at_least bytes.
-        Made when first needed, not at the cut: pinning takes milliseconds per 100 MiB."""
+        Made when first needed, not at the cut: pinning takes a while."""
         buffers = self.host[key]
         if not buffers or len(buffers[0]) < at_least:
             size = self._buffer_size(key, at_least)
@@ -440,7 +438,7 @@ class CudaSnapshotOps:
         Each batch is copied on the device into a buffer of ours first, hashed there and sent to the host
         from there: the fingerprint is that of the bytes handed on even if the application
         writes a chunk meanwhile, and the hash reads device memory, not the host copy (which
-        held the copies to ~9.6 GB/s on the H200). Two batches are under way at a time, in
+        held the copies far below the link's speed). Two batches are under way at a time, in
         buffers that take turns: the next copies while the caller stores this one (from
         freeze()'s copy into a store's slots, FROZEN_IN_FLIGHT). Without
         into, a batch lands in one of two pinned host buffers; with it (views of pinned memory,
@@ -494,7 +492,8 @@ class CudaSnapshotOps:
         """A batch from freeze()'s copy, which nothing writes: straight to the host, neither
         staged nor hashed, as the cut's pass hashed these very bytes (its fingerprints stand:
         None for each). The device's SMs stay the application's, and only the copy engines
-        work: staging and hashing each batch beside a training step held the copy to 23 GB/s."""
+        work: staging and hashing each batch beside a training step held the copy well below
+        the link's speed."""
         sources = frozen[1].source(frozen[0], [addr for addr, _ in chunks])
         sizes = [size for _, size in chunks]
         if into is None:
