@@ -39,9 +39,9 @@ REATTACH_TIMEOUT = settings.reattach_timeout()   # look for a restored context t
 LOG_CALLS = settings.log_calls()        # the replay log holds this many calls...
 LOG_BYTES = settings.log_bytes()      # ...and bytes, else it asks to shrink
 # Spin this long for a reply before sleeping in poll: a wake-up costs more than a short spin
-# where cores are plentiful. 1 ms, as the worker: a sync on a short kernel takes 70-100 us to
-# serve, so with a 100 us spin many a reply would come after it and pay a wake-up (~30 us more a sync
-# on the H200). Off on small machines, where the spin would starve the peer.
+# where cores are plentiful. 1 ms, as the worker: a sync on a short kernel takes longer than a
+# much shorter spin to serve, and its reply would then pay a wake-up. Off on small machines,
+# where the spin would starve the peer.
 SPIN = settings.spin_us() / 1e6
 STAGING_SLOT = wire.SLOT_SIZE     # bulk copies go through a shared staging area in slots this big...
 STAGING_MIN = wire.MIN_COPY       # ...when at least this big and the worker shares our host
@@ -127,7 +127,7 @@ def close_socket(sock, monitor):
 
 def release_later(holder, after=1.0):
     """Drop the staging area in holder (its only reference) a moment later, on a thread of its
-    own. Its last unmapping frees its 64 MiB of pages: 4-12 ms, which a re-attach after its
+    own. Its last unmapping frees its pages, which takes milliseconds that a re-attach after its
     worker died would otherwise add to the application's wait (its GIL is free meanwhile)."""
     def release():
         time.sleep(after)

@@ -1,5 +1,5 @@
 """The pfp1 fingerprint pass on the GPU: every chunk of a context hashed, as a checkpoint's cut
-and a handoff's frozen round do it (gpu_server/backends/cuda.py, CudaSnapshotOps.fingerprints).
+and a handoff's frozen round do it (gpu_server/backends/cuda_snapshot.py, CudaSnapshotOps.fingerprints).
 
     python perf/bench_fingerprint.py --sizes 1,8        # on the H200 (perf/device/run.sh handoff)
 

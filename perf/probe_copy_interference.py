@@ -204,7 +204,7 @@ def main():
     high = ok(cu.cuStreamCreateWithPriority(flags, greatest))
     ok(cu.cuCtxSynchronize())
 
-    from phos.gpu_server.backends.cuda import CudaSnapshotOps
+    from phos.gpu_server.backends.cuda_snapshot import CudaSnapshotOps
     ops = CudaSnapshotOps(types.SimpleNamespace(ctx=ctx, streams=[]))
 
     def in_ctx(f):                     # contexts are current per thread

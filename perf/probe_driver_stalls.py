@@ -165,7 +165,8 @@ TEARDOWN_OPS = """
 import json, mmap, os, sys, time
 import numpy as np
 from cuda.bindings import driver as cu
-from phos.gpu_server.backends.cuda import CudaBackend, DEVICEMAP, GiB
+from phos.gpu_server.backends.cuda import CudaBackend, GiB
+from phos.gpu_server.backends.cuda_driver import DEVICEMAP
 MiB = 1 << 20
 b = CudaBackend()
 big = [b.alloc(GiB) for _ in range(4)]

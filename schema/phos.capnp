@@ -169,7 +169,7 @@ struct Reply {
                                # old worker as it retires, with no results): attach there and
                                # resend the calls after its cut, without asking a front end
   movingTo @5 :Moved;          # a handoff is about to freeze the context; it will move there:
-                               # connect ahead (the handshake, ~5 ms with CURVE over TCP, is then
+                               # connect ahead (the handshake, slow with CURVE over TCP, is then
                                # done by the moment it moves), and attach only once it has moved
 }
 

@@ -9,8 +9,8 @@ Checkpoint: the cut is a point in the call stream (the worker's last executed ca
 engine records the context's objects, fingerprints every chunk at the cut, and saves the
 chunks in the background: in steps that the worker's loop takes between calls, on its own
 thread (`advance`). A second Python thread would take the interpreter from the loop that serves
-the application at every step, and holds the application to 13-30% of its kernels per second on
-the H200. A call that waits goes before the next step (for up to STEP_AT_LEAST), and a step
+the application at every step, and leave the application a fraction of its kernels per second.
+A call that waits goes before the next step (for up to STEP_AT_LEAST), and a step
 that found the device still copying is not taken again for LOOK_EVERY. A call that would write
 a chunk not yet saved saves it first (soft copy-on-write, `before_write`). A saved chunk whose
 fingerprint differs from the cut's was written behind our back (a kernel storing through a
@@ -31,8 +31,8 @@ another.
 """
 import bisect
 import contextlib
-# The executor's module is imported lazily by concurrent.futures: on a worker's first
-# checkpoint that took 1 ms, with the application held by the cut.
+# The executor's module is imported lazily by concurrent.futures: here, not on a worker's first
+# checkpoint, with the application held by the cut.
 from concurrent.futures import ThreadPoolExecutor
 import functools
 import hashlib
@@ -55,13 +55,13 @@ from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTE
 from phos.snapshot.store import keys_of
 
 log = logging.getLogger("phos.snapshot")
-ASK_AT_ONCE = 2048               # chunks a checkpoint's step asks the store about (~0.5-1 ms)
+ASK_AT_ONCE = 2048               # chunks a checkpoint's step asks the store about (a short step)
 LOOK_EVERY = 500e-6              # seconds between a checkpoint's looks at a busy device (advance)
 STEP_AT_LEAST = 1e-3             # ... and at most between its steps while calls keep coming
 LEAST_RATE = 64 << 20            # bytes a second a paced checkpoint may ask for, at least
 # a checkpoint reports its steps of this long from the cut (trace_ms); a benchmark may ask for
-# its whole copy (PHOS_TRACE_SECONDS=1: ~10,000 entries, whose JSON holds the worker's thread
-# for 10-20 ms at the end: a gap the application sees)
+# its whole copy (PHOS_TRACE_SECONDS=1: a trace so long that its JSON holds the worker's thread
+# at the end, a gap the application sees)
 TRACE_SECONDS = settings.trace_seconds()
 DEVICE_COPY = bool(settings.checkpoint_device_copy())   # a concurrent cut copies the context on the device (freeze)
 # ... into memory mapped ahead of it (map_ahead) for the context's allocations and a sixteenth
@@ -98,7 +98,7 @@ class Chunks:
         self.state = np.zeros(len(self.table), np.int8)
 
     # As Python lists, for the steps' few chunks at a time; made once asked for, after the cut
-    # has set the fingerprint pass going (16,384 chunks take ~0.5 ms, which the fence would wait)
+    # has set the fingerprint pass going (a large context's take long enough for the fence to wait)
     @functools.cached_property
     def addr(self):
         return self.table[:, 0].tolist()
@@ -336,12 +336,12 @@ class Checkpoint(ChunkJob):
         known: the parent's chunk keys, when the caller holds them (ImageWriter).
         prior: the parent's (regions, chunk keys in Chunks order), when the caller holds them: a
         paused checkpoint of the same regions then asks the store only about the chunks whose
-        fingerprints changed (a handoff's last round, where 99% are the parent's).
+        fingerprints changed (a handoff's last round, where most are the parent's).
         key: the image key to sign its manifest with (default: this server's).
         rate: bytes a second the background copy keeps to, at most (0: as fast as it goes): the
         checkpoint takes longer, and leaves more of the worker's thread and of the host to the
-        application (on the H200, a launch-and-sync loop beside a 32 GiB checkpoint kept 66-81%
-        of its speed at 52 GB/s, 93-115% at 16 GiB/s: perf/RESULTS.md)."""
+        application (perf/RESULTS.md, bench_snapshot: the application's throughput at full rate
+        and at a rate)."""
         if rate and (paused or precopy):
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, "only a concurrent checkpoint keeps to a rate: a paused "
                             "one copies while the application waits")
@@ -392,8 +392,8 @@ class Checkpoint(ChunkJob):
 
     def map_ahead(self):
         """Start mapping the memory the cut's device copy will fill (SnapshotOps.map_ahead),
-        while the application runs: the cut holds the application, and mapping there was most
-        of it (8 GiB on the H200: 4.2 of 5.4 ms). The worker takes the cut once it is `mapped`;
+        while the application runs: the cut holds the application, and mapping there would be
+        most of it. The worker takes the cut once it is `mapped`;
         a context that outgrew that memory by then is mapped for at the cut, as without it."""
         if self.freezes:
             nbytes = sum(n for _, n in self.session.space.allocations())
@@ -444,8 +444,8 @@ class Checkpoint(ChunkJob):
         if self.prior is not None and self.prior[0] == self.chunks.regions:
             self.prior_keys = self.prior[1]
         # A module's image is the same bytes every checkpoint: hashed once, after the cut (the
-        # libraries PyTorch loads hold tens of MB of them: hashed in the cut, they paused it 40
-        # ms; even handed to the I/O threads there, they held it 4 ms more)
+        # libraries PyTorch loads hold tens of MB of them: hashed in the cut, even on the I/O
+        # threads, they would lengthen the pause)
         self.module_images = [(e, images[e["id"]]) for e in self.fields["modules"]]
         self.storing_images = None
         if paused:
@@ -475,7 +475,7 @@ class Checkpoint(ChunkJob):
 
     def store_module_images(self):
         """Store each module's image (a chunk) on the I/O threads, beside the copy: PyTorch's
-        libraries hold tens of MB of them, which held a checkpoint's end 15-20 ms."""
+        libraries hold tens of MB of them, which would hold up a checkpoint's end."""
         if self.storing_images is None:
             self.storing_images = [self.io.submit(self.store_module_image, facts) for _, facts in self.module_images]
 
@@ -661,9 +661,9 @@ class Checkpoint(ChunkJob):
         """Whether the background copy starts before the cut's fingerprints are in: from the
         cut's own copy on the device into the store's slots, where nothing can change the bytes,
         its first batches follow the fingerprint pass on the device and wait in `kept` to be
-        checked (keep). Waiting for them first, a training context's copy began 68 ms after its
-        cut on the H200 (the fingerprints in at 21 ms, then a call of 36 ms, then the store's
-        questions), a quarter into the checkpoint. Not with a parent of the same layout: the
+        checked (keep). Waiting for them first, a training context's copy would begin only after
+        the fingerprints, a training step's call and the store's questions, a good part into the
+        checkpoint. Not with a parent of the same layout: the
         store holds most chunks then, and the fingerprints say which before anything is copied."""
         return self.frozen is not None and self.direct and self.prior_keys is None
 
@@ -691,7 +691,7 @@ class Checkpoint(ChunkJob):
     def drain(self, steps):
         """Take every step of a generator that yields while the device works, waiting meanwhile.
         Asleep while the I/O threads have work, to give them the interpreter; else spinning: even
-        sleep(0) lasts the kernel's timer slack, 50-85 us, and a handoff's frozen round or a
+        sleep(0) lasts the kernel's timer slack, tens of microseconds, and a handoff's frozen round or a
         call's copy-on-write waits in series for a few batches."""
         for _ in steps:
             if self.threads_at_work():
@@ -855,7 +855,7 @@ class Checkpoint(ChunkJob):
 
     def delta(self, fields):
         """image_delta of the image these fields will commit: with the parent's layout and keys
-        (prior), only the chunks that differ from them (a handoff's last round: 1% of 4,096)."""
+        (prior), only the chunks that differ from them (a handoff's last round: a few)."""
         changes = None
         if self.prior_keys is not None:
             ch = self.chunks
@@ -999,7 +999,7 @@ class Restore(ChunkJob):
         backend, t = s.backend, time.perf_counter()
         if m.backend != backend.name:
             self.refuse(f"taken on the {m.backend} backend, this server runs {backend.name}")
-        # (the manifest's fields read as they are: to_dict() parses a copy, ~1.5 ms at 32 GiB)
+        # (the manifest's fields read as they are: to_dict() parses a copy, slow for a large image)
         if getattr(m, "address_space", {}).get("base", s.space.base) != s.space.base:
             self.refuse(f"address space base {m.address_space['base']:#x} differs from this server's {s.space.base:#x}")
         info = backend.device_info()
@@ -1184,8 +1184,8 @@ class Restore(ChunkJob):
     def load_all(self):
         with self.cv:      # after an advance, the few that changed: batches of those alone
             pending = np.flatnonzero(self.chunks.state == PENDING).tolist()
-        # straight from pinned memory the link is fast enough that the round trips showed (21
-        # GB/s at 128 MiB each on the H200): fewer, bigger ones then
+        # straight from pinned memory the link is fast enough that the round trips would show:
+        # fewer, bigger ones then
         for batch in self.chunks.batches(pending, DIRECT_BATCH_BYTES if self.direct else BATCH_BYTES):
             if self.failure is not None or self.stopping:
                 return

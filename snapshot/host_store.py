@@ -2,10 +2,10 @@
 
 A DirStore on /dev/shm writes every byte twice: the device copies a chunk into a pinned
 buffer, then a thread writes it into a chunk file, and that file's pages are allocated and
-zeroed on the way (95% of a paused checkpoint, perf/RESULTS.md). Here the chunks live in
+zeroed on the way (most of a paused checkpoint's time). Here the chunks live in
 fixed slots of one arena file that every worker of a server maps and pins once, when it is
 pre-started: the device copies a chunk straight into its slot, and a restore copies it
-straight back (perf/probe_host_arena.py: 55 GB/s each way, pinned by a second process too).
+straight back at the link's speed, pinned by a second process too (perf/probe_host_arena.py).
 
     DIR/arena      slots of HEAD + capacity bytes: the chunk's 40-byte header (image.py),
                    then its payload, page-aligned for the copy engines
@@ -88,8 +88,7 @@ class HostStore(DirStore):
     def create(cls, path, nbytes, capacity=DEFAULT_CAPACITY):
         """Make an empty store of nbytes of slots at path (a directory on /dev/shm, for memory).
         Its memory is allocated now: a sparse file on a full /dev/shm would kill the worker
-        that first touches a page (SIGBUS), and a worker pins allocated pages faster (37 GiB:
-        10.3 s, not 16.3; perf/RESULTS.md)."""
+        that first touches a page (SIGBUS), and a worker pins allocated pages faster."""
         path = os.path.abspath(os.fspath(path))
         if capacity <= 0 or capacity % 4096:
             raise ImageError(f"slot capacity {capacity} must be a positive multiple of 4096")

@@ -1,7 +1,7 @@
 """The snapshot engine's interfaces: what it needs of a device (SnapshotOps, a backend's
 `snap`) and of the context it checkpoints or restores (SnapshotSession, the worker's Session).
 
-gpu_server/backends/emu.py and gpu_server/backends/cuda.py implement SnapshotOps; gpu_server/worker/loop.py's
+gpu_server/backends/emu.py and gpu_server/backends/cuda_snapshot.py implement SnapshotOps; gpu_server/worker/loop.py's
 Session implements SnapshotSession. tests/unit/test_interfaces.py checks that they declare every
 member with the same parameters.
 
@@ -29,7 +29,7 @@ class WorkThreads(ThreadPoolExecutor):
     """A snapshot's threads, counting the work they hold. The worker's loop spins on the
     mailbox while a checkpoint or restore runs, keeping the interpreter's lock: it lets go of
     it, by sleeping, only while such threads have work (Worker.serve), as each sleep costs the
-    application's next call the kernel's timer slack, 50-85 us."""
+    application's next call the kernel's timer slack, tens of microseconds."""
 
     def __init__(self, n, name):
         super().__init__(n, thread_name_prefix=name)

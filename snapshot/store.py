@@ -413,7 +413,7 @@ class DirStore:
 
     def missing(self, keys):
         """The keys the store lacks. A few: one access() each. Thousands (a restore of 32 GiB):
-        one listing of each chunk directory they fall in, 2.5 to 6 times faster than a stat each."""
+        one listing of each chunk directory they fall in, several times faster than a stat each."""
         keys = list(keys)
         check_keys(keys)
         if len(keys) < 256:

@@ -1,6 +1,6 @@
 """How a batch of chunks is copied out through a staging buffer on the device: where each
 chunk goes in the buffer, and which chunks one copy can take together. Plain arithmetic,
-apart from the driver (gpu_server/backends/cuda.py, CudaSnapshotOps.read), and where a checkpoint's
+apart from the driver (gpu_server/backends/cuda_snapshot.py, CudaSnapshotOps.read), and where a checkpoint's
 copy of the context on the device holds each region (FrozenLayout)."""
 import numpy as np
 

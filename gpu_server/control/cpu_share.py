@@ -2,8 +2,8 @@
 
 A worker runs its context's kernels on the CPU (emu) and its calls' Python either way; the
 kernel's scheduler gives every runnable process the same share, so a tenant with four contexts
-spinning kernels took four shares from a tenant with one (another tenant's p99 went from 5.7
-to 16.9 ms). Here a tenant's k workers each run at the nice level whose scheduler weight is
+spinning kernels would take four shares from a tenant with one, and that tenant's calls would
+wait. Here a tenant's k workers each run at the nice level whose scheduler weight is
 about 1/k of nice 0's (each level is 1.25 times lighter than the one below): together they
 weigh about what one worker weighs, whatever k is.
 

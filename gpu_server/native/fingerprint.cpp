@@ -1,6 +1,6 @@
 // pfp1's lane sums on the host (snapshot/fingerprint.py, steps 1-3), for the server's Python:
-// a handoff's target verifies every chunk it receives, and NumPy's rendering held the
-// interpreter's lock for most of each chunk (~1.1 GB/s however many threads verified).
+// a handoff's target verifies every chunk it receives, and NumPy's rendering holds the
+// interpreter's lock for most of each chunk (more threads verifying would go no faster).
 // Called through ctypes, which lets the lock go for the call.
 #include <cstddef>
 #include <cstdint>
@@ -23,7 +23,7 @@ inline uint64_t term(uint64_t w, uint64_t k, int lane) {
 }  // namespace
 
 // Built for AVX-512 and AVX2 as well as plain x86-64, the loader picking the best the CPU has:
-// vectorized (-O3), the 64-bit multiplies take a 2 MiB chunk from 0.63 ms to 0.10 ms (AMD EPYC).
+// vectorized (-O3), the 64-bit multiplies that are most of the work run much faster.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PHOS_VECTOR_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4"), optimize("O3")))
 #else

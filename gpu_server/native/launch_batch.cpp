@@ -1,8 +1,8 @@
 // The context worker's launch hot path: a launchBatch's records (schema/phos.capnp, "Launch
 // batches"; schema/wire.py, LAUNCH_RECORD) checked and launched with one call from Python.
 //
-// Why native: a launch through the worker's Python (decode, check, ctypes into the driver) cost
-// ~6 µs on the H200 where NVIDIA's runtime takes ~3.6 µs (perf/RESULTS.md, bench_launch_decode).
+// Why native: a launch through the worker's Python (decode, check, ctypes into the driver) costs
+// more than NVIDIA's runtime's own launch (perf/RESULTS.md, bench_launch_decode).
 // gpu_server/backends/native_launch.py owns the policy: it registers the context's functions and streams
 // here as batches name them, and keeps every other case (a checkpoint or restore watching the
 // launches, a moved address space, a record this code refuses) on the Python path, which

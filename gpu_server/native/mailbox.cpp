@@ -2,8 +2,8 @@
 // (schema/wire.py, BARE_CALLS) seen, run and answered in a spin, with no Python between a
 // request and its reply.
 //
-// Why native: the worker's Python took ~6 µs to see, run and answer a synchronize that the
-// driver does in ~1 µs, and the round trip stood at 10-15 µs against a 10 µs target
+// Why native: the worker's Python takes several times as long to see, run and answer a
+// synchronize as the driver takes to do it, which kept the round trip above its 10 µs target
 // (perf/RESULTS.md, bench_stub and bench_launch_decode).
 //
 // gpu_server/worker/native_box.py owns the policy: it spins here only while the context has nothing
@@ -84,7 +84,7 @@ __attribute__((visibility("default"))) int phos_box_serve(BoxServer* s, uint64_t
     for (unsigned round = 1;; round++) {
         const uint64_t seq = __atomic_load_n(request, __ATOMIC_ACQUIRE);
         if (seq == s->seen) {
-            // a few microseconds apart: a message waits no longer (a poll costs ~0.3 µs)
+            // a few microseconds apart: a message waits no longer (a poll costs a fraction of that)
             if (round % 64 == 0 && (Clock::now() >= until || poll(sockets, 2, 0) > 0))
                 return Clock::now() >= until ? kSpunOut : kMessage;
             cpu_relax();

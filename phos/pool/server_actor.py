@@ -40,8 +40,8 @@ def _die_with_parent():
 def unnice():
     """Undo Ray's niceness for its workers (RAY_worker_niceness, 15 by default): a server's
     workers and the pool's front end answer applications, and at nice 15 on a busy machine
-    they wait milliseconds for a core (a device query through the pool took 6 ms instead of
-    0.7). Lowering it needs root (or CAP_SYS_NICE); otherwise it stays, and `phos pool up`
+    they wait milliseconds for a core (a device query through the pool would take several
+    times as long). Lowering it needs root (or CAP_SYS_NICE); otherwise it stays, and `phos pool up`
     starts Ray with RAY_worker_niceness=0."""
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 0)

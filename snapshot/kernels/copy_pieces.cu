@@ -1,7 +1,7 @@
-// A checkpoint's copy of the context on the device, in one launch (gpu_server/backends/cuda.py,
-// CudaSnapshotOps.freeze). PyTorch's contexts hold thousands of regions, and a device copy
-// costs ~8 µs to issue from Python, so a copy each held the application for ~14 ms; one
-// launch of this kernel takes them all.
+// A checkpoint's copy of the context on the device, in one launch (gpu_server/backends/cuda_snapshot.py,
+// CudaSnapshotOps.freeze). PyTorch's contexts hold thousands of regions, and each device copy
+// costs microseconds to issue from Python, so a copy each would hold the application for
+// milliseconds; one launch of this kernel takes them all.
 // pieces: n triples (destination, source, bytes); one block per piece, pieces of a few MiB at
 // most (gpu_server/backends/staging_layout.py, pieces), so that a big region is shared out over all
 // the SMs. Where both ends sit at 16-byte boundaries (every allocation) threads move 16 bytes

@@ -31,10 +31,11 @@ __device__ __forceinline__ u64 warp_sum(u64 v) {
 
 // chunks: n pairs (device address; byte length | index of its first word << 32: 0 for a whole
 // chunk, the part's offset / 8 for a part); sums: n pairs (lane 0 sum, lane 1 sum).
-// Blocks of 256 threads. Each thread loads two words at once (16 bytes: 4.3 TB/s on the H200,
-// where one word at a time reached 3.5); a word before the first 16-byte boundary and an odd
-// last word are taken alone. An address below 8-byte alignment (a module's int global, which
-// the driver aligns to 4) is read a byte at a time: a wider load there faults the context.
+// Blocks of 256 threads. Each thread loads two words at once (16 bytes: near a plain read's
+// speed, where one word at a time is slower; perf/RESULTS.md, probe_fingerprint_kernels); a
+// word before the first 16-byte boundary and an odd last word are taken alone. An address
+// below 8-byte alignment (a module's int global, which the driver aligns to 4) is read a byte
+// at a time: a wider load there faults the context.
 extern "C" __global__ void pfp1_lane_sums(const u64* chunks, u64* sums, unsigned n) {
     __shared__ u64 s0[8], s1[8];
     unsigned c = blockIdx.x, t = threadIdx.x;

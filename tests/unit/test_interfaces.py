@@ -1,6 +1,6 @@
 """The interfaces in code: Backend (gpu_server/backends/backend.py), SnapshotOps and SnapshotSession
-(snapshot/ops.py). emu's classes and the worker's Session are checked as objects; cuda.py
-cannot be imported without a GPU driver, so its classes are checked in its source."""
+(snapshot/ops.py). emu's classes and the worker's Session are checked as objects; the cuda backend's
+modules cannot be imported without a GPU driver, so their classes are checked in their source."""
 import ast
 import inspect
 import os
@@ -82,8 +82,9 @@ def test_a_session_keeps_its_state_through_the_interface():
     assert s.sticky == (700, "illegal address")
 
 
-def cuda_classes():
-    with open(os.path.join(ROOT, "gpu_server", "backends", "cuda.py")) as f:
+def cuda_classes(module):
+    """{name: ClassDef} of the classes a module of gpu_server/backends/ declares."""
+    with open(os.path.join(ROOT, "gpu_server", "backends", module)) as f:
         tree = ast.parse(f.read())
     return {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
 
@@ -125,14 +126,14 @@ def ast_parameters(fn):
     return out[1:] if out and out[0][0] == "self" else out
 
 
-@pytest.mark.parametrize("cls, proto", [("CudaBackend", Backend), ("CudaSnapshotOps", SnapshotOps)])
-def test_cuda_declares_every_member(cls, proto):
-    have = declared(cuda_classes()[cls])
+@pytest.mark.parametrize("module, cls, proto", [("cuda.py", "CudaBackend", Backend), ("cuda_snapshot.py", "CudaSnapshotOps", SnapshotOps)])
+def test_cuda_declares_every_member(module, cls, proto):
+    have = declared(cuda_classes(module)[cls])
     for name, fn in members(proto).items():
-        assert name in have, f"cuda.py's {cls} lacks {proto.__name__}.{name}"
+        assert name in have, f"{module}'s {cls} lacks {proto.__name__}.{name}"
         if fn is not None:
-            assert have[name] is not None, f"cuda.py's {cls}.{name} is not a method"
-            assert ast_parameters(have[name]) == parameters(fn), f"cuda.py's {cls}.{name} differs from {proto.__name__}.{name}"
+            assert have[name] is not None, f"{module}'s {cls}.{name} is not a method"
+            assert ast_parameters(have[name]) == parameters(fn), f"{module}'s {cls}.{name} differs from {proto.__name__}.{name}"
 
 
 def test_no_backend_is_told_by_its_name():

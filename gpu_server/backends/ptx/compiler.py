@@ -33,9 +33,8 @@ CFLAGS = ["-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fno
           "-w", "-std=gnu11"]
 
 
-LARGE_SOURCE = 1 << 20      # bytes of C from which gcc optimises at -O1: CUB's onesweep kernel (9.8 MB of C,
-                            # its registers saved at 264 sync points) took 30 s at -O2, 10-13 s at -O1, and
-                            # sorted as fast from either (perf/RESULTS.md, radixSortThrust)
+LARGE_SOURCE = 1 << 20      # bytes of C from which gcc optimises at -O1: on sources this large (CUB's onesweep
+                            # kernel) -O2 takes gcc several times as long, and the kernel runs as fast from either
 
 
 def opt_flag(source):
@@ -44,7 +43,7 @@ def opt_flag(source):
 
 def cpu_flags():
     """-mfma where the CPU has it: fma.rn then is one instruction, not a call into libm's fmaf
-    (the tiled matmul ran 2x slower through the call). Part of the digest: a cache directory
+    (a call per fma slows kernels that do many, as the tiled matmul). Part of the digest: a cache directory
     shared between machines never hands one a kernel its CPU cannot run."""
     try:
         words = set(Path("/proc/cpuinfo").read_text().split())

@@ -26,7 +26,7 @@ SPACES = ('global', 'const', 'shared', 'local', 'param', 'reg', 'tex')
 # of text (`.reg .b32 %r<5000000>;`) must not cost the server gigabytes and minutes. Generous for
 # real PTX: nvcc declares at most tens of thousands of registers in a kernel.
 MAX_FUNCTION_NAMES = 1 << 17        # registers and variables one function declares
-MAX_MODULE_NAMES = 1 << 19          # ... that a whole module declares (each costs ~3 us and ~400 bytes)
+MAX_MODULE_NAMES = 1 << 19          # ... that a whole module declares (each costs the parser time and memory)
 MAX_ARRAY_BYTES = {                 # one declaration's bytes, by state space
     'shared': 227 << 10,            # a block's shared memory with the opt-in (H100/H200)
     'local': 512 << 10,             # a thread's local memory (CUDA's limit)
@@ -34,13 +34,13 @@ MAX_ARRAY_BYTES = {                 # one declaration's bytes, by state space
 }
 MAX_GLOBAL_BYTES = 1 << 40          # any other space: beyond any device (the emu also counts globals as device memory)
 MAX_INITIALIZER_VALUES = 1 << 24    # values in one initialiser
-# Past the caps above, what a module costs grows with its text: one initialiser of 2^24 values
-# (34 MB) took 66 s and 4.1 GiB. So a module's tokens are capped (each costs ~150 bytes while it
-# is parsed), and its load has a deadline (load_deadline; emu.py adds its globals' placing).
+# Past the caps above, what a module costs grows with its text: one initialiser of
+# MAX_INITIALIZER_VALUES would hold the parser for long and take gigabytes. So a module's tokens are
+# capped, and its load has a deadline (load_deadline; emu.py adds its globals' placing).
 MAX_MODULE_TOKENS = 1 << 21
 # What a load's parse may take at its peak, per token, counted against the tenant's host memory
-# (PHOS_TENANT_HOST_QUOTA) before it starts: an initialiser of 10^6 values (2*10^6 tokens, each
-# one or two bytes of text) peaked at ~120 bytes a byte of text; a text has no more tokens than bytes.
+# (PHOS_TENANT_HOST_QUOTA) before it starts: above the peak of a large initialiser's parse per
+# byte of its text (a token is one or two bytes of text), as a text has no more tokens than bytes.
 PARSE_BYTES_PER_TOKEN = 160
 CHECK_EVERY = 1 << 16               # tokens or values between two looks at the clock
 
