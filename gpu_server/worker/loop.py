@@ -1015,6 +1015,11 @@ def main(argv=None):
     print(f"READY {endpoint} {ctl_endpoint}", flush=True)
     if not opts.standby:
         backend.device_info()
+        if backend.pins_host_memory and opts.host_store:
+            # a worker started for a waiting client pins the store behind its calls: unpinned, a
+            # checkpoint or restore through the store would copy through buffers
+            threading.Thread(target=pin_host_store, args=(backend, opts.host_store), name="phos-pin-store",
+                             daemon=True).start()
     session = Session(backend, opts.ctx, token)
     if (opts.tenant_quota > 0 or opts.tenant_host_quota > 0) and opts.tenant_ledgers:
         session.tenants = (opts.tenant_ledgers, opts.tenant_quota, opts.tenant_host_quota)
