@@ -6,7 +6,7 @@
 # The device machine has CUDA 13, cuda-python and PyTorch but no pyzmq, pycapnp or
 # zstandard and no package manager: carry them as wheels in .whl/ (see docs/device.md
 # for the download command) and the native stub built here in phos/stub/.
-# Steps: core (cuda-backend tests), stub (tests/apps native vs stub), process (whole processes with
+# Steps: core (cuda-backend tests), stub (tests/apps native vs stub), stub-ab (perf/bench_stub.sh before and after a change: carry .before, made by perf/device/pack_before.sh), process (whole processes with
 # CRIU: carry .criu, made by perf/device/pack_criu.sh), snap (snapshot tests and
 # perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
 # kernels (perf/probe_fingerprint_kernels.py: the cut's hash pass written several ways; needs nvcc),
@@ -71,6 +71,18 @@ if want snap || want snap-bench; then
     [ -z "${PHOS_BENCH_SIZES-1,8,32}" ] || step bench-snapshot python3 perf/bench_snapshot.py --backend cuda \
         --sizes "${PHOS_BENCH_SIZES-1,8,32}" --repeat "${PHOS_BENCH_REPEAT:-3}" --json "$OUT/bench_snapshot.json" \
         ${PHOS_BENCH_ARGS:-}
+fi
+if want stub-ab; then
+    # the stub's launch and synchronize figures before and after a change, on one machine, turn by turn:
+    # .before/ (perf/device/pack_before.sh REV, carried) against this tree; PHOS_AB_RUNS turns (3)
+    [ -d .before ] || { echo "stub-ab: no .before/ (perf/device/pack_before.sh REV, then carry it)"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/phos-before-site \
+        ./.before >/dev/null || exit 1
+    for i in $(seq "${PHOS_AB_RUNS:-3}"); do
+        step "stub-before-$i" env -C .before PYTHONPATH=/tmp/phos-before-site:/tmp/site PHOS_STUB_DIR="$PWD/.before/phos/stub" \
+            sh perf/bench_stub.sh --repeat 1 --json "$OUT/stub_before.$i.json"
+        step "stub-after-$i" sh perf/bench_stub.sh --repeat 1 --json "$OUT/stub_after.$i.json"
+    done
 fi
 if want process || want process-bench; then
     # whole processes (phos/process.py): CRIU here first, then the LLM benchmark (PHOS_PROCESS_LAYERS: its depth;
