@@ -35,36 +35,6 @@ CUresult require_init() {
     return s.init_result;
 }
 
-CUresult status_of(const wire::Result& r, wire::Kind kind) {
-    if (r.status != CUDA_SUCCESS) {
-        // Say why when phos cannot do something, or a module does not load; everything
-        // else is an ordinary CUDA error the application handles (PHOS_VERBOSE shows all).
-        if (r.status == CUDA_ERROR_NOT_SUPPORTED || kind == wire::Kind::moduleLoad)
-            log_error("%s", r.message.c_str());
-        else if (r.status != CUDA_ERROR_NOT_READY)
-            log_verbose("%s: %s", wire::kind_name(kind), r.message.c_str());
-    }
-    return static_cast<CUresult>(r.status);
-}
-
-CUresult front_call(wire::Call call, wire::Result* result) {
-    CUresult err = require_init();
-    if (err != CUDA_SUCCESS) return err;
-    const wire::Kind kind = call.kind;
-    wire::Result r = state().front->call(std::move(call));
-    err = status_of(r, kind);
-    if (result) *result = std::move(r);
-    return err;
-}
-
-CUresult context_call(CUctx_st* ctx, wire::Call call, wire::Result* result, const HostDestination* out) {
-    const wire::Kind kind = call.kind;
-    wire::Result r = ctx->conn->call(std::move(call), out);
-    CUresult err = status_of(r, kind);
-    if (result) *result = std::move(r);
-    return err;
-}
-
 // -- initialisation --------------------------------------------------------------------
 
 static std::string program_name() {
@@ -321,7 +291,7 @@ void start_flusher() {
 void synchronize_busy_contexts() {
     for (CUctx_st* ctx : state().contexts) {
         if (ctx->live && ctx->conn && ctx->conn->has_pending())
-            context_call(ctx, wire::Call::plain(wire::Kind::ctxSynchronize));
+            send(ctx, wire::Call::plain(wire::Kind::ctxSynchronize));
     }
 }
 
@@ -653,7 +623,7 @@ PHOS_EXPORT CUresult cuCtxSynchronize() {
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
-    return context_call(ctx, wire::Call::plain(wire::Kind::ctxSynchronize));
+    return send(ctx, wire::Call::plain(wire::Kind::ctxSynchronize));
 }
 
 PHOS_EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
@@ -700,7 +670,7 @@ static CUresult context_limit(CUlimit limit, const size_t* set, size_t* value) {
     call.size = set ? *set : 0;
     call.flags = set ? 1 : 0;
     wire::Result r;
-    if ((err = context_call(ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
+    if ((err = send(ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
     if (r.u64s.empty()) return CUDA_ERROR_UNKNOWN;
     *value = ctx->limits_set[limit] = static_cast<size_t>(r.u64s[0]);
     return CUDA_SUCCESS;

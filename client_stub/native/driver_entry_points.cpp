@@ -59,7 +59,7 @@ PHOS_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx) {
     if (err != CUDA_SUCCESS) return err;
     if (!is_handle(ctx, HandleKind::context)) return CUDA_ERROR_INVALID_CONTEXT;
     if ((err = make_usable(ctx)) != CUDA_SUCCESS) return err;
-    return context_call(ctx, wire::Call::plain(wire::Kind::ctxSynchronize));
+    return send(ctx, wire::Call::plain(wire::Kind::ctxSynchronize));
 }
 
 PHOS_EXPORT CUresult cuCtxGetDevice_v2(CUdevice* device, CUcontext ctx) {

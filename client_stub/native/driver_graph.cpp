@@ -87,7 +87,7 @@ namespace phos::driver {
 static uint64_t next_capture_id = 1;
 
 CUgraph_st* capture_of(CUstream stream) {
-    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) return nullptr;
+    if (is_default_stream(stream)) return nullptr;
     return is_handle(stream, HandleKind::stream) ? stream->capturing : nullptr;
 }
 
@@ -98,14 +98,10 @@ static void append_captured(CUgraph_st* g, GraphNode node) {
     g->nodes.push_back(std::move(node));
 }
 
-void submit(CUctx_st* ctx, CUstream stream, wire::Call call) {
-    if (CUgraph_st* g = capture_of(stream)) {
-        GraphNode node;
-        node.call = std::move(call);
-        append_captured(g, std::move(node));
-        return;
-    }
-    ctx->conn->post(std::move(call));
+void record_call(CUgraph_st* capture, wire::Call call) {
+    GraphNode node;
+    node.call = std::move(call);
+    append_captured(capture, std::move(node));
 }
 
 bool capture_invalidated(const CUgraph_st* graph) { return graph->invalidated; }
@@ -144,9 +140,9 @@ static void end_capture(CUgraph_st* g) {
     g->joined.clear();
 }
 
-static CUresult run_host_function(CUctx_st* ctx, uint64_t sid, CUhostFn fn, void* data) {
+static CUresult run_host_function(const Target& t, CUhostFn fn, void* data) {
     // The work before it must be done; the work after it is not sent until it returns.
-    CUresult err = context_call(ctx, wire::Call::with_id(wire::Kind::streamSynchronize, sid));
+    CUresult err = send(t, wire::Call::with_id(wire::Kind::streamSynchronize, t.sid));
     if (err == CUDA_SUCCESS) fn(data);
     return err;
 }
@@ -236,27 +232,28 @@ static CUresult run_kernel(const KernelNode& k, CUstream stream) {
                           stream, nullptr, extra);
 }
 
-static CUresult run_graph(CUctx_st* ctx, CUstream stream, uint64_t sid, const CUgraph_st* graph) {
+static CUresult run_graph(const Target& t, const CUgraph_st* graph) {
+    const CUstream stream = t.stream;
     for (size_t i : launch_order(graph->nodes)) {
         const GraphNode& node = graph->nodes[i];
         CUresult err = CUDA_SUCCESS;
         switch (node.kind) {
         case NodeKind::recorded: {
             wire::Call call = node.call;
-            call.stream = sid;
-            submit(ctx, stream, std::move(call));
+            call.stream = t.sid;
+            err = send(t, std::move(call));
             break;
         }
         case NodeKind::host:
             if (CUgraph_st* outer = capture_of(stream)) append_captured(outer, node);
-            else err = run_host_function(ctx, sid, node.host, node.data);
+            else err = run_host_function(t, node.host, node.data);
             break;
         case NodeKind::kernel: err = run_kernel(node.kernel, stream); break;
         case NodeKind::memcpy: err = copy_3d(node.copy, stream, true); break;
         case NodeKind::memset: err = run_memset(node.fill, stream); break;
         case NodeKind::event_record: err = cuEventRecord(node.event, stream); break;
         case NodeKind::event_wait: err = cuStreamWaitEvent(stream, node.event, 0); break;
-        case NodeKind::child: err = run_graph(ctx, stream, sid, node.child); break;
+        case NodeKind::child: err = run_graph(t, node.child); break;
         case NodeKind::empty: break;
         }
         if (err != CUDA_SUCCESS) {
@@ -276,8 +273,7 @@ PHOS_EXPORT CUresult cuStreamBeginCapture_v2(CUstream stream, CUstreamCaptureMod
     Guard g(state().lock);
     CUresult err = require_init();
     if (err != CUDA_SUCCESS) return err;
-    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD)
-        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;    // the legacy stream cannot be captured
+    if (is_default_stream(stream)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;    // the legacy stream cannot be captured
     if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
     if (stream->capturing) return CUDA_ERROR_ILLEGAL_STATE;
     CUgraph_st* graph = new_graph(stream->ctx);
@@ -387,13 +383,12 @@ PHOS_EXPORT CUresult cuGraphLaunch(CUgraphExec exec, CUstream stream) {
     CUresult err = require_init();
     if (err != CUDA_SUCCESS) return err;
     if (!is_handle(exec, HandleKind::graph_exec)) return CUDA_ERROR_INVALID_VALUE;
-    CUctx_st* ctx = exec->ctx;
-    if ((err = make_usable(ctx)) != CUDA_SUCCESS) return err;
-    uint64_t sid = 0;
-    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
+    if ((err = make_usable(exec->ctx)) != CUDA_SUCCESS) return err;
+    Target t;
+    if ((err = on_context(exec->ctx, stream, &t)) != CUDA_SUCCESS) return err;
     // A node's call acts in the current context, as it would have when the node was made.
-    if ((err = cuCtxPushCurrent_v2(ctx)) != CUDA_SUCCESS) return err;
-    err = run_graph(ctx, stream, sid, exec->graph);
+    if ((err = cuCtxPushCurrent_v2(t.ctx)) != CUDA_SUCCESS) return err;
+    err = run_graph(t, exec->graph);
     CUcontext popped;
     cuCtxPopCurrent_v2(&popped);
     return err;
@@ -405,8 +400,8 @@ PHOS_EXPORT CUresult cuLaunchHostFunc(CUstream stream, CUhostFn fn, void* data) 
     CUctx_st* ctx;
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
-    uint64_t sid = 0;
-    if ((err = stream_id(stream, is_handle(stream, HandleKind::stream) ? stream->ctx : ctx, &sid)) != CUDA_SUCCESS)
+    Target t;
+    if ((err = on_context(is_handle(stream, HandleKind::stream) ? stream->ctx : ctx, stream, &t)) != CUDA_SUCCESS)
         return err;
     if (CUgraph_st* graph = capture_of(stream)) {
         GraphNode node;
@@ -416,7 +411,7 @@ PHOS_EXPORT CUresult cuLaunchHostFunc(CUstream stream, CUhostFn fn, void* data) 
         append_captured(graph, std::move(node));
         return CUDA_SUCCESS;
     }
-    return run_host_function(is_handle(stream, HandleKind::stream) ? stream->ctx : ctx, sid, fn, data);
+    return run_host_function(t, fn, data);
 }
 
 namespace {

@@ -71,16 +71,6 @@ bool is_pinned(const void* p, size_t n) {
     return r && reinterpret_cast<uintptr_t>(p) + n <= base + r->size;
 }
 
-CUresult stream_id(CUstream stream, CUctx_st* ctx, uint64_t* id) {
-    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
-        *id = 0;
-        return CUDA_SUCCESS;
-    }
-    if (!is_handle(stream, HandleKind::stream) || stream->ctx != ctx) return CUDA_ERROR_INVALID_HANDLE;
-    *id = stream->id;
-    return CUDA_SUCCESS;
-}
-
 // -- copies shared by the entry points -----------------------------------------------------
 
 // The pinned range the worker of `ctx` maps that holds [host, host + n) wholly, with the
@@ -92,14 +82,6 @@ static const SharedHost* mapped_range(CUctx_st* ctx, const void* host, size_t n,
     if (!r || !r->shared || at + n < at || at + n > base + r->size || !ctx->conn->shares_host(*r->shared)) return nullptr;
     *offset = at - base;
     return r->shared.get();
-}
-
-// A copy between the device and a pinned range the worker maps: synchronous (kWait) it waits
-// for the worker to have copied, else it is queued like any asynchronous call.
-static CUresult copy_in_place(CUctx_st* ctx, wire::Call call) {
-    if (call.flags & wire::Call::kWait) return context_call(ctx, std::move(call));
-    ctx->conn->post(std::move(call));
-    return CUDA_SUCCESS;
 }
 
 // A copy between host and device in a stream capture becomes a memcpy node: the host memory is
@@ -119,8 +101,8 @@ static CUDA_MEMCPY3D linear_copy(CUmemorytype to, uint64_t dst, CUmemorytype fro
 
 static CUresult copy_to_device_in(CUctx_st* ctx, CUdeviceptr dst, const void* src, size_t n, CUstream stream,
                                   bool async_api) {
-    uint64_t sid = 0;
-    CUresult err = stream_id(stream, ctx, &sid);
+    Target t;
+    CUresult err = on_context(ctx, stream, &t);
     if (err != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!src || !device_range_ok(dst, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -128,20 +110,20 @@ static CUresult copy_to_device_in(CUctx_st* ctx, CUdeviceptr dst, const void* sr
         return async_api ? capture_copy(stream, linear_copy(CU_MEMORYTYPE_DEVICE, dst, CU_MEMORYTYPE_HOST,
                                                            reinterpret_cast<uint64_t>(src), n))
                          : refuse_in_capture(stream);     // a synchronous copy cannot be captured, as in CUDA
+    // A copy the worker makes in place, of a pinned range it maps: the synchronous form waits for it.
     uint64_t offset = 0;
     if (const SharedHost* h = mapped_range(ctx, src, n, &offset))
-        return copy_in_place(ctx, wire::Call::memcpy_pinned(dst, src, h->id(), offset, n, sid, true, !async_api));
+        return send(t, wire::Call::memcpy_pinned(dst, src, h->id(), offset, n, t.sid, true, !async_api));
     if (n >= staging::kMinCopy && ctx->conn->staging()) {
-        ctx->conn->copy_to_device_staged(dst, src, n, sid);
-    } else if (async_api && is_pinned(src, n)) {
-        // The application may not touch pinned memory until the copy completes: borrow it.
-        ctx->conn->post(wire::Call::memcpy_htod(dst, sid, wire::Payload::borrow(src, n)));
-    } else if (n <= static_cast<size_t>(settings().inline_copy_max)) {
-        ctx->conn->post(wire::Call::memcpy_htod(dst, sid, wire::Payload::copy_of(src, n)));
-    } else {
-        return context_call(ctx, wire::Call::memcpy_htod(dst, sid, wire::Payload::borrow(src, n)));
+        ctx->conn->copy_to_device_staged(dst, src, n, t.sid);
+        return CUDA_SUCCESS;
     }
-    return CUDA_SUCCESS;
+    // The application may not touch pinned memory until an async copy completes: borrow it.
+    if (async_api && is_pinned(src, n))
+        return send(t, wire::Call::memcpy_htod(dst, t.sid, wire::Payload::borrow(src, n), false));
+    if (n <= static_cast<size_t>(settings().inline_copy_max))
+        return send(t, wire::Call::memcpy_htod(dst, t.sid, wire::Payload::copy_of(src, n), false));
+    return send(t, wire::Call::memcpy_htod(dst, t.sid, wire::Payload::borrow(src, n), true));
 }
 
 static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstream stream, bool async_api) {
@@ -151,8 +133,8 @@ static CUresult copy_to_device(CUdeviceptr dst, const void* src, size_t n, CUstr
 }
 
 static CUresult copy_to_host_in(CUctx_st* ctx, void* dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
-    uint64_t sid = 0;
-    CUresult err = stream_id(stream, ctx, &sid);
+    Target t;
+    CUresult err = on_context(ctx, stream, &t);
     if (err != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!dst || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
@@ -162,18 +144,15 @@ static CUresult copy_to_host_in(CUctx_st* ctx, void* dst, CUdeviceptr src, size_
                          : refuse_in_capture(stream);
     uint64_t offset = 0;
     if (const SharedHost* h = mapped_range(ctx, dst, n, &offset))
-        return copy_in_place(ctx, wire::Call::memcpy_pinned(src, dst, h->id(), offset, n, sid, false, !async_api));
+        return send(t, wire::Call::memcpy_pinned(src, dst, h->id(), offset, n, t.sid, false, !async_api));
     if (n >= staging::kMinCopy && ctx->conn->staging()) {
         // Waits, even for an asynchronous copy into pinned memory: CUDA allows it to
         // complete early, and the bytes are here sooner than through frames.
-        return status_of(ctx->conn->copy_from_device_staged(dst, src, n, sid), wire::Kind::memcpyDtoH);
+        return status_of(ctx->conn->copy_from_device_staged(dst, src, n, t.sid), wire::Kind::memcpyDtoH);
     }
+    // An async copy into pinned memory returns at once: its bytes land with a later Reply.
     HostDestination to{dst, n};
-    if (async_api && is_pinned(dst, n)) {
-        ctx->conn->post(wire::Call::memcpy_dtoh(src, n, sid), &to);
-        return CUDA_SUCCESS;
-    }
-    return context_call(ctx, wire::Call::memcpy_dtoh(src, n, sid), nullptr, &to);
+    return send(t, wire::Call::memcpy_dtoh(src, n, t.sid, !(async_api && is_pinned(dst, n))), nullptr, &to);
 }
 
 static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stream, bool async_api) {
@@ -183,13 +162,12 @@ static CUresult copy_to_host(void* dst, CUdeviceptr src, size_t n, CUstream stre
 }
 
 static CUresult copy_on_device_in(CUctx_st* ctx, CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
-    uint64_t sid = 0;
-    CUresult err = stream_id(stream, ctx, &sid);
+    Target t;
+    CUresult err = on_context(ctx, stream, &t);
     if (err != CUDA_SUCCESS) return err;
     if (n == 0) return CUDA_SUCCESS;
     if (!device_range_ok(dst, n) || !device_range_ok(src, n)) return CUDA_ERROR_INVALID_VALUE;
-    submit(ctx, stream, wire::Call::memcpy_dtod(dst, src, n, sid));
-    return CUDA_SUCCESS;
+    return send(t, wire::Call::memcpy_dtod(dst, src, n, t.sid));
 }
 
 // A copy between two contexts (cuMemcpyPeer, or a copy whose pointers lie in two contexts'
@@ -205,7 +183,7 @@ static CUresult copy_between(CUctx_st* dst_ctx, CUdeviceptr dst, CUctx_st* src_c
         if (!is_handle(c, HandleKind::context) || make_usable(c) != CUDA_SUCCESS) return CUDA_ERROR_INVALID_CONTEXT;
     if (src_ctx == dst_ctx) return copy_on_device_in(src_ctx, dst, src, n, stream);
     CUstream on_src = nullptr, on_dst = nullptr;
-    if (stream && stream != CU_STREAM_LEGACY && stream != CU_STREAM_PER_THREAD) {
+    if (!is_default_stream(stream)) {
         if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
         if (stream->ctx == src_ctx) on_src = stream;
         else if (stream->ctx == dst_ctx) on_dst = stream;
@@ -245,11 +223,9 @@ static CUresult fill_in_place(void* dst, uint32_t value, int elem_size, size_t c
 }
 
 static CUresult fill(CUdeviceptr dst, uint32_t value, int elem_size, size_t count, CUstream stream) {
-    CUctx_st* ctx;
-    CUresult err = current_context(&ctx);
+    Target t;
+    CUresult err = on_current(stream, &t);
     if (err != CUDA_SUCCESS) return err;
-    uint64_t sid = 0;
-    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
     if (count == 0) return CUDA_SUCCESS;
     const HostRange* in_place = find_host_range(reinterpret_cast<void*>(dst));
     if (in_place && in_place->in_place && is_pinned(reinterpret_cast<void*>(dst), count * elem_size))
@@ -257,8 +233,7 @@ static CUresult fill(CUdeviceptr dst, uint32_t value, int elem_size, size_t coun
                                                          : fill_in_place(reinterpret_cast<void*>(dst), value, elem_size, count);
     if (dst % static_cast<unsigned>(elem_size) != 0 || !device_range_ok(dst, count * elem_size))
         return CUDA_ERROR_INVALID_VALUE;
-    submit(ctx, stream, wire::Call::memset(dst, value, elem_size, count, sid));
-    return CUDA_SUCCESS;
+    return send(t, wire::Call::memset(dst, value, elem_size, count, t.sid));
 }
 
 // cuMemcpy/cuMemcpyAsync infer the direction from the addresses (unified addressing).
@@ -408,7 +383,7 @@ PHOS_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* dptr, size_t bytesize) {
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     wire::Result r;
-    err = context_call(ctx, wire::Call::mem_alloc(bytesize), &r);
+    err = send(ctx, wire::Call::mem_alloc(bytesize), &r);
     if (err != CUDA_SUCCESS) return err;
     if (r.u64s.empty()) return CUDA_ERROR_UNKNOWN;
     state().allocations[r.u64s[0]] = DeviceRange{bytesize, ctx};
@@ -429,8 +404,7 @@ PHOS_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     if (it == s.allocations.end() || it->second.physical) return CUDA_ERROR_INVALID_VALUE;   // cuMemUnmap's to free
     CUctx_st* owner = it->second.ctx;
     s.allocations.erase(it);
-    owner->conn->post(wire::Call::mem_free(dptr));
-    return CUDA_SUCCESS;
+    return send(owner, wire::Call::mem_free(dptr));
 }
 
 PHOS_EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
@@ -439,7 +413,7 @@ PHOS_EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total_bytes) {
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     wire::Result r;
-    err = context_call(ctx, wire::Call::plain(wire::Kind::memGetInfo), &r);
+    err = send(ctx, wire::Call::plain(wire::Kind::memGetInfo), &r);
     if (err != CUDA_SUCCESS) return err;
     if (free_bytes) *free_bytes = r.u64s.size() > 0 ? r.u64s[0] : 0;
     if (total_bytes) *total_bytes = r.u64s.size() > 1 ? r.u64s[1] : 0;
@@ -773,7 +747,7 @@ CUresult encode_tensor_map(CUtensorMap* map, bool im2col, std::string args) {
     call.flags = im2col ? 1 : 0;
     call.bytes = std::move(args);
     wire::Result r;
-    if ((err = context_call(ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
+    if ((err = send(ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
     if (r.data.size() != sizeof *map) return CUDA_ERROR_UNKNOWN;
     std::memcpy(map, r.data.data(), sizeof *map);
     return CUDA_SUCCESS;

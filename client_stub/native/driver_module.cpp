@@ -89,7 +89,7 @@ static CUresult load_module(CUmodule* module, wire::Payload image) {
         if (missed) ctx->conn->replay_as_nothing(before + 1);
     }
     if (digest.empty() || r.status != CUDA_SUCCESS)
-        err = context_call(ctx, wire::Call::module_load(std::move(image), std::move(digest)), &r);
+        err = send(ctx, wire::Call::module_load(std::move(image), std::move(digest)), &r);
     if (err != CUDA_SUCCESS) return err;
     auto* m = new CUmod_st();
     m->ctx = ctx;
@@ -155,10 +155,9 @@ static CUresult launch(CUfunction f, const unsigned grid[3], const unsigned bloc
     CUresult err = require_init();
     if (err != CUDA_SUCCESS) return err;
     if ((err = resolve_function(f, &f)) != CUDA_SUCCESS) return err;
-    CUctx_st* ctx = f->ctx;
-    uint64_t sid = 0;
-    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
-    if ((err = check_launch_shape(ctx, grid, block, shared_bytes)) != CUDA_SUCCESS) {
+    Target t;
+    if ((err = on_context(f->ctx, stream, &t)) != CUDA_SUCCESS) return err;
+    if ((err = check_launch_shape(t.ctx, grid, block, shared_bytes)) != CUDA_SUCCESS) {
         log_verbose("launch of %s: grid (%u, %u, %u), block (%u, %u, %u), %u shared bytes are out of bounds", f->name.c_str(),
                     grid[0], grid[1], grid[2], block[0], block[1], block[2], shared_bytes);
         return err;
@@ -168,10 +167,9 @@ static CUresult launch(CUfunction f, const unsigned grid[3], const unsigned bloc
         log_verbose("launch of %s: its parameters could not be packed", f->name.c_str());
         return err;
     }
-    submit(ctx, stream, wire::Call::launch(f->id, wire::Dim3{grid[0], grid[1], grid[2]},
-                                       wire::Dim3{block[0], block[1], block[2]}, shared_bytes, sid, std::move(params),
-                                       options));
-    return CUDA_SUCCESS;
+    return send(t, wire::Call::launch(f->id, wire::Dim3{grid[0], grid[1], grid[2]},
+                                      wire::Dim3{block[0], block[1], block[2]}, shared_bytes, t.sid, std::move(params),
+                                      options));
 }
 
 // A cuOccupancy* answer from the server's driver (FuncOccupancy, phos.capnp); each asked once
@@ -191,7 +189,7 @@ static CUresult occupancy(CUfunction f, int query, uint64_t a, uint64_t b, uint3
         call.flags = flags;
         call.address2 = grid;
         wire::Result r;
-        if ((err = context_call(f->ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
+        if ((err = send(f->ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
         if (r.u64s.empty()) return CUDA_ERROR_UNKNOWN;
         log_verbose("occupancy of %s: query %d (%llu, %llu, %u, grid %llx) -> %llu", f->name.c_str(), query,
                     (unsigned long long)a, (unsigned long long)b, flags, (unsigned long long)grid,
@@ -261,10 +259,10 @@ PHOS_EXPORT CUresult cuModuleLoad(CUmodule* module, const char* fname) {
 PHOS_EXPORT CUresult cuModuleUnload(CUmodule module) {
     State& s = state();
     Guard g(s.lock);
-    CUresult err = require_init();
+    Target t;
+    CUresult err = on_handle(module, HandleKind::module, nullptr, &t);
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(module, HandleKind::module)) return CUDA_ERROR_INVALID_HANDLE;
-    module->ctx->conn->post(wire::Call::with_id(wire::Kind::moduleUnload, module->id));
+    send(t, wire::Call::with_id(wire::Kind::moduleUnload, module->id));
     forget_library_module(module);
     for (auto& f : module->functions) s.handles.erase(f.second.get());
     module->ctx->modules.erase(module);
@@ -277,13 +275,13 @@ PHOS_EXPORT CUresult cuModuleGetFunction(CUfunction* out, CUmodule module, const
     if (!out || !name) return CUDA_ERROR_INVALID_VALUE;
     State& s = state();
     Guard g(s.lock);
-    CUresult err = require_init();
+    Target t;
+    CUresult err = on_handle(module, HandleKind::module, nullptr, &t);
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(module, HandleKind::module)) return CUDA_ERROR_INVALID_HANDLE;
     auto it = module->functions.find(name);
     if (it == module->functions.end()) {
         wire::Result r;
-        err = context_call(module->ctx, wire::Call::module_symbol(wire::Kind::moduleGetFunction, module->id, name), &r);
+        err = send(t, wire::Call::module_symbol(wire::Kind::moduleGetFunction, module->id, name), &r);
         if (err != CUDA_SUCCESS) return err;
         auto f = std::make_unique<CUfunc_st>();
         f->ctx = module->ctx;
@@ -306,11 +304,11 @@ PHOS_EXPORT CUresult cuModuleGetFunction(CUfunction* out, CUmodule module, const
 PHOS_EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr* dptr, size_t* bytes, CUmodule module, const char* name) {
     if (!name) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    CUresult err = require_init();
+    Target t;
+    CUresult err = on_handle(module, HandleKind::module, nullptr, &t);
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(module, HandleKind::module)) return CUDA_ERROR_INVALID_HANDLE;
     wire::Result r;
-    err = context_call(module->ctx, wire::Call::module_symbol(wire::Kind::moduleGetGlobal, module->id, name), &r);
+    err = send(t, wire::Call::module_symbol(wire::Kind::moduleGetGlobal, module->id, name), &r);
     if (err != CUDA_SUCCESS) return err;
     if (r.u64s.size() < 2) return CUDA_ERROR_UNKNOWN;
     state().globals[r.u64s[0]] = DeviceRange{static_cast<size_t>(r.u64s[1]), module->ctx};
@@ -405,7 +403,7 @@ PHOS_EXPORT CUresult cuFuncSetAttribute(CUfunction f, CUfunction_attribute attri
     call.id = f->id;
     call.number = attribute;
     call.flags = static_cast<uint32_t>(value);
-    if ((err = context_call(f->ctx, std::move(call))) != CUDA_SUCCESS) return err;
+    if ((err = send(f->ctx, std::move(call))) != CUDA_SUCCESS) return err;
     if (attribute == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) f->max_dynamic_shared = value;
     else if (attribute == CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) f->shared_carveout = value;
     else if (static_cast<size_t>(attribute) < f->attributes.size()) f->attributes[attribute] = value;

@@ -194,10 +194,10 @@ CUresult pack_params(const CUfunc_st* f, void** kernel_params, void** extra, std
 // A 2D or 3D copy of linear memory, as cuMemcpy3D(Async) makes it (driver_memory.cpp).
 CUresult copy_3d(const CUDA_MEMCPY3D& p, CUstream stream, bool async_api);
 // Stream capture (driver_graph.cpp): the graph a stream's calls are recorded into, if any;
-// post a call or record it; refuse a call a capture cannot record (and spoil the capture);
-// a stream waiting on an event recorded in a capture joins it.
+// record a call in it (send does, for calls.def's stream calls); refuse a call a capture cannot
+// record (and spoil the capture); a stream waiting on an event recorded in a capture joins it.
 CUgraph_st* capture_of(CUstream stream);
-void submit(CUctx_st* ctx, CUstream stream, wire::Call call);
+void record_call(CUgraph_st* capture, wire::Call call);
 CUresult refuse_in_capture(CUstream stream);
 void join_capture(CUstream stream, CUevent event);
 bool capture_invalidated(const CUgraph_st* graph);
@@ -208,19 +208,52 @@ uint64_t capture_id(const CUgraph_st* graph);
 // Forgets a module of a library's (its context is going, or it is unloaded).
 void forget_library_module(CUmod_st* m);
 
-// Runs a synchronous call on a context; reports failures the way the stub's policy says.
-CUresult context_call(CUctx_st* ctx, wire::Call call, wire::Result* result = nullptr,
-                      const HostDestination* out = nullptr);
+// -- sending calls (driver_calls.cpp) ----------------------------------------------------
+
+// The NULL, legacy and per-thread streams: the default stream of the context in use.
+inline bool is_default_stream(CUstream stream) {
+    return !stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD;
+}
+
+// Where a call goes: a context's worker, and for work on a stream, the stream as the application
+// named it (a capture records by it) and the server's id of it in that context (0: the default).
+struct Target {
+    Target(CUctx_st* c = nullptr) : ctx(c) {}
+    CUctx_st* ctx;
+    CUstream stream = nullptr;
+    uint64_t sid = 0;
+};
+
+// The prologue the entry points share: each fills `t`, or says why the call cannot be made.
+// on_context: `stream` must belong to `ctx`, a context the caller holds (else CUDA_ERROR_INVALID_HANDLE).
+CUresult on_context(CUctx_st* ctx, CUstream stream, Target* t);
+// on_current: the calling thread's current context (the library initialised, a reset primary
+// context opened again).
+CUresult on_current(CUstream stream, Target* t);
+// on_handle: the context of `handle`, once the library is initialised and `handle` is one of
+// ours of `kind` (a stream, an event, a module).
+template <typename Handle>
+CUresult on_handle(Handle* handle, HandleKind kind, CUstream stream, Target* t) {
+    CUresult err = require_init();
+    if (err != CUDA_SUCCESS) return err;
+    if (!is_handle(handle, kind)) return CUDA_ERROR_INVALID_HANDLE;
+    return on_context(handle->ctx, stream, t);
+}
+
+// Sends `call` to the target's worker as its row in calls.def says: a synchronous call (a copy
+// with kWait) waits and returns its status, its Result in `result` and its bytes in `dest`;
+// another is queued, its failure the next synchronizing call's, a device->host copy's bytes
+// landing in `dest` with a later Reply; a stream call on a captured stream is recorded instead.
+CUresult send(const Target& t, wire::Call call, wire::Result* result = nullptr, const HostDestination* dest = nullptr);
+// A call to the front end (synchronous, as all of them are).
 CUresult front_call(wire::Call call, wire::Result* result);
+// A Result's status, its failure said the way the stub's policy says.
 CUresult status_of(const wire::Result& r, wire::Kind kind);
 
 CUresult device_attribute(int device, int attribute, int* value);
 CUresult check_device(CUdevice dev);
 // A device's primary context, made on first use; neither retained nor opened.
 CUctx_st* primary_context_of(CUdevice dev);
-
-// Stream handle -> server stream id on ctx (the NULL, legacy and per-thread streams are 0).
-CUresult stream_id(CUstream stream, CUctx_st* ctx, uint64_t* id);
 
 // Pointer bookkeeping.
 const DeviceRange* find_device_range(uint64_t ptr, uint64_t* base = nullptr);

@@ -11,7 +11,7 @@ static CUresult create_stream(CUstream* out, unsigned flags, int priority) {
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     wire::Result r;
-    err = context_call(ctx, wire::Call::stream_create(flags, priority), &r);
+    err = send(ctx, wire::Call::stream_create(flags, priority), &r);
     if (err != CUDA_SUCCESS) return err;
     auto* s = new CUstream_st();
     s->ctx = ctx;
@@ -29,45 +29,33 @@ static CUresult stream_query_call(wire::Kind kind, CUstream stream) {
     CUresult err = require_init();
     if (err != CUDA_SUCCESS) return err;
     if ((err = refuse_in_capture(stream)) != CUDA_SUCCESS) return err;   // a capture does not run its work
-    CUctx_st* ctx;
-    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
-        if ((err = current_context(&ctx)) != CUDA_SUCCESS) return err;
-    } else if (is_handle(stream, HandleKind::stream)) {
-        ctx = stream->ctx;
-    } else {
-        return CUDA_ERROR_INVALID_HANDLE;
-    }
-    uint64_t sid = 0;
-    if ((err = stream_id(stream, ctx, &sid)) != CUDA_SUCCESS) return err;
-    return context_call(ctx, wire::Call::with_id(kind, sid));
+    Target t;
+    err = is_default_stream(stream) ? on_current(stream, &t) : on_handle(stream, HandleKind::stream, stream, &t);
+    return err != CUDA_SUCCESS ? err : send(t, wire::Call::with_id(kind, t.sid));
 }
 
 static CUresult event_call(wire::Kind kind, CUevent event) {
-    CUresult err = require_init();
-    if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
-    return context_call(event->ctx, wire::Call::with_id(kind, event->id));
+    Target t;
+    CUresult err = on_handle(event, HandleKind::event, nullptr, &t);
+    return err != CUDA_SUCCESS ? err : send(t, wire::Call::with_id(kind, event->id));
 }
 
 static CUresult record_event(CUevent event, CUstream stream) {
-    CUresult err = require_init();
+    Target t;
+    CUresult err = on_handle(event, HandleKind::event, stream, &t);
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
-    uint64_t sid = 0;
-    if ((err = stream_id(stream, event->ctx, &sid)) != CUDA_SUCCESS) return err;
     event->captured_in = capture_of(stream);
-    submit(event->ctx, stream, wire::Call::event_record(event->id, sid));
-    return CUDA_SUCCESS;
+    return send(t, wire::Call::event_record(event->id, t.sid));
 }
 
 static CUresult elapsed_time(float* ms, CUevent start, CUevent end) {
     if (!ms) return CUDA_ERROR_INVALID_VALUE;
-    CUresult err = require_init();
+    Target t;
+    CUresult err = on_handle(start, HandleKind::event, nullptr, &t);
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(start, HandleKind::event) || !is_handle(end, HandleKind::event) || start->ctx != end->ctx)
-        return CUDA_ERROR_INVALID_HANDLE;
+    if (!is_handle(end, HandleKind::event) || end->ctx != start->ctx) return CUDA_ERROR_INVALID_HANDLE;
     wire::Result r;
-    err = context_call(start->ctx, wire::Call::event_elapsed(start->id, end->id), &r);
+    err = send(t, wire::Call::event_elapsed(start->id, end->id), &r);
     if (err == CUDA_SUCCESS) *ms = static_cast<float>(r.f64);
     return err;
 }
@@ -89,11 +77,11 @@ PHOS_EXPORT CUresult cuStreamCreateWithPriority(CUstream* stream, unsigned int f
 PHOS_EXPORT CUresult cuStreamDestroy_v2(CUstream stream) {
     State& s = state();
     Guard g(s.lock);
-    CUresult err = require_init();
+    Target t;
+    CUresult err = on_handle(stream, HandleKind::stream, nullptr, &t);
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(stream, HandleKind::stream)) return CUDA_ERROR_INVALID_HANDLE;
     // Work already queued on the stream still runs, as with CUDA.
-    stream->ctx->conn->post(wire::Call::with_id(wire::Kind::streamDestroy, stream->id));
+    send(t, wire::Call::with_id(wire::Kind::streamDestroy, stream->id));
     stream->ctx->streams.erase(stream);
     s.handles.erase(stream);
     delete stream;
@@ -112,20 +100,17 @@ PHOS_EXPORT CUresult cuStreamQuery(CUstream stream) {
 
 PHOS_EXPORT CUresult cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int flags) {
     Guard g(state().lock);
-    CUresult err = require_init();
+    Target t;
+    CUresult err = on_handle(event, HandleKind::event, stream, &t);
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
-    uint64_t sid = 0;
-    if ((err = stream_id(stream, event->ctx, &sid)) != CUDA_SUCCESS) return err;
     join_capture(stream, event);
-    submit(event->ctx, stream, wire::Call::stream_wait_event(sid, event->id, flags));
-    return CUDA_SUCCESS;
+    return send(t, wire::Call::stream_wait_event(t.sid, event->id, flags));
 }
 
 PHOS_EXPORT CUresult cuStreamGetFlags(CUstream stream, unsigned int* flags) {
     if (!flags) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+    if (is_default_stream(stream)) {
         *flags = 0;
         return CUDA_SUCCESS;
     }
@@ -137,7 +122,7 @@ PHOS_EXPORT CUresult cuStreamGetFlags(CUstream stream, unsigned int* flags) {
 PHOS_EXPORT CUresult cuStreamGetPriority(CUstream stream, int* priority) {
     if (!priority) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+    if (is_default_stream(stream)) {
         *priority = 0;
         return CUDA_SUCCESS;
     }
@@ -149,7 +134,7 @@ PHOS_EXPORT CUresult cuStreamGetPriority(CUstream stream, int* priority) {
 PHOS_EXPORT CUresult cuStreamGetCtx(CUstream stream, CUcontext* pctx) {
     if (!pctx) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+    if (is_default_stream(stream)) {
         CUctx_st* ctx;
         CUresult err = current_context(&ctx);
         if (err == CUDA_SUCCESS) *pctx = ctx;
@@ -163,7 +148,7 @@ PHOS_EXPORT CUresult cuStreamGetCtx(CUstream stream, CUcontext* pctx) {
 PHOS_EXPORT CUresult cuStreamGetId(CUstream stream, unsigned long long* id) {
     if (!id) return CUDA_ERROR_INVALID_VALUE;
     Guard g(state().lock);
-    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) {
+    if (is_default_stream(stream)) {
         *id = reinterpret_cast<uintptr_t>(stream);
         return CUDA_SUCCESS;
     }
@@ -179,7 +164,7 @@ PHOS_EXPORT CUresult cuEventCreate(CUevent* event, unsigned int flags) {
     CUresult err = current_context(&ctx);
     if (err != CUDA_SUCCESS) return err;
     wire::Result r;
-    err = context_call(ctx, wire::Call::event_create(flags), &r);
+    err = send(ctx, wire::Call::event_create(flags), &r);
     if (err != CUDA_SUCCESS) return err;
     auto* e = new CUevent_st();
     e->ctx = ctx;
@@ -220,10 +205,10 @@ PHOS_EXPORT CUresult cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end
 PHOS_EXPORT CUresult cuEventDestroy_v2(CUevent event) {
     State& s = state();
     Guard g(s.lock);
-    CUresult err = require_init();
+    Target t;
+    CUresult err = on_handle(event, HandleKind::event, nullptr, &t);
     if (err != CUDA_SUCCESS) return err;
-    if (!is_handle(event, HandleKind::event)) return CUDA_ERROR_INVALID_HANDLE;
-    event->ctx->conn->post(wire::Call::with_id(wire::Kind::eventDestroy, event->id));
+    send(t, wire::Call::with_id(wire::Kind::eventDestroy, event->id));
     event->ctx->events.erase(event);
     s.handles.erase(event);
     delete event;
@@ -237,7 +222,7 @@ PHOS_EXPORT CUresult cuEventDestroy_v2(CUevent event) {
 static CUresult check_stream(CUstream stream) {
     CUresult err = require_init();
     if (err != CUDA_SUCCESS) return err;
-    if (stream == nullptr || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD) return CUDA_SUCCESS;
+    if (is_default_stream(stream)) return CUDA_SUCCESS;
     return is_handle(stream, HandleKind::stream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 

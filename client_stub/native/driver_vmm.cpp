@@ -80,7 +80,7 @@ PHOS_EXPORT CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t a
     call.address2 = alignment;
     call.address = addr;
     wire::Result r;
-    if ((err = context_call(ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
+    if ((err = send(ctx, std::move(call), &r)) != CUDA_SUCCESS) return err;
     if (r.u64s.empty()) return CUDA_ERROR_UNKNOWN;
     state().reserved[r.u64s[0]] = Reservation{size, ctx};
     *ptr = r.u64s[0];
@@ -93,7 +93,7 @@ PHOS_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     if (it == state().reserved.end() || it->second.size != size) return CUDA_ERROR_INVALID_VALUE;
     wire::Call call = wire::Call::plain(wire::Kind::memUnreserve);
     call.address = ptr;
-    CUresult err = context_call(it->second.ctx, std::move(call));     // refused while anything is mapped there
+    CUresult err = send(it->second.ctx, std::move(call));     // refused while anything is mapped there
     if (err == CUDA_SUCCESS) state().reserved.erase(it);
     return err;
 }
@@ -138,7 +138,7 @@ PHOS_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmem
     if (err != CUDA_SUCCESS) return err;
     if (!reservation_holding(ptr, size, ctx)) return CUDA_ERROR_INVALID_VALUE;
     wire::Result r;
-    if ((err = context_call(ctx, wire::Call::mem_alloc(size, ptr), &r)) != CUDA_SUCCESS) return err;
+    if ((err = send(ctx, wire::Call::mem_alloc(size, ptr), &r)) != CUDA_SUCCESS) return err;
     DeviceRange range{size, ctx};
     range.physical = handle;
     state().allocations[ptr] = range;
@@ -157,7 +157,7 @@ PHOS_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     }
     for (auto it = allocations.lower_bound(ptr); it != allocations.end() && it->first < ptr + size;) {
         CUmemGenericAllocationHandle handle = it->second.physical;
-        it->second.ctx->conn->post(wire::Call::mem_free(it->first));
+        send(it->second.ctx, wire::Call::mem_free(it->first));
         if (PhysicalAllocation* p = physical(handle)) p->mapped_at = 0;
         it = allocations.erase(it);
         drop_if_unused(handle);

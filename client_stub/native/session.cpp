@@ -244,8 +244,8 @@ static void unstage(wire::Call& c, const char* area) {
 static void unpin(wire::Call& c) {
     const auto* host = reinterpret_cast<const char*>(c.address2);
     wire::Call framed = (c.flags & wire::Call::kToDevice)
-                            ? wire::Call::memcpy_htod(c.address, c.stream, wire::Payload::copy_of(host, c.size))
-                            : wire::Call::memcpy_dtoh(c.address, c.size, c.stream);
+                            ? wire::Call::memcpy_htod(c.address, c.stream, wire::Payload::copy_of(host, c.size), false)
+                            : wire::Call::memcpy_dtoh(c.address, c.size, c.stream, false);
     framed.seq = c.seq;
     framed.ends = c.ends;
     framed.wanted = c.wanted;
@@ -819,7 +819,7 @@ void Connection::copy_to_device_staged(uint64_t dst, const void* src, size_t n, 
         collect(slot_seq_[i]);   // the worker is done with this slot
         if (!dead_.empty()) return;   // the failure goes to the next synchronous call
         if (!shm_) {   // re-attached to a worker that did not map a staging area: the rest in a frame
-            post(wire::Call::memcpy_htod(dst + done, stream, wire::Payload::copy_of(from + done, n - done)));
+            post(wire::Call::memcpy_htod(dst + done, stream, wire::Payload::copy_of(from + done, n - done), false));
             return;
         }
         const size_t offset = staging::kSlotsOffset + i * staging::kSlotSize;
@@ -855,7 +855,7 @@ wire::Result Connection::copy_from_device_staged(void* dst, uint64_t src, size_t
         const size_t size = std::min(staging::kSlotSize, n - begin);
         const size_t offset = staging::kSlotsOffset + i * staging::kSlotSize;
         if (!shm_) {   // re-attached to a worker that did not map a staging area: a plain copy
-            const uint64_t seq = send_now(wire::Call::memcpy_dtoh(src + begin, size, stream));
+            const uint64_t seq = send_now(wire::Call::memcpy_dtoh(src + begin, size, stream, false));
             write_backs_[seq] = HostDestination{to + begin, size};
             inflight.push_back({seq, k, nullptr});
             return;

@@ -2,6 +2,7 @@
 #include "wire.h"
 
 #include <cstring>
+#include <type_traits>
 
 #include <capnp/message.h>
 #include <capnp/serialize.h>
@@ -16,17 +17,8 @@ const uint32_t kProtocolVersion = ::PROTOCOL_VERSION;
 
 const char* kind_name(Kind kind) {
     static const char* const names[] = {
-        "hello", "ctxCreate", "attach",
-        "driverGetVersion", "deviceGetCount", "deviceGetName", "deviceGetUuid", "deviceTotalMem",
-        "deviceGetAttribute", "deviceComputeCapability",
-        "ctxDestroy", "ctxSynchronize",
-        "memAlloc", "memFree", "memGetInfo", "memGetAddressRange",
-        "memcpyHtoD", "memcpyDtoH", "memcpyDtoD", "memset",
-        "moduleLoad", "moduleUnload", "moduleGetFunction", "moduleGetGlobal", "launch",
-        "streamCreate", "streamDestroy", "streamSynchronize", "streamQuery", "streamWaitEvent",
-        "eventCreate", "eventRecord", "eventSynchronize", "eventQuery", "eventElapsedTime", "eventDestroy",
-        "launchBatch", "reattach", "logFull", "tensorMapEncode", "funcOccupancy", "funcSetAttribute", "ctxLimit",
-        "memReserve", "memUnreserve", "hostMap", "hostUnmap", "memcpyPinned", "deviceP2PAttribute",
+#define CALL(name, Member, mode, fields) #name,
+#include "calls.def"
     };
     size_t i = static_cast<size_t>(kind);
     return i < sizeof names / sizeof names[0] ? names[i] : "?";
@@ -106,19 +98,21 @@ Call Call::mem_free(uint64_t ptr) {
     c.address = ptr;
     return c;
 }
-Call Call::memcpy_htod(uint64_t dst, uint64_t stream, Payload bytes) {
+Call Call::memcpy_htod(uint64_t dst, uint64_t stream, Payload bytes, bool wait) {
     Call c = plain(Kind::memcpyHtoD);
     c.address = dst;
     c.size = bytes.size;
     c.stream = stream;
     c.payload = std::move(bytes);
+    c.flags = wait ? kWait : 0;
     return c;
 }
-Call Call::memcpy_dtoh(uint64_t src, uint64_t size, uint64_t stream) {
+Call Call::memcpy_dtoh(uint64_t src, uint64_t size, uint64_t stream, bool wait) {
     Call c = plain(Kind::memcpyDtoH);
     c.address = src;
     c.size = size;
     c.stream = stream;
+    c.flags = wait ? kWait : 0;
     return c;
 }
 Call Call::memcpy_htod_staged(uint64_t dst, uint64_t size, uint64_t stream, uint64_t shm_offset,
@@ -135,7 +129,7 @@ Call Call::memcpy_htod_staged(uint64_t dst, uint64_t size, uint64_t stream, uint
 }
 Call Call::memcpy_dtoh_staged(uint64_t src, uint64_t size, uint64_t stream, uint64_t shm_offset,
                               uint64_t chunk_offset, uint64_t total_size) {
-    Call c = memcpy_dtoh(src, size, stream);
+    Call c = memcpy_dtoh(src, size, stream, false);
     c.flags = kViaShm;
     c.id = shm_offset;
     c.id2 = chunk_offset;
@@ -236,262 +230,113 @@ Call Call::event_elapsed(uint64_t start, uint64_t end) {
 
 // -- encoding --------------------------------------------------------------------------
 
-static capnp::Data::Reader as_data(const std::string& s) {
-    return capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(s.data()), s.size());
-}
-
 // Appends `value` as `n` little-endian bytes.
-static void put_le(std::string& out, uint64_t value, int n) {
-    for (int b = 0; b < n; b++) out.push_back(char(value >> (8 * b)));
+static char* put_le(char* out, uint64_t value, int n) {
+    for (int b = 0; b < n; b++) *out++ = char(value >> (8 * b));
+    return out;
 }
 
-// Launch.config: grid xyz, block xyz, shared bytes, options (little-endian UInt32s), then the stream (UInt64).
-static void put_launch_config(std::string& out, const Call& c) {
-    const uint32_t words[8] = {c.grid.x, c.grid.y, c.grid.z, c.block.x, c.block.y, c.block.z, c.flags, c.options};
-    for (uint32_t w : words) put_le(out, w, 4);
-    put_le(out, c.stream, 8);
+std::array<char, 40> Call::launch_config() const {
+    std::array<char, 40> config;
+    char* out = config.data();
+    for (uint32_t w : {grid.x, grid.y, grid.z, block.x, block.y, block.z, flags, options}) out = put_le(out, w, 4);
+    put_le(out, stream, 8);
+    return config;
 }
 
 void append_launch(Call& batch, const Call& launch) {
     // function id, Launch.config, params length, params (schema/wire.py, LAUNCH_RECORD)
-    put_le(batch.bytes, launch.id, 8);
-    put_launch_config(batch.bytes, launch);
-    put_le(batch.bytes, launch.bytes.size(), 4);
+    char head[8 + 40 + 4];
+    put_le(head, launch.id, 8);
+    const std::array<char, 40> config = launch.launch_config();
+    std::memcpy(head + 8, config.data(), config.size());
+    put_le(head + 48, launch.bytes.size(), 4);
+    batch.bytes.append(head, sizeof head);
     batch.bytes += launch.bytes;
     batch.launches++;
     batch.seq = launch.seq;
 }
 
-static void encode_call(const Call& c, ::Call::Builder out, uint32_t payload_index) {
+// calls.def's field kinds: the type the field must have in the generated code (`fits`, checked
+// when the encoder compiles), whether it is written (`present`), and the value its setter gets.
+namespace field {
+
+template <typename T>
+struct Scalar {
+    template <typename Field> static constexpr bool fits = std::is_same<Field, T>::value;
+    template <typename V> static bool present(const V&) { return true; }
+    template <typename Field, typename V> static T value(const V& v, uint32_t) { return static_cast<T>(v); }
+};
+using UInt8 = Scalar<uint8_t>;
+using UInt32 = Scalar<uint32_t>;
+using Int32 = Scalar<int32_t>;
+using UInt64 = Scalar<uint64_t>;
+using Bool = Scalar<bool>;
+
+struct Enum {
+    template <typename Field> static constexpr bool fits = std::is_enum<Field>::value;
+    template <typename V> static bool present(const V&) { return true; }
+    template <typename Field, typename V> static Field value(const V& v, uint32_t) { return static_cast<Field>(v); }
+};
+
+struct Text {
+    template <typename Field> static constexpr bool fits = std::is_same<Field, capnp::Text::Builder>::value;
+    static bool present(const std::string&) { return true; }
+    template <typename Field> static const char* value(const std::string& s, uint32_t) { return s.c_str(); }
+};
+struct TextIfAny : Text {
+    static bool present(const std::string& s) { return !s.empty(); }
+};
+
+struct Data {
+    template <typename Field> static constexpr bool fits = std::is_same<Field, capnp::Data::Builder>::value;
+    template <typename Bytes> static bool present(const Bytes&) { return true; }
+    template <typename Field, typename Bytes> static capnp::Data::Reader value(const Bytes& b, uint32_t) {
+        return capnp::Data::Reader(reinterpret_cast<const capnp::byte*>(b.data()), b.size());
+    }
+};
+struct DataIfAny : Data {
+    static bool present(const std::string& s) { return !s.empty(); }
+};
+
+struct Frame {     // the call's payload frame: its index, which encode_request assigns
+    template <typename Field> static constexpr bool fits = std::is_same<Field, uint32_t>::value;
+    static bool present(const Payload&) { return true; }
+    template <typename Field> static uint32_t value(const Payload&, uint32_t frame) { return frame; }
+};
+
+}  // namespace field
+
+// One field of `b`, the struct being written, from call `c` (see calls.def).
+#define FIELD(Field, slot, kind)                                                                        \
+    {                                                                                                   \
+        using Type = decltype(b.get##Field());                                                          \
+        static_assert(field::kind::fits<Type>, "calls.def: " #Field " is no " #kind " in phos.capnp");  \
+        if (field::kind::present(c.slot)) b.set##Field(field::kind::value<Type>(c.slot, frame));        \
+    }
+
+// Writes `c` into `out` as its row in calls.def says; `frame`: the index of its payload frame.
+static void encode_call(const Call& c, ::Call::Builder out, uint32_t frame) {
     out.setSeq(c.seq);
     switch (c.kind) {
-    case Kind::hello: {
-        auto h = out.initHello();
-        h.setVersion(c.flags);
-        h.setClient(c.text.c_str());
-        break;
+#define CALL(name, Member, mode, fields)   \
+    case Kind::name: {                     \
+        auto b = out.init##Member();       \
+        fields                             \
+        break;                             \
     }
-    case Kind::ctxCreate: {
-        auto a = out.initCtxCreate();
-        a.setFlags(c.flags);
-        a.setDevice(c.device);
-        break;
+#define CALL_VOID(name, Member, mode) \
+    case Kind::name: out.set##Member(); break;
+#define CALL_DATA(name, Member, mode, slot) \
+    case Kind::name: {                      \
+        ::Call::Builder& b = out;           \
+        FIELD(Member, slot, Data)           \
+        break;                              \
     }
-    case Kind::attach: {
-        auto a = out.initAttach();
-        a.setCtx(c.address);
-        a.setToken(as_data(c.bytes));
-        if (!c.text.empty()) {
-            a.setShmPath(c.text.c_str());
-            a.setShmCookie(as_data(c.bytes2));
-            a.setShmSize(c.size);
-        }
-        break;
-    }
-    case Kind::driverGetVersion: out.setDriverGetVersion(); break;
-    case Kind::deviceGetCount: out.setDeviceGetCount(); break;
-    case Kind::deviceGetName: out.initDeviceGetName().setDevice(c.device); break;
-    case Kind::deviceGetUuid: out.initDeviceGetUuid().setDevice(c.device); break;
-    case Kind::deviceTotalMem: out.initDeviceTotalMem().setDevice(c.device); break;
-    case Kind::deviceGetAttribute: {
-        auto a = out.initDeviceGetAttribute();
-        a.setAttribute(c.number);
-        a.setDevice(c.device);
-        break;
-    }
-    case Kind::deviceComputeCapability: out.initDeviceComputeCapability().setDevice(c.device); break;
-    case Kind::deviceP2PAttribute: {
-        auto a = out.initDeviceP2PAttribute();
-        a.setAttribute(c.number);
-        a.setDevice(c.device);
-        a.setPeer(c.peer);
-        break;
-    }
-    case Kind::ctxDestroy: out.setCtxDestroy(); break;
-    case Kind::ctxSynchronize: out.setCtxSynchronize(); break;
-    case Kind::memAlloc: {
-        auto m = out.initMemAlloc();
-        m.setSize(c.size);
-        m.setAt(c.address);
-        break;
-    }
-    case Kind::memReserve: {     // size, alignment (address2), the address wished for
-        auto m = out.initMemReserve();
-        m.setSize(c.size);
-        m.setAlignment(c.address2);
-        m.setAt(c.address);
-        break;
-    }
-    case Kind::memUnreserve: out.initMemUnreserve().setPtr(c.address); break;
-    case Kind::memFree: out.initMemFree().setPtr(c.address); break;
-    case Kind::hostMap: {
-        auto h = out.initHostMap();
-        h.setId(c.id);
-        h.setPath(c.text.c_str());
-        h.setCookie(as_data(c.bytes2));
-        h.setSize(c.size);
-        h.setAddress(c.address);
-        break;
-    }
-    case Kind::hostUnmap: out.initHostUnmap().setId(c.id); break;
-    case Kind::memcpyPinned: {
-        auto m = out.initMemcpyPinned();
-        m.setDevice(c.address);
-        m.setRange(c.id);
-        m.setOffset(c.id2);
-        m.setSize(c.size);
-        m.setStream(c.stream);
-        m.setToDevice(c.flags & Call::kToDevice);
-        m.setWait(c.flags & Call::kWait);
-        break;
-    }
-    case Kind::memGetInfo: out.setMemGetInfo(); break;
-    case Kind::memGetAddressRange: out.initMemGetAddressRange().setPtr(c.address); break;
-    case Kind::memcpyHtoD: {
-        auto m = out.initMemcpyHtoD();
-        m.setDst(c.address);
-        m.setSize(c.size);
-        m.setStream(c.stream);
-        if (c.flags & Call::kViaShm) {
-            m.setViaShm(true);
-            m.setShmOffset(c.id);
-            m.setChunkOffset(c.id2);
-            m.setTotalSize(c.address2);
-        } else {
-            m.setPayload(payload_index);
-        }
-        break;
-    }
-    case Kind::memcpyDtoH: {
-        auto m = out.initMemcpyDtoH();
-        m.setSrc(c.address);
-        m.setSize(c.size);
-        m.setStream(c.stream);
-        if (c.flags & Call::kViaShm) {
-            m.setViaShm(true);
-            m.setShmOffset(c.id);
-            m.setChunkOffset(c.id2);
-            m.setTotalSize(c.address2);
-        }
-        break;
-    }
-    case Kind::memcpyDtoD: {
-        auto m = out.initMemcpyDtoD();
-        m.setDst(c.address);
-        m.setSrc(c.address2);
-        m.setSize(c.size);
-        m.setStream(c.stream);
-        break;
-    }
-    case Kind::memset: {
-        auto m = out.initMemset();
-        m.setDst(c.address);
-        m.setValue(c.flags);
-        m.setElemSize(static_cast<uint8_t>(c.number));
-        m.setCount(c.size);
-        m.setStream(c.stream);
-        break;
-    }
-    case Kind::moduleLoad: {
-        auto m = out.initModuleLoad();
-        m.setPayload(payload_index);
-        if (!c.text.empty()) m.setDigest(as_data(c.text));
-        break;
-    }
-    case Kind::moduleUnload: out.initModuleUnload().setId(c.id); break;
-    case Kind::moduleGetFunction: {
-        auto s = out.initModuleGetFunction();
-        s.setModule(c.id);
-        s.setName(c.text.c_str());
-        break;
-    }
-    case Kind::moduleGetGlobal: {
-        auto s = out.initModuleGetGlobal();
-        s.setModule(c.id);
-        s.setName(c.text.c_str());
-        break;
-    }
-    case Kind::launch: {
-        auto l = out.initLaunch();
-        l.setFunction(c.id);
-        std::string config;
-        put_launch_config(config, c);
-        l.setConfig(as_data(config));
-        l.setParams(as_data(c.bytes));
-        break;
-    }
-    case Kind::streamCreate: {
-        auto s = out.initStreamCreate();
-        s.setFlags(c.flags);
-        s.setPriority(c.number);
-        break;
-    }
-    case Kind::streamDestroy: out.initStreamDestroy().setId(c.id); break;
-    case Kind::streamSynchronize: out.initStreamSynchronize().setId(c.id); break;
-    case Kind::streamQuery: out.initStreamQuery().setId(c.id); break;
-    case Kind::streamWaitEvent: {
-        auto s = out.initStreamWaitEvent();
-        s.setStream(c.stream);
-        s.setEvent(c.id2);
-        s.setFlags(c.flags);
-        break;
-    }
-    case Kind::eventCreate: out.initEventCreate().setFlags(c.flags); break;
-    case Kind::eventRecord: {
-        auto e = out.initEventRecord();
-        e.setEvent(c.id);
-        e.setStream(c.stream);
-        break;
-    }
-    case Kind::eventSynchronize: out.initEventSynchronize().setId(c.id); break;
-    case Kind::eventQuery: out.initEventQuery().setId(c.id); break;
-    case Kind::eventElapsedTime: {
-        auto e = out.initEventElapsedTime();
-        e.setStart(c.id);
-        e.setEnd(c.id2);
-        break;
-    }
-    case Kind::eventDestroy: out.initEventDestroy().setId(c.id); break;
-    case Kind::launchBatch: out.setLaunchBatch(as_data(c.bytes)); break;
-    case Kind::logFull: out.setLogFull(); break;
-    case Kind::funcSetAttribute: {
-        auto a = out.initFuncSetAttribute();
-        a.setFunction(c.id);
-        a.setAttribute(c.number);
-        a.setValue(static_cast<int32_t>(c.flags));
-        break;
-    }
-    case Kind::ctxLimit: {
-        auto l = out.initCtxLimit();
-        l.setLimit(c.number);
-        l.setValue(c.size);
-        l.setSet(c.flags != 0);
-        break;
-    }
-    case Kind::funcOccupancy: {
-        auto o = out.initFuncOccupancy();
-        o.setFunction(c.id);
-        o.setQuery(static_cast<::FuncOccupancy::Query>(c.number));
-        o.setA(c.address);
-        o.setB(c.size);
-        o.setFlags(c.flags);
-        o.setGrid(c.address2);
-        break;
-    }
-    case Kind::tensorMapEncode: {
-        auto t = out.initTensorMapEncode();
-        t.setIm2col(c.flags != 0);
-        t.setArgs(as_data(c.bytes));
-        break;
-    }
-    case Kind::reattach: {
-        auto a = out.initReattach();
-        a.setCtx(c.address);
-        a.setToken(as_data(c.bytes));
-        break;
-    }
+#include "calls.def"
     }
 }
+#undef FIELD
 
 static void write_frame(capnp::MessageBuilder& message, std::string& frame);
 

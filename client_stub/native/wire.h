@@ -6,6 +6,7 @@
 // Only wire.cpp sees Cap'n Proto types.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -13,19 +14,21 @@
 
 namespace phos::wire {
 
+// Every call, as calls.def lists them.
 enum class Kind : uint8_t {
-    hello, ctxCreate, attach,
-    driverGetVersion, deviceGetCount, deviceGetName, deviceGetUuid, deviceTotalMem,
-    deviceGetAttribute, deviceComputeCapability,
-    ctxDestroy, ctxSynchronize,
-    memAlloc, memFree, memGetInfo, memGetAddressRange,
-    memcpyHtoD, memcpyDtoH, memcpyDtoD, memset,
-    moduleLoad, moduleUnload, moduleGetFunction, moduleGetGlobal, launch,
-    streamCreate, streamDestroy, streamSynchronize, streamQuery, streamWaitEvent,
-    eventCreate, eventRecord, eventSynchronize, eventQuery, eventElapsedTime, eventDestroy,
-    launchBatch, reattach, logFull, tensorMapEncode, funcOccupancy, funcSetAttribute, ctxLimit,
-    memReserve, memUnreserve, hostMap, hostUnmap, memcpyPinned, deviceP2PAttribute,
+#define CALL(name, Member, mode, fields) name,
+#include "calls.def"
 };
+
+// How a driver entry point sends a call (calls.def's mode column).
+enum class Mode : uint8_t { sync, async, stream, copy };
+
+constexpr Mode kModes[] = {
+#define CALL(name, Member, mode, fields) Mode::mode,
+#include "calls.def"
+};
+constexpr Mode mode_of(Kind kind) { return kModes[static_cast<size_t>(kind)]; }
+
 const char* kind_name(Kind kind);
 
 struct Dim3 {
@@ -43,7 +46,8 @@ struct Payload {
     static Payload borrow(const void* src, size_t n);
 };
 
-// One call. Each kind uses the fields its schema struct has; the factories below say which.
+// One call. calls.def says which member holds each field of its kind's schema struct; the
+// factories below fill them.
 struct Call {
     uint64_t seq = 0;
     Kind kind = Kind::hello;
@@ -55,7 +59,7 @@ struct Call {
                               // a pinned range's (hostMap, memcpyPinned)
     uint64_t id2 = 0;         // end event; event of streamWaitEvent; chunkOffset of a staged copy; offset
                               // into a pinned range
-    uint32_t flags = 0;       // flags; memset value; launch shared bytes; hello version; kViaShm (copies)
+    uint32_t flags = 0;       // flags; memset value; launch shared bytes; hello version; kViaShm, kWait (copies)
     int32_t device = 0;       // device ordinal
     int32_t peer = 0;         // the other device of deviceP2PAttribute
     int32_t number = 0;       // device attribute; stream priority; memset element size
@@ -72,8 +76,9 @@ struct Call {
     static constexpr uint32_t kViaShm = 1;   // a copy whose bytes lie in the shared staging area
     // a moduleLoad sent by its digest (text) alone: the server keeps the image from before
     static constexpr uint32_t kByDigest = 2;
-    // memcpyPinned: host->device (else device->host); answered once done (a synchronous copy)
+    // memcpyPinned: host->device (else device->host)
     static constexpr uint32_t kToDevice = 4;
+    // a copy its caller waits for (calls.def's mode copy); memcpyPinned tells the worker, to answer once done
     static constexpr uint32_t kWait = 8;
     bool via_shm() const { return (kind == Kind::memcpyHtoD || kind == Kind::memcpyDtoH) && (flags & kViaShm); }
     bool has_payload() const {
@@ -83,6 +88,9 @@ struct Call {
     bool answered_by_frames() const { return kind == Kind::memcpyDtoH && !(flags & kViaShm); }
     // How many API calls it stands for: a launchBatch, one per launch; the rest, one.
     size_t calls() const { return kind == Kind::launchBatch ? launches : 1; }
+    // A launch's Launch.config (schema/phos.capnp): grid xyz, block xyz, shared bytes (flags) and
+    // options as little-endian UInt32s, then the stream as a UInt64.
+    std::array<char, 40> launch_config() const;
 
     static Call plain(Kind kind) { Call c; c.kind = kind; return c; }
     static Call with_id(Kind kind, uint64_t id) { Call c; c.kind = kind; c.id = id; return c; }
@@ -100,8 +108,9 @@ struct Call {
     static Call p2p_attribute(int attribute, int device, int peer);
     static Call mem_alloc(uint64_t size, uint64_t at = 0);   // at: a mapping's address (cuMemMap)
     static Call mem_free(uint64_t ptr);
-    static Call memcpy_htod(uint64_t dst, uint64_t stream, Payload bytes);
-    static Call memcpy_dtoh(uint64_t src, uint64_t size, uint64_t stream);
+    // wait: the caller waits for the copy (else it is queued; a device->host one lands with a later Reply)
+    static Call memcpy_htod(uint64_t dst, uint64_t stream, Payload bytes, bool wait);
+    static Call memcpy_dtoh(uint64_t src, uint64_t size, uint64_t stream, bool wait);
     // One chunk of a copy through the staging area: its bytes at shm_offset of the area;
     // chunk_offset and total_size name the whole copy, which the worker checks every time.
     static Call memcpy_htod_staged(uint64_t dst, uint64_t size, uint64_t stream, uint64_t shm_offset,
