@@ -16,10 +16,9 @@ on /dev/shm, so the times are the manifest's and the store's, not the bytes'.
     ... to its delta  the same, until its delta is ready (a handoff's target gets it then)
     advance           the target's warm restore moving on to that round's image (manifest
                       and load of what changed)
-    advance by delta  the same, given the round's delta (JSON) instead of its manifest
+    advance by delta  the same, given the round's delta (its ImageDelta message) instead of its manifest
 """
 import argparse
-import json
 import os
 import secrets
 import shutil
@@ -89,7 +88,7 @@ def rounds(root, n, chunk=4096):
         deltas = []
         t = time.perf_counter()
         cp.cut(2, paused=True)
-        cp.finish(2, lambda d: deltas.append((json.dumps(d), time.perf_counter())))
+        cp.finish(2, lambda d: deltas.append((d, time.perf_counter())))
         times["frozen round"].append(time.perf_counter() - t)
         times["... to its delta"].append(deltas[0][1] - t)
         for how in ("advance", "advance by delta"):
@@ -98,7 +97,7 @@ def rounds(root, n, chunk=4096):
             r.recreate()
             r.start(full=True)
             t = time.perf_counter()
-            r.advance(f"round{i}", full=True, delta=json.loads(deltas[0][0]) if how == "advance by delta" else None)
+            r.advance(f"round{i}", full=True, delta=deltas[0][0] if how == "advance by delta" else None)
             times[how].append(time.perf_counter() - t)
     return {k: min(v) * 1e3 for k, v in times.items()}
 

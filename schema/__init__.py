@@ -1,2 +1,2 @@
 """Wire schemas: phos.capnp (the data plane, and the control plane between a front end and its
-workers) and admin.proto (the admin API)."""
+workers), admin.proto (the admin API) and image.capnp (the image format: manifests and deltas)."""

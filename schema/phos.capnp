@@ -395,9 +395,10 @@ struct Checkpoint {
 # Without `full`, contents load in the background once the client has attached and its first
 # calls were served (or 0.1 s on); with `warm` (a handoff's early image, which no client
 # attaches to before `advance`), at once.
-# With `advance` and `delta` (a Checkpoint's early delta), the worker moves on by the delta
-# instead of reading the image's manifest, which may not be committed yet.
-struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; warm @4 :Bool; delta @5 :ImageDelta; }
+# With `advance` and `delta` (a Checkpoint's early delta: an ImageDelta message of image.capnp,
+# carried unread), the worker moves on by the delta instead of reading the image's manifest,
+# which may not be committed yet.
+struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; warm @4 :Bool; delta @5 :Data; }
 # The tenant a new context's memory counts against (PHOS_TENANT_QUOTA), when the server has a
 # quota: `name` is a digest of the tenant's identity (gpu_server/device_ledger.py tenant_name), its
 # ledger directory's name. The context's images carry it, so a restore charges the same tenant.
@@ -443,7 +444,8 @@ struct ControlReply {
     failed @1 :Failure;
     done @2 :Void;             # attach, thaw, retireTo, tenant, pace, movingTo, keep
     progress @3 :Progress;     # a checkpoint is running
-    delta @4 :ImageDelta;      # a checkpoint with early: its image before it is committed
+    delta @4 :Data;            # a checkpoint with early: its image before it is committed, an
+                               # ImageDelta message of image.capnp (carried unread)
     checkpointed @5 :CheckpointResult;
     restored @6 :RestoreResult;
     stats @7 :CtxStats;
@@ -505,17 +507,3 @@ struct CtxStats {
   firstCallLoaded @7 :UInt64;  # restored on demand: bytes loaded when the first call touched memory
   firstCallSeen @8 :Bool;      # ... and whether that happened yet
 }
-
-# An image as a delta of its parent (snapshot/engine.py image_delta): what a handoff's warm
-# target needs to move on to it without reading its manifest.
-struct ImageDelta {
-  format @0 :Text;
-  name @1 :Text;
-  parent @2 :Text;
-  cutSeq @3 :UInt64;
-  objects @4 :Text;            # a digest of the image's objects
-  nextId @5 :UInt64;           # the session's next handle
-  error @6 :Failure;           # the context's sticky error (status 0: none)
-  changes @7 :List(ChunkChange);
-}
-struct ChunkChange { address @0 :UInt64; index @1 :UInt64; key @2 :Text; }

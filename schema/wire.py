@@ -55,7 +55,6 @@ Request = phos_capnp.Request
 Reply = phos_capnp.Reply
 ControlRequest = phos_capnp.ControlRequest
 ControlReply = phos_capnp.ControlReply
-ImageDelta = phos_capnp.ImageDelta
 
 # A Reply's Result, read (read_result)
 Result = collections.namedtuple("Result", "seq status message u64s f64 text data payload params")
@@ -356,33 +355,22 @@ STATS_FIELDS = (("bytes", "bytes"), ("allocations", "allocations"), ("last_seq",
 
 def encode_control(seq, kind, args=None):
     """A ControlRequest frame. kind: attach ({ctx, token}), checkpoint (CHECKPOINT_ARGS),
-    restore (RESTORE_ARGS and delta: a packed ImageDelta, see pack_delta), ctxStats, thaw,
-    retireTo and movingTo ({endpoint, standby, serverKey}), tenant ({name}), pace ({hold}) or keep
-    ({seconds}); args: a
-    dict of its fields
-    (those left out are zero).
-    Raises WireError for a delta that cannot be read."""
+    restore (RESTORE_ARGS and delta: an ImageDelta message's bytes, snapshot/image.py encode_delta),
+    ctxStats, thaw, retireTo and movingTo ({endpoint, standby, serverKey}), tenant ({name}), pace
+    ({hold}) or keep ({seconds}); args: a dict of its fields (those left out are zero)."""
     req = ControlRequest.new_message(seq=seq)
     if args is None:
         setattr(req, kind, None)
         return req.to_bytes()
     fields = req.init(kind)
     for key, value in args.items():
-        if key == "delta":
-            if value:
-                try:
-                    with decode(ImageDelta, value) as d:
-                        fields.delta = d
-                except MALFORMED as e:
-                    raise WireError(f"the delta is not an ImageDelta: {describe(e)}") from None
-        else:
-            setattr(fields, key, value)
+        setattr(fields, key, value)
     return req.to_bytes()
 
 
 def read_control(frame):
     """(seq, kind, args) of a ControlRequest frame; args are plain values, copied out of the frame
-    (a SimpleNamespace of the member's fields; a restore's delta as a dict, or None). Raises WireError."""
+    (a SimpleNamespace of the member's fields; a restore's delta as bytes, or None). Raises WireError."""
     with decode(ControlRequest, frame) as req:
         kind = req.which()
         a = getattr(req, kind)
@@ -392,7 +380,7 @@ def read_control(frame):
             args = types.SimpleNamespace(**{k: getattr(a, k) for k in CHECKPOINT_ARGS})
         elif kind == "restore":
             args = types.SimpleNamespace(**{k: getattr(a, k) for k in RESTORE_ARGS},
-                                         delta=_read_delta(a.delta) if a._has("delta") else None)
+                                         delta=bytes(a.delta) or None)
         elif kind in ("retireTo", "movingTo"):
             args = types.SimpleNamespace(endpoint=a.endpoint, standby=a.standby, server_key=a.serverKey)
         elif kind == "tenant":
@@ -408,7 +396,7 @@ def read_control(frame):
 
 def control_reply(seq, kind, value=None):
     """A ControlReply frame. kind and value: failed (status, message), done (None), progress
-    (done bytes, total bytes), delta (the dict of snapshot.engine.image_delta), checkpointed (the
+    (done bytes, total bytes), delta (snapshot.engine.image_delta's bytes), checkpointed (the
     checkpoint's result dict), restored (restore_result's dict) or stats (ctx stats dict)."""
     reply = ControlReply.new_message(seq=seq)
     if kind == "done":
@@ -420,7 +408,7 @@ def control_reply(seq, kind, value=None):
         p = reply.init("progress")
         p.doneBytes, p.totalBytes = value
     elif kind == "delta":
-        _write_delta(reply.init("delta"), value)
+        reply.delta = value
     elif kind == "checkpointed":
         _write_checkpoint_result(reply.init("checkpointed"), value)
     elif kind == "restored":
@@ -439,8 +427,8 @@ def control_reply(seq, kind, value=None):
 
 
 def read_control_reply(frame):
-    """(seq, kind, value) of a ControlReply frame, value as control_reply takes it, but for a
-    delta: the packed ImageDelta (bytes), which a handoff passes on as it is. Raises WireError."""
+    """(seq, kind, value) of a ControlReply frame, value as control_reply takes it (a delta's
+    bytes, which a handoff passes on as they are). Raises WireError."""
     with decode(ControlReply, frame) as reply:
         kind = reply.which()
         if kind == "done":
@@ -450,7 +438,7 @@ def read_control_reply(frame):
         elif kind == "progress":
             value = (reply.progress.doneBytes, reply.progress.totalBytes)
         elif kind == "delta":
-            value = reply.delta.as_builder().to_bytes()
+            value = bytes(reply.delta)
         elif kind == "checkpointed":
             value = _read_checkpoint_result(reply.checkpointed)
         elif kind == "restored":
@@ -462,35 +450,6 @@ def read_control_reply(frame):
             value = {key: getattr(st, field) for key, field in STATS_FIELDS}
             value["first_call_loaded"] = st.firstCallLoaded if st.firstCallSeen else None
         return reply.seq, kind, value
-
-
-def pack_delta(delta):
-    """An image delta (the dict of snapshot.engine.image_delta) as a packed ImageDelta message."""
-    msg = ImageDelta.new_message()
-    _write_delta(msg, delta)
-    return msg.to_bytes()
-
-
-def read_delta(blob):
-    """The dict of a packed ImageDelta. Raises WireError."""
-    with decode(ImageDelta, blob) as d:
-        return _read_delta(d)
-
-
-def _write_delta(d, delta):
-    d.format, d.name, d.parent = delta["format"], delta["name"], delta["parent"] or ""
-    d.cutSeq, d.objects, d.nextId = delta["cut_seq"], delta["objects"], delta["next_id"]
-    error = delta.get("error") or {}
-    d.error.status, d.error.message = int(error.get("status", 0)), error.get("message", "")
-    changes = d.init("changes", len(delta["changes"]))
-    for c, (address, index, key) in zip(changes, delta["changes"]):
-        c.address, c.index, c.key = address, index, key
-
-
-def _read_delta(d):
-    return {"format": d.format, "name": d.name, "parent": d.parent or None, "cut_seq": d.cutSeq, "objects": d.objects,
-            "next_id": d.nextId, "error": {"status": d.error.status, "message": d.error.message},
-            "changes": [[c.address, c.index, c.key] for c in d.changes]}
 
 
 def _write_timings(msg, field, timings):

@@ -48,8 +48,8 @@ from phos.base import settings
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot.fingerprint import fingerprint
 from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError, ImageWriter, check_chunks, chunk_count,
-                                 chunk_payload, encode_delta, read_chunk, read_chunk_into, read_image, read_latest_image,
-                                 validate_delta)
+                                 chunk_payload, encode_delta, read_chunk, read_chunk_into, read_delta, read_image,
+                                 read_latest_image)
 from phos.snapshot.image_key import image_key
 from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTES, WorkThreads
 from phos.snapshot.store import keys_of
@@ -899,7 +899,8 @@ def image_delta(m, changes=None):
     the parent image it holds (Restore.advance), without reading a manifest: what the objects
     are (a digest), the session's next id, the error state, the cut, and the chunks whose keys
     differ from the parent's, as [region address, chunk index in it, key]. changes: those, when
-    the caller knows them; else every chunk is listed. JSON-ready."""
+    the caller knows them; else every chunk is listed. Returns its ImageDelta message's bytes
+    (image.encode_delta)."""
     if changes is None:
         changes = [[e["address"], j, k] for e in list(m.allocations) + list(m.globals) for j, k in enumerate(e["chunks"])]
     return encode_delta(m.name, m.parent, m.cut_seq, objects_digest(m), m.session["next_id"], m.error, changes)
@@ -999,7 +1000,7 @@ class Restore(ChunkJob):
         backend, t = s.backend, time.perf_counter()
         if m.backend != backend.name:
             self.refuse(f"taken on the {m.backend} backend, this server runs {backend.name}")
-        # (the manifest's fields read as they are: to_dict() parses a copy, slow for a large image)
+        # (the manifest's fields read as they are: to_dict() decodes a copy, slow for a large image)
         if getattr(m, "address_space", {}).get("base", s.space.base) != s.space.base:
             self.refuse(f"address space base {m.address_space['base']:#x} differs from this server's {s.space.base:#x}")
         info = backend.device_info()
@@ -1021,7 +1022,7 @@ class Restore(ChunkJob):
                 ptr, size = backend.get_global(module, g["name"])
                 if size != g["size"]:
                     self.refuse(f"global {g['name']} holds {size} bytes, the image {g['size']}")
-                for old in {g["address"], g.get("device", ptr)} - {ptr}:
+                for old in {g["address"], g["device"] or ptr} - {ptr}:
                     self.relocations.append((old, old + size, ptr))
                 if not s.reach_global(g["address"], ptr, size, g["name"]):
                     placed[g["module"], g["name"]] = ptr
@@ -1055,19 +1056,20 @@ class Restore(ChunkJob):
     def advance(self, name, full=False, delta=None):
         """Move this restore (its context not yet in use) on to a later image of the same
         context, as a handoff's last round: only the chunks whose contents changed load again.
-        delta: that image as Checkpoint.delta gave it (its manifest is not read, and may not be
-        committed yet). Returns the later image's cut, or None when the images differ in more
+        delta: that image as Checkpoint.delta gave it, an ImageDelta message's bytes (its manifest
+        is not read, and may not be committed yet). Returns the later image's cut, or None when the images differ in more
         than contents (objects created or destroyed): then it must be restored afresh."""
         t = time.perf_counter()
         self.phase_ms = {}
         m = None
         if delta is not None:
-            if self.check_delta(name, delta) != objects_digest(self.manifest):
+            delta = self.check_delta(name, delta)
+            if delta.objects != objects_digest(self.manifest):
                 return None
             # each region by the address the images give it: its chunks here
             place = {e["address"]: self.chunks.covering(ptr, e["size"]) for ptr, e in zip(self.bases, region_entries(self.manifest))}
             keys, touched = list(self.keys), set()
-            for address, j, key in delta["changes"]:
+            for address, j, key in delta.changes:
                 span = place.get(address, range(0))
                 if not 0 <= j < len(span):
                     self.refuse(f"the delta of image {name!r} names chunk {j} of a region at {address:#x}, "
@@ -1075,7 +1077,7 @@ class Restore(ChunkJob):
                 keys[span[j]] = key
                 touched.add(span[j])
             changed = indices(sorted(c for c in touched if keys[c] != self.keys[c]))
-            session, error, cut_seq = dict(self.manifest.session, next_id=delta["next_id"]), delta["error"], delta["cut_seq"]
+            session, error, cut_seq = dict(self.manifest.session, next_id=delta.next_id), delta.error, delta.cut_seq
         else:
             try:     # the chunks of the image it advances from were checked when it was read
                 m = read_image(self.store, name, key=self.key, check_chunks=False)
@@ -1115,17 +1117,17 @@ class Restore(ChunkJob):
             self.step("load", t)
         return cut_seq
 
-    def check_delta(self, name, d):
-        """Refuse a malformed delta (image.validate_delta), or one of another image than ours;
-        returns its objects' digest."""
+    def check_delta(self, name, blob):
+        """The Delta of an ImageDelta message (image.read_delta); refuses a malformed one, or one
+        that moves on from another image than ours."""
         try:
-            validate_delta(d, name)
+            d = read_delta(blob, name)
         except ImageError as e:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, str(e)) from None
-        if d.get("parent") != self.name:
+        if d.parent != self.name:
             raise CudaError(CUresult.CUDA_ERROR_ILLEGAL_STATE, f"delta of image {name!r}: it moves on from image "
-                            f"{d.get('parent')!r}, this restore holds {self.name!r}")
-        return d["objects"]
+                            f"{d.parent!r}, this restore holds {self.name!r}")
+        return d
 
     def chunk_keys(self):
         """Every chunk key of the image this restore is at: its contents and its modules."""

@@ -18,39 +18,19 @@ Layout in a store (see store.py):
   every field, refuses a declared length over its limit before allocating anything,
   decompresses to at most the declared length, and re-fingerprints the result.
 
-- **Manifests.** Canonical JSON (sorted keys, no whitespace, ASCII, no NaN) of:
-
-      {"format": "phos-image", "version": 1, "name": str, "parent": str | null,
-       "created": unix time, "cut_seq": int, "backend": "cuda" | "emu" | ...,
-       "device": {"name", "uuid" (hex), "cc": [major, minor], "total_mem"},
-       "address_space": {"base", "size"}                      (optional)
-       "modules":     [{"id", "name", "kind", "image": key, "size"}],
-       "functions":   [{"id", "module", "name", "params": [[offset, size], ...],
-                        "attributes"?: [[CUfunction_attribute, value], ...] (what the application set)}],
-       "globals":     [{"module", "name", "address", "size", "chunk_size", "chunks": [key],
-                        "device" (optional: where the device had it, when not at address)}],
-       "streams":     [{"id", "flags", "priority"}],
-       "events":      [{"id", "flags"}],
-       "allocations": [{"address", "size", "chunk_size", "chunks": [key]}],
-       "error":       {"status", "message"},
-       "session":     {"ctx", "token", "next_id",
-                       "limits"?: [[CUlimit, value], ...] (what the application set),
-                       "reserved"?: [[base, length], ...] (cuMemAddressReserve's ranges;
-                                    the allocations mapped in them are among "allocations"),
-                       "tenant"?: the name of the tenant whose quota its memory counts against
-                                  (PHOS_TENANT_QUOTA: 64 lowercase hex digits, a digest)}
-                                                                  (optional)
-       "metadata":    {...}    e.g. {"mode": "concurrent", "paused": false, "pause_ms": 0.4,
-                                      "recopied_chunks": 0}}
+- **Manifests.** A Manifest message of schema/image.capnp: the image's objects, its
+  session, and for each region the keys of its chunks (the schema says what each field holds).
+  encode_manifest writes one from a dict of its fields (as the snapshot engine describes the
+  context); decode_manifest reads one back into such a dict, and validate_manifest checks what
+  the schema cannot say: the format and version, names and text lengths, ranges (a chunk size,
+  a module's size), each region's chunk count for its size, ids unique per kind, the modules
+  that functions and globals name, allocations that do not overlap, the session's digests.
+  Version 1 was canonical JSON, which a reader refuses by name.
 
   `session` is the context the image was taken of, which a restore takes on: its id (ctx),
-  the digest of its session token (token: 64 lowercase hex digits, token_digest) and the
-  next handle it gives out (next_id). The snapshot engine always writes it, and restores
-  only an image that has it; latest_image picks images by it.
-
-  A region (allocation or global) of `size` bytes has ceil(size / chunk_size) chunks;
-  chunk j holds bytes [j*chunk_size, min(size, (j+1)*chunk_size)). Entries may carry
-  extra fields; the ones above are required and type-checked.
+  the digest of its session token (token_digest) and the next handle it gives out (next_id).
+  The snapshot engine always writes it, and restores only an image that has it; latest_image
+  picks images by it.
 
   Beside it, its signature line: b"hmac-sha256:<hex>\\n", HMAC-SHA256 under the image key of
   the server that wrote it (image_key.py) of b"phos-manifest-v1" and the manifest's exact
@@ -60,16 +40,10 @@ Layout in a store (see store.py):
   them without a key; servers never restore one.)
 
 - **Deltas.** A handoff's last round sends its image to the warm target as a delta of the
-  parent image the target holds, before the manifest is committed (encode_delta; checked by
-  validate_delta, or decode_delta from its JSON text). A JSON object:
-
-      {"format": "phos-delta-2", "name": str, "parent": str | null, "cut_seq": int,
-       "objects": str      (a digest of the image's objects: snapshot/engine.py objects_digest),
-       "next_id": int      (the session's, as in the manifest),
-       "error":   {"status", "message"},
-       "changes": [[region address, chunk index in that region, chunk key], ...]}
-
-  changes lists the chunks whose keys differ from the parent's (or every chunk).
+  parent image the target holds, before the manifest is committed: an ImageDelta message of
+  schema/image.capnp (encode_delta), which the control plane and the admin API carry as bytes
+  to the worker that advances by it, which reads and checks it (read_delta). Its changes are
+  the chunks whose keys differ from the parent's (or every chunk).
 
 Every failure raises ImageError with a message naming the image, chunk or field.
 
@@ -77,6 +51,7 @@ Incremental images: chunks are shared by every image in a store, so ImageWriter 
 only chunks the store does not already hold. Deleting an image removes the chunks no
 other manifest references (delete_image / gc).
 """
+import collections
 import hashlib
 import hmac
 import itertools
@@ -91,14 +66,19 @@ import time
 import numpy as np
 import zstandard
 
+from phos.schema import image_messages as messages
+from phos.schema.wire import describe
+
 from .fingerprint import fingerprint
 from .image_key import image_key
-from .store import DirStore, ImageError, MemoryStore, all_keys, check_key, check_name, keys_of  # noqa: F401 (re-exported)
+from .store import DirStore, MemoryStore  # noqa: F401 (re-exported)
+from .store import KEY_RE, ImageError, all_keys, check_key, check_name, keys_of
 
 log = logging.getLogger("phos.snapshot")
 
-FORMAT = "phos-image"
-VERSION = 1
+FORMAT = messages.MANIFEST_FORMAT
+VERSION = messages.MANIFEST_VERSION
+DELTA_FORMAT = messages.DELTA_FORMAT
 CHUNK_MAGIC = b"PHCK"
 CHUNK_VERSION = 1
 COMP_RAW = 0
@@ -110,7 +90,6 @@ HEADER_SIZE = HEADER.size                 # 40
 DEFAULT_CHUNK_SIZE = 2 << 20              # the VMM granularity on the H200
 MAX_CHUNK_BYTES = 256 << 20               # largest chunk a reader accepts
 MAX_MANIFEST_BYTES = 64 << 20
-MAX_JSON_DEPTH = 32
 U64 = 1 << 64
 
 DIGEST_PERSON = b"phos-manifest-v1"
@@ -120,16 +99,10 @@ _DIGEST_RE = re.compile(rb"(blake2b-256|hmac-sha256):([0-9a-f]{64})\n?")
 # a chunk header's fields (HEADER) as an array type: a restore checks thousands at once
 _HEADS = np.dtype([("magic", "S4"), ("version", "<u2"), ("comp", "<u2"), ("raw", "<u8"), ("stored", "<u8"),
                    ("fp", "u1", 16)])
+# a chunk key as a version-1 manifest (JSON) quotes it: gc keeps the chunks of such images
 _QUOTED_KEY_RE = re.compile(rb'"([0-9a-f]{32})"')
-_HEX_RE = re.compile(r"(?:[0-9a-f]{2}){0,64}")
-_CONTAINERS = itertools.repeat((dict, list))
+_HEX_RE = re.compile(r"(?:[0-9a-f]{2})*")
 _TOKEN_RE = re.compile(r"[0-9a-f]{64}")
-DELTA_FORMAT = "phos-delta-2"
-# A manifest's "created" key, metadata mode and session key, as canonical JSON writes them (for
-# latest_image's glance): a quote inside a string is escaped (\"), so only keys match.
-_CREATED_RE = re.compile(rb'"created":(-?[0-9][0-9.eE+-]*)[,}]')
-_MODE_RE = re.compile(rb'"mode":"([a-z]*)"')
-_SESSION_KEY = b'"session":'
 
 
 # ---------------------------------------------------------------------------------
@@ -349,14 +322,6 @@ def read_region(store, entry, max_len=MAX_CHUNK_BYTES):
 # ---------------------------------------------------------------------------------
 # manifests
 
-def canonical_json(obj):
-    try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False).encode("ascii")
-    except (TypeError, ValueError) as e:
-        raise ImageError(f"manifest cannot be written as canonical JSON: {e}") from None
-
-
 def _signature(data, key):
     """The hex HMAC-SHA256 of a manifest's bytes under an image key."""
     if isinstance(key, str):
@@ -401,241 +366,322 @@ def _check_digest(name, data, digest, key):
                          "(the manifest was modified or corrupted)")
 
 
-def _depth_ok(obj, limit=MAX_JSON_DEPTH):
-    """No value nests deeper than limit (the top object is at depth 0). Walks containers
-    level by level; a list holding no container (thousands of chunk keys) is passed over
-    by one scan in C."""
-    level, depth = [obj] if isinstance(obj, (dict, list)) else [], 0
-    while level:
-        nested = []
-        for o in level:
-            values = o.values() if isinstance(o, dict) else o
-            if depth >= limit and len(values):
-                return False
-            if not any(map(isinstance, values, _CONTAINERS)):
-                continue
-            nested.extend(v for v in values if isinstance(v, (dict, list)))
-        level, depth = nested, depth + 1
-    return True
+class _Field:
+    """How a field of a struct of schema/image.capnp reads in Python (see its annotations)."""
+
+    def __init__(self, member, schema_field):
+        self.member = member                               # the schema's name (camelCase)
+        self.name = re.sub(r"[A-Z]", lambda c: "_" + c.group().lower(), member)
+        self.kind = str(schema_field.proto.slot.type.which)       # uint64, text, data, struct, list, enum...
+        marks = {a.id for a in schema_field.proto.annotations}
+        self.optional = messages.ANNOTATIONS["optional"] in marks
+        self.keys = messages.ANNOTATIONS["keys"] in marks
+        self.inner = (schema_field.schema if self.kind in ("struct", "enum")
+                      else schema_field.schema.elementType if self.kind == "list" else None)
+        self.pair = None        # a $pair struct's (text, [its fields]): read as a two-item list
+        if self.kind in ("struct", "list"):
+            text = next((a.value.text for a in self.inner.node.annotations if a.id == messages.ANNOTATIONS["pair"]), None)
+            if text is not None:
+                self.pair = text, list(_fields(self.inner).values())
+        self.pointer = self.kind in ("text", "data", "struct", "list")
 
 
-class _V:
-    """Field checks that raise ImageError naming the field's path."""
+_shapes = {}
+_INT_RANGES = {f"{sign}int{bits}": (0, (1 << bits) - 1) if sign else (-(1 << (bits - 1)), (1 << (bits - 1)) - 1)
+               for sign in ("", "u") for bits in (8, 16, 32, 64)}
 
-    def __init__(self, image):
-        self.image = image
 
-    def fail(self, path, msg):
-        raise ImageError(f"image {self.image!r}: manifest field {path}: {msg}")
+def _fields(schema):
+    """{name in Python: _Field} of a struct of schema/image.capnp (made once a struct)."""
+    shape = _shapes.get(schema.node.id)
+    if shape is None:
+        fields = [_Field(member, schema.fields[member]) for member in schema.fieldnames]
+        shape = _shapes[schema.node.id] = {f.name: f for f in fields}
+    return shape
 
-    def get(self, obj, field, path, optional=False):
-        if not isinstance(obj, dict):
-            self.fail(path, f"expected an object, found {type(obj).__name__}")
-        if field not in obj:
-            if optional:
-                return None
-            self.fail(f"{path}.{field}" if path else field, "missing")
-        return obj[field]
 
-    def int(self, obj, field, path, lo=0, hi=U64 - 1, optional=False):
-        p = f"{path}.{field}" if path else field
-        v = self.get(obj, field, path, optional)
-        if v is None and optional:
-            return None
+def _at(path, name):
+    return f"{path}.{name}" if path else name
+
+
+def _write(builder, schema, value, path, fail):
+    """Fill a struct's builder from a dict of its fields; fail(path, why) for what the schema
+    cannot hold."""
+    if not isinstance(value, dict):
+        fail(path, f"expected an object, found {type(value).__name__}")
+    fields = _fields(schema)
+    for name in value:
+        if name not in fields:
+            fail(_at(path, name), "not a field of the image format")
+    for f in fields.values():
+        p = _at(path, f.name)
+        if f.name not in value:
+            if not f.optional:
+                fail(p, "missing")
+            continue
+        v = value[f.name]
+        if v is None and f.optional:
+            continue
+        if f.kind == "struct":
+            (_write_pair if f.pair else _write)(builder.init(f.member), f.pair or f.inner, v, p, fail)
+        elif f.kind == "list":
+            if not isinstance(v, list):
+                fail(p, f"expected a list, found {type(v).__name__}")
+            for j, (item, e) in enumerate(zip(builder.init(f.member, len(v)), v)):
+                (_write_pair if f.pair else _write)(item, f.pair or f.inner, e, f"{p}[{j}]", fail)
+        else:
+            setattr(builder, f.member, _scalar(f, v, p, fail))
+
+
+def _write_pair(builder, pair, value, path, fail):
+    text, fields = pair
+    if (not isinstance(value, list) or len(value) != len(fields)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and _fits(f, x) for f, x in zip(fields, value))):
+        fail(path, f"expected {text}, found {value!r:.80}")
+    for f, x in zip(fields, value):
+        setattr(builder, f.member, x)
+
+
+def _fits(f, number):
+    lo, hi = _INT_RANGES[f.kind]
+    return lo <= number <= hi
+
+
+def _scalar(f, v, path, fail):
+    """The value a scalar, text or data field of the schema takes for v."""
+    kind = f.kind
+    if kind in _INT_RANGES:
         if not isinstance(v, int) or isinstance(v, bool):
-            self.fail(p, f"expected an integer, found {type(v).__name__}")
-        if not lo <= v <= hi:
-            self.fail(p, f"{v} is out of range [{lo}, {hi}]")
+            fail(path, f"expected an integer, found {type(v).__name__}")
+        if not _fits(f, v):
+            fail(path, f"{v} is out of range [{_INT_RANGES[kind][0]}, {_INT_RANGES[kind][1]}]")
         return v
-
-    def str(self, obj, field, path, optional=False, maxlen=4096):
-        p = f"{path}.{field}" if path else field
-        v = self.get(obj, field, path, optional)
-        if v is None and optional:
-            return None
+    if kind in ("float32", "float64"):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            fail(path, f"expected a number, found {type(v).__name__}")
+        try:
+            return float(v)
+        except OverflowError:
+            fail(path, f"{v} is out of range")
+    if kind == "bool":
+        if not isinstance(v, bool):
+            fail(path, f"expected true or false, found {type(v).__name__}")
+        return v
+    if kind == "text":
         if not isinstance(v, str):
-            self.fail(p, f"expected a string, found {type(v).__name__}")
-        if len(v) > maxlen:
-            self.fail(p, f"string of {len(v)} characters is over the limit of {maxlen}")
+            fail(path, f"expected a string, found {type(v).__name__}")
+        try:
+            v.encode()
+        except UnicodeEncodeError:
+            fail(path, f"expected Unicode text, found {v!r:.80}")
         return v
-
-    def key(self, v, path):
-        if not isinstance(v, str) or len(v) != 32 or not re.fullmatch(r"[0-9a-f]{32}", v):
-            self.fail(path, f"expected a chunk key (32 lowercase hex digits), found {v!r:.80}")
+    if kind == "enum":
+        names = f.inner.enumerants
+        if not isinstance(v, str) or v not in names:
+            fail(path, f"expected one of {', '.join(names)}, found {v!r:.80}")
         return v
-
-    def list(self, obj, field, path):
-        p = f"{path}.{field}" if path else field
-        v = self.get(obj, field, path)
+    if f.keys:
         if not isinstance(v, list):
-            self.fail(p, f"expected a list, found {type(v).__name__}")
-        return v
-
-    def obj(self, obj, field, path, optional=False):
-        p = f"{path}.{field}" if path else field
-        v = self.get(obj, field, path, optional)
-        if v is None and optional:
-            return None
-        if not isinstance(v, dict):
-            self.fail(p, f"expected an object, found {type(v).__name__}")
-        return v
-
-    def session(self, m):
-        """The manifest's session, if it has one, checked; None if not."""
-        sess = self.obj(m, "session", "", optional=True)
-        if sess is not None:
-            self.int(sess, "ctx", "session")
-            token = self.str(sess, "token", "session", maxlen=64)
-            if not _TOKEN_RE.fullmatch(token):
-                self.fail("session.token", f"expected a token digest (64 lowercase hex digits), found {token!r:.80}")
-            self.int(sess, "next_id", "session")
-            tenant = self.str(sess, "tenant", "session", optional=True, maxlen=64)
-            if tenant is not None and not _TOKEN_RE.fullmatch(tenant):      # a digest too (tenant_name)
-                self.fail("session.tenant", f"expected a tenant's name (64 lowercase hex digits), found {tenant!r:.80}")
-            for field, what in (("limits", "[CUlimit, value]"), ("reserved", "[base, length]")):
-                pairs = sess.get(field, [])
-                for k, pair in enumerate(pairs if isinstance(pairs, list) else [None]):
-                    if (not isinstance(pair, list) or len(pair) != 2
-                            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < U64 for x in pair)):
-                        self.fail(f"session.{field}[{k}]", f"expected {what}, found {pair!r:.80}")
-        return sess
-
-    def region(self, e, p):
-        self.int(e, "address", p)
-        size = self.int(e, "size", p)
-        cs = self.int(e, "chunk_size", p, lo=1, hi=MAX_CHUNK_BYTES)
-        if e["address"] + size > U64:
-            self.fail(f"{p}.size", f"region {e['address']:#x}+{size} runs past the 64-bit address space")
-        chunks = self.list(e, "chunks", p)
-        want = chunk_count(size, cs)
-        if len(chunks) != want:
-            self.fail(f"{p}.chunks", f"{len(chunks)} chunks, expected {want} for {size} bytes in "
-                                     f"chunks of {cs}")
-        if not all_keys(chunks):
-            for j, k in enumerate(chunks):      # one is bad: name it
-                self.key(k, f"{p}.chunks[{j}]")
+            fail(path, f"expected a list, found {type(v).__name__}")
+        if not all_keys(v):
+            for j, k in enumerate(v):      # one is bad: name it
+                if not isinstance(k, str) or not KEY_RE.fullmatch(k):
+                    fail(f"{path}[{j}]", f"expected a chunk key (32 lowercase hex digits), found {k!r:.80}")
+        return bytes.fromhex("".join(v))
+    if not isinstance(v, str) or not _HEX_RE.fullmatch(v):
+        fail(path, f"expected lowercase hex digits, found {v!r:.80}")
+    return bytes.fromhex(v)
 
 
-def validate_manifest(m, name=None, depth_checked=False):
-    """Check a manifest dict's structure, types and consistency; ImageError on the first problem.
-    depth_checked: the caller has checked its nesting (_parse_manifest does, before anything else)."""
-    v = _V(name if name is not None else (m.get("name") if isinstance(m, dict) else None))
+def _read(reader, schema):
+    """A dict of a struct's fields, read from its message."""
+    out = {}
+    for f in _fields(schema).values():
+        if f.optional and f.pointer and not reader._has(f.member):
+            continue
+        v = getattr(reader, f.member)
+        if f.kind == "struct":
+            v = [getattr(v, e.member) for e in f.pair[1]] if f.pair else _read(v, f.inner)
+        elif f.kind == "list":
+            v = [[getattr(e, x.member) for x in f.pair[1]] for e in v] if f.pair else [_read(e, f.inner) for e in v]
+        elif f.kind == "data":
+            v = keys_of(v) if f.keys else v.hex()
+        elif f.kind == "enum":
+            v = str(v)
+        out[f.name] = v
+    return out
+
+
+def _open(message_type, raw):
+    """A reader of a message of image.capnp, reading no more words than its bytes hold, twice
+    over: a hostile message of a few bytes cannot make its reader walk millions."""
+    return message_type.from_bytes(raw, traversal_limit_in_words=len(raw) // 4 + 64)
+
+
+def _trailing(raw):
+    """The bytes after the message that raw begins with (its segment table's sizes)."""
+    count = int.from_bytes(raw[:4], "little") + 1
+    table = (4 + 4 * count + 7) // 8 * 8
+    if len(raw) < table:
+        return 0
+    return len(raw) - table - 8 * sum(struct.unpack_from(f"<{count}I", raw, 4))
+
+
+def encode_manifest(m, name=None):
+    """The bytes of the Manifest message (schema/image.capnp) of a manifest dict. ImageError
+    names a field the schema cannot hold: missing, of another type or out of its type's range,
+    or not one it has."""
+    image = name if name is not None else (m.get("name") if isinstance(m, dict) else None)
+
+    def fail(path, why):
+        raise ImageError(f"image {image!r}: manifest field {path}: {why}")
     if not isinstance(m, dict):
-        raise ImageError(f"image {v.image!r}: manifest is not a JSON object")
-    if m.get("format") != FORMAT:
-        raise ImageError(f"image {v.image!r}: not a phos image: format is {m.get('format')!r:.80}, "
-                         f"expected {FORMAT!r}")
-    ver = m.get("version")
-    if ver != VERSION:
-        raise ImageError(f"image {v.image!r}: unsupported image version {ver!r:.40} "
-                         f"(this reader supports version {VERSION})")
-    mname = v.str(m, "name", "", maxlen=128)
-    if name is not None and mname != name:
-        v.fail("name", f"the manifest is for image {mname!r}, stored as {name!r}")
-    parent = m.get("parent")
-    if "parent" not in m:
-        v.fail("parent", "missing")
-    if parent is not None:
-        v.str(m, "parent", "", maxlen=128)
-    created = v.get(m, "created", "")
-    if not isinstance(created, (int, float)) or isinstance(created, bool) or not math.isfinite(created):
-        v.fail("created", f"expected a timestamp, found {created!r:.40}")
-    v.int(m, "cut_seq", "")
-    v.str(m, "backend", "", maxlen=64)
+        raise ImageError(f"image {image!r}: manifest is not an object")
+    builder = messages.Manifest.new_message()
+    _write(builder, messages.Manifest.schema, m, "", fail)
+    return builder.to_bytes()
 
-    dev = v.obj(m, "device", "")
-    v.str(dev, "name", "device", maxlen=256)
-    uuid = v.str(dev, "uuid", "device", maxlen=128)
-    if not _HEX_RE.fullmatch(uuid):
-        v.fail("device.uuid", f"expected lowercase hex, found {uuid!r:.80}")
-    cc = v.get(dev, "cc", "device")
-    if (not isinstance(cc, list) or len(cc) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1000 for x in cc)):
-        v.fail("device.cc", f"expected [major, minor], found {cc!r:.80}")
-    v.int(dev, "total_mem", "device")
 
-    aspace = v.obj(m, "address_space", "", optional=True)
-    if aspace is not None:
-        v.int(aspace, "base", "address_space")
-        v.int(aspace, "size", "address_space")
+def decode_manifest(raw, name=None):
+    """The fields of a Manifest message as a dict (the form encode_manifest takes), its format
+    and version checked first (another version's fields may mean something else); ImageError
+    for bytes that are no such message."""
+    raw = bytes(raw)
+    if raw[:1] == b"{":
+        raise ImageError(f"image {name!r}: its manifest is canonical JSON, of image version 1: this reader reads "
+                         f"version {VERSION} only (take the image again)")
+    try:
+        with _open(messages.Manifest, raw) as r:
+            if r.format != FORMAT:
+                raise ImageError(f"image {name!r}: not a phos image: format is {r.format!r:.80}, expected {FORMAT!r}")
+            if r.version != VERSION:
+                raise ImageError(f"image {name!r}: unsupported image version {r.version} "
+                                 f"(this reader supports version {VERSION})")
+            extra = _trailing(raw)
+            if extra:
+                raise ImageError(f"image {name!r}: manifest is not in canonical form: {extra} bytes follow its message "
+                                 "(rewritten or hand-edited)")
+            data = _read(r, messages.Manifest.schema)
+    except ImageError:
+        raise
+    except Exception as e:         # what reading hostile bytes can raise: capnp checks them as it goes
+        raise ImageError(f"image {name!r}: manifest is not a Manifest message ({describe(e)[:200]})") from None
+    data.setdefault("parent", None)
+    return data
+
+
+def validate_manifest(m, name=None):
+    """Check a manifest dict as a reader checks one: its schema's types (encode_manifest), then
+    what the schema cannot say (_check). ImageError on the first problem; returns m."""
+    _check(decode_manifest(encode_manifest(m, name), name), name)
+    return m
+
+
+def _check(m, name=None):
+    """The checks of a decoded manifest that its schema cannot say: ImageError naming the field."""
+    image = name if name is not None else m["name"]
+
+    def fail(path, why):
+        raise ImageError(f"image {image!r}: manifest field {path}: {why}")
+
+    def text(value, path, limit=4096):
+        if len(value) > limit:
+            fail(path, f"string of {len(value)} characters is over the limit of {limit}")
+
+    def at_most(value, path, limit, least=0):
+        if not least <= value <= limit:
+            fail(path, f"{value} is out of range [{least}, {limit}]")
+
+    text(m["name"], "name", 128)
+    if name is not None and m["name"] != name:
+        fail("name", f"the manifest is for image {m['name']!r}, stored as {name!r}")
+    if m["parent"] is not None:
+        text(m["parent"], "parent", 128)
+    if not math.isfinite(m["created"]):
+        fail("created", f"expected a timestamp, found {m['created']!r:.40}")
+    text(m["backend"], "backend", 64)
+    dev = m["device"]
+    text(dev["name"], "device.name", 256)
+    text(dev["uuid"], "device.uuid", 128)
+    if not all(x < 1000 for x in dev["cc"]):
+        fail("device.cc", f"expected [major, minor], found {dev['cc']!r:.80}")
 
     ids = {}
 
     def unique(kind, i, p):
         if (kind, i) in ids:
-            v.fail(p, f"{kind} id {i} is used twice (also at {ids[(kind, i)]})")
+            fail(p, f"{kind} id {i} is used twice (also at {ids[(kind, i)]})")
         ids[(kind, i)] = p
 
+    def region(e, p):
+        size, cs, chunks = e["size"], e["chunk_size"], e["chunks"]
+        at_most(cs, f"{p}.chunk_size", MAX_CHUNK_BYTES, 1)
+        if e["address"] + size > U64:
+            fail(f"{p}.size", f"region {e['address']:#x}+{size} runs past the 64-bit address space")
+        want = chunk_count(size, cs)
+        if len(chunks) != want:
+            fail(f"{p}.chunks", f"{len(chunks)} chunks, expected {want} for {size} bytes in chunks of {cs}")
+        if chunks and len(chunks[-1]) != 32:
+            fail(f"{p}.chunks", "not 16-byte chunk fingerprints")
+
+    def module_of(e, p):
+        if e["module"] not in modules:
+            fail(p + ".module", f"module {e['module']} is not in the image")
+
     modules = set()
-    for j, e in enumerate(v.list(m, "modules", "")):
+    for j, e in enumerate(m["modules"]):
         p = f"modules[{j}]"
-        i = v.int(e, "id", p)
-        unique("module", i, p + ".id")
-        modules.add(i)
-        v.str(e, "name", p)
-        v.str(e, "kind", p, maxlen=64)
-        v.key(v.get(e, "image", p), p + ".image")
-        v.int(e, "size", p, hi=MAX_CHUNK_BYTES)
-    for j, e in enumerate(v.list(m, "functions", "")):
+        unique("module", e["id"], p + ".id")
+        modules.add(e["id"])
+        text(e["name"], p + ".name")
+        text(e["kind"], p + ".kind", 64)
+        if not KEY_RE.fullmatch(e["image"]):
+            fail(p + ".image", f"expected a chunk key (32 lowercase hex digits), found {e['image']!r:.80}")
+        at_most(e["size"], p + ".size", MAX_CHUNK_BYTES)
+    for j, e in enumerate(m["functions"]):
         p = f"functions[{j}]"
-        unique("function", v.int(e, "id", p), p + ".id")
-        mod = v.int(e, "module", p)
-        if mod not in modules:
-            v.fail(p + ".module", f"module {mod} is not in the image")
-        v.str(e, "name", p)
-        params = v.list(e, "params", p)
-        for k, pr in enumerate(params):
-            if (not isinstance(pr, list) or len(pr) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 32) for x in pr)):
-                v.fail(f"{p}.params[{k}]", f"expected [offset, size], found {pr!r:.80}")
-        for k, at in enumerate(e.get("attributes", []) if isinstance(e.get("attributes", []), list) else [None]):
-            if (not isinstance(at, list) or len(at) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and -(1 << 31) <= x < (1 << 31) for x in at)):
-                v.fail(f"{p}.attributes[{k}]", f"expected [attribute, value], found {at!r:.80}")
-    for j, e in enumerate(v.list(m, "globals", "")):
+        unique("function", e["id"], p + ".id")
+        module_of(e, p)
+        text(e["name"], p + ".name")
+    for j, e in enumerate(m["globals"]):
         p = f"globals[{j}]"
-        mod = v.int(e, "module", p)
-        if mod not in modules:
-            v.fail(p + ".module", f"module {mod} is not in the image")
-        v.str(e, "name", p)
-        v.region(e, p)
-        v.int(e, "device", p, optional=True)
-    for j, e in enumerate(v.list(m, "streams", "")):
-        p = f"streams[{j}]"
-        unique("stream", v.int(e, "id", p), p + ".id")
-        v.int(e, "flags", p, hi=(1 << 32) - 1)
-        v.int(e, "priority", p, lo=-(1 << 31), hi=(1 << 31) - 1)
-    for j, e in enumerate(v.list(m, "events", "")):
-        p = f"events[{j}]"
-        unique("event", v.int(e, "id", p), p + ".id")
-        v.int(e, "flags", p, hi=(1 << 32) - 1)
+        module_of(e, p)
+        text(e["name"], p + ".name")
+        region(e, p)
+    for kind in ("streams", "events"):
+        for j, e in enumerate(m[kind]):
+            unique(kind[:-1], e["id"], f"{kind}[{j}].id")
     spans = []
-    for j, e in enumerate(v.list(m, "allocations", "")):
+    for j, e in enumerate(m["allocations"]):
         p = f"allocations[{j}]"
-        v.region(e, p)
+        region(e, p)
         if e["size"]:
             spans.append((e["address"], e["address"] + e["size"], p))
     spans.sort()
     for (a0, a1, p0), (b0, b1, p1) in zip(spans, spans[1:]):
         if b0 < a1:
-            v.fail(p1 + ".address", f"allocation {b0:#x}..{b1:#x} overlaps {p0} at {a0:#x}..{a1:#x}")
+            fail(p1 + ".address", f"allocation {b0:#x}..{b1:#x} overlaps {p0} at {a0:#x}..{a1:#x}")
+    text(m["error"]["message"], "error.message", 65536)
+    if "session" in m:
+        _check_session(m["session"], fail)
 
-    err = v.obj(m, "error", "")
-    v.int(err, "status", "error", lo=-(1 << 63), hi=U64 - 1)
-    v.str(err, "message", "error", maxlen=65536)
-    v.session(m)
-    v.obj(m, "metadata", "")
-    if not depth_checked and not _depth_ok(m):
-        raise ImageError(f"image {v.image!r}: manifest nests deeper than {MAX_JSON_DEPTH} levels")
-    return m
+
+def _check_session(sess, fail):
+    """A manifest's session: its digests 32 bytes each (a token's, a tenant's name)."""
+    if not _TOKEN_RE.fullmatch(sess["token"]):
+        fail("session.token", f"expected a token digest (64 lowercase hex digits), found {sess['token']!r:.80}")
+    tenant = sess.get("tenant")
+    if tenant is not None and not _TOKEN_RE.fullmatch(tenant):      # a digest too (tenant_name)
+        fail("session.tenant", f"expected a tenant's name (64 lowercase hex digits), found {tenant!r:.80}")
 
 
 class Manifest:
-    """A verified manifest. Fields are attributes; to_dict() gives the JSON object."""
+    """A verified manifest. Fields are attributes; to_dict() gives a copy of its dict of fields
+    (decode_manifest), raw its message's bytes."""
 
     def __init__(self, data, raw=None):
         self._data = data
-        self.raw = raw if raw is not None else canonical_json(data)
+        self.raw = raw if raw is not None else encode_manifest(data)
 
     def __getattr__(self, field):
         try:
@@ -647,7 +693,7 @@ class Manifest:
         return self._data[field]
 
     def to_dict(self):
-        return json.loads(self.raw)
+        return decode_manifest(self.raw)
 
     def to_json(self, indent=2):
         return json.dumps(self._data, sort_keys=True, indent=indent)
@@ -720,27 +766,6 @@ class Manifest:
                 f"{self.total_bytes} bytes)")
 
 
-def _parse_manifest(name, raw):
-    def no_constants(c):
-        raise ValueError(f"{c} is not allowed")
-    try:
-        text = bytes(raw).decode("ascii")
-        data = json.loads(text, parse_constant=no_constants)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ImageError(f"image {name!r}: manifest is not valid JSON ({str(e)[:200]})") from None
-    if isinstance(data, dict) and (data.get("format") != FORMAT or data.get("version") != VERSION):
-        validate_manifest(data, name)        # raises the format/version error
-    if not _depth_ok(data):
-        raise ImageError(f"image {name!r}: manifest nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        canon = canonical_json(data)
-    except ImageError:
-        canon = None
-    if canon != bytes(raw):
-        raise ImageError(f"image {name!r}: manifest is not in canonical form (rewritten or hand-edited)")
-    return data
-
-
 def read_image(store, name, key=None, check_chunks=True):
     """The verified Manifest of image `name`: format, version, signature (_check_digest: key),
     fields, and its chunks present with sound headers (check_chunks)."""
@@ -764,8 +789,8 @@ def read_latest_image(store, key=None):
 
 def _verified(store, name, raw, check_chunks):
     """The Manifest of a manifest whose digest was checked: parsed, validated, its chunks present."""
-    data = _parse_manifest(name, raw)
-    validate_manifest(data, name, depth_checked=True)
+    data = decode_manifest(raw, name)
+    _check(data, name)
     man = Manifest(data, bytes(raw))
     if check_chunks:
         bad = man.bad_chunk(store)
@@ -802,7 +827,7 @@ def put_received_chunk(store, blob, landed=None):
 
 def put_received_manifest(store, name, raw, key=None, known=None):
     """Commit a manifest another server sent, signed with this server's image key (key: default
-    image_key()) once it is checked as a restore checks one: canonical JSON, format, fields, and
+    image_key()) once it is checked as a restore checks one: its message, format, fields, and
     every chunk it names present in `store` with a sound header (the chunks' contents were checked
     as they landed, put_received_chunk). known: {key: raw length} of the chunks put_received_chunk
     verified into this store (its landed), which need no second look: a header read a chunk file
@@ -948,11 +973,12 @@ class ImageWriter:
             if m["parent"] != self.parent:
                 raise ImageError(f"image {self.name!r}: manifest names parent {m['parent']!r}, "
                                  f"the writer {self.parent!r}")
-            validate_manifest(m, self.name)
-            raw = canonical_json(m)
+            raw = encode_manifest(m, self.name)
             if len(raw) > MAX_MANIFEST_BYTES:
                 raise ImageError(f"image {self.name!r}: manifest of {len(raw)} bytes is over the limit")
-            man = Manifest(json.loads(raw), raw)
+            data = decode_manifest(raw, self.name)      # as a restore will read it
+            _check(data, self.name)
+            man = Manifest(data, raw)
             missing = man.missing_chunk(self.store, self.present)
             if missing:
                 raise ImageError(f"image {self.name!r}: chunk {missing[0]} ({missing[1]}) was never added to the store")
@@ -1001,7 +1027,7 @@ class ImageWriter:
 # deleting
 
 def referenced_chunks(store):
-    """Every chunk key any manifest in the store mentions (conservative: any quoted key).
+    """Every chunk key the manifests in the store name (named_chunks).
 
     Raises ImageError when a manifest cannot be read, so that gc never frees chunks an
     unreadable image may need.
@@ -1009,8 +1035,26 @@ def referenced_chunks(store):
     refs = set()
     for name in store.list_images():
         raw, _ = store.get_manifest(name, max_bytes=MAX_MANIFEST_BYTES)
-        refs.update(m.decode() for m in _QUOTED_KEY_RE.findall(bytes(raw)))
+        refs.update(named_chunks(bytes(raw)))
     return refs
+
+
+def named_chunks(raw):
+    """The chunk keys a manifest's bytes name, read as far as they can be and unchecked: its
+    modules' and regions' (a message damaged past them names no more: no restore could read it
+    either); of a version-1 manifest (JSON), any quoted key, so that its chunks stay for a reader
+    of that version."""
+    if raw[:1] == b"{":
+        return {m.decode() for m in _QUOTED_KEY_RE.findall(raw)}
+    keys = set()
+    try:
+        with _open(messages.Manifest, raw) as r:
+            keys.update(e.image.hex() for e in r.modules)
+            for e in itertools.chain(r.globals, r.allocations):
+                keys.update(keys_of(e.chunks))
+    except Exception:       # what reading hostile bytes can raise (decode_manifest)
+        pass
+    return keys
 
 
 def gc(store):
@@ -1045,45 +1089,45 @@ def check_token(token, digest):
 # ---------------------------------------------------------------------------------
 # deltas
 
+# A delta's fields, read from its message (read_delta); changes: [(region address, chunk index
+# in that region, chunk key)].
+Delta = collections.namedtuple("Delta", "name parent cut_seq objects next_id error changes")
+
+
 def encode_delta(name, parent, cut_seq, objects, next_id, error, changes):
-    """A delta (see the module docstring) of image `name`, as a JSON-ready dict."""
-    return {"format": DELTA_FORMAT, "name": name, "parent": parent, "cut_seq": cut_seq, "objects": objects,
-            "next_id": next_id, "error": error, "changes": changes}
+    """The bytes of the ImageDelta message (schema/image.capnp) of image `name`: changes are
+    [region address, chunk index in it, chunk key] of the chunks whose keys are not the parent's."""
+    d = messages.ImageDelta.new_message(format=DELTA_FORMAT, name=name, cutSeq=cut_seq, objects=objects, nextId=next_id)
+    if parent is not None:
+        d.parent = parent
+    d.error.status, d.error.message = int(error["status"]), error["message"]
+    for c, (address, index, key) in zip(d.init("changes", len(changes)), changes):
+        c.address, c.index, c.key = address, index, bytes.fromhex(key)
+    return d.to_bytes()
 
 
-def validate_delta(d, name):
-    """Check a delta of image `name`: its format, fields and types; ImageError on the first
-    problem. Returns it. (Whether it moves on from the image a restore holds is the restore's
-    to check.)"""
+def read_delta(blob, name):
+    """The Delta of an ImageDelta message of image `name`, checked: ImageError for bytes that
+    are no such message, or a delta of another image. (Whether it moves on from the image a
+    restore holds is the restore's to check.)"""
     def bad(why):
         raise ImageError(f"delta of image {name!r}: {why}")
-    if not isinstance(d, dict) or d.get("format") != DELTA_FORMAT or d.get("name") != name:
-        bad(f"not a {DELTA_FORMAT} delta of that image")
-    if d.get("parent") is not None and not isinstance(d["parent"], str):
-        bad("parent is not an image name")
-    for field in ("cut_seq", "next_id"):
-        if not isinstance(d.get(field), int) or isinstance(d[field], bool) or not 0 <= d[field] < U64:
-            bad(f"{field} is not a count")
-    error = d.get("error")
-    if not isinstance(error, dict) or not isinstance(error.get("status"), int) or not isinstance(error.get("message"), str):
-        bad("error is not {status, message}")
-    changes = d.get("changes")
-    if not isinstance(changes, list) or not all(
-            isinstance(c, list) and len(c) == 3 and type(c[0]) is int and type(c[1]) is int for c in changes) \
-            or not all_keys([c[2] for c in changes]):
-        bad("changes are not [region address, chunk index, chunk key] triples")
-    if not isinstance(d.get("objects"), str):
-        bad("it names no objects")
-    return d
-
-
-def decode_delta(text, name):
-    """The checked delta of image `name` from its JSON text (validate_delta)."""
     try:
-        d = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise ImageError(f"delta of image {name!r} is not JSON: {str(e)[:200]}") from None
-    return validate_delta(d, name)
+        with _open(messages.ImageDelta, bytes(blob)) as d:
+            if d.format != DELTA_FORMAT or d.name != name:
+                bad(f"not a {DELTA_FORMAT} delta of that image")
+            changes = [(c.address, c.index, c.key) for c in d.changes]
+            delta = Delta(name, d.parent or None, d.cutSeq, d.objects, d.nextId,
+                          {"status": d.error.status, "message": d.error.message}, changes)
+    except ImageError:
+        raise
+    except Exception as e:         # what reading hostile bytes can raise (decode_manifest)
+        raise ImageError(f"delta of image {name!r} is not an ImageDelta message ({describe(e)[:200]})") from None
+    if not all(len(key) == 16 for _, _, key in changes):
+        bad("changes are not [region address, chunk index, chunk key] triples")
+    if not delta.objects:
+        bad("it names no objects")
+    return delta._replace(changes=[(address, j, key.hex()) for address, j, key in changes])
 
 
 def latest_image(store, ctx=None, token=None, key=None):
@@ -1099,7 +1143,7 @@ def latest_image(store, ctx=None, token=None, key=None):
 def _latest(store, ctx=None, token=None, key=None, refused=None):
     """latest_image's (name, manifest bytes, digest bytes); its digest checked with key.
     refused: a list that gets why each image newer than the one found was refused."""
-    # Newest first by a glance at the text, then its digest checked until one qualifies. The
+    # Newest first by a glance at each message, then its digest checked until one qualifies. The
     # full check is left to whoever restores it (Restore reads it anyway): parsing and checking
     # a 32 GiB context's manifest costs the front end 3.2-4.3 ms of an on-demand restore on the H200.
     dated = []
@@ -1129,29 +1173,24 @@ def _latest(store, ctx=None, token=None, key=None, refused=None):
 
 def _glance(raw, name=None):
     """(metadata mode, session) of a manifest, its session checked as validate_manifest checks
-    it (ImageError). Found in its text without parsing it all, the session's object read as
-    JSON where its key is; the whole is parsed when the text does not hold the mode and the
-    session each exactly once in the form a writer gives them."""
-    modes, at = _MODE_RE.findall(raw), raw.find(_SESSION_KEY)
-    if len(modes) == 1 and at >= 0 and raw.find(_SESSION_KEY, at + 1) < 0:
-        start = at + len(_SESSION_KEY)
-        end = raw.find(b"}", start) + 1          # a writer's session holds no nested object
-        try:
-            session = json.loads(raw[start:end]) if end else None
-        except ValueError:
-            session = None
-        if isinstance(session, dict):
-            _V(name).session({"session": session})
-            return modes[0].decode(), session
-    data = json.loads(raw)
-    return data.get("metadata", {}).get("mode"), _V(name).session(data) or {}
+    it (ImageError): read from its message alone, not the thousands of chunk keys beside them."""
+    def fail(path, why):
+        raise ImageError(f"image {name!r}: manifest field {path}: {why}")
+    try:
+        with _open(messages.Manifest, raw) as r:
+            mode = str(r.metadata.mode)
+            session = _read(r.session, _fields(messages.Manifest.schema)["session"].inner) if r._has("session") else {}
+    except Exception as e:         # what reading hostile bytes can raise (decode_manifest)
+        raise ImageError(f"image {name!r}: manifest is not a Manifest message ({describe(e)[:200]})") from None
+    if session:
+        _check_session(session, fail)
+    return mode, session
 
 
 def _created(raw):
-    """A manifest's "created" time, found without parsing it all (a 32 GiB context's manifest
-    takes a millisecond to parse on the H200); parsed when the text holds it other than once."""
-    found = _CREATED_RE.findall(raw)
-    return float(found[0]) if len(found) == 1 else float(json.loads(raw).get("created"))
+    """A manifest's `created` time, read from its message alone."""
+    with _open(messages.Manifest, raw) as r:
+        return r.created
 
 
 def delete_image(store, name, key=None, verify=False):

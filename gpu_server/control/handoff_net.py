@@ -36,11 +36,10 @@ import grpc
 from phos.base import settings
 from phos.gpu_server.control.handoff_target import TargetServer
 from phos.schema import admin_pb2 as pb
-from phos.schema import wire
 from phos.schema.admin_net import PUT_CHUNKS, AdminCallError, NetAdminConnection, admin_address
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import DirStore, ImageError, open_store, read_image
-from phos.snapshot.image import chunk_blob_parts, put_received_chunk, put_received_manifest
+from phos.snapshot.image import chunk_blob_parts, put_received_chunk, put_received_manifest, read_delta
 
 log = logging.getLogger("phos.admin")
 BATCH_BYTES = 16 << 20          # chunk bytes a PUT_CHUNKS carries, about, at most
@@ -91,7 +90,10 @@ class RemoteTarget(TargetServer):
             self.inbox = (await self.ask(self.stub.OpenInbox, pb.OpenInboxRequest(ctx=self.ctx), 10)).store
         local = open_store(store, create=False)      # our host store, or a directory in /dev/shm
         if delta:
-            keys = {key for _, _, key in wire.read_delta(delta)["changes"]}
+            try:
+                keys = {key for _, _, key in read_delta(delta, name).changes}
+            except ImageError as e:
+                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"handoff round {name}: {e}") from None
             t, before = time.perf_counter(), self.sent_bytes
             await self.send_chunks(local, keys)
             log.info("context %d: the last round's delta sent: %.1f MiB of chunks in %.1f ms", self.ctx,

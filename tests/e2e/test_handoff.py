@@ -20,8 +20,9 @@ import pytest
 from conftest import wait_until
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
-from phos.schema import wire
+from phos.schema.image_messages import ImageDelta
 from phos.snapshot import DirStore, HostStore, latest_image, read_image
+from phos.snapshot.image import encode_delta, read_delta
 from test_snapshot_engine import App, checkpoint, region
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
@@ -282,7 +283,7 @@ def warm_then_advance(servers, client, tmp_path, between, by_delta=False, before
     delta = b""
     if by_delta:
         from phos.snapshot.engine import image_delta
-        delta = wire.pack_delta(image_delta(read_image(DirStore(store), b)))
+        delta = image_delta(read_image(DirStore(store), b))
         if before:
             before(admin, str(store), a, b, delta)
     reply = admin.Restore(pb.RestoreRequest(store=str(store), name=b, advance=True, ctx=app.id, delta=delta))
@@ -306,21 +307,27 @@ def test_a_bad_delta_is_refused_and_the_warm_copy_stays(servers, client, tmp_pat
     """A delta that is no ImageDelta, names another parent, a chunk or region the image does not
     have, a malformed key or other objects is refused with a reason, and no fresh restore is
     tried (its manifest may not be committed yet); the warm copy still advances by the good one.
-    (A change without a key or a negative cut cannot be written: the schema's types rule them out.)"""
+    (A negative cut cannot be written: the schema's types rule it out.)"""
     def bad_ones(admin, store, a, b, delta):
-        good = wire.read_delta(delta)
-        (address, j, key), rest = good["changes"][0], good["changes"][1:]
+        good = read_delta(delta, b)
+        (address, j, key), rest = good.changes[0], good.changes[1:]
+
+        def key_of(n):           # the first change's key of n bytes, as no writer of ours gives it
+            with ImageDelta.from_bytes(delta) as d:
+                m = d.as_builder()
+            m.changes[0].key = bytes(n)
+            return m.to_bytes()
         cases = {"not a delta": (b"{", "not an ImageDelta"),
-                 "parent": (dict(good, parent="other"), "moves on from image 'other'"),
-                 "index": (dict(good, changes=[[address, 1 << 40, key]] + rest), "names chunk 1099511627776 of a region"),
-                 "region": (dict(good, changes=[[address + 8, j, key]] + rest), "is not one of its regions"),
-                 "key": (dict(good, changes=[[address, j, "zz" * 16]] + rest), "changes are not"),
-                 "no key": (dict(good, changes=[[address, j, ""]] + rest), "changes are not"),
-                 "objects": (dict(good, objects="0" * 32), "holds other objects")}
+                 "parent": (encode_delta(*good._replace(parent="other")), "moves on from image 'other'"),
+                 "index": (encode_delta(*good._replace(changes=[(address, 1 << 40, key), *rest])),
+                           "names chunk 1099511627776 of a region"),
+                 "region": (encode_delta(*good._replace(changes=[(address + 8, j, key), *rest])), "is not one of its regions"),
+                 "key": (key_of(15), "changes are not"),
+                 "no key": (key_of(0), "changes are not"),
+                 "objects": (encode_delta(*good._replace(objects="0" * 32)), "holds other objects")}
         for what, (d, says) in cases.items():
             with pytest.raises(grpc.RpcError) as e:
-                admin.Restore(pb.RestoreRequest(store=store, name=b, advance=True, ctx=app_id(admin),
-                                                delta=d if isinstance(d, bytes) else wire.pack_delta(d)))
+                admin.Restore(pb.RestoreRequest(store=store, name=b, advance=True, ctx=app_id(admin), delta=d))
             assert says in e.value.details(), (what, e.value.details())
             assert list(contexts_of(admin).values()) == ["warming"], what
 

@@ -15,7 +15,7 @@ from conftest import wait_until
 from phos.admin_cli import stub
 from phos.schema import admin_pb2 as pb
 from phos.snapshot import DirStore, read_image
-from phos.snapshot.image import HEADER_SIZE, canonical_json, manifest_digest
+from phos.snapshot.image import HEADER_SIZE, decode_manifest, encode_manifest, manifest_digest
 from test_snapshot_engine import MiB, App, checkpoint, filler, kill, restore, state_of
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
@@ -117,10 +117,10 @@ def test_a_chunk_truncated_linked_or_with_a_bad_header_refuses_the_restore_at_on
 def test_a_hand_edited_manifest_is_refused(servers, client, tmp_path):
     app, ptr, store, name = image_of(servers, client, tmp_path, MiB)
     images = store / "images"
-    m = json.loads((images / f"{name}.json").read_bytes())
+    m = decode_manifest((images / f"{name}.json").read_bytes())
     m["allocations"][0]["size"] -= 8                  # the digest recomputed, as anyone could
     m["allocations"][0]["chunks"] = m["allocations"][0]["chunks"][:1]
-    raw = canonical_json(m)
+    raw = encode_manifest(m)
     (images / f"{name}.json").write_bytes(raw)
     (images / f"{name}.digest").write_bytes(manifest_digest(raw))
     two = servers("two")

@@ -11,14 +11,15 @@ from phos.schema import admin_pb2 as pb
 from phos.schema import wire
 from phos.schema.control import admin_socket, checkpoint_message, checkpoint_result
 from phos.schema.cuda_types import CUresult
+from phos.snapshot.image import ImageError, encode_delta, read_delta
 
 RESULT = {"name": "ctx1-x", "bytes": 8 << 20, "copied_bytes": 4 << 20, "stored_bytes": 3 << 20, "new_chunks": 2,
           "reused_chunks": 2, "seconds": 0.012345, "mode": "concurrent", "paused": False, "pause_ms": 0.25,
           "recopied_chunks": 0, "cut_seq": 41, "manifest_bytes": 900, "phase_ms": {"cut": 0.5, "copy": 9.0, "commit": 1.25},
           "trace_ms": [[0.0, "cut", 0.5], [0.5, "copy", 9.0]], "trace_from": 1234.5,
           "messages_served": {"before": [5, 0.125], "during": [3, 0.5]}}
-DELTA = {"format": "phos-delta-2", "name": "b", "parent": "a", "cut_seq": 9, "objects": "ab" * 16, "next_id": 4100,
-         "error": {"status": 0, "message": ""}, "changes": [[0x7000_0000, 3, "cd" * 16], [0x7020_0000, 0, "ef" * 16]]}
+DELTA = encode_delta("b", "a", 9, "ab" * 16, 4100, {"status": 0, "message": ""}, [[0x7000_0000, 3, "cd" * 16],
+                                                                                    [0x7020_0000, 0, "ef" * 16]])
 
 
 def test_requests_round_trip():
@@ -29,7 +30,7 @@ def test_requests_round_trip():
              ("checkpoint", {"store": "/s", "name": "n", "rate": 8 << 30},
               {"store": "/s", "name": "n", "parent": "", "paused": False, "compress": False, "chunkSize": 0,
                "freeze": False, "precopy": False, "noSync": False, "early": False, "rate": 8 << 30}),
-             ("restore", {"store": "/s", "name": "b", "advance": True, "full": True, "delta": wire.pack_delta(DELTA)},
+             ("restore", {"store": "/s", "name": "b", "advance": True, "full": True, "delta": DELTA},
               {"store": "/s", "name": "b", "full": True, "advance": True, "warm": False, "delta": DELTA}),
              ("restore", {"store": "/s", "name": ""}, {"store": "/s", "name": "", "full": False, "advance": False,
                                                        "warm": False, "delta": None}),
@@ -57,16 +58,17 @@ def test_replies_round_trip():
         assert wire.read_control_reply(wire.control_reply(seq, kind, value)) == (seq, kind, read), kind
 
 
-def test_a_delta_travels_packed():
-    """A checkpoint's delta reaches the front end as a packed ImageDelta, passed on as it is
-    (the admin API's RestoreRequest.delta) and read into the dict only by the worker."""
+def test_a_delta_travels_as_its_message():
+    """A checkpoint's delta (an ImageDelta message of schema/image.capnp) reaches the front end as
+    its bytes, passed on as they are (the admin API's RestoreRequest.delta) and read only by the
+    worker that advances by it (snapshot/image.py read_delta), which refuses bytes that are no delta."""
     _, kind, packed = wire.read_control_reply(wire.control_reply(3, "delta", DELTA))
-    assert kind == "delta" and isinstance(packed, bytes) and wire.read_delta(packed) == DELTA
+    assert kind == "delta" and packed == DELTA and read_delta(packed, "b").changes[1] == (0x7020_0000, 0, "ef" * 16)
     _, _, args = wire.read_control(wire.encode_control(4, "restore", {"store": "/s", "name": "b", "delta": packed}))
     assert args.delta == DELTA
-    assert wire.read_delta(wire.pack_delta(dict(DELTA, parent=None)))["parent"] is None
-    with pytest.raises(wire.WireError, match="not an ImageDelta"):
-        wire.encode_control(5, "restore", {"store": "/s", "name": "b", "delta": b"{"})
+    _, _, args = wire.read_control(wire.encode_control(5, "restore", {"store": "/s", "name": "b", "delta": b"{"}))
+    with pytest.raises(ImageError, match="not an ImageDelta"):
+        read_delta(args.delta, "b")
 
 
 def test_malformed_control_frames_raise_wire_errors():

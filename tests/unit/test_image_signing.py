@@ -1,7 +1,6 @@
 """Images as untrusted input: signed manifests (snapshot/image_key.py), every chunk's presence
 and header checked before a restore says it succeeded, a damaged chunk found later failing its
 context, and an image that a restore still loads on demand kept from deletion."""
-import json
 import os
 import re
 import stat
@@ -14,7 +13,7 @@ from phos.gpu_server.worker.session import Session
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import DirStore, HostStore, ImageError, ImageWriter, MemoryStore, delete_image, gc, read_image
 from phos.snapshot.engine import Checkpoint, Restore
-from phos.snapshot.image import HEADER_SIZE, canonical_json, manifest_digest
+from phos.snapshot.image import HEADER_SIZE, decode_manifest, encode_manifest, manifest_digest
 from phos.snapshot.image_key import image_key, key_path
 from phos.snapshot.store import ImageInUse
 
@@ -58,9 +57,9 @@ def refusal(call):
 
 def rewrite_manifest(store, name, mutate, digest):
     raw, _ = store.get_manifest(name)
-    d = json.loads(raw)
+    d = decode_manifest(raw)
     mutate(d)
-    new = canonical_json(d)
+    new = encode_manifest(d)
     store.put_manifest(name, new, digest(new))
 
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 import phos.snapshot.fingerprint as fpmod
 from phos.snapshot.fingerprint import fingerprint, fingerprints, reference_fingerprint
-from phos.snapshot.image import (HEADER, HEADER_SIZE, ImageError, ImageWriter, canonical_json, decode_chunk,
-                                 delete_image, encode_chunk, gc, latest_image, manifest_digest, put_received_chunk,
-                                 put_received_manifest, read_chunk, read_chunk_into, read_image,
+from phos.snapshot.image import (HEADER, HEADER_SIZE, ImageError, ImageWriter, decode_chunk, decode_manifest,
+                                 delete_image, encode_chunk, encode_manifest, gc, latest_image, manifest_digest,
+                                 put_received_chunk, put_received_manifest, read_chunk, read_chunk_into, read_image,
                                  read_region, validate_manifest)
 from phos.snapshot.host_store import HostStore
 from phos.snapshot.store import DirStore, MemoryStore
@@ -178,7 +178,7 @@ def test_round_trip(store):
     assert w.new_chunks > 0
     got = read_image(store, "ctx1-0001")
     assert got.to_dict() == man.to_dict()
-    assert got.name == "ctx1-0001" and got.parent is None and got.version == 1
+    assert got.name == "ctx1-0001" and got.parent is None and got.version == 2
     assert got.format == "phos-image" and got.cut_seq == 1234 and got.backend == "emu"
     assert got.device["cc"] == [9, 0]
     assert got.functions[0]["params"] == [[0, 8], [8, 4], [16, 8]]
@@ -192,10 +192,10 @@ def test_round_trip(store):
     assert st_["chunks"] == len(store.list_chunks()) and st_["images"] == 1
     # the floats and zeros compressed: fewer bytes stored than raw
     assert st_["chunk_bytes"] < sum(len(d) for d in contents.values()) + 60 * HEADER_SIZE
-    # the manifest is canonical JSON with a format header, readable as plain JSON
+    # the manifest is a Manifest message (schema/image.capnp) that names its format and version
     raw, digest = store.get_manifest("ctx1-0001")
-    d = json.loads(raw)
-    assert d["format"] == "phos-image" and d["version"] == 1
+    d = decode_manifest(raw)
+    assert d["format"] == "phos-image" and d["version"] == 2 and encode_manifest(d) == raw
     assert digest.startswith(b"blake2b-256:")
     # an existing image is never overwritten
     with pytest.raises(ImageError, match="already exists"):
@@ -455,10 +455,17 @@ def test_a_directory_in_place_of_a_chunk_or_manifest_is_a_clear_error(tmp_path):
         read_image(store, "img")
 
 
+def edited(raw, mutate):
+    """A manifest's bytes with a field changed (its digest not recomputed)."""
+    d = decode_manifest(raw)
+    mutate(d)
+    return encode_manifest(d)
+
+
 def test_tampered_manifest(store):
     write_image(store, "img", make_contents())
     raw, digest = store.get_manifest("img")
-    bad = raw.replace(b'"address":139637976727552', b'"address":139637976731648', 1)
+    bad = edited(raw, lambda d: d["allocations"][0].update(address=0x7F0000001000))
     assert bad != raw
     set_manifest(store, "img", bad)
     with pytest.raises(ImageError, match="manifest digest mismatch"):
@@ -507,7 +514,7 @@ def test_keyed_manifest(store):
         read_image(store, "img", key=b"another")
     # an attacker edits the manifest and writes a fresh unkeyed digest: refused under the key
     raw, _ = store.get_manifest("img")
-    bad = raw.replace(b'"cut_seq":1234', b'"cut_seq":1235')
+    bad = edited(raw, lambda d: d.update(cut_seq=1235))
     set_manifest(store, "img", bad, manifest_digest(bad))
     with pytest.raises(ImageError, match="not signed"):
         read_image(store, "img", key=secret)
@@ -515,30 +522,31 @@ def test_keyed_manifest(store):
 
 def rewrite(store, name, mutate):
     raw, _ = store.get_manifest(name)
-    d = json.loads(raw)
-    mutate(d)
-    new = canonical_json(d)
+    new = edited(raw, mutate)
     set_manifest(store, name, new, manifest_digest(new))
 
 
 def test_wrong_format_version_and_fields(store):
     write_image(store, "img", make_contents())
-    rewrite(store, "img", lambda d: d.update(version=2))
-    with pytest.raises(ImageError, match="unsupported image version 2"):
+    good, _ = store.get_manifest("img")
+
+    def put(mutate):      # each a change of the image as written (a manifest of another version is read no further)
+        new = edited(good, mutate)
+        set_manifest(store, "img", new, manifest_digest(new))
+    put(lambda d: d.update(version=3))
+    with pytest.raises(ImageError, match="unsupported image version 3"):
         read_image(store, "img")
-    rewrite(store, "img", lambda d: d.update(version=1, format="criu"))
+    put(lambda d: d.update(format="criu"))
     with pytest.raises(ImageError, match="not a phos image: format is 'criu'"):
         read_image(store, "img")
-    rewrite(store, "img", lambda d: d.update(format="phos-image"))
+    put(lambda d: d.update(format="phos-image"))
     read_image(store, "img")
-    rewrite(store, "img", lambda d: d["allocations"][1].update(address=d["allocations"][0]["address"] + 8))
+    put(lambda d: d["allocations"][1].update(address=d["allocations"][0]["address"] + 8))
     with pytest.raises(ImageError, match=r"allocations\[1\]\.address.*overlaps"):
         read_image(store, "img")
-    rewrite(store, "img", lambda d: d["allocations"][1].update(address="0x10"))
-    with pytest.raises(ImageError, match=r"allocations\[1\]\.address: expected an integer"):
-        read_image(store, "img")
-    rewrite(store, "img", lambda d: (d["allocations"][1].update(address=0x7F0000200000),
-                                     d["allocations"][0]["chunks"].pop()))
+    with pytest.raises(ImageError, match=r"allocations\[1\]\.address: expected an integer"):     # the schema cannot hold it
+        put(lambda d: d["allocations"][1].update(address="0x10"))
+    put(lambda d: d["allocations"][0]["chunks"].pop())
     with pytest.raises(ImageError, match=r"allocations\[0\]\.chunks: 49 chunks, expected 50"):
         read_image(store, "img")
     # a manifest renamed into another image's name
@@ -551,9 +559,13 @@ def test_wrong_format_version_and_fields(store):
 def test_non_canonical_and_garbage_manifest(store):
     write_image(store, "img", make_contents())
     raw, _ = store.get_manifest("img")
-    pretty = json.dumps(json.loads(raw), indent=1).encode()
-    set_manifest(store, "img", pretty, manifest_digest(pretty))
+    padded = raw + bytes(8)          # bytes beyond its message, signed but never read
+    set_manifest(store, "img", padded, manifest_digest(padded))
     with pytest.raises(ImageError, match="canonical"):
+        read_image(store, "img")
+    version1 = json.dumps(decode_manifest(raw), sort_keys=True, separators=(",", ":")).encode()
+    set_manifest(store, "img", version1, manifest_digest(version1))
+    with pytest.raises(ImageError, match="canonical JSON, of image version 1: this reader reads version 2 only"):
         read_image(store, "img")
     for junk in (b"", b"\xff\xfe", b"[" * 100000, b'{"format":"phos-image","version":1', b"null", b"1e999999"):
         set_manifest(store, "img", junk, manifest_digest(junk))
@@ -741,15 +753,16 @@ def _paths(obj, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
-_MAN_PATHS = [p for p in _paths(json.loads(_MAN_RAW)) if p]
+_MAN_PATHS = [p for p in _paths(decode_manifest(_MAN_RAW)) if p]
 
 
 @settings(max_examples=400, deadline=None)
 @given(path=st.sampled_from(_MAN_PATHS), value=_json, delete=st.booleans())
 def test_random_manifest_field_damage(path, value, delete):
     """Replace or delete any one field (digest recomputed, as by someone without the key):
-    the reader refuses with ImageError or returns a manifest that passes every check."""
-    d = json.loads(_MAN_RAW)
+    the writer or the reader refuses with ImageError, or the reader returns a manifest that
+    passes every check."""
+    d = decode_manifest(_MAN_RAW)
     parent = d
     for p in path[:-1]:
         parent = parent[p]
@@ -758,7 +771,7 @@ def test_random_manifest_field_damage(path, value, delete):
     else:
         parent[path[-1]] = value
     try:
-        raw = canonical_json(d)
+        raw = encode_manifest(d)
     except ImageError:
         return
     s = _fresh_store()
@@ -782,7 +795,7 @@ def test_latest_image_is_the_newest_that_reads_and_qualifies(store):
     write_image(store, "newest", make_contents(3))
     assert latest_image(store) == "newest" and latest_image(store, ctx=12345) is None
     raw, _ = store.get_manifest("newest")
-    set_manifest(store, "newest", raw.replace(b'"cut_seq":1234', b'"cut_seq":1235'))       # tampered: its digest fails
+    set_manifest(store, "newest", edited(raw, lambda d: d.update(cut_seq=1235)))       # tampered: its digest fails
     assert latest_image(store) == "old"
 
 
@@ -796,7 +809,7 @@ def test_latest_image_under_a_key_passes_over_a_newer_forged_one(store):
     _time.sleep(0.01)
     write_image(store, "newer", make_contents(2), key=secret)
     raw, _ = store.get_manifest("newer")
-    forged = raw.replace(b'"cut_seq":1234', b'"cut_seq":1235')
+    forged = edited(raw, lambda d: d.update(cut_seq=1235))
     set_manifest(store, "newer", forged, manifest_digest(forged))
     assert latest_image(store, key=secret) == "good"
     assert latest_image(store) == "newer"
@@ -822,51 +835,67 @@ def test_read_latest_image_is_latest_image_read_once(store):
         read_latest_image(store)
 
 
-def test_the_created_time_is_read_without_parsing_the_manifest():
-    """latest_image reads each manifest's `created` from its text: a string holding the same
-    text does not fool it, and a second key named so sends it to the JSON parser."""
+def test_the_created_time_is_read_from_the_message_alone():
+    """latest_image reads each manifest's `created` from its message, not the whole: a name
+    holding the same words does not fool it."""
     from phos.snapshot.image import _created
-    raw = canonical_json({"allocations": [{"chunks": ["ab" * 16] * 3}], "created": 1764491234.25,
-                          "name": 'x"created":9,', "z": {"w": 1}})
-    assert _created(raw) == 1764491234.25
-    assert _created(canonical_json({"created": 5, "metadata": {"created": 7}})) == 5.0
-    assert _created(canonical_json({"created": 1e-05})) == 1e-05
+    assert _created(edited(_MAN_RAW, lambda d: d.update(created=1764491234.25, name='x"created":9,'))) == 1764491234.25
+    assert _created(edited(_MAN_RAW, lambda d: d.update(created=5))) == 5.0
+    assert _created(edited(_MAN_RAW, lambda d: d.update(created=1e-05))) == 1e-05
 
 
-def test_a_manifests_mode_and_session_are_read_without_parsing_it():
-    """latest_image glances at each manifest's metadata mode and session in its text: a string
-    holding the same text is escaped in canonical JSON, and a shape other than a writer's sends
-    it to the JSON parser. The session is checked as validate_manifest checks it either way."""
+def test_a_manifests_mode_and_session_are_read_from_the_message_alone():
+    """latest_image glances at each manifest's metadata mode and session, not its chunk keys.
+    The session is checked as validate_manifest checks it."""
     from phos.snapshot.image import _glance
     session = {"ctx": 7, "next_id": 3, "token": "ab" * 32}
-    raw = canonical_json({"metadata": {"mode": "concurrent", "paused": False}, "name": 'a"session":{"ctx":1}"mode":"precopy"',
-                          "session": session})
+    raw = edited(_MAN_RAW, lambda d: d.update(metadata={"mode": "concurrent", "paused": False}, session=session,
+                                              name='a"session":{"ctx":1}"mode":"precopy"'))
     assert _glance(raw) == ("concurrent", session)
-    raw = canonical_json({"metadata": {"mode": "precopy"}, "other": {"mode": "paused"}, "session": session})
-    assert _glance(raw) == ("precopy", session)
-    assert _glance(canonical_json({"metadata": {}, "session": session})) == (None, session)
-    assert _glance(canonical_json({"metadata": {"mode": "paused"}})) == ("paused", {})
-    for bad in ({"ctx": 7, "token": "cd", "next_id": 3}, {"ctx": "7", "token": "ab" * 32, "next_id": 3}, [7]):
+    raw = edited(_MAN_RAW, lambda d: d.update(metadata={"mode": "precopy"}, session=dict(session, limits=[[1, 2]])))
+    assert _glance(raw) == ("precopy", dict(session, limits=[[1, 2]]))
+    assert _glance(edited(_MAN_RAW, lambda d: d.update(metadata={"mode": "paused"}) or d.pop("session"))) == ("paused", {})
+    for bad in ({"ctx": 7, "token": "cd", "next_id": 3}, {"ctx": 7, "token": "ab" * 32, "next_id": 3, "tenant": "cd"}):
         with pytest.raises(ImageError, match="manifest field session"):
-            _glance(canonical_json({"metadata": {"mode": "paused"}, "session": bad}))
+            _glance(edited(_MAN_RAW, lambda d: d.update(session=bad)))
+    with pytest.raises(ImageError, match="manifest is not a Manifest message"):
+        _glance(_MAN_RAW[:-64])
 
 
-@pytest.mark.parametrize("bad, says", [
+# A session the schema cannot hold: refused as it is written, naming the field.
+UNWRITABLE_SESSIONS = [
     ("7", r"session: expected an object, found str"),
     ({"token": "ab" * 32, "next_id": 1}, r"session\.ctx: missing"),
     ({"ctx": -1, "token": "ab" * 32, "next_id": 1}, r"session\.ctx: -1 is out of range"),
     ({"ctx": True, "token": "ab" * 32, "next_id": 1}, r"session\.ctx: expected an integer, found bool"),
-    ({"ctx": 7, "token": "AB" * 32, "next_id": 1}, r"session\.token: expected a token digest"),
-    ({"ctx": 7, "token": "ab" * 31, "next_id": 1}, r"session\.token: expected a token digest"),
-    ({"ctx": 7, "token": 5, "next_id": 1}, r"session\.token: expected a string"),
+    ({"ctx": 7, "token": "AB" * 32, "next_id": 1}, r"session\.token: expected lowercase hex digits"),
+    ({"ctx": 7, "token": 5, "next_id": 1}, r"session\.token: expected lowercase hex digits"),
     ({"ctx": 7, "token": "ab" * 32}, r"session\.next_id: missing"),
     ({"ctx": 7, "token": "ab" * 32, "next_id": 1 << 64}, r"session\.next_id: .* is out of range"),
     ({"ctx": 7, "token": "ab" * 32, "next_id": 1.5}, r"session\.next_id: expected an integer, found float"),
     ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "limits": [[2, -1]]}, r"session\.limits\[0\]: expected \[CUlimit, value\]"),
-    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "limits": 5}, r"session\.limits\[0\]: expected \[CUlimit, value\]"),
-    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "tenant": "../x"}, r"session\.tenant: expected a tenant's name"),
-    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "tenant": 5}, r"session\.tenant: expected a string"),
-])
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "limits": 5}, r"session\.limits: expected a list"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "tenant": "../x"}, r"session\.tenant: expected lowercase hex digits"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "tenant": 5}, r"session\.tenant: expected lowercase hex digits"),
+]
+# A session the schema holds, which the reader refuses.
+BAD_SESSIONS = [
+    ({"ctx": 7, "token": "ab" * 31, "next_id": 1}, r"session\.token: expected a token digest"),
+    ({"ctx": 7, "token": "ab" * 32, "next_id": 1, "tenant": "ab" * 31}, r"session\.tenant: expected a tenant's name"),
+]
+
+
+@pytest.mark.parametrize("bad, says", UNWRITABLE_SESSIONS)
+def test_a_session_the_schema_cannot_hold_is_refused_as_written(store, bad, says):
+    write_image(store, "img", make_contents())
+    with pytest.raises(ImageError, match=f"image 'img': manifest field {says}"):
+        rewrite(store, "img", lambda d: d.update(session=bad))
+    with pytest.raises(ImageError, match=says):
+        validate_manifest(dict(decode_manifest(store.get_manifest("img")[0]), session=bad), "img")
+    assert read_image(store, "img").session == {"ctx": 7, "token": "ab" * 32, "next_id": 0x1005}
+
+
+@pytest.mark.parametrize("bad, says", BAD_SESSIONS)
 def test_a_bad_session_is_refused(store, bad, says):
     """A manifest's session is optional, and checked when it is there: as read, as validated,
     and as latest_image glances at it (which passes such an image over)."""
@@ -877,43 +906,50 @@ def test_a_bad_session_is_refused(store, bad, says):
     with pytest.raises(ImageError, match=f"image 'img': manifest field {says}"):
         read_image(store, "img")
     with pytest.raises(ImageError, match=says):
-        validate_manifest(json.loads(store.get_manifest("img")[0]), "img")
+        validate_manifest(decode_manifest(store.get_manifest("img")[0]), "img")
     assert latest_image(store) is None
     rewrite(store, "img", lambda d: d.pop("session"))
     assert read_image(store, "img") and latest_image(store) == "img" and latest_image(store, ctx=7) is None
 
 
+def delta_message(blob, mutate):
+    """An ImageDelta message's bytes with fields set as no writer of ours sets them."""
+    from phos.schema.image_messages import ImageDelta
+    with ImageDelta.from_bytes(blob) as d:
+        b = d.as_builder()
+    mutate(b)
+    return b.to_bytes()
+
+
 def test_a_delta_is_encoded_and_checked_in_one_place():
-    """The delta a handoff's last round sends (phos-delta-2): encode_delta makes it, and
-    validate_delta / decode_delta refuse a malformed one with ImageError naming the field."""
-    from phos.snapshot.image import DELTA_FORMAT, decode_delta, encode_delta, validate_delta
+    """The delta a handoff's last round sends (an ImageDelta message, phos-delta-3): encode_delta
+    makes it, and read_delta reads it and refuses a malformed one with ImageError naming the field."""
+    from phos.snapshot.image import DELTA_FORMAT, encode_delta, read_delta
     key = "ab" * 16
     good = encode_delta("b", "a", 12, "0" * 32, 0x1005, {"status": 0, "message": ""}, [[0x7F0000000000, 3, key]])
-    assert good["format"] == DELTA_FORMAT == "phos-delta-2"
-    assert validate_delta(good, "b") is good and decode_delta(json.dumps(good), "b") == good
-    assert validate_delta(dict(good, parent=None, changes=[]), "b")
-    cases = [(dict(good, format="phos-delta-1"), "not a phos-delta-2 delta of that image"),
-             (dict(good, name="c"), "not a phos-delta-2 delta of that image"),
-             ([good], "not a phos-delta-2 delta of that image"),
-             (dict(good, parent=5), "parent is not an image name"),
-             (dict(good, cut_seq=-1), "cut_seq is not a count"),
-             (dict(good, cut_seq=True), "cut_seq is not a count"),
-             (dict(good, next_id=1 << 64), "next_id is not a count"),
-             (dict(good, next_id="1"), "next_id is not a count"),
-             (dict(good, error={"status": 0}), "error is not {status, message}"),
-             (dict(good, error=[0, ""]), "error is not {status, message}"),
-             (dict(good, changes=[[0x7F0000000000, 3]]), "changes are not"),
-             (dict(good, changes=[[0x7F0000000000, 3, "zz" * 16]]), "changes are not"),
-             (dict(good, changes=[[0x7F0000000000, 3.0, key]]), "changes are not"),
-             (dict(good, changes={"0": key}), "changes are not"),
-             ({k: v for k, v in good.items() if k != "objects"}, "it names no objects")]
-    for d, says in cases:
+    assert DELTA_FORMAT == "phos-delta-3"
+    d = read_delta(good, "b")
+    assert d == ("b", "a", 12, "0" * 32, 0x1005, {"status": 0, "message": ""}, [(0x7F0000000000, 3, key)])
+    assert d.parent == "a" and d.changes[0][2] == key
+    assert read_delta(encode_delta("b", None, 12, "0" * 32, 1, {"status": 0, "message": ""}, []), "b").parent is None
+
+    def key_of(n):
+        return lambda b: setattr(b.changes[0], "key", bytes(n))
+    cases = [(delta_message(good, lambda b: setattr(b, "format", "phos-delta-2")), "not a phos-delta-3 delta of that image"),
+             (good, None), (encode_delta("c", "a", 12, "0" * 32, 1, {"status": 0, "message": ""}, []),
+                            "not a phos-delta-3 delta of that image"),
+             (delta_message(good, key_of(15)), "changes are not [region address, chunk index, chunk key] triples"),
+             (delta_message(good, key_of(0)), "changes are not"),
+             (delta_message(good, lambda b: setattr(b, "objects", "")), "it names no objects")]
+    for blob, says in cases:
+        if says is None:
+            assert read_delta(blob, "b").changes == [(0x7F0000000000, 3, key)]
+            continue
         with pytest.raises(ImageError, match=f"delta of image 'b': {re.escape(says)}"):
-            validate_delta(d, "b")
-    with pytest.raises(ImageError, match="delta of image 'b' is not JSON"):
-        decode_delta("{", "b")
-    with pytest.raises(ImageError, match="cut_seq is not a count"):
-        decode_delta(json.dumps(dict(good, cut_seq=-1)), "b")
+            read_delta(blob, "b")
+    for junk in (b"{", b"", b"\x00" * 8, good[:-8]):
+        with pytest.raises(ImageError, match="delta of image 'b' is not an ImageDelta message"):
+            read_delta(junk, "b")
 
 
 def catch(call):
