@@ -26,21 +26,10 @@ and the freeze is what the frozen round carries: kept off that window, the targe
 shrink the rounds the link must carry, and the frozen one with them.
 
 Plain code over two parties, so that it runs without gRPC or processes (tests fake both):
-  source  the front end holding the context (gpu_server/control/frontend.py FrontEnd): checkpoint,
-          thaw, retire and moving_to on the worker's control socket, worker_alive, host_store, moved,
-          counts
-  target  the server it goes to (gpu_server/control/admin.py TargetServer, over its admin API; or
-          gpu_server/control/handoff_net.py RemoteTarget, over the network), or another device of the
-          same server (DeviceTarget, below):
-          same_server: whether the target is the source's front end itself;
-          remote: whether it reads the rounds only as the source sends them (another host);
-          async stats() -> .recovery_dir, .host_store, .standby, .server_key (z85 or "");
-          async send(store, name, delta=b""): a round, or the last one's delta, reaches it
-          (nothing to do where it reads our store);
-          async restore(store, name, **how) -> .endpoint, .phase_ms (how: warm, advance, full, delta),
-          once the round was sent;
-          async drop_warm(); async wait_loaded(timeout)
-Either side's failure is a CudaError.
+the source, the front end holding the context, and the target it goes to; their Protocols,
+HandoffSource and HandoffTarget, are in gpu_server/control/handoff_parties.py. DeviceTarget,
+below, is the target where it goes to another device of the same server. Either side's failure
+is a CudaError.
 """
 import asyncio
 import logging
@@ -49,6 +38,7 @@ import types
 from dataclasses import dataclass, field
 
 from phos.base import settings
+from phos.gpu_server.control.handoff_parties import HandoffSource, HandoffTarget
 from phos.gpu_server.control.handoff_store import HandoffStore
 from phos.schema.cuda_types import CudaError
 from phos.snapshot import open_store
@@ -78,7 +68,8 @@ class HandoffResult:
 
 
 class Handoff:
-    def __init__(self, source, worker, target, ctx, to, max_rounds=0, chunk_size=0, make_store=HandoffStore):
+    def __init__(self, source: HandoffSource, worker, target: HandoffTarget, ctx, to, max_rounds=0, chunk_size=0,
+                 make_store=HandoffStore):
         self.source, self.worker, self.target = source, worker, target
         self.ctx, self.to = ctx, to
         self.max_rounds = max_rounds or MAX_ROUNDS
@@ -379,11 +370,11 @@ class Handoff:
 
 
 class DeviceTarget:
-    """A handoff to another device of the same server (`phos handoff CTX --to-device N`): the
-    warm copy is a worker on device N, kept out of the front end's table of contexts (where the
-    live context stays, under the same id) until it adopts the last round and takes its place.
-    The restore puts the context's allocations at their addresses, in its range (worker.py
-    take_base), so the application's pointers stay valid on the new device."""
+    """A handoff's target (HandoffTarget) on another device of the same server (`phos handoff
+    CTX --to-device N`): the warm copy is a worker on device N, kept out of the front end's table
+    of contexts (where the live context stays, under the same id) until it adopts the last round
+    and takes its place. The restore puts the context's allocations at their addresses, in its
+    range (worker.py take_base), so the application's pointers stay valid on the new device."""
     same_server = True
     remote = False
     DROP_WAIT = 3.0             # seconds drop_warm waits for the copy's worker to be gone

@@ -112,13 +112,13 @@ class RemoteTarget(TargetServer):
                  "%.1f ms", self.ctx, name, (self.sent_bytes - before) / (1 << 20), (t2 - t1) * 1e3, (t1 - t0) * 1e3,
                  (time.perf_counter() - t2) * 1e3)
 
-    async def restore(self, store, name, **how):
+    async def restore(self, store, name, warm=False, advance=False, full=False, delta=b""):
         """The target restores from its inbox, where send() put the round. On a connection of
         their own: a call holds its connection until answered, and the next round's manifest
         must not wait behind the target's load of this one."""
         if self.loads is None:
             self.loads = self.open()
-        return await super().restore(self.inbox, name, **how)
+        return await super().restore(self.inbox, name, warm, advance, full, delta)
 
     async def send_chunks(self, local, keys):
         """Send the chunks of `keys` the inbox lacks, on every link at once; the first failure

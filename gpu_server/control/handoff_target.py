@@ -1,6 +1,6 @@
-"""A handoff's target party over its server's admin API (gpu_server/control/handoff.py's
-TargetServer): on this host it reads the rounds where the source put them; handoff_net.py's
-RemoteTarget is the same party across hosts."""
+"""A handoff's target party (handoff_parties.py HandoffTarget) over its server's admin API: on
+this host it reads the rounds where the source put them; handoff_net.py's RemoteTarget is the
+same party across hosts."""
 import asyncio
 import time
 
@@ -15,7 +15,7 @@ HANDOFF_ASK_TIMEOUT = 10         # ... and to say where the rounds go (Stats)
 
 
 class TargetServer:
-    """A handoff's target (gpu_server/control/handoff.py) over its admin API; use with `async with`.
+    """A handoff's target (HandoffTarget) over its admin API; use with `async with`.
     address: its admin API (unix:PATH, or the tcp:// server, with curve: see open_admin).
     Its failures become CudaErrors that say the context stays here."""
     same_server = False
@@ -53,9 +53,9 @@ class TargetServer:
     async def send(self, store, name, delta=b""):
         """Nothing to send: it reads the rounds where we put them."""
 
-    async def restore(self, store, name, **how):
-        return await self.ask((self.loads or self.stub).Restore,
-                              pb.RestoreRequest(store=store, name=name, ctx=self.ctx, **how), HANDOFF_RESTORE_TIMEOUT)
+    async def restore(self, store, name, warm=False, advance=False, full=False, delta=b""):
+        request = pb.RestoreRequest(store=store, name=name, ctx=self.ctx, warm=warm, advance=advance, full=full, delta=delta)
+        return await self.ask((self.loads or self.stub).Restore, request, HANDOFF_RESTORE_TIMEOUT)
 
     async def drop_warm(self):
         """A failed handoff: the target frees its warm copy now (if it still has one, and lives).

@@ -1,6 +1,8 @@
 """The interfaces in code: Backend (gpu_server/backends/backend.py), SnapshotOps and SnapshotSession
-(snapshot/ops.py). emu's classes and the worker's Session are checked as objects; the cuda backend's
-modules cannot be imported without a GPU driver, so their classes are checked in their source."""
+(snapshot/ops.py), HandoffSource and HandoffTarget (gpu_server/control/handoff_parties.py). emu's
+classes, the worker's Session and the handoff's targets are checked as objects; the cuda backend's
+modules cannot be imported without a GPU driver, so their classes are checked in their source, as
+the front end's is (it is made with a server's sockets)."""
 import ast
 import inspect
 import os
@@ -8,6 +10,7 @@ import os
 import pytest
 
 from phos.gpu_server.backends.backend import Backend
+from phos.gpu_server.control.handoff_parties import HandoffSource, HandoffTarget
 from phos.snapshot.ops import SnapshotOps, SnapshotSession
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,9 +85,9 @@ def test_a_session_keeps_its_state_through_the_interface():
     assert s.sticky == (700, "illegal address")
 
 
-def cuda_classes(module):
-    """{name: ClassDef} of the classes a module of gpu_server/backends/ declares."""
-    with open(os.path.join(ROOT, "gpu_server", "backends", module)) as f:
+def classes(path):
+    """{name: ClassDef} of the classes a source file (path from the repository's root) declares."""
+    with open(os.path.join(ROOT, path)) as f:
         tree = ast.parse(f.read())
     return {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
 
@@ -94,7 +97,7 @@ def declared(cls):
     methods and properties, its class attributes, and what __init__ sets on self."""
     out = {}
     for node in cls.body:
-        if isinstance(node, ast.FunctionDef):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             prop = any(isinstance(d, ast.Name) and d.id == "property" for d in node.decorator_list)
             out[node.name] = None if prop else node
             if node.name == "__init__":
@@ -126,14 +129,36 @@ def ast_parameters(fn):
     return out[1:] if out and out[0][0] == "self" else out
 
 
-@pytest.mark.parametrize("module, cls, proto", [("cuda.py", "CudaBackend", Backend), ("cuda_snapshot.py", "CudaSnapshotOps", SnapshotOps)])
-def test_cuda_declares_every_member(module, cls, proto):
-    have = declared(cuda_classes(module)[cls])
+@pytest.mark.parametrize("path, cls, proto", [("gpu_server/backends/cuda.py", "CudaBackend", Backend),
+                                              ("gpu_server/backends/cuda_snapshot.py", "CudaSnapshotOps", SnapshotOps),
+                                              ("gpu_server/control/frontend.py", "FrontEnd", HandoffSource)])
+def test_a_class_checked_in_its_source_declares_every_member(path, cls, proto):
+    have = declared(classes(path)[cls])
     for name, fn in members(proto).items():
-        assert name in have, f"{module}'s {cls} lacks {proto.__name__}.{name}"
+        assert name in have, f"{path}'s {cls} lacks {proto.__name__}.{name}"
         if fn is not None:
-            assert have[name] is not None, f"{module}'s {cls}.{name} is not a method"
-            assert ast_parameters(have[name]) == parameters(fn), f"{module}'s {cls}.{name} differs from {proto.__name__}.{name}"
+            assert have[name] is not None, f"{path}'s {cls}.{name} is not a method"
+            assert ast_parameters(have[name]) == parameters(fn), f"{path}'s {cls}.{name} differs from {proto.__name__}.{name}"
+
+
+def test_the_handoffs_parties_declare_their_members():
+    assert set(members(HandoffSource)) == {"host_store", "moved", "counts", "checkpoint", "ctx_stats", "thaw", "pace",
+                                           "retire", "moving_to", "worker_alive"}
+    assert set(members(HandoffTarget)) == {"same_server", "remote", "stats", "send", "restore", "drop_warm", "wait_loaded"}
+    for proto in (HandoffSource, HandoffTarget):
+        for name, fn in members(proto).items():
+            assert fn is None or fn.__doc__, f"{proto.__name__}.{name} has no docstring"
+
+
+def test_every_handoff_target_provides_every_member():
+    """The three targets a handoff has (admin.py picks one), made as admin.py makes them: making
+    one opens nothing."""
+    from phos.gpu_server.control.handoff import DeviceTarget
+    from phos.gpu_server.control.handoff_net import RemoteTarget
+    from phos.gpu_server.control.handoff_target import TargetServer
+    for target in (TargetServer("unix:/nowhere", 7, "there"), RemoteTarget("tcp://there:7", 7, (b"t", b"p", b"s")),
+                   DeviceTarget(None, 7, 1)):
+        check(target, HandoffTarget)
 
 
 def test_no_backend_is_told_by_its_name():
