@@ -576,6 +576,22 @@ def test_non_canonical_and_garbage_manifest(store):
         read_image(store, "img")
 
 
+def test_the_chunks_of_a_version_1_image_stay_though_no_reader_reads_it(store):
+    """A version-1 manifest (canonical JSON) is refused, but collection keeps the chunks it
+    names, for a reader of that version; bytes that are no manifest at all name none."""
+    man, _ = write_image(store, "img", make_contents())
+    raw, _ = store.get_manifest("img")
+    version1 = json.dumps(decode_manifest(raw), sort_keys=True, separators=(",", ":")).encode()
+    store.put_manifest("old", version1, manifest_digest(version1))
+    store.put_manifest("junk", b"\x00" * 64, manifest_digest(b"\x00" * 64))
+    delete_image(store, "img")
+    assert store.missing(man.chunk_keys()) == set()
+    with pytest.raises(ImageError, match="image 'old': its manifest is canonical JSON, of image version 1"):
+        read_image(store, "old")
+    delete_image(store, "old")
+    assert store.stats()["chunks"] == 0
+
+
 def test_hostile_chunk_headers():
     data = os.urandom(1000)
     blob, fp = encode_chunk(data, level=None)
