@@ -572,12 +572,12 @@ def decode_manifest(raw, name=None):
 
 def validate_manifest(m, name=None):
     """Check a manifest dict as a reader checks one: its schema's types (encode_manifest), then
-    what the schema cannot say (_check). ImageError on the first problem; returns m."""
-    _check(decode_manifest(encode_manifest(m, name), name), name)
+    what the schema cannot say (_check_beyond_schema). ImageError on the first problem; returns m."""
+    _check_beyond_schema(decode_manifest(encode_manifest(m, name), name), name)
     return m
 
 
-def _check(m, name=None):
+def _check_beyond_schema(m, name=None):
     """The checks of a decoded manifest that its schema cannot say: ImageError naming the field."""
     image = name if name is not None else m["name"]
 
@@ -790,7 +790,7 @@ def read_latest_image(store, key=None):
 def _verified(store, name, raw, check_chunks):
     """The Manifest of a manifest whose digest was checked: parsed, validated, its chunks present."""
     data = decode_manifest(raw, name)
-    _check(data, name)
+    _check_beyond_schema(data, name)
     man = Manifest(data, bytes(raw))
     if check_chunks:
         bad = man.bad_chunk(store)
@@ -977,7 +977,7 @@ class ImageWriter:
             if len(raw) > MAX_MANIFEST_BYTES:
                 raise ImageError(f"image {self.name!r}: manifest of {len(raw)} bytes is over the limit")
             data = decode_manifest(raw, self.name)      # as a restore will read it
-            _check(data, self.name)
+            _check_beyond_schema(data, self.name)
             man = Manifest(data, raw)
             missing = man.missing_chunk(self.store, self.present)
             if missing:
