@@ -59,7 +59,7 @@
 # cookie. The client keeps the descriptor open while the memory is allocated, so that any
 # worker of the client's (one re-attached to included) can map it; nothing outlives the client.
 # The client announces it with hostMap{id, path, cookie, size} (size: the application's bytes;
-# id: the client's, never 0). The worker maps it with the staging file's checks (worker.py,
+# id: the client's, never 0). The worker maps it with the staging file's checks (session.py,
 # open_client_file: a memfd "phos" of the asking process, whose pid the connection's
 # SO_PEERCRED gives, owned by its user, sealed against shrinking, so that it can never be cut
 # short under the worker's mapping, of the size announced or more, whose header starts with
