@@ -5,7 +5,7 @@
 Benchmark only: by default the worker runs on a backend whose `launch` does nothing
 (NullBackend), so the figures are the worker's own per-launch cost (decoding the Request,
 the checks of calls.run_launch, dispatch) that bounds launch throughput, since the worker
-is one Python thread. Real frames go through the real path, Worker.handle -> run_calls ->
+is one Python thread. Real frames go through the real path, Worker.on_frames -> run_calls ->
 Session.execute, as they come off the socket. Also times the Python client's encoding of
 the same launches. Needs no GPU.
 
@@ -77,7 +77,7 @@ def driver_alone_us(worker, fid, n, repeat, budget=0.2):
     """The backend's launch (the driver's, through ctypes) from Python in a loop, with nothing
     decoded or checked: the floor under the worker."""
     session = worker.session
-    fn = session.handle("function", fid)
+    fn = session.lookup("function", fid)
     launch, params = session.backend.launch, bytes(fn.size)
 
     def run():
@@ -168,10 +168,10 @@ def main():
         calls = launches(fid, n)
         frames = {name: [zmq.Frame(PEER), zmq.Frame(encode(calls))] for name, encode in
                   (("single", encode_single), ("batch", encode_batch))}
-        worker.handle(frames["batch"])
+        worker.on_frames(frames["batch"])
         assert worker.session.deferred is None and worker.session.sticky is None, worker.session.deferred
-        single = per_launch_us(lambda: (worker.handle(frames["single"]), sync()), n, opts.repeat)
-        batch = per_launch_us(lambda: (worker.handle(frames["batch"]), sync()), n, opts.repeat)
+        single = per_launch_us(lambda: (worker.on_frames(frames["single"]), sync()), n, opts.repeat)
+        batch = per_launch_us(lambda: (worker.on_frames(frames["batch"]), sync()), n, opts.repeat)
         enc_single = per_launch_us(lambda: encode_single(calls), n, opts.repeat)
         enc_batch = per_launch_us(lambda: encode_batch(calls), n, opts.repeat)
         alone = f" {driver_alone_us(worker, fid, n, opts.repeat):.2f} |" if cuda else ""
@@ -182,7 +182,7 @@ def main():
         backend = worker.session.backend
 
         def back_to_back():
-            return per_launch_us(lambda: ([worker.handle(batch) for _ in range(n // 64)], sync()), n // 64 * 64, opts.repeat, 1.0)
+            return per_launch_us(lambda: ([worker.on_frames(batch) for _ in range(n // 64)], sync()), n // 64 * 64, opts.repeat, 1.0)
         worker_us = back_to_back()
         python_us = ""
         if backend.launcher is not None:      # the same batches through the worker's Python path

@@ -1,5 +1,6 @@
 """What the admin API's server and its clients share (schema/admin.proto): where a server's
-admin socket is, and a checkpoint's result as the dict `phos checkpoint --json` prints.
+admin socket is, and a checkpoint's result (a CheckpointResult message) as the dict
+`phos checkpoint --json` prints, and back.
 
 Imports no server code, and no capnp: the command line loads it for every client command.
 """
@@ -112,7 +113,8 @@ def safe_ancestors(path, what="socket directory"):
 
 
 def checkpoint_message(result):
-    """A checkpoint's result dict (schema/wire.py read_control_reply) as a CheckpointResult message."""
+    """A checkpoint's result dict (snapshot/engine.py Checkpoint.finish's, with the messages served)
+    as the CheckpointResult message its worker answers with (gpu_server/worker/control.py)."""
     from phos.schema import admin_pb2 as pb
     served = result.get("messages_served") or {"before": [0, 0.0], "during": [0, 0.0]}
     return pb.CheckpointResult(

@@ -59,7 +59,7 @@
 # cookie. The client keeps the descriptor open while the memory is allocated, so that any
 # worker of the client's (one re-attached to included) can map it; nothing outlives the client.
 # The client announces it with hostMap{id, path, cookie, size} (size: the application's bytes;
-# id: the client's, never 0). The worker maps it with the staging file's checks (worker.py,
+# id: the client's, never 0). The worker maps it with the staging file's checks (session.py,
 # open_client_file: a memfd "phos" of the asking process, whose pid the connection's
 # SO_PEERCRED gives, owned by its user, sealed against shrinking, so that it can never be cut
 # short under the worker's mapping, of the size announced or more, whose header starts with
@@ -103,9 +103,9 @@
 # running past the end) runs no launch and fails with CUDA_ERROR_INVALID_VALUE.
 
 # Snapshots (snapshot/engine.py). Each worker also binds a control socket, known only to
-# the front end, that speaks the control plane (ControlRequest and ControlReply, at the end of
-# this file), not the application's calls. Its first request is attach{ctx, token = the control
-# token}; then the front end sends tenant, checkpoint, restore, ctxStats, pace, thaw and retireTo.
+# the front end, that speaks the control plane (ControlRequest and ControlReply in
+# schema/admin.proto), not the application's calls. Its first request is attach{ctx, token = the
+# control token}; then the front end sends tenant, checkpoint, restore, ctx_stats, pace, thaw and retire_to.
 # A restored context keeps its ctx id, handles and addresses; its client finds the new worker
 # by sending reattach{ctx, token} to the front end, attaches with its session token (attach's
 # u64s[2] is the worker's last executed seq, the image's cut), and resends its unacknowledged
@@ -368,142 +368,8 @@ struct Launch {
   config @1 :Data;
   params @2 :Data;             # packed by the parameter layout of moduleGetFunction
 }
-# A checkpoint into the image store at path `store` (a directory). While it runs the worker
-# answers with ControlReply.progress; the last reply is `checkpointed` (or `failed`).
-struct Checkpoint {
-  store @0 :Text; name @1 :Text; parent @2 :Text;   # parent "" = none
-  paused @3 :Bool;             # stop the world instead of copying concurrently
-  compress @4 :Bool;           # zstd the chunks
-  chunkSize @5 :UInt64;        # 0: the default (2 MiB)
-  freeze @6 :Bool;             # with paused: afterwards run no more client calls until thaw or retire
-  precopy @7 :Bool;            # a handoff's pre-copy round: contents as they are while the
-                               # application runs, with no cut (see snapshot/engine.py)
-  noSync @8 :Bool;             # no fsync of its files: a handoff's rounds outlive processes
-                               # (in the page cache), not a power cut, and need no more
-  early @9 :Bool;              # with freeze: before committing, a ControlReply.delta: the image as a
-                               # delta of its parent (snapshot/engine.py Checkpoint.delta), for the
-                               # handoff's target
-  rate @10 :UInt64;            # a concurrent checkpoint's copy keeps to this many bytes a second
-                               # (0: as fast as it goes), so that the application keeps more of its speed
-}
-# Restore an image into a worker that holds no context yet (a pre-started one). The reply is
-# `restored` (RestoreResult); with `full`, it comes once every chunk is loaded.
-# With `advance`, the worker holds a restore of an earlier image of the same context that
-# no client has attached to yet (a handoff's warm target): it moves on to this image, loading
-# only the chunks that changed. Refused with CUDA_ERROR_ILLEGAL_STATE if the images differ
-# in more than contents; restore the image afresh then.
-# Without `full`, contents load in the background once the client has attached and its first
-# calls were served (or 0.1 s on); with `warm` (a handoff's early image, which no client
-# attaches to before `advance`), at once.
-# With `advance` and `delta` (a Checkpoint's early delta: an ImageDelta message of image.capnp,
-# carried unread), the worker moves on by the delta instead of reading the image's manifest,
-# which may not be committed yet.
-struct Restore { store @0 :Text; name @1 :Text; full @2 :Bool; advance @3 :Bool; warm @4 :Bool; delta @5 :Data; }
-# The tenant a new context's memory counts against (PHOS_TENANT_QUOTA), when the server has a
-# quota: `name` is a digest of the tenant's identity (gpu_server/device_ledger.py tenant_name), its
-# ledger directory's name. The context's images carry it, so a restore charges the same tenant.
-struct Tenant { name @0 :Text; }
-struct Pace { hold @0 :Float32; }
-# The client is about to hang up and come back (a whole-process checkpoint: phos/process.py): the
-# context waits this long for it after the next hang-up, not PHOS_ORPHAN_GRACE.
-struct Keep { seconds @0 :Float64; }    # the share of each few milliseconds the client's calls wait, 0 to 0.95
 struct StreamCreate { flags @0 :UInt32; priority @1 :Int32; }
 struct StreamWaitEvent { stream @0 :UInt64; event @1 :UInt64; flags @2 :UInt32; }
 struct EventRecord { event @0 :UInt64; stream @1 :UInt64; }
 struct EventPair { start @0 :UInt64; end @1 :UInt64; }
 
-
-# -- the control plane: the front end and a worker's control socket --------------------------
-# One ZeroMQ message = one ControlRequest frame; the worker answers each with one or more
-# ControlReply frames of the same seq: a checkpoint with progress (and, with `early`, a delta)
-# before its last reply; every other request with one. The front end's requests may overlap
-# (ctxStats while a checkpoint runs): replies are told apart by seq. schema/wire.py encodes and
-# decodes both sides; the operator's API over these is schema/admin.proto.
-
-struct ControlRequest {
-  seq @0 :UInt64;              # chosen by the front end; its replies carry it
-  union {
-    attach @1 :Attach;         # first: ctx and the control token
-    checkpoint @2 :Checkpoint;
-    restore @3 :Restore;
-    ctxStats @4 :Void;
-    thaw @5 :Void;             # a frozen worker (checkpoint with freeze) serves its client again
-    retireTo @6 :Moved;        # a frozen worker's context lives there now: tell the client
-                               # (Reply.moved) and exit
-    tenant @7 :Tenant;         # a new context's tenant, before its client can attach
-    pace @8 :Pace;             # hold the client's calls for a share of the time (a handoff that
-                               # must converge), or no longer (hold 0)
-    movingTo @9 :Moved;        # the context will move there: tell the client (Reply.movingTo)
-    keep @10 :Keep;            # wait for the client longer after its next hang-up
-  }
-}
-
-struct ControlReply {
-  seq @0 :UInt64;              # the request's; 0 for a frame that could not be read
-  union {
-    failed @1 :Failure;
-    done @2 :Void;             # attach, thaw, retireTo, tenant, pace, movingTo, keep
-    progress @3 :Progress;     # a checkpoint is running
-    delta @4 :Data;            # a checkpoint with early: its image before it is committed, an
-                               # ImageDelta message of image.capnp (carried unread)
-    checkpointed @5 :CheckpointResult;
-    restored @6 :RestoreResult;
-    stats @7 :CtxStats;
-  }
-}
-
-struct Failure {
-  status @0 :UInt32;           # a CUresult value
-  message @1 :Text;
-}
-
-struct Progress { doneBytes @0 :UInt64; totalBytes @1 :UInt64; }
-
-struct Timing { name @0 :Text; ms @1 :Float64; }
-
-enum CheckpointMode { paused @0; concurrent @1; precopy @2; }
-
-# What a checkpoint saved and how fast (snapshot/engine.py Checkpoint.finish).
-struct CheckpointResult {
-  name @0 :Text;
-  bytes @1 :UInt64;            # of the context's memory
-  copiedBytes @2 :UInt64;      # copied by this image (an incremental one copies what changed)
-  storedBytes @3 :UInt64;      # written to the store (compressed)
-  newChunks @4 :UInt64;
-  reusedChunks @5 :UInt64;
-  seconds @6 :Float64;
-  mode @7 :CheckpointMode;
-  paused @8 :Bool;             # the application was stopped (paused mode, or a failed validation)
-  pauseMs @9 :Float64;
-  recopiedChunks @10 :UInt64;
-  cutSeq @11 :UInt64;
-  manifestBytes @12 :UInt64;
-  phaseMs @13 :List(Timing);   # the checkpoint's steps, in order
-  trace @14 :List(TraceStep);  # a window of steps (trace_steps), from traceFrom
-  traceFrom @15 :Float64;      # the worker's perf_counter at the window's start
-  servedBefore @16 :Served;    # the application's messages before the checkpoint began
-  servedDuring @17 :Served;    # ... and while it ran
-}
-struct TraceStep { atMs @0 :Float64; step @1 :Text; ms @2 :Float64; }
-struct Served { messages @0 :UInt64; ms @1 :Float64; }
-
-struct RestoreResult {
-  ctx @0 :UInt64;
-  cutSeq @1 :UInt64;
-  name @2 :Text;
-  bytes @3 :UInt64;            # of the image's memory
-  loaded @4 :UInt64;           # loaded so far
-  phaseMs @5 :List(Timing);
-}
-
-struct CtxStats {
-  bytes @0 :UInt64;            # device memory allocated
-  allocations @1 :UInt64;
-  lastSeq @2 :UInt64;          # the last call the worker executed
-  checkpointing @3 :Bool;
-  restoring @4 :Bool;
-  doneBytes @5 :UInt64;        # of the running checkpoint or restore
-  totalBytes @6 :UInt64;
-  firstCallLoaded @7 :UInt64;  # restored on demand: bytes loaded when the first call touched memory
-  firstCallSeen @8 :Bool;      # ... and whether that happened yet
-}

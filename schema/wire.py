@@ -1,18 +1,15 @@
 """Encoding and decoding of phos's messages (schema/phos.capnp), for both sides.
 
-The data plane: a message is [Request or Reply frame, payload frame 1, payload frame 2, ...].
-The control plane (a front end and a worker's control socket): one ControlRequest or
-ControlReply frame; read here into plain Python values.
+A message is [Request or Reply frame, payload frame 1, payload frame 2, ...]. A worker's
+control socket speaks admin.proto's ControlRequest and ControlReply instead (schema/control_socket.py);
+an image's delta, which a handoff's target reads, is phos.capnp's ImageDelta (pack_delta, read_delta).
 """
 import collections
 import os
 import struct
-import types
 
 import capnp
 import numpy as np
-
-from phos.schema import control
 
 capnp.remove_import_hook()
 phos_capnp = capnp.load(os.path.join(os.path.dirname(__file__), "phos.capnp"))
@@ -53,8 +50,6 @@ MAX_REQUEST_CALLS = phos_capnp.maxRequestCalls
 
 Request = phos_capnp.Request
 Reply = phos_capnp.Reply
-ControlRequest = phos_capnp.ControlRequest
-ControlReply = phos_capnp.ControlReply
 
 # A Reply's Result, read (read_result)
 Result = collections.namedtuple("Result", "seq status message u64s f64 text data payload params")
@@ -337,152 +332,3 @@ def read_result(r, frames):
                   [(p.offset, p.size) for p in r.params] if r._has("params") else [])
 
 
-# -- the control plane (ControlRequest, ControlReply) -------------------------------------------
-def _camel(key):
-    head, *rest = key.split("_")
-    return head + "".join(w.title() for w in rest)
-
-
-CHECKPOINT_ARGS = ("store", "name", "parent", "paused", "compress", "chunkSize", "freeze", "precopy", "noSync", "early",
-                   "rate")
-RESTORE_ARGS = ("store", "name", "full", "advance", "warm")
-# A checkpoint's result as a dict (the keys of `phos checkpoint --json`) and its capnp fields:
-# the scalars (mode, an enum, by hand); phase_ms, trace_ms and messages_served by hand too.
-CHECKPOINT_SCALARS = tuple((k, None if k == "mode" else _camel(k)) for k in control.CHECKPOINT_SCALARS)
-STATS_FIELDS = (("bytes", "bytes"), ("allocations", "allocations"), ("last_seq", "lastSeq"),
-                ("checkpoint", "checkpointing"), ("restoring", "restoring"), ("done", "doneBytes"), ("total", "totalBytes"))
-
-
-def encode_control(seq, kind, args=None):
-    """A ControlRequest frame. kind: attach ({ctx, token}), checkpoint (CHECKPOINT_ARGS),
-    restore (RESTORE_ARGS and delta: an ImageDelta message's bytes, snapshot/image.py encode_delta),
-    ctxStats, thaw, retireTo and movingTo ({endpoint, standby, serverKey}), tenant ({name}), pace
-    ({hold}) or keep ({seconds}); args: a dict of its fields (those left out are zero)."""
-    req = ControlRequest.new_message(seq=seq)
-    if args is None:
-        setattr(req, kind, None)
-        return req.to_bytes()
-    fields = req.init(kind)
-    for key, value in args.items():
-        setattr(fields, key, value)
-    return req.to_bytes()
-
-
-def read_control(frame):
-    """(seq, kind, args) of a ControlRequest frame; args are plain values, copied out of the frame
-    (a SimpleNamespace of the member's fields; a restore's delta as bytes, or None). Raises WireError."""
-    with decode(ControlRequest, frame) as req:
-        kind = req.which()
-        a = getattr(req, kind)
-        if kind == "attach":
-            args = types.SimpleNamespace(ctx=a.ctx, token=bytes(a.token))
-        elif kind == "checkpoint":
-            args = types.SimpleNamespace(**{k: getattr(a, k) for k in CHECKPOINT_ARGS})
-        elif kind == "restore":
-            args = types.SimpleNamespace(**{k: getattr(a, k) for k in RESTORE_ARGS},
-                                         delta=bytes(a.delta) or None)
-        elif kind in ("retireTo", "movingTo"):
-            args = types.SimpleNamespace(endpoint=a.endpoint, standby=a.standby, server_key=a.serverKey)
-        elif kind == "tenant":
-            args = types.SimpleNamespace(name=a.name)
-        elif kind == "pace":
-            args = types.SimpleNamespace(hold=a.hold)
-        elif kind == "keep":
-            args = types.SimpleNamespace(seconds=a.seconds)
-        else:
-            args = None
-        return req.seq, kind, args
-
-
-def control_reply(seq, kind, value=None):
-    """A ControlReply frame. kind and value: failed (status, message), done (None), progress
-    (done bytes, total bytes), delta (snapshot.engine.image_delta's bytes), checkpointed (the
-    checkpoint's result dict), restored (restore_result's dict) or stats (ctx stats dict)."""
-    reply = ControlReply.new_message(seq=seq)
-    if kind == "done":
-        reply.done = None
-    elif kind == "failed":
-        f = reply.init("failed")
-        f.status, f.message = int(value[0]), value[1]
-    elif kind == "progress":
-        p = reply.init("progress")
-        p.doneBytes, p.totalBytes = value
-    elif kind == "delta":
-        reply.delta = value
-    elif kind == "checkpointed":
-        _write_checkpoint_result(reply.init("checkpointed"), value)
-    elif kind == "restored":
-        r = reply.init("restored")
-        r.ctx, r.cutSeq, r.name, r.bytes, r.loaded = (value[k] for k in ("ctx", "cut_seq", "name", "bytes", "loaded"))
-        _write_timings(r, "phaseMs", value["phase_ms"])
-    elif kind == "stats":
-        st = reply.init("stats")
-        for key, field in STATS_FIELDS:
-            setattr(st, field, value[key])
-        if value.get("first_call_loaded") is not None:
-            st.firstCallLoaded, st.firstCallSeen = value["first_call_loaded"], True
-    else:
-        raise ValueError(f"no control reply {kind!r}")
-    return reply.to_bytes()
-
-
-def read_control_reply(frame):
-    """(seq, kind, value) of a ControlReply frame, value as control_reply takes it (a delta's
-    bytes, which a handoff passes on as they are). Raises WireError."""
-    with decode(ControlReply, frame) as reply:
-        kind = reply.which()
-        if kind == "done":
-            value = None
-        elif kind == "failed":
-            value = (reply.failed.status, reply.failed.message)
-        elif kind == "progress":
-            value = (reply.progress.doneBytes, reply.progress.totalBytes)
-        elif kind == "delta":
-            value = bytes(reply.delta)
-        elif kind == "checkpointed":
-            value = _read_checkpoint_result(reply.checkpointed)
-        elif kind == "restored":
-            r = reply.restored
-            value = {"ctx": r.ctx, "cut_seq": r.cutSeq, "name": r.name, "bytes": r.bytes, "loaded": r.loaded,
-                     "phase_ms": _read_timings(r.phaseMs)}
-        else:
-            st = reply.stats
-            value = {key: getattr(st, field) for key, field in STATS_FIELDS}
-            value["first_call_loaded"] = st.firstCallLoaded if st.firstCallSeen else None
-        return reply.seq, kind, value
-
-
-def _write_timings(msg, field, timings):
-    out = msg.init(field, len(timings))
-    for t, (name, ms) in zip(out, timings.items()):
-        t.name, t.ms = name, ms
-
-
-def _read_timings(timings):
-    return {t.name: t.ms for t in timings}
-
-
-def _write_checkpoint_result(r, result):
-    for key, field in CHECKPOINT_SCALARS:
-        if field is not None:
-            setattr(r, field, result[key])
-    r.mode = result["mode"]
-    _write_timings(r, "phaseMs", result["phase_ms"])
-    trace = r.init("trace", len(result["trace_ms"]))
-    for t, (at, step, ms) in zip(trace, result["trace_ms"]):
-        t.atMs, t.step, t.ms = at, step, ms
-    r.traceFrom = result["trace_from"]
-    served = result.get("messages_served")
-    if served:
-        for field, key in (("servedBefore", "before"), ("servedDuring", "during")):
-            getattr(r, field).messages, getattr(r, field).ms = served[key]
-
-
-def _read_checkpoint_result(r):
-    out = {key: getattr(r, field) if field else str(r.mode) for key, field in CHECKPOINT_SCALARS}
-    out["phase_ms"] = _read_timings(r.phaseMs)
-    out["trace_ms"] = [[t.atMs, t.step, t.ms] for t in r.trace]
-    out["trace_from"] = r.traceFrom
-    out["messages_served"] = {"before": [r.servedBefore.messages, r.servedBefore.ms],
-                              "during": [r.servedDuring.messages, r.servedDuring.ms]}
-    return out

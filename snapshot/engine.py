@@ -1,7 +1,7 @@
 """The snapshot engine: consistent checkpoints taken while the application runs, and
 restores that hand the context back before its contents are loaded (DESIGN 7, 8, 10).
 
-It runs inside a context worker and sees its Session (gpu_server/worker/loop.py) as a
+It runs inside a context worker and sees its Session (gpu_server/worker/session.py) as a
 SnapshotSession, through its methods alone; the device work goes through the backend's snapshot
 operations (`backend.snap`, SnapshotOps). Both interfaces are in snapshot/ops.py.
 
@@ -1027,7 +1027,7 @@ class Restore(ChunkJob):
                 if not s.reach_global(g["address"], ptr, size, g["name"]):
                     placed[g["module"], g["name"]] = ptr
         for f in m.functions:
-            fn = backend.get_function(s.handle("module", f["module"]), f["name"])
+            fn = backend.get_function(s.lookup("module", f["module"]), f["name"])
             if [list(p) for p in fn.params] != f["params"]:
                 self.refuse(f"kernel {f['name']} has parameters {fn.params}, the image {f['params']}")
             fn.module_id, fn.size = f["module"], fn.param_bytes

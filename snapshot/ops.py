@@ -1,7 +1,7 @@
 """The snapshot engine's interfaces: what it needs of a device (SnapshotOps, a backend's
 `snap`) and of the context it checkpoints or restores (SnapshotSession, the worker's Session).
 
-gpu_server/backends/emu.py and gpu_server/backends/cuda_snapshot.py implement SnapshotOps; gpu_server/worker/loop.py's
+gpu_server/backends/emu.py and gpu_server/backends/cuda_snapshot.py implement SnapshotOps; gpu_server/worker/session.py's
 Session implements SnapshotSession. tests/unit/test_interfaces.py checks that they declare every
 member with the same parameters.
 
@@ -129,7 +129,7 @@ class SnapshotOps(Protocol):
 
 @runtime_checkable
 class SnapshotSession(Protocol):
-    """What the engine needs of the context it checkpoints or restores (gpu_server/worker/loop.py's
+    """What the engine needs of the context it checkpoints or restores (gpu_server/worker/session.py's
     Session). The engine reads and changes the context through these methods alone."""
 
     @property
@@ -157,7 +157,7 @@ class SnapshotSession(Protocol):
     def place(self, hid, kind, obj, facts=None) -> None:
         """Put a recreated object under the id it had (a restore), with its facts (a dict)."""
 
-    def handle(self, kind, hid):
+    def lookup(self, kind, hid):
         """The object of that kind with that id; CudaError if there is none."""
 
     def reach_global(self, old, ptr, size, name) -> bool:

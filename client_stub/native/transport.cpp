@@ -168,7 +168,7 @@ void Socket::open() {
     // Notice a server that vanished without closing by TCP keepalive (~10 s), not ZeroMQ's
     // heartbeats: a heartbeat waits behind our queued messages, which a worker that reads none
     // for a while (paced, frozen, in a long call) leaves queued, and the connection would be
-    // dropped with its answers on their way (gpu_server/worker/loop.py client_socket does the same).
+    // dropped with its answers on their way (gpu_server/worker/main.py client_socket does the same).
     set_int(socket_, ZMQ_TCP_KEEPALIVE, 1);
     set_int(socket_, ZMQ_TCP_KEEPALIVE_IDLE, 5);
     set_int(socket_, ZMQ_TCP_KEEPALIVE_INTVL, 1);

@@ -19,7 +19,7 @@ from phos.gpu_server.control.handoff_target import TargetServer
 from phos.schema import admin_pb2 as pb
 from phos.schema import admin_pb2_grpc
 from phos.schema.admin_net import is_loopback
-from phos.schema.control import admin_socket, checkpoint_message, private_directory
+from phos.schema.control import admin_socket, private_directory
 from phos.schema.cuda_types import CudaError, CUresult
 from phos.snapshot import ImageError, delete_image, gc, latest_image, open_store, read_image
 from phos.snapshot.store import ImageInUse, images_in
@@ -76,15 +76,15 @@ class Admin(admin_pb2_grpc.AdminServicer):
         except CudaError as e:
             if e.status != CUresult.CUDA_ERROR_ILLEGAL_STATE:
                 raise
-            # a chunk of the image it was restored from was damaged: its calls fail (Worker.ctx_stats)
+            # a chunk of the image it was restored from was damaged: its calls fail (ContextControl.ctx_stats)
             log.info("context %d: %s", w.ctx_id, e.message)
             c = pb.Context()
             c.CopyFrom(self.described.get(w.ctx_id) or pb.Context(id=w.ctx_id, pid=w.proc.pid))
             c.state = "failed"
             return c
-        state = "checkpointing" if st["checkpoint"] else "restoring" if st["restoring"] else w.state
-        return pb.Context(id=w.ctx_id, bytes=st["bytes"], allocations=st["allocations"], last_seq=st["last_seq"],
-                          pid=w.proc.pid, state=state, first_call_loaded=st["first_call_loaded"] or 0, device=w.device)
+        state = "checkpointing" if st.checkpointing else "restoring" if st.restoring else w.state
+        return pb.Context(id=w.ctx_id, bytes=st.bytes, allocations=st.allocations, last_seq=st.last_seq,
+                          pid=w.proc.pid, state=state, first_call_loaded=st.first_call_loaded, device=w.device)
 
     async def ListContexts(self, request, context):
         """Every context, as its worker describes it now, or, where the worker is in one long call
@@ -139,15 +139,12 @@ class Admin(admin_pb2_grpc.AdminServicer):
             parent = ""
             if request.incremental:
                 parent = await asyncio.to_thread(lambda: latest_image(open_store(request.store), request.ctx)) or ""
-            queue = asyncio.Queue()
-
-            def progress(done, total):
-                queue.put_nowait(pb.CheckpointProgress(done_bytes=done, total_bytes=total))
-
+            queue = asyncio.Queue()       # the worker's progress messages, passed on as they are
             task = asyncio.ensure_future(self.front.checkpoint(
-                w, on_progress=progress, store=os.path.abspath(request.store), name=name, parent=parent,
-                paused=request.paused, compress=request.compress, chunkSize=request.chunk_size,
-                rate=request.bytes_per_second))
+                w, pb.WorkerCheckpointRequest(store=os.path.abspath(request.store), name=name, parent=parent,
+                                              paused=request.paused, compress=request.compress,
+                                              chunk_size=request.chunk_size, rate=request.bytes_per_second),
+                on_progress=queue.put_nowait))
             while not task.done() or not queue.empty():
                 getter = asyncio.ensure_future(queue.get())
                 await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
@@ -155,11 +152,10 @@ class Admin(admin_pb2_grpc.AdminServicer):
                     yield getter.result()
                 else:
                     getter.cancel()
-            result = task.result()
+            result = task.result()        # the worker's CheckpointResult, passed on as it is
             self.front.counts["checkpoints"] += 1
-            self.front.counts["checkpoint_seconds"] += result["seconds"]
-            yield pb.CheckpointProgress(done_bytes=result["bytes"], total_bytes=result["bytes"], finished=True,
-                                        result=checkpoint_message(result))
+            self.front.counts["checkpoint_seconds"] += result.seconds
+            yield pb.CheckpointProgress(done_bytes=result.bytes, total_bytes=result.bytes, finished=True, result=result)
         except CudaError as e:
             if name is not None:
                 e = await self.after_failed_checkpoint(e, request.store, name, request.ctx, began)
@@ -206,9 +202,10 @@ class Admin(admin_pb2_grpc.AdminServicer):
                 w, res = await self.front.restore(store, request.name, request.full, warm=request.warm)
             if not request.warm and request.full and self.front.inboxes.is_inbox(store):
                 self.front.inboxes.drop_path(store)     # a handoff's last round, loaded: its inbox has served
-            return pb.RestoreReply(ctx=w.ctx_id, cut_seq=res["cut_seq"], name=res["name"], seconds=time.perf_counter() - t0,
-                                   bytes=res["bytes"], endpoint=w.endpoint,
-                                   phase_ms={**res["phase_ms"], "worker_call": (time.perf_counter() - t0) * 1e3})
+            # the worker's RestoreReply, passed on with what only the front end knows
+            res.ctx, res.endpoint, res.seconds = w.ctx_id, w.endpoint, time.perf_counter() - t0
+            res.phase_ms["worker_call"] = (time.perf_counter() - t0) * 1e3
+            return res
         except CudaError as e:
             await self.fail(context, e)
         except (OSError, ImageError) as e:     # the store cannot be opened (a damaged host store's index, say)

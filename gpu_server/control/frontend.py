@@ -27,7 +27,8 @@ from phos.gpu_server.control import cpu_share
 from phos.gpu_server.client_keys import ClientKeys, frame_user_id, loopback_uid, peer_credentials, pid_alive
 from phos.gpu_server.device_ledger import tenant_name
 from phos.gpu_server.worker.strangers import PeerWarnings
-from phos.schema import wire
+from phos.schema import admin_pb2 as pb
+from phos.schema import control_socket, wire
 from phos.schema.control import (admin_socket, emu_ledger_dir, module_cache_dir, private_directory, remove_socket_file,
                                  tenant_ledger_dir)
 from phos.schema.wire import build_reply, error_reply
@@ -340,7 +341,7 @@ class FrontEnd:
         worker.client = client
         if self.tenant_quota > 0 or self.tenant_host_quota > 0 or self.module_cache:   # its memory counts against its client's quota before
             try:                                             # the client has it; its module images are its own
-                await self.control(worker, "tenant", {"name": tenant_name(client)})
+                await self.control(worker, pb.TenantRequest(name=tenant_name(client)))
             except BaseException:
                 self.discard(worker.ctx_id)
                 raise
@@ -541,47 +542,52 @@ class FrontEnd:
         log.info("context %d: worker exited with %s", worker.ctx_id, code)
         cpu_share.share(self.workers.values())
 
-    # -- the workers' control sockets (ControlRequest, ControlReply; schema/wire.py) ----------
-    async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):
-        """Checkpoint a worker's context (args: Checkpoint's fields); returns its result dict.
-        on_progress(done, total) while it copies; on_delta(packed ImageDelta) with `early`."""
-        return await self.control(worker, "checkpoint", args, on_progress, on_delta)
+    # -- the workers' control sockets (ControlRequest, ControlReply in schema/admin.proto) ---------
+    async def checkpoint(self, worker, request, on_progress=None, on_delta=None):
+        """Checkpoint a worker's context (request: a pb.WorkerCheckpointRequest); returns its
+        pb.CheckpointResult. on_progress(pb.CheckpointProgress) while it copies; on_delta(packed
+        ImageDelta) with `early`."""
+        return await self.control(worker, request, on_progress, on_delta)
 
     async def ctx_stats(self, worker):
-        """What a worker's context holds and does (a dict, see wire.control_reply)."""
-        return await self.control(worker, "ctxStats")
+        """What a worker's context holds and does: a pb.CtxStats."""
+        return await self.control(worker, pb.CtxStatsRequest())
 
     async def thaw(self, worker):
-        await self.control(worker, "thaw")
+        await self.control(worker, pb.ThawRequest())
 
     async def keep(self, worker, seconds):
         """Its client will hang up and come back within `seconds` (a whole-process checkpoint)."""
-        await self.control(worker, "keep", {"seconds": seconds})
+        await self.control(worker, pb.KeepContextRequest(ctx=worker.ctx_id, seconds=seconds))
 
     async def pace(self, worker, hold):
         """Hold the worker's client's calls for `hold` of the time (0: no longer)."""
-        await self.control(worker, "pace", {"hold": hold})
+        await self.control(worker, pb.PaceRequest(hold=hold))
 
     async def retire(self, worker, endpoint, standby, server_key=""):
         """A frozen worker's context lives at endpoint now: it tells its client (with the CURVE
         public key of the server there, z85) and exits."""
-        await self.control(worker, "retireTo", {"endpoint": endpoint, "standby": standby, "serverKey": server_key})
+        to = pb.Destination(endpoint=endpoint, standby=standby, server_key=server_key)
+        await self.control(worker, pb.RetireRequest(to=to))
 
     async def moving_to(self, worker, endpoint, standby, server_key=""):
         """A handoff is about to move the worker's context to endpoint: its client connects there ahead."""
-        await self.control(worker, "movingTo", {"endpoint": endpoint, "standby": standby, "serverKey": server_key})
+        to = pb.Destination(endpoint=endpoint, standby=standby, server_key=server_key)
+        await self.control(worker, pb.MovingToRequest(to=to))
 
     @staticmethod
     def worker_alive(worker):
         return alive(worker.proc)
 
-    async def control(self, worker, kind, args=None, on_progress=None, on_delta=None):
-        """One request on a worker's control socket; returns its last reply's value (a failure
-        raises CudaError). on_progress and on_delta get a checkpoint's replies before it.
+    async def control(self, worker, request, on_progress=None, on_delta=None):
+        """One request on a worker's control socket (one verb's request message of admin.proto's
+        ControlRequest); returns its last reply's value (control_socket.read_reply: None for
+        done, else the verb's result message; a failure raises CudaError). on_progress and
+        on_delta get a checkpoint's replies before it.
 
         Requests may overlap (a stats query during a checkpoint): replies are routed by seq."""
         await self.open_control(worker)
-        return await self._control_call(worker, kind, args, on_progress, on_delta)
+        return await self._control_call(worker, request, on_progress, on_delta)
 
     async def open_control(self, worker):
         """Connect to a worker's control socket and present its token, once."""
@@ -592,9 +598,9 @@ class FrontEnd:
                 worker.ctl.connect(worker.ctl_endpoint)
                 worker.ctl_waiters = {}
                 asyncio.get_running_loop().create_task(self._control_reader(worker))
-                await self._control_call(worker, "attach", {"ctx": worker.ctx_id, "token": worker.ctl_token})
+                await self._control_call(worker, pb.ControlAttachRequest(ctx=worker.ctx_id, token=worker.ctl_token))
 
-    async def _control_call(self, worker, kind, args, on_progress=None, on_delta=None):
+    async def _control_call(self, worker, request, on_progress=None, on_delta=None):
         worker.ctl_seq += 1
         seq = worker.ctl_seq
         queue = worker.ctl_waiters[seq] = asyncio.Queue()
@@ -605,11 +611,7 @@ class FrontEnd:
             if worker.proc.returncode is not None or worker.ctl.closed:
                 raise exited
             try:
-                frame = wire.encode_control(seq, kind, args)
-            except wire.WireError as e:
-                raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{kind}: {e}") from None
-            try:
-                await worker.ctl.send(frame)
+                await worker.ctl.send(control_socket.request_frame(seq, request))
             except zmq.ZMQError:
                 raise exited from None        # watch() closed its socket: the worker is gone
             while True:
@@ -621,7 +623,7 @@ class FrontEnd:
                     raise CudaError(*value)
                 if what == "progress":
                     if on_progress is not None:
-                        on_progress(*value)
+                        on_progress(value)
                 elif what == "delta":
                     if on_delta is not None:
                         on_delta(value)
@@ -638,9 +640,9 @@ class FrontEnd:
                     continue
                 frames = await worker.ctl.recv_multipart()
                 try:
-                    seq, kind, value = wire.read_control_reply(frames[0])
-                except wire.MALFORMED as e:
-                    log.warning("context %d: malformed control reply: %s", worker.ctx_id, wire.describe(e))
+                    seq, kind, value = control_socket.read_reply(frames[0])
+                except control_socket.MALFORMED as e:
+                    log.warning("context %d: malformed control reply: %s", worker.ctx_id, control_socket.describe(e))
                     continue
                 waiters = list(worker.ctl_waiters.values()) if seq == 0 else [worker.ctl_waiters.get(seq)]
                 for queue in filter(None, waiters):
@@ -736,19 +738,19 @@ class FrontEnd:
             log.warning("a client that does not read its replies loses them: %s", why)
 
     async def restore(self, store, name, full, warm=False):
-        """Restore an image into a pre-started worker; returns (worker, the restore's result dict).
+        """Restore an image into a pre-started worker; returns (worker, its pb.RestoreReply).
         warm: a handoff's early image, which no client may attach to until advance()."""
         worker = await self.standby_worker()
         worker.state = "restoring"
         try:
-            res = await self.control(worker, "restore", {"store": store, "name": name, "full": full, "warm": warm})
+            res = await self.control(worker, pb.RestoreRequest(store=store, name=name, full=full, warm=warm))
         except BaseException:
             if worker.proc.returncode is None:
                 worker.proc.kill()
             raise
         finally:     # not before the client re-attached: starting a process (a fork of ours) holds up this loop
             asyncio.get_running_loop().call_later(REFILL_AFTER_RESTORE, self.fill_pool)
-        ctx_id = res["ctx"]
+        ctx_id = res.ctx
         live = self.workers.get(ctx_id)
         if live is not None and alive(live.proc) and live.state != "warming":
             worker.proc.kill()
@@ -790,8 +792,8 @@ class FrontEnd:
         warm = self.workers.get(ctx)
         if warm is not None and warm.state == "warming" and alive(warm.proc):
             try:
-                res = await self.control(warm, "restore", {"store": store, "name": name, "advance": True, "full": full,
-                                                           "delta": delta})
+                res = await self.control(warm, pb.RestoreRequest(store=store, name=name, advance=True, full=full,
+                                                                 delta=delta))
                 if final:
                     warm.state = "running"
                     self.counts["restores"] += 1

@@ -13,7 +13,7 @@ over a link not much faster than its writes), the rounds stop shrinking, and the
 round would carry a second or more of its writes. Then, as live migration of virtual
 machines does (QEMU's auto-converge), the handoff slows the application: its worker holds
 its calls for a share of every few milliseconds and serves one of its messages in each at
-most (Worker.set_pace), a larger share each round that fails to halve, up to
+most (ContextControl.pace), a larger share each round that fails to halve, up to
 PHOS_HANDOFF_THROTTLE, and lets go at the freeze. Each hold is a few milliseconds, far below
 the downtime it saves; the result's phase_ms says for how long and how much.
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from phos.base import settings
 from phos.gpu_server.control.handoff_parties import HandoffSource, HandoffTarget
 from phos.gpu_server.control.handoff_store import HandoffStore
+from phos.schema import admin_pb2 as pb
 from phos.schema.cuda_types import CudaError
 from phos.snapshot import open_store
 from phos.snapshot.image import DEFAULT_CHUNK_SIZE
@@ -153,7 +154,7 @@ class Handoff:
             return mine
         if not (mine and self.target.remote):
             return ""
-        chunks = 2 * -(-(await self.source.ctx_stats(self.worker))["bytes"] // self.chunk)
+        chunks = 2 * -(-(await self.source.ctx_stats(self.worker)).bytes // self.chunk)
         store = await asyncio.to_thread(open_store, mine, create=False)
         free = (await asyncio.to_thread(store.stats))["free_slots"]
         return mine if self.chunk <= store.capacity and free >= chunks else ""
@@ -356,10 +357,10 @@ class Handoff:
         """One round into the handoff's store: a pre-copy round, or the frozen last one.
         on_delta: given the last round's delta when the source sends it, before committing.
         Returns (bytes copied, its steps, milliseconds)."""
-        result = await self.source.checkpoint(
-            self.worker, on_delta=on_delta, store=self.store.path, name=name, parent=parent, paused=final, freeze=final,
-            precopy=not final, chunkSize=self.chunk, noSync=True, early=on_delta is not None)
-        return result["copied_bytes"], result["phase_ms"], result["seconds"] * 1e3
+        result = await self.source.checkpoint(self.worker, pb.WorkerCheckpointRequest(
+            store=self.store.path, name=name, parent=parent, paused=final, freeze=final, precopy=not final,
+            chunk_size=self.chunk, no_sync=True, early=on_delta is not None), on_delta=on_delta)
+        return result.copied_bytes, dict(result.phase_ms), result.seconds * 1e3
 
     async def remove_when_loaded(self, last):
         """The target loads on demand from the handoff's store: remove the rounds once that is
@@ -403,8 +404,8 @@ class DeviceTarget:
         res = None
         if advance and self.copy is not None:
             try:
-                res = await self.front.control(self.copy, "restore", {"store": store, "name": name, "advance": True,
-                                                                      "full": full, "delta": delta})
+                res = await self.front.control(self.copy, pb.RestoreRequest(store=store, name=name, advance=True,
+                                                                            full=full, delta=delta))
             except CudaError as e:
                 if delta:
                     raise
@@ -416,17 +417,17 @@ class DeviceTarget:
             self.copy.state = "warming"
             self.front.fill_pool()
             try:
-                res = await self.front.control(self.copy, "restore", {"store": store, "name": name, "full": full,
-                                                                      "warm": warm})
+                res = await self.front.control(self.copy, pb.RestoreRequest(store=store, name=name, full=full,
+                                                                            warm=warm))
             except BaseException:
                 await self.drop_warm()
                 raise
-            self.copy.ctx_id = res["ctx"]
+            self.copy.ctx_id = res.ctx
         if not warm:                 # the last round: it is the context now
             self.copy.state = "running"
             self.front.workers[self.ctx] = self.copy
             self.front.counts["restores"] += 1
-        return types.SimpleNamespace(endpoint=self.copy.endpoint, phase_ms=res["phase_ms"])
+        return types.SimpleNamespace(endpoint=self.copy.endpoint, phase_ms=dict(res.phase_ms))
 
     async def drop_warm(self):
         """Free the warm copy, if it is not the context yet; once its worker is gone, since it holds
@@ -446,7 +447,7 @@ class DeviceTarget:
         deadline = time.monotonic() + timeout
         while self.copy is not None and self.front.worker_alive(self.copy) and time.monotonic() < deadline:
             try:
-                if not (await self.front.ctx_stats(self.copy))["restoring"]:
+                if not (await self.front.ctx_stats(self.copy)).restoring:
                     return
             except CudaError:
                 return

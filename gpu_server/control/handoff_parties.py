@@ -22,14 +22,13 @@ class HandoffSource(Protocol):
     moved: dict                  # ctx id -> (endpoint, standby, server key) where a handoff gave it
     counts: dict                 # its counters; a handoff counts in "handoffs"
 
-    async def checkpoint(self, worker, on_progress=None, on_delta=None, **args) -> dict:
-        """A checkpoint of the worker's context (args: the Checkpoint request's fields, in
-        phos.capnp); returns its result (copied_bytes, phase_ms, seconds...). on_progress(done,
-        total) while it copies; on_delta(bytes of its ImageDelta message) before it commits,
-        with `early`."""
+    async def checkpoint(self, worker, request, on_progress=None, on_delta=None):
+        """A checkpoint of the worker's context (request: admin.proto's WorkerCheckpointRequest);
+        returns its CheckpointResult. on_progress(CheckpointProgress) while it copies;
+        on_delta(bytes of its ImageDelta message) before it commits, with `early`."""
 
-    async def ctx_stats(self, worker) -> dict:
-        """The context's statistics (bytes: the device memory it holds)."""
+    async def ctx_stats(self, worker):
+        """The context's statistics, a CtxStats (bytes: the device memory it holds)."""
 
     async def thaw(self, worker):
         """A frozen worker (a checkpoint with freeze) serves its client again."""

@@ -1,6 +1,6 @@
-"""`python -m phos.gpu_server.worker`: how the front end starts a context worker (loop.py)."""
+"""`python -m phos.gpu_server.worker`: how the front end starts a context worker (main.py)."""
 import sys
 
-from phos.gpu_server.worker.loop import main
+from phos.gpu_server.worker.main import main
 
 sys.exit(main())

@@ -27,7 +27,7 @@ def _payload(payloads, index, size):
 
 
 def _stream(s, sid):
-    return None if sid in STREAM_ALIASES else s.handle("stream", sid)
+    return None if sid in STREAM_ALIASES else s.lookup("stream", sid)
 
 
 def wait_device(s, wait, done):
@@ -211,7 +211,7 @@ def module_load(s, a, p):
 
 
 def module_unload(s, a, p):
-    module = s.handle("module", a.id)
+    module = s.lookup("module", a.id)
     if s.snapshotting:
         for _, ptr, _ in s.backend.module_globals(module):
             s.touch(s.space.to_app(ptr), 0, whole=True)     # as the image knows it
@@ -222,7 +222,7 @@ def module_unload(s, a, p):
 
 
 def module_get_function(s, a, p):
-    fn = s.backend.get_function(s.handle("module", a.module), a.name)
+    fn = s.backend.get_function(s.lookup("module", a.module), a.name)
     fn.module_id, fn.size = a.module, fn.param_bytes
     fid = s.add("function", fn)
     # the attributes follow the id as 64-bit two's complement (a carveout of -1 is "no preference")
@@ -230,7 +230,7 @@ def module_get_function(s, a, p):
 
 
 def module_get_global(s, a, p):
-    ptr, size = s.backend.get_global(s.handle("module", a.module), a.name)
+    ptr, size = s.backend.get_global(s.lookup("module", a.module), a.name)
     return {"u64s": [s.space.to_app(ptr), size]}
 
 
@@ -238,7 +238,7 @@ def run_launch(s, function_id, config, params):
     """Check one launch and hand it to the backend: the single path of launch and launchBatch.
 
     config: Launch.config's 40 bytes, or LAUNCH_CONFIG's nine values already unpacked."""
-    fn = s.handle("function", function_id)
+    fn = s.lookup("function", function_id)
     if not isinstance(config, tuple):
         if len(config) != LAUNCH_CONFIG.size:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"launch of {fn.name}: config holds {len(config)} bytes, not {LAUNCH_CONFIG.size}")
@@ -257,7 +257,8 @@ def run_launch(s, function_id, config, params):
     s.backend.launch(fn, (gx, gy, gz), (bx, by, bz), shared, _stream(s, stream), params, options)
 
 
-def launch(s, a, p):
+def launch_one(s, a, p):
+    """A launch call: one kernel, not in a batch."""
     run_launch(s, a.function, a.config, a.params)
 
 
@@ -291,7 +292,7 @@ def stream_create(s, a, p):
 
 
 def stream_destroy(s, a, p):
-    s.backend.stream_destroy(s.handle("stream", a.id))
+    s.backend.stream_destroy(s.lookup("stream", a.id))
     s.drop(a.id)
 
 
@@ -306,7 +307,7 @@ def stream_query(s, a, p):
 
 
 def stream_wait_event(s, a, p):
-    s.backend.stream_wait_event(_stream(s, a.stream), s.handle("event", a.event))
+    s.backend.stream_wait_event(_stream(s, a.stream), s.lookup("event", a.event))
 
 
 def event_create(s, a, p):
@@ -314,25 +315,25 @@ def event_create(s, a, p):
 
 
 def event_record(s, a, p):
-    s.backend.event_record(s.handle("event", a.event), _stream(s, a.stream))
+    s.backend.event_record(s.lookup("event", a.event), _stream(s, a.stream))
 
 
 def event_synchronize(s, a, p):
-    event = s.handle("event", a.id)
+    event = s.lookup("event", a.id)
     wait_device(s, lambda: s.backend.event_sync(event), lambda: s.backend.event_query(event))
 
 
 def event_query(s, a, p):
-    if not s.backend.event_query(s.handle("event", a.id)):
+    if not s.backend.event_query(s.lookup("event", a.id)):
         raise CudaError(CUresult.CUDA_ERROR_NOT_READY, "event has not completed")
 
 
 def event_elapsed_time(s, a, p):
-    return {"f64": s.backend.event_elapsed(s.handle("event", a.start), s.handle("event", a.end))}
+    return {"f64": s.backend.event_elapsed(s.lookup("event", a.start), s.lookup("event", a.end))}
 
 
 def event_destroy(s, a, p):
-    s.backend.event_destroy(s.handle("event", a.id))
+    s.backend.event_destroy(s.lookup("event", a.id))
     s.drop(a.id)
 
 
@@ -370,7 +371,7 @@ SETTABLE_ATTRIBUTES = {8, 9, 11, 12, 13, 14, 15}
 
 
 def func_set_attribute(s, a, p):
-    fn = s.handle("function", a.function)
+    fn = s.lookup("function", a.function)
     if a.attribute not in SETTABLE_ATTRIBUTES or a.value < -1:
         raise CudaError(CUresult.CUDA_ERROR_INVALID_VALUE, f"{fn.name}: attribute {a.attribute} cannot be set to {a.value}")
     s.backend.set_function_attribute(fn, a.attribute, a.value)
@@ -390,7 +391,7 @@ OCCUPANCY_QUERIES = tuple(sorted(_QUERY_NUMBERS, key=_QUERY_NUMBERS.get))
 
 
 def func_occupancy(s, a, p):
-    fn = s.handle("function", a.function)
+    fn = s.lookup("function", a.function)
     query = getattr(a.query, "raw", a.query)     # by number: a value past the enum is refused here
     if not isinstance(query, int):
         query = OCCUPANCY_QUERIES.index(query) if query in OCCUPANCY_QUERIES else -1
@@ -424,7 +425,7 @@ WORKER_CALLS = {
     "moduleUnload": module_unload,
     "moduleGetFunction": module_get_function,
     "moduleGetGlobal": module_get_global,
-    "launch": launch,
+    "launch": launch_one,
     "launchBatch": launch_batch,
     "streamCreate": stream_create,
     "streamDestroy": stream_destroy,

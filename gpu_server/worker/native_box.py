@@ -2,7 +2,7 @@
 library): the mailbox's plain ctxSynchronize requests answered in a spin, without Python.
 
 The worker's loop calls serve() while its client is mid-burst (it would spin in Python
-otherwise) and the context has nothing else going on (worker.py, Worker.box_serves_natively).
+otherwise) and the context has nothing else going on (loop.py, Worker.box_serves_natively).
 A request the native code does not answer stays in the box for the Python path: serve()
 says so, and the loop's next look at the box takes it.
 """

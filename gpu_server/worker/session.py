@@ -27,7 +27,7 @@ FIRST_HANDLE = 0x1000
 
 class Session:
     """One context's state: backend, virtual handles, error state. The snapshot engine sees
-    it as a SnapshotSession (snapshot/ops.py): through handle, reach_global and the methods
+    it as a SnapshotSession (snapshot/ops.py): through lookup, reach_global and the methods
     after drop."""
 
     def __init__(self, backend, ctx_id, token):
@@ -197,7 +197,7 @@ class Session:
             self.meta[hid] = meta
         return hid
 
-    def handle(self, kind, hid):
+    def lookup(self, kind, hid):
         found = self.objects.get(hid)
         if found is None or found[0] != kind:
             raise CudaError(CUresult.CUDA_ERROR_INVALID_HANDLE, f"{hid:#x} is not a {kind} of this context")
@@ -240,7 +240,7 @@ class Session:
             return
         for ptr in engine.kernel_pointers(self, params):
             self.touch(ptr, 0, whole=True)
-        for _, ptr, size in self.backend.module_globals(self.handle("module", fn.module_id)):
+        for _, ptr, size in self.backend.module_globals(self.lookup("module", fn.module_id)):
             self.touch(self.space.to_app(ptr), size)
         if self.restoring is not None:       # and the allocations those globals point into
             for ptr in tuple(self.restoring.followed):

@@ -111,7 +111,7 @@ def test_only_settable_attributes_are_set():
         with pytest.raises(CudaError) as e:
             calls.func_set_attribute(s, Args(function=fn, attribute=attribute, value=value), [])
         assert e.value.status == CUresult.CUDA_ERROR_INVALID_VALUE
-    assert not s.handle("function", fn).set_attributes
+    assert not s.lookup("function", fn).set_attributes
 
 
 STACK_SIZE, MALLOC_HEAP_SIZE, DEV_RUNTIME_SYNC_DEPTH, SHMEM_SIZE, CIG_ENABLED = 0, 2, 3, 7, 8    # CUlimit

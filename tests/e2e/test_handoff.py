@@ -499,19 +499,22 @@ def test_a_program_rewriting_its_memory_between_rounds_is_held_until_they_conver
 
 
 def test_a_pace_outside_its_range_is_refused():
-    import types
-
+    from phos.gpu_server.backends.emu import EmuBackend
+    from phos.gpu_server.worker.control import PACED, SERVING
     from phos.gpu_server.worker.loop import Worker
+    from phos.gpu_server.worker.session import Session
+    from phos.schema import admin_pb2 as pb
     from phos.schema.cuda_types import CudaError
-    worker = types.SimpleNamespace(pace=None, paced_served=-1)
+    worker = Worker(Session(EmuBackend(), 7, b"t" * 16), None).control
+    worker.attached()
     with pytest.raises(CudaError, match="0 to 0.95"):
-        Worker.set_pace(worker, b"front end", 1, types.SimpleNamespace(hold=0.99))
-    assert Worker.set_pace(worker, b"front end", 2, types.SimpleNamespace(hold=0.5)) == ("done", None)
-    assert worker.pace[1] == 0.5 and 0 < Worker.held_by_pace(worker) <= 0.0025
+        worker.pace(pb.PaceRequest(hold=0.99), (b"front end", 1))
+    assert worker.pace(pb.PaceRequest(hold=0.5), (b"front end", 2)) is None       # done
+    assert worker.pacing.hold == 0.5 and 0 < worker.pacing.held() <= 0.0025 and worker.state is PACED
     # past the held half of the period, a message is served; then none until the next period
-    worker.pace = (time.perf_counter() - 0.003, 0.5)
-    assert Worker.held_by_pace(worker) == 0.0
-    worker.paced_served = 0
-    assert 0 < Worker.held_by_pace(worker) <= 0.002
-    Worker.set_pace(worker, b"front end", 3, types.SimpleNamespace(hold=0.0))
-    assert worker.pace is None
+    worker.pacing.since = time.perf_counter() - 0.003
+    assert worker.pacing.held() == 0.0
+    worker.pacing.served_in = 0
+    assert 0 < worker.pacing.held() <= 0.002
+    worker.pace(pb.PaceRequest(hold=0.0), (b"front end", 3))
+    assert worker.pacing is None and worker.state is SERVING

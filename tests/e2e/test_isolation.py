@@ -242,25 +242,25 @@ def test_b_cannot_checkpoint_or_restore_a(a, b, server, tmp_path):
     has no snapshot calls, and the workers' control sockets want a token."""
     from phos.admin_cli import stub
     from phos.schema import admin_pb2 as pb
+    from phos.schema import control_socket
     from phos.schema.control import admin_socket
     store = tmp_path / "images"
     image = list(stub(server.address).Checkpoint(pb.CheckpointRequest(ctx=int(a.ctx), store=str(store))))[-1]
     name = image.result.name
     assert os.stat(admin_socket(server.address)[len("unix:"):]).st_mode & 0o077 == 0, "admin socket open to others"
-    control_kinds = set(wire.ControlRequest.schema.union_fields)
+    control_kinds = set(control_socket.VERBS.values())
     assert not control_kinds & set(wire.phos_capnp.Call.schema.union_fields) - {"attach"}, "control requests on the data plane"
-    steal = {"store": str(store), "name": "stolen"}
+    steal = pb.WorkerCheckpointRequest(store=str(store), name="stolen")
     control = dealer(a.endpoint.replace(f".ctx{int(a.ctx)}", f".ctl{int(a.ctx)}"))
     try:
-        for requests in [[("checkpoint", steal)],
-                         [("attach", {"ctx": int(a.ctx), "token": b.token}), ("checkpoint", steal)]]:
-            for seq, (kind, args) in enumerate(requests, 1):
-                control.send(wire.encode_control(seq, kind, args))
-                reply = wire.read_control_reply(control.recv())
+        for requests in [[steal], [pb.ControlAttachRequest(ctx=int(a.ctx), token=b.token), steal]]:
+            for seq, request in enumerate(requests, 1):
+                control.send(control_socket.request_frame(seq, request))
+                reply = control_socket.read_reply(control.recv())
                 assert reply[1] == "failed" and reply[2][0] == CUresult.CUDA_ERROR_NOT_PERMITTED, reply
         # a data-plane Request is no control request: refused, and the worker goes on
         control.send(encode([("ctxSynchronize", None)], [1]))
-        _, kind, (status, _) = wire.read_control_reply(control.recv())
+        _, kind, (status, _) = control_socket.read_reply(control.recv())
         assert kind == "failed" and status in (CUresult.CUDA_ERROR_NOT_PERMITTED, CUresult.CUDA_ERROR_INVALID_VALUE)
     finally:
         control.close()

@@ -237,7 +237,7 @@ def test_a_worker_told_to_stop_stops_even_when_the_exit_lands_in_a_callback():
     import time
     child = """
 import time, weakref
-from phos.gpu_server.worker.loop import _exit_on_sigterm
+from phos.gpu_server.worker.main import _exit_on_sigterm
 class Thing: pass
 thing = Thing()
 ref = weakref.ref(thing, lambda _: _exit_on_sigterm())

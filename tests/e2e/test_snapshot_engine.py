@@ -984,27 +984,30 @@ class Sent(list):
 
 
 def worker_holding(data):
-    """A worker in process (emu) whose context holds data (emu_session_holding), with the
-    front end attached to its control socket."""
+    """The control (ContextControl) of a worker in process (emu) whose context holds data
+    (emu_session_holding), with the front end attached to its control socket."""
     from phos.gpu_server.worker.loop import Worker
     s, ptr = emu_session_holding(data)
     w = Worker(s, Sent(), Sent())
-    w.ctl_peers.add(b"front end")
-    return w, s, ptr
+    w.control.peers.add(b"front end")
+    return w.control, s, ptr
 
 
 def ask_checkpoint(w, seq, store, name):
     """A concurrent checkpoint asked for on the control socket, as the front end asks."""
-    import types
-    w.control_call(b"front end", seq, "checkpoint", types.SimpleNamespace(
-        store=str(store), name=name, parent="", paused=False, compress=False, chunkSize=1 << 20, freeze=False,
-        precopy=False, noSync=True, early=False, rate=0))
+    from phos.schema import admin_pb2 as pb
+    w.call(b"front end", seq, "checkpoint", pb.WorkerCheckpointRequest(
+        store=str(store), name=name, parent="", paused=False, compress=False, chunk_size=1 << 20, freeze=False,
+        precopy=False, no_sync=True, early=False, rate=0))
 
 
 def answers(w):
-    """[(seq, kind, value)] of the worker's control replies so far."""
-    from phos.schema import wire
-    return [wire.read_control_reply(frame) for _, frame in w.ctl]
+    """[(seq, kind, value)] of the worker's control replies so far; a checkpoint's result as the
+    dict `phos checkpoint --json` prints."""
+    from phos.schema import control_socket
+    from phos.schema.control import checkpoint_result
+    replies = [control_socket.read_reply(frame) for _, frame in w.sock]
+    return [(seq, kind, checkpoint_result(value) if kind == "checkpointed" else value) for seq, kind, value in replies]
 
 
 def mapping_held(snap):
@@ -1034,7 +1037,7 @@ def test_a_concurrent_checkpoint_maps_its_device_copy_ahead_of_the_cut(tmp_path,
     or restore asked for meanwhile is refused as while one runs. A context that grew past that
     memory by the cut is copied into memory mapped then. Either way the image is the state at
     the cut, and nothing mapped is left."""
-    import types
+    from phos.schema import admin_pb2 as pb
     from phos.snapshot import engine
     from phos.schema.cuda_types import CUresult
     monkeypatch.setattr(engine, "DEVICE_COPY", True)
@@ -1054,8 +1057,7 @@ def test_a_concurrent_checkpoint_maps_its_device_copy_ahead_of_the_cut(tmp_path,
         more = s.backend.alloc(1 << 20)
         s.backend.htod(more, filler(1 << 20, seed=3).tobytes(), None)
     ask_checkpoint(w, 2, tmp_path / "other", "b")
-    w.control_call(b"front end", 3, "restore", types.SimpleNamespace(
-        store=str(store), name="a", full=False, advance=False, warm=False, delta=None))
+    w.call(b"front end", 3, "restore", pb.RestoreRequest(store=str(store), name="a", full=False, advance=False, warm=False))
     refused = {seq: (kind, value) for seq, kind, value in answers(w)}
     assert refused == {2: ("failed", (CUresult.CUDA_ERROR_ILLEGAL_STATE,
                                       "checkpoint: a checkpoint or restore of this context is still running")),
@@ -1064,7 +1066,7 @@ def test_a_concurrent_checkpoint_maps_its_device_copy_ahead_of_the_cut(tmp_path,
     for _ in range(3):
         w.tick()
     assert s.checkpoint is cp and cp.before_cut and not cp.running, "cut before its memory was mapped"
-    w.ack = 7                                   # the last call answered: the cut's
+    w.loop.ack = 7                              # the last call answered: the cut's
     at_cut = snap.view(ptr, 8 << 20).copy()
     hand_over(held)
     w.tick()
@@ -1153,7 +1155,7 @@ def test_a_checkpoint_whose_device_copy_could_not_be_mapped_saves_by_copy_on_wri
 def test_a_checkpoint_asked_for_while_a_recovery_image_maps_ahead_waits_for_it(tmp_path, monkeypatch):
     """A recovery image whose cut waits for its memory is the running checkpoint: a checkpoint
     asked for meanwhile is queued behind it, as behind one that copies, and taken once it ends."""
-    from phos.gpu_server.worker import loop as worker
+    from phos.gpu_server.worker import control as worker
     from phos.snapshot import engine
     monkeypatch.setattr(engine, "DEVICE_COPY", True)
     monkeypatch.setattr(worker, "RECOVERY_PAUSED_BYTES", 0)        # concurrent, as a big context's
@@ -1167,7 +1169,7 @@ def test_a_checkpoint_asked_for_while_a_recovery_image_maps_ahead_waits_for_it(t
         assert s.checkpoint.before_cut and w.recovering
         ask_checkpoint(w, 1, tmp_path / "images", "a")
         assert w.queued_checkpoint is not None and not answers(w) and len(held) == 1
-        w.ack = 3                               # the recovery image's cut
+        w.loop.ack = 3                          # the recovery image's cut
         hand_over(held)
         assert wait_until(lambda: w.tick() or s.checkpoint is None or len(held) == 2, 30, 0)
         assert len(held) == 2 and s.recovery.latest is not None and s.recovery.durable == 3, \

@@ -15,6 +15,7 @@ from conftest import ROOT
 from phos.base import native
 from phos.gpu_server.worker import native_box
 from phos.gpu_server.backends.emu import EmuBackend
+from phos.gpu_server.worker.control import State
 from phos.gpu_server.worker.loop import Worker
 from phos.gpu_server.worker.session import Session
 from phos.schema import wire
@@ -184,7 +185,7 @@ def test_the_worker_leaves_the_box_to_python_while_more_goes_on(worker, busy):
     elif busy == "a checkpoint runs":
         s.snapshotting = True
     else:
-        worker.frozen = True
+        worker.control.state = State.FROZEN
     worker.client.sync(11)
     assert not worker.box_serves_natively()
     assert (worker.box_seen, worker.ack) == (0, 10) and worker.client.box.seq(1) == 0

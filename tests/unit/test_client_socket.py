@@ -17,7 +17,7 @@ import zmq
 import zmq.utils.monitor
 
 from phos.client_stub.connection import Connection
-from phos.gpu_server.worker.loop import client_socket
+from phos.gpu_server.worker.main import client_socket
 
 UNREAD = 7.5     # seconds: the heartbeat it replaces (1 s apart, 5 s to answer) dropped the client after 6
 MESSAGE = 8192   # bytes: the queues fill with a few thousand

@@ -1,5 +1,5 @@
-"""The control plane's encoding (schema/wire.py, ControlRequest and ControlReply in
-schema/phos.capnp) and the import boundaries it allows: the server imports no client code,
+"""The control plane's encoding (schema/control_socket.py, ControlRequest and ControlReply in
+schema/admin.proto) and the import boundaries it allows: the server imports no client code,
 the command line no server code."""
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import pytest
 
 from phos.base import settings
 from phos.schema import admin_pb2 as pb
-from phos.schema import wire
+from phos.schema import control_socket, wire
 from phos.schema.control import admin_socket, checkpoint_message, checkpoint_result
 from phos.schema.cuda_types import CUresult
 from phos.snapshot.image import ImageError, encode_delta, read_delta
@@ -22,63 +22,80 @@ DELTA = encode_delta("b", "a", 9, "ab" * 16, 4100, {"status": 0, "message": ""},
                                                                                     [0x7020_0000, 0, "ef" * 16]])
 
 
+def fields(message):
+    """A message's fields, set or not, as a dict."""
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+
+
 def test_requests_round_trip():
-    cases = [("attach", {"ctx": 7, "token": b"t" * 16}, {"ctx": 7, "token": b"t" * 16}),
-             ("checkpoint", {"store": "/s", "name": "n", "paused": True, "chunkSize": 1 << 20, "early": True},
-              {"store": "/s", "name": "n", "parent": "", "paused": True, "compress": False, "chunkSize": 1 << 20,
-               "freeze": False, "precopy": False, "noSync": False, "early": True, "rate": 0}),
-             ("checkpoint", {"store": "/s", "name": "n", "rate": 8 << 30},
-              {"store": "/s", "name": "n", "parent": "", "paused": False, "compress": False, "chunkSize": 0,
-               "freeze": False, "precopy": False, "noSync": False, "early": False, "rate": 8 << 30}),
-             ("restore", {"store": "/s", "name": "b", "advance": True, "full": True, "delta": DELTA},
-              {"store": "/s", "name": "b", "full": True, "advance": True, "warm": False, "delta": DELTA}),
-             ("restore", {"store": "/s", "name": ""}, {"store": "/s", "name": "", "full": False, "advance": False,
-                                                       "warm": False, "delta": None}),
-             ("retireTo", {"endpoint": "ipc:///w", "standby": "ipc:///s", "serverKey": "k" * 40},
-              {"endpoint": "ipc:///w", "standby": "ipc:///s", "server_key": "k" * 40}),
-             ("movingTo", {"endpoint": "tcp://b:7", "standby": "", "serverKey": "k" * 40},
-              {"endpoint": "tcp://b:7", "standby": "", "server_key": "k" * 40}),
-             ("tenant", {"name": "ab" * 32}, {"name": "ab" * 32}),
-             ("pace", {"hold": 0.75}, {"hold": 0.75}), ("keep", {"seconds": 600.0}, {"seconds": 600.0}),
-             ("ctxStats", None, None), ("thaw", None, None)]
-    for seq, (kind, args, read) in enumerate(cases, 1):
-        got_seq, got_kind, got = wire.read_control(wire.encode_control(seq, kind, args))
-        assert (got_seq, got_kind) == (seq, kind)
-        assert (vars(got) if got is not None else None) == read, kind
+    cases = [(pb.ControlAttachRequest(ctx=7, token=b"t" * 16), {"ctx": 7, "token": b"t" * 16}),
+             (pb.WorkerCheckpointRequest(store="/s", name="n", paused=True, chunk_size=1 << 20, early=True),
+              {"store": "/s", "name": "n", "parent": "", "paused": True, "compress": False, "chunk_size": 1 << 20,
+               "freeze": False, "precopy": False, "no_sync": False, "early": True, "rate": 0}),
+             (pb.WorkerCheckpointRequest(store="/s", name="n", rate=8 << 30),
+              {"store": "/s", "name": "n", "parent": "", "paused": False, "compress": False, "chunk_size": 0,
+               "freeze": False, "precopy": False, "no_sync": False, "early": False, "rate": 8 << 30}),
+             (pb.RestoreRequest(store="/s", name="b", advance=True, full=True, delta=DELTA),
+              {"store": "/s", "name": "b", "full": True, "advance": True, "warm": False, "ctx": 0,
+               "delta": DELTA}),
+             (pb.RestoreRequest(store="/s", name=""), {"store": "/s", "name": "", "full": False, "advance": False,
+                                                       "warm": False, "ctx": 0, "delta": b""}),
+             (pb.RetireRequest(to=pb.Destination(endpoint="ipc:///w", standby="ipc:///s", server_key="k" * 40)),
+              {"to": pb.Destination(endpoint="ipc:///w", standby="ipc:///s", server_key="k" * 40)}),
+             (pb.MovingToRequest(to=pb.Destination(endpoint="tcp://b:7", standby="", server_key="k" * 40)),
+              {"to": pb.Destination(endpoint="tcp://b:7", standby="", server_key="k" * 40)}),
+             (pb.TenantRequest(name="ab" * 32), {"name": "ab" * 32}),
+             (pb.PaceRequest(hold=0.75), {"hold": 0.75}), (pb.KeepContextRequest(seconds=600.0), {"ctx": 0, "seconds": 600.0}),
+             (pb.CtxStatsRequest(), {}), (pb.ThawRequest(), {})]
+    verbs = ["attach", "checkpoint", "checkpoint", "restore", "restore", "retire_to", "moving_to", "tenant", "pace",
+             "keep", "ctx_stats", "thaw"]
+    for seq, ((request, read), verb) in enumerate(zip(cases, verbs), 1):
+        got_seq, got_verb, got = control_socket.read_request(control_socket.request_frame(seq, request))
+        assert (got_seq, got_verb) == (seq, verb)
+        assert fields(got) == read, verb
+    with pytest.raises(ValueError, match="no control request"):
+        control_socket.request_frame(1, pb.CheckpointResult())
 
 
 def test_replies_round_trip():
-    restored = {"ctx": 7, "cut_seq": 41, "name": "b", "bytes": 1 << 30, "loaded": 0, "phase_ms": {"manifest": 0.5, "device": 2.0}}
-    stats = {"bytes": 4096, "allocations": 2, "last_seq": 41, "checkpoint": True, "restoring": False, "done": 1,
-             "total": 2, "first_call_loaded": None}
+    restored = pb.RestoreReply(ctx=7, cut_seq=41, name="b", bytes=1 << 30, loaded=0, phase_ms={"manifest": 0.5, "device": 2.0})
+    stats = pb.CtxStats(bytes=4096, allocations=2, last_seq=41, checkpointing=True, restoring=False, done_bytes=1,
+                        total_bytes=2)
+    result = checkpoint_message(RESULT)
     cases = [("done", None, None), ("failed", (CUresult.CUDA_ERROR_ILLEGAL_STATE, "checkpoint: no"), (401, "checkpoint: no")),
-             ("progress", (1, 2), (1, 2)), ("checkpointed", RESULT, RESULT), ("restored", restored, restored),
-             ("stats", stats, stats), ("stats", dict(stats, first_call_loaded=0), dict(stats, first_call_loaded=0))]
+             ("progress", pb.CheckpointProgress(done_bytes=1, total_bytes=2), pb.CheckpointProgress(done_bytes=1, total_bytes=2)),
+             ("checkpointed", result, result), ("restored", restored, restored),
+             ("stats", stats, stats), ("stats", pb.CtxStats(first_call_loaded=0), pb.CtxStats(first_call_loaded=0))]
     for seq, (kind, value, read) in enumerate(cases, 1):
-        assert wire.read_control_reply(wire.control_reply(seq, kind, value)) == (seq, kind, read), kind
+        assert control_socket.read_reply(control_socket.reply_frame(seq, value)) == (seq, kind, read), kind
+    assert control_socket.read_reply(control_socket.reply_frame(1, stats))[2].HasField("first_call_loaded") is False
+    assert control_socket.read_reply(control_socket.reply_frame(1, cases[-1][1]))[2].HasField("first_call_loaded")
+    assert checkpoint_result(control_socket.read_reply(control_socket.reply_frame(1, result))[2]) == RESULT
 
 
 def test_a_delta_travels_as_its_message():
     """A checkpoint's delta (an ImageDelta message of schema/image.capnp) reaches the front end as
     its bytes, passed on as they are (the admin API's RestoreRequest.delta) and read only by the
     worker that advances by it (snapshot/image.py read_delta), which refuses bytes that are no delta."""
-    _, kind, packed = wire.read_control_reply(wire.control_reply(3, "delta", DELTA))
+    _, kind, packed = control_socket.read_reply(control_socket.reply_frame(3, DELTA))
     assert kind == "delta" and packed == DELTA and read_delta(packed, "b").changes[1] == (0x7020_0000, 0, "ef" * 16)
-    _, _, args = wire.read_control(wire.encode_control(4, "restore", {"store": "/s", "name": "b", "delta": packed}))
-    assert args.delta == DELTA
-    _, _, args = wire.read_control(wire.encode_control(5, "restore", {"store": "/s", "name": "b", "delta": b"{"}))
+    _, _, request = control_socket.read_request(control_socket.request_frame(4, pb.RestoreRequest(store="/s", name="b",
+                                                                                                  delta=packed)))
+    assert request.delta == DELTA
     with pytest.raises(ImageError, match="not an ImageDelta"):
-        read_delta(args.delta, "b")
+        read_delta(b"{", "b")
 
 
-def test_malformed_control_frames_raise_wire_errors():
+def test_malformed_control_frames_raise():
     for frame in (b"", b"\x00" * 3, wire.encode_request([(1, "ctxSynchronize", None, None)])[0]):
         try:
-            wire.read_control(frame)
-        except wire.MALFORMED:
+            control_socket.read_request(frame)
+        except control_socket.MALFORMED:
             pass
-        with pytest.raises(wire.MALFORMED):
-            wire.read_control_reply(b"\x01" * 5)
+        with pytest.raises(control_socket.MALFORMED):
+            control_socket.read_reply(b"\x01" * 5)
+    with pytest.raises(control_socket.MALFORMED):
+        control_socket.read_request(b"\x00" * (control_socket.MAX_FRAME + 1))
 
 
 def test_checkpoint_result_through_the_admin_api():
@@ -91,9 +108,10 @@ def test_checkpoint_result_through_the_admin_api():
 
 def test_no_snapshot_calls_on_the_data_plane():
     calls = set(wire.phos_capnp.Call.schema.union_fields)
-    assert not calls & {"checkpoint", "restore", "ctxStats", "thaw", "retireTo", "unusedRetire", "movingTo", "keep"}
-    assert set(wire.ControlRequest.schema.union_fields) == {"attach", "checkpoint", "restore", "ctxStats", "thaw", "retireTo",
-                                                            "tenant", "pace", "movingTo", "keep"}
+    assert not calls & {"checkpoint", "restore", "ctxStats", "ctx_stats", "thaw", "retireTo", "retire_to", "unusedRetire",
+                        "movingTo", "moving_to", "keep"}
+    assert set(control_socket.VERBS.values()) == {"attach", "checkpoint", "restore", "ctx_stats", "thaw", "retire_to",
+                                                  "tenant", "pace", "moving_to", "keep"}
 
 
 def test_admin_socket():
@@ -162,7 +180,8 @@ def _failed_checkpoint(tmp_path, commit_first):
     from phos.snapshot import DirStore, ImageWriter
     store = DirStore(tmp_path / "store")
 
-    async def checkpoint(worker, on_progress, store, name, **_):
+    async def checkpoint(worker, request, on_progress=None, on_delta=None):
+        store, name = request.store, request.name
         if commit_first:
             write_image(DirStore(store), name, make_contents())      # its session names context 7
         else:

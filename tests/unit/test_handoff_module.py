@@ -7,6 +7,7 @@ import types
 import pytest
 
 from phos.gpu_server.control import handoff
+from phos.schema import admin_pb2 as pb
 from phos.schema.cuda_types import CudaError, CUresult
 
 MiB = 1 << 20
@@ -20,13 +21,14 @@ class Source:
         self.sizes, self.commit_fails, self.cannot_tell = list(sizes), commit_fails, cannot_tell
         self.moved, self.counts, self.calls = {}, {"handoffs": 0}, []
 
-    async def checkpoint(self, worker, on_progress=None, on_delta=None, **args):
+    async def checkpoint(self, worker, request, on_progress=None, on_delta=None):
+        args = {f.name: getattr(request, f.name) for f in request.DESCRIPTOR.fields}
         self.calls.append(("checkpoint", args))
         if args["early"]:
             on_delta(b"packed delta of " + args["name"].encode())
         if args["freeze"] and self.commit_fails:
             raise CudaError(CUresult.CUDA_ERROR_UNKNOWN, "checkpoint: the store is full")
-        return {"copied_bytes": self.sizes.pop(0), "phase_ms": {"copy": 1.0}, "seconds": 0.002}
+        return pb.CheckpointResult(copied_bytes=self.sizes.pop(0), phase_ms={"copy": 1.0}, seconds=0.002)
 
     async def thaw(self, worker):
         self.calls.append(("thaw",))
@@ -46,7 +48,7 @@ class Source:
         return True
 
     async def ctx_stats(self, worker):
-        return {"bytes": self.context_bytes}
+        return pb.CtxStats(bytes=self.context_bytes)
 
     context_bytes = 64 * MiB
 

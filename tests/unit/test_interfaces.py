@@ -54,7 +54,7 @@ def test_the_protocols_declare_their_members():
     assert {"name", "pins_host_memory", "space", "snap", "devices", "alloc", "launch", "close"} <= set(members(Backend))
     assert set(members(SnapshotOps)) == {"map_ahead", "freeze", "release", "fingerprints", "read", "write", "maps", "pin", "prepare",
                                          "threads_at_work"}
-    assert {"backend", "space", "listing", "note", "load_module", "place", "handle", "reach_global", "state", "adopt"} == \
+    assert {"backend", "space", "listing", "note", "load_module", "place", "lookup", "reach_global", "state", "adopt"} == \
         set(members(SnapshotSession))
     for proto in (Backend, SnapshotOps, SnapshotSession):
         for name, fn in members(proto).items():
@@ -79,7 +79,7 @@ def test_a_session_keeps_its_state_through_the_interface():
     s.place(0x2000, "stream", "a stream", {"flags": 1, "priority": 0})
     s.note(0x2000, {"seen": True})
     assert s.listing() == [(0x2000, "stream", "a stream", {"flags": 1, "priority": 0, "seen": True})]
-    assert s.handle("stream", 0x2000) == "a stream"
+    assert s.lookup("stream", 0x2000) == "a stream"
     s.adopt({"ctx": 9, "token": "ab" * 32, "next_id": 0x3000}, {"status": 700, "message": "illegal address"})
     assert s.state() == ({"ctx": 9, "token": "ab" * 32, "next_id": 0x3000}, {"status": 700, "message": "illegal address"})
     assert s.sticky == (700, "illegal address")
@@ -163,7 +163,8 @@ def test_every_handoff_target_provides_every_member():
 
 def test_no_backend_is_told_by_its_name():
     """A backend's abilities are Protocol members (pins_host_memory), not checks of its name."""
-    for path in ("gpu_server/worker/loop.py", "gpu_server/worker/session.py", "gpu_server/worker/calls.py", "snapshot/engine.py"):
+    for path in ("gpu_server/worker/loop.py", "gpu_server/worker/control.py", "gpu_server/worker/main.py",
+                 "gpu_server/worker/session.py", "gpu_server/worker/calls.py", "snapshot/engine.py"):
         with open(os.path.join(ROOT, path)) as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):

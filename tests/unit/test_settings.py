@@ -105,7 +105,7 @@ def test_settings_are_read_when_asked(monkeypatch):
 
 
 def test_reattach_timeout_is_the_clients_and_restore_grace_the_workers():
-    code = ("from phos.gpu_server.worker import loop as worker; from phos.client_stub import connection; "
+    code = ("from phos.gpu_server.worker import control as worker; from phos.client_stub import connection; "
             "print(worker.REATTACH_TIMEOUT, connection.REATTACH_TIMEOUT)")
     env = {k: v for k, v in os.environ.items() if k not in ("PHOS_REATTACH_TIMEOUT", "PHOS_RESTORE_GRACE")}
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, PHOS_REATTACH_TIMEOUT="7"),
