@@ -49,6 +49,13 @@ def generate(path, layers, tokens):
                 out.write(f"token {i} {int(ids)} {time.time():.6f}\n")
 
 
+def store_pinned(server):
+    """Until the server's pre-started worker has pinned the host store, as a server that runs
+    before its applications come has: pinning a store of tens of GiB takes seconds, and a
+    context made before it copies through buffers."""
+    wait_for(lambda: "pinned host store" in server.log(), 300, "the host store pinned")
+
+
 def tokens(path):
     with open(path) as f:
         return [line.split() for line in f if line.startswith("token ")]
@@ -60,6 +67,7 @@ def bench(args):
     work = tempfile.mkdtemp(prefix="phos-bench-process-", dir="/dev/shm")
     store = os.path.join(work, "host-store")
     a = Server(work, "a", args.backend, "--host-store", store, "--host-memory", args.host_memory)
+    store_pinned(a)
     out = os.path.join(work, "tokens.txt")
     env = dict(os.environ, PHOS_SERVER=a.address, LD_LIBRARY_PATH=stub)
     app = subprocess.Popen([sys.executable, __file__, "--generate", out, "--layers", str(args.layers),
@@ -79,6 +87,7 @@ def bench(args):
         app.wait(60)
         a.kill()
         b = Server(work, "b", args.backend, "--host-store", store)
+        store_pinned(b)
         t0 = time.time()
         rs = process.restore(os.path.join(work, "image"), b.address)
         wait_for(lambda: len(tokens(out)) > seen, 600, "the next token after the restore")
