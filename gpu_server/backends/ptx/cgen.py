@@ -7,10 +7,12 @@ scheduler (crt.py); calling the function again restores them and jumps back in. 
 translator does not know raises Refused, and the interpreter runs that kernel instead.
 """
 import re
+from collections import namedtuple
 
 import numpy as np
 
 from phos.gpu_server.backends.ptx import parser as P
+from phos.gpu_server.backends.ptx import syncs as Y
 from phos.gpu_server.backends.ptx.crt import PRELUDE, SCHEDULER
 from phos.gpu_server.backends.ptx.decode import LOCAL_WIN, MEM_IGNORED, PARAM_WIN, SHARED_WIN, WIN, imm
 from phos.gpu_server.backends.ptx.ops import DT
@@ -18,6 +20,9 @@ from phos.gpu_server.backends.ptx.ops import DT
 
 IT, PATH = '@it', '@path'
 CC = '@cc'                  # the carry flag of add.cc, addc, ... (one a thread, as the interpreter's %cc)
+
+
+Line = namedtuple('Line', 'code reads writes kills succ guarded sync')   # a translated statement (statement())
 
 
 class Refused(Exception):
@@ -132,6 +137,7 @@ class KernelSource:
         self.sites = {name: [] for name in self.order}     # call statements of each function
         self.in_step = self.unordered_volatile()
         self.nsites = 0                 # global accesses, each with its allocation cache (crt.py GPTR)
+        self.bar_red = False            # a bar.red: barriers have results to give
         self.body = []
         for k, st in enumerate(self.stmts):
             self.enter(self.owner[k])
@@ -320,9 +326,9 @@ class KernelSource:
 
     # -- statements --
     def statement(self, k, st):
-        """(C code, registers read, registers surely written, opcode, successors) of statement k;
-        an emitter sets self.jumps to where it goes besides (or, with self.falls off, instead of) k + 1."""
-        self.reads, self.writes, self.jumps, self.falls = set(), set(), [], True
+        """Statement k as a Line; an emitter sets self.jumps to where it goes besides (or, with
+        self.falls off, instead of) k + 1, and self.sync_at its sync point."""
+        self.reads, self.writes, self.jumps, self.falls, self.sync_at = set(), set(), [], True, None
         parts = st.op.split('.')
         name, mods = parts[0], parts[1:]
         emit = getattr(self, 'op_' + name, None)
@@ -339,7 +345,8 @@ class KernelSource:
             g = self.src(st.guard, 'pred')
             code = f"if ({g}) {{ {code} }}"
         succ = self.jumps + ([k + 1] if self.falls or st.guard is not None else [])
-        return code, frozenset(self.reads), frozenset(kills), name, succ
+        return Line(code, frozenset(self.reads), frozenset(self.writes), frozenset(kills), succ,
+                    st.guard is not None, self.sync_at)
 
     @staticmethod
     def mods(mods, known):
@@ -990,9 +997,9 @@ class KernelSource:
             # warp-synchronous code (volatile shared memory, no barrier between lanes' stores and
             # loads) needs the lanes of a warp in step, as the interpreter runs them: every lane
             # of the warp reaches its next such access (or a barrier, or its end) before any makes it
-            rid = self.sync(('label', f"VS{k}", k))       # resumes at the access: its operands live
+            rid = self.sync(('label', f"VS{k}", k), Y.BEFORE)       # resumes at the access: its operands live
             code = (f"{{ Xchg *x_ = &b->x[t]; x_->mask = 0u; x_->site = {k}; x_->kind = {LOCKSTEP}; }} "
-                    f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_WARP; VS{k}:; " + code)
+                    f"{self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_WARP); VS{k}:; " + code)
         return code
 
     def op_ld(self, k, st, mods):
@@ -1068,9 +1075,9 @@ class KernelSource:
                     + self.dst(a[0], 'u64', "_s") + " }")
         if len(a) not in (3, 4):
             raise Refused("operand count")
-        rid = self.sync(('label', f"BX{k}", k))
+        rid = self.sync(('label', f"BX{k}", k), Y.RETRY)
         return (f"BX{k}:; {{ {self.ptr(a[1], 'shared', 8, st.line)} uint8_t _d = mb_done(p_, {self.src(a[2], 'u64')}, "
-                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} "
+                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_RUN); }} "
                 + self.dst(a[0], 'pred', "_d") + " }")
 
     def op_cp(self, k, st, mods):
@@ -1174,12 +1181,12 @@ class KernelSource:
         if to > k:
             return go
         # a loop: yield now and then, so that a thread spinning on another one lets it run
-        rid = self.sync(('label', self.label(lab), to))
+        rid = self.sync(('label', self.label(lab), to), Y.LOOP)
         count = ""
         if self.counting:
             self.reads |= {IT, PATH}
             count = f"{ident(IT)}++; "
-        return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {go}"
+        return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_RUN); }} {go}"
 
     def op_brx(self, k, st, mods):
         self.mods(mods, {'idx', 'uni'})
@@ -1194,13 +1201,13 @@ class KernelSource:
             f" default: fault(b, E_BRX, 0, 0, {st.line}); return ST_ERR; }}"
         if min(to) > k:
             return code
-        rid = self.sync(('label', f"BX{k}", k))        # a loop through the table: yield as bra does
-        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {code}"
+        rid = self.sync(('label', f"BX{k}", k), Y.RETRY)        # a loop through the table: yield as bra does
+        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_RUN); }} {code}"
 
     def op_ret(self, k, st, mods):
         self.falls = False
         if self.fn.entry:
-            return "return ST_EXIT;"
+            return "LEAVE(ST_EXIT);"
         # back to the statement after the call that entered this frame (resolved in liveness())
         key = self.rs(self.fn.name)
         self.reads.add(key)
@@ -1209,7 +1216,7 @@ class KernelSource:
 
     def op_exit(self, k, st, mods):
         self.falls = False
-        return "return ST_EXIT;"
+        return "LEAVE(ST_EXIT);"
 
     def op_call(self, k, st, mods):
         """A call to a device function: .param arguments copied into its frame, a jump to its body,
@@ -1308,10 +1315,11 @@ class KernelSource:
         arrive = f"bar_arrive(b, {bid}, {count});"
         if kind == 'arrive':
             return arrive
-        rid = self.sync(('after', k))
+        rid = self.sync(('after', k), Y.AFTER)
+        self.bar_red |= rop is not None
         red = f"x_->a = {pv}; x_->c = {('popc', 'and', 'or').index(rop) + 1};" if rop else "x_->c = 0;"
         code = (f"{{ Xchg *x_ = &b->x[t]; x_->b = ({bid}) & 15; {red} }} {arrive} "
-                f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_BAR; {self.resume(rid)}:;")
+                f"{self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_BAR); {self.resume(rid)}:;")
         if self.counting:
             self.writes.add(IT)
             code += f" {ident(IT)} = 0;"
@@ -1323,10 +1331,10 @@ class KernelSource:
     op_barrier = op_bar
 
     def warp_op(self, k, st, kind, dst, a, bb, cc, mask, pdst=None, dtype='u32'):
-        rid = self.sync(('after', k))
+        rid = self.sync(('after', k), Y.AFTER)
         code = (f"{{ Xchg *x_ = &b->x[t]; x_->a = (uint64_t)({a}); x_->b = {bb}; x_->c = {cc}; "
                 f"x_->mask = {mask}; x_->site = {k}; x_->kind = {kind}; }} "
-                f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_WARP; {self.resume(rid)}:; ")
+                f"{self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_WARP); {self.resume(rid)}:; ")
         if dst is not None:
             code += self.dst(dst, dtype, f"({CT[dtype]})b->x[t].{'p' if dtype == 'pred' else 'r'}")
         if pdst is not None:
@@ -1382,9 +1390,13 @@ class KernelSource:
                             self.src(a[2], 'u32'), dtype=t)
 
     # -- assembly --
-    def sync(self, where):
+    def sync(self, where, mode):
+        """A sync point of the statement being translated: its rid (pc value), resuming at `where`:
+        ('after', k) the resume label after it, or ('label', C label, statement it starts)."""
         self.syncs.append(where)
-        return len(self.syncs)
+        rid = len(self.syncs)
+        self.sync_at = (rid, mode, where[-1])
+        return rid
 
     @staticmethod
     def save_marker(rid):
@@ -1397,91 +1409,179 @@ class KernelSource:
     def label(self, name):
         return 'L' + ident(self.pre + name)
 
-    def liveness(self):
-        """Registers live into each statement (backward dataflow over the statements' graph, calls
-        and returns included: a function's `ret` goes on after every call to it)."""
+    def successors(self):
+        """Each statement's successors, calls and returns resolved: a function's `ret` goes on after
+        every call to it; past its function's last statement, the kernel's end (callees end in ret)."""
         n = len(self.stmts)
-        succ = []
+        out = []
         for k in range(n):
             s = []
-            for j in self.body[k][4]:
+            for j in self.body[k].succ:
                 s += [c + 1 for c in self.sites[j[1]]] if isinstance(j, tuple) else [j]
-            # past its function's last statement: the kernel's end (callees end in ret: __init__)
-            succ.append([x for x in s if x < n and (x != k + 1 or self.owner[x] == self.owner[k])])
-        live = [frozenset()] * (n + 1)
-        changed = True
-        while changed:
-            changed = False
-            for k in range(n - 1, -1, -1):
-                _, reads, kills, _, _ = self.body[k]
-                out = frozenset().union(*(live[j] for j in succ[k]))
-                new = reads | (out - kills)
-                if new != live[k]:
-                    live[k], changed = new, True
-        return live
+            out.append([x for x in s if x < n and (x != k + 1 or self.owner[x] == self.owner[k])])
+        return out
 
     def assemble(self):
-        live = self.liveness()
-        regs = self.regs
-        saves, restores, nsave = {}, [], 0
-        for rid, where in enumerate(self.syncs, 1):
-            if where[0] == 'after':
-                k = where[1]
-                kills = self.body[k][2]
-                keep = sorted(live[k + 1] - kills) if k + 1 < len(self.stmts) else []
-                target = self.resume(rid)
-            else:
-                keep = sorted(live[where[2]])
-                target = where[1]
-            nsave = max(nsave, len(keep))
-            slot = {'f32': 'f', 'f64': 'd'}
-            saves[rid] = " ".join(f"sv[{i}].{slot.get(regs[r], 'u')} = {ident(r)};" for i, r in enumerate(keep))
-            restores.append(f"case {rid}: " + " ".join(
-                f"{ident(r)} = ({CT[regs[r]]})sv[{i}].{slot.get(regs[r], 'u')};" for i, r in enumerate(keep))
-                + f" goto {target};")
-        decl = "\n".join(f"    {CT[self.rtype(r)]} {ident(r)} = 0;" for r in regs)
+        names = list(self.regs)
+        bit = {r: 1 << i for i, r in enumerate(names)}
+
+        def mask(rs):
+            m = 0
+            for r in rs:
+                m |= bit[r]
+            return m
+
+        def regs_of(m):
+            out = []
+            while m:
+                low = m & -m
+                out.append(names[low.bit_length() - 1])
+                m ^= low
+            return sorted(out)
+        flows = [Y.Flow(mask(line.reads), mask(line.writes), mask(line.kills), succ, line.guarded, line.sync)
+                 for line, succ in zip(self.body, self.successors())]
+        plan = Y.plan(flows, (1 << len(names)) - 1)
+        member = {'f32': 'f', 'f64': 'd'}
+
+        def slot(r):
+            return f"SV({plan.slot[bit[r]]}).{member.get(self.regs[r], 'u')}"
+        saves = {rid: " ".join(f"{slot(r)} = {ident(r)};" for r in regs_of(m)) for rid, m in plan.save.items()}
+        targets = {rid: self.resume(rid) if where[0] == 'after' else where[1] for rid, where in enumerate(self.syncs, 1)}
+        restores = {rid: " ".join(f"{ident(r)} = ({CT[self.regs[r]]}){slot(r)};" for r in regs_of(m))
+                    for rid, m in plan.restore.items()}
         returns = {f"RETURN_{ident(f)}": "switch (" + ident(self.rs(f)) + ") { " + " ".join(
             f"case {c}: goto {self.ret_label(c)};" for c in self.sites[f]) + " } return ST_ERR;"
             for f in self.order[1:]}
+
+        def code(k):
+            c = re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], self.body[k].code)
+            return "    " + re.sub(r'RETURN_\w+', lambda m: returns[m.group()], c)
         lines = []
         for i, f in enumerate(self.order):
-            self.enter(f)
             end = self.entry[self.order[i + 1]] if i + 1 < len(self.order) else len(self.stmts)
-            at = {}
-            for name, k in self.labels[f].items():
-                at.setdefault(k, []).append(self.label(name))
             lines.append(f"{self.func_label(f)}:;")
-            for k in range(self.entry[f], end + 1):
-                lines += [f"{lab}:;" for lab in at.get(k, [])]
-                if k < end:
-                    code = re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], self.body[k][0])
-                    lines.append("    " + re.sub(r'RETURN_\w+', lambda m: returns[m.group()], code))
-            lines.append("    return ST_EXIT;" if i == 0 else "    return ST_ERR;")
+            for k in range(self.entry[f], end):
+                lines += [f"{lab}:;" for lab in self.labels_at(f, k)] + [code(k)]
+            lines += [f"{lab}:;" for lab in self.labels_at(f, end)]
+            lines.append("    LEAVE(ST_EXIT);" if i == 0 else "    return ST_ERR;")
+        cases = "\n".join(f"    case {rid}: {restores[rid]} goto {targets[rid]};" for rid in targets)
+        regions = self.regions(plan, code, restores, targets)
+        table = ", ".join(f"region_{regions[rid][0]}" if rid in regions else "0" for rid in range(len(self.syncs) + 1))
         prelude = PRELUDE % dict(shared_win=SHARED_WIN, local_win=LOCAL_WIN, param_win=PARAM_WIN, win=WIN)
-        return f"""{prelude}
-#define NSAVE {nsave}
-#define NSITES {self.nsites}
-static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {{
-    Ctx *c = b->c;
+        return "\n".join([
+            prelude,
+            f"#define NSAVE {plan.nslots}",
+            f"#define NSITES {self.nsites}",
+            f"#define NSYNC {len(self.syncs)}",
+            f"#define BAR_RED {int(self.bar_red)}",
+            "#define SV(i) sv[(size_t)(i) * nt_]      /* the thread's home slot i: slot i of every thread in a row */",
+            "#define LEAVE(s) return (s)",
+            THREAD_FN % dict(decl=self.declare(self.regs), cases=cases, body="\n".join(lines)),
+            "#undef LEAVE",
+            "#define LEAVE(s) do { state_[t] = (s); left_[s]++; goto next_t; } while (0)",
+            *(text for _, text in regions.values()),
+            "#undef LEAVE",
+            f"static int (*const REGIONS[NSYNC + 1])(Blk *, uint32_t) = {{ {table} }};",
+            SCHEDULER])
+
+    def labels_at(self, f, k):
+        """C labels of function f's PTX labels at its statement k."""
+        if not hasattr(self, '_labels_at'):
+            self._labels_at = {}
+            for g in self.order:
+                self.enter(g)
+                for name, j in self.labels[g].items():
+                    self._labels_at.setdefault((g, j), []).append(self.label(name))
+        return self._labels_at.get((f, k), [])
+
+    def declare(self, regs):
+        return "\n".join(f"    {CT[self.rtype(r)]} {ident(r)} = 0;" for r in regs)
+
+    def regions(self, plan, code, restores, targets):
+        """rid -> (rid, C function) of each region crt.py's scheduler runs as a loop over the block's
+        threads (syncs.py), while their statements together stay within REGION_BUDGET times the
+        kernel's; none in a kernel that calls functions (their returns jump between call sites)."""
+        if len(self.order) > 1:
+            return {}
+        out, budget = {}, REGION_BUDGET * max(len(self.stmts), 1)
+        n = len(self.stmts)
+        for rid, stmts in sorted(plan.regions.items()):
+            budget -= len(stmts)
+            if budget < 0:
+                break
+            body, inside = [], set(stmts)
+            for k in stmts:
+                if k - 1 not in inside and body:
+                    body.append("    return ST_ERR;")        # no path of this region comes here
+                body += [f"{lab}:;" for lab in self.labels_at(self.K.name, k)] + [code(k)]
+            if stmts and stmts[-1] == n - 1:
+                body += [f"{lab}:;" for lab in self.labels_at(self.K.name, n)] + ["    LEAVE(ST_EXIT);"]
+            else:
+                body.append("    return ST_ERR;")
+            enter = "" if rid == 0 else f"{restores[rid]} goto {targets[rid]};"
+            text = enter + "\n".join(body)
+            used = set(re.findall(r'\br_\w+', text))       # the code a region holds names registers it never runs
+            out[rid] = (rid, REGION_FN % dict(rid=rid, decl=self.declare([r for r in self.regs if ident(r) in used]),
+                                             enter=enter, body="\n".join(body)))
+        return out
+
+
+REGION_BUDGET = 4       # region statements, over the kernel's: each region repeats the code it runs
+
+THREAD_FN = r"""
+/* One thread from where it waits (b->pc[t]) to its next sync point; returns its state there. */
+static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
+    Ctx *c = b->c; const uint32_t nt_ = b->nt; (void)nt_;
     const uint32_t tid_ = b->tid[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
     (void)tid_x; (void)tid_y; (void)tid_z;
-    Slot *sv = b->save + (size_t)t * (NSAVE ? NSAVE : 1); (void)sv;
+    Slot *sv = b->save + t; (void)sv;
     int yc = YIELD_EVERY; (void)yc;
     uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
     uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
     const uint64_t lsz = c->local_size; uint8_t *const lbase = b->loc + (uint64_t)t * lsz;
     uint8_t *const prm = c->params; const uint64_t psz = c->psize;
     (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)lsz; (void)lbase; (void)prm; (void)psz;
-{decl}
-    switch (b->pc[t]) {{
+%(decl)s
+    switch (b->pc[t]) {
     case 0: break;
-    {chr(10).join('    ' + r for r in restores)}
+%(cases)s
     default: return ST_ERR;
-    }}
-{chr(10).join(lines)}
-    return ST_EXIT;
-}}
-{SCHEDULER}
+    }
+%(body)s
+}
+"""
+
+REGION_FN = r"""
+/* Every thread of the block that waits at sync point %(rid)d (from thread t0 on), each to its next one;
+   b->next_t: the first of them that waits elsewhere. */
+static int region_%(rid)d(Blk *b, uint32_t t0) {
+    Ctx *c = b->c; const uint32_t nt_ = b->nt;
+    uint8_t *const state_ = b->state; int32_t *const pc_ = b->pc; Slot *const save_ = b->save;
+    const uint32_t *const tids_ = b->tid; uint8_t *const loc_ = b->loc;
+    uint32_t left_[4] = {0, 0, 0, 0}, next_ = nt_;
+    uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
+    uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
+    const uint64_t lsz = c->local_size;
+    uint8_t *const prm = c->params; const uint64_t psz = c->psize;
+    (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)prm; (void)psz;
+    for (uint32_t t = t0; t < nt_; t++) {
+        if (state_[t] != ST_RUN) continue;
+        if (pc_[t] != %(rid)d) { if (next_ == nt_) next_ = t; continue; }
+        const uint32_t tid_ = tids_[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
+        (void)tid_x; (void)tid_y; (void)tid_z;
+        Slot *sv = save_ + t; (void)sv;
+        int yc = YIELD_EVERY; (void)yc;
+        uint8_t *const lbase = loc_ + (uint64_t)t * lsz; (void)lbase;
+%(decl)s
+        %(enter)s
+%(body)s
+    next_t:;
+    }
+    b->n[ST_RUN] -= left_[ST_BAR] + left_[ST_WARP] + left_[ST_EXIT];
+    b->n[ST_BAR] += left_[ST_BAR]; b->n[ST_WARP] += left_[ST_WARP]; b->n[ST_EXIT] += left_[ST_EXIT];
+    b->next_t = next_;
+    return 0;
+}
 """
 
 

@@ -51,6 +51,8 @@ typedef struct {
     uint32_t *tid;                                  /* each thread's %%tid: x | y << 10 | z << 20 */
     GCache *site;                                   /* each global access's allocation hit last */
     struct { uint32_t arrived, expect; } bar[16];   /* named barriers: arrivals, thread count (0: all) */
+    uint32_t n[4];                                  /* threads in each state (ST_RUN .. ST_EXIT) */
+    uint32_t next_t;                                /* a region's first thread left waiting elsewhere */
 } Blk;
 
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -337,10 +339,24 @@ static int warp_resolve(Blk *b, uint32_t w) {
         for (uint32_t k = l; k < n; k++)
             if (((waiting >> k) & 1) && b->x[t0 + k].site == site) grp |= 1u << k;
         waiting &= ~grp;
+        int kind = b->x[t0 + l].kind;          /* one site, one instruction */
+        uint32_t yes = 0, acc = b->x[t0 + l].a;
+        if (kind >= 4 && kind <= 8) {          /* ballot, all, any, uni, activemask: the lanes voting yes */
+            for (uint32_t q = l; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a) yes |= 1u << q;
+        } else if (kind >= 9 && kind <= 14) {  /* redux add, min, max (signed by c), and, or, xor */
+            int sg = (int)b->x[t0 + l].c;
+            for (uint32_t q = l + 1; q < n; q++) {
+                if (!((grp >> q) & 1)) continue;
+                uint32_t v = b->x[t0 + q].a;
+                if (kind == 9) acc += v;
+                else if (kind == 10) acc = sg ? ((int32_t)v < (int32_t)acc ? v : acc) : (v < acc ? v : acc);
+                else if (kind == 11) acc = sg ? ((int32_t)v > (int32_t)acc ? v : acc) : (v > acc ? v : acc);
+                else if (kind == 12) acc &= v; else if (kind == 13) acc |= v; else acc ^= v;
+            }
+        }
         for (uint32_t k = l; k < n; k++) {
             if (!((grp >> k) & 1)) continue;
             Xchg *x = &b->x[t0 + k];
-            int kind = x->kind;
             if (kind <= 3) {            /* shfl up, down, bfly, idx */
                 int64_t bv = x->b & 31, cv = x->c & 31, seg = (x->c >> 8) & 31, j;
                 int64_t maxl = (k & seg) | (cv & ~seg), minl = k & seg; int ok;
@@ -350,21 +366,10 @@ static int warp_resolve(Blk *b, uint32_t w) {
                 else { j = minl | (bv & ~seg); ok = j <= maxl; }
                 if (!(ok && j < (int64_t)n)) j = k;
                 x->r = ((grp >> j) & 1) ? b->x[t0 + j].a : x->a; x->p = ok;
-            } else if (kind >= 4 && kind <= 8) {   /* ballot, all, any, uni, activemask */
-                uint32_t yes = 0;
-                for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a) yes |= 1u << q;
+            } else if (kind >= 4 && kind <= 8) {
                 x->r = kind == 4 ? yes : kind == 8 ? grp : 0;
                 x->p = kind == 5 ? yes == grp : kind == 6 ? yes != 0 : kind == 7 ? (yes == grp || !yes) : 0;
-            } else if (kind >= 9 && kind <= 14) {  /* redux add, min, max (signed by c), and, or, xor */
-                uint32_t acc = b->x[t0 + l].a; int sg = (int)x->c;
-                for (uint32_t q = l + 1; q < n; q++) {
-                    if (!((grp >> q) & 1)) continue;
-                    uint32_t v = b->x[t0 + q].a;
-                    if (kind == 9) acc += v;
-                    else if (kind == 10) acc = sg ? ((int32_t)v < (int32_t)acc ? v : acc) : (v < acc ? v : acc);
-                    else if (kind == 11) acc = sg ? ((int32_t)v > (int32_t)acc ? v : acc) : (v > acc ? v : acc);
-                    else if (kind == 12) acc &= v; else if (kind == 13) acc |= v; else acc ^= v;
-                }
+            } else if (kind >= 9 && kind <= 14) {
                 x->r = acc;
             } else if (kind == 16 || kind == 17) {   /* match.any, match.all */
                 uint32_t same = 0;
@@ -375,6 +380,7 @@ static int warp_resolve(Blk *b, uint32_t w) {
             }
         }
         for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) b->state[t0 + k] = ST_RUN;
+        b->n[ST_WARP] -= __builtin_popcount(grp); b->n[ST_RUN] += __builtin_popcount(grp);
         done = 1;
     }
     return done;
@@ -387,17 +393,26 @@ SCHEDULER = r'''
    its arrivals reach its thread count, or every thread not exited when it names none. */
 static int bar_release(Blk *b, uint32_t alive) {
     uint32_t nt = b->nt; int woke = 0;
+    if (!BAR_RED && b->n[ST_BAR] == alive && b->bar[0].arrived == alive && !b->bar[0].expect) {
+        /* every thread waits at barrier 0 (the common case): no bar.red result to give, all go on */
+        if (b->n[ST_EXIT]) { for (uint32_t t = 0; t < nt; t++) b->state[t] = b->state[t] == ST_BAR ? ST_RUN : b->state[t]; }
+        else memset(b->state, ST_RUN, nt);
+        b->n[ST_RUN] += alive; b->n[ST_BAR] = 0;
+        b->bar[0].arrived = 0; b->epoch++;
+        return 1;
+    }
     for (uint32_t id = 0; id < 16; id++) {
         uint32_t arr = b->bar[id].arrived, need = b->bar[id].expect ? b->bar[id].expect : alive;
         if (!arr || arr < need) continue;
         uint32_t cnt = 0, tot = 0;
-        for (uint32_t t = 0; t < nt; t++)
-            if (b->state[t] == ST_BAR && b->x[t].b == id) { tot++; cnt += b->x[t].a != 0; }
+        if (BAR_RED)
+            for (uint32_t t = 0; t < nt; t++)
+                if (b->state[t] == ST_BAR && b->x[t].b == id) { tot++; cnt += b->x[t].a != 0; }
         for (uint32_t t = 0; t < nt; t++) {
             Xchg *x = &b->x[t];
             if (b->state[t] != ST_BAR || x->b != id) continue;
             x->r = x->c == 1 ? cnt : x->c == 2 ? cnt == tot : cnt > 0;
-            b->state[t] = ST_RUN;
+            b->state[t] = ST_RUN; b->n[ST_BAR]--; b->n[ST_RUN]++;
         }
         b->bar[id].arrived = b->bar[id].expect = 0;
         b->epoch++; woke = 1;
@@ -405,30 +420,34 @@ static int bar_release(Blk *b, uint32_t alive) {
     return woke;
 }
 
-/* One round of a block: each runnable thread to its next sync point, then the barriers and warp
-   collectives that completed. Returns 1 while the block runs, 0 once every thread exited, -1 on an
-   error (c->err says which). */
+/* One round of a block: each runnable thread to its next sync point (all those waiting at a sync
+   point that has a region at once: REGIONS), then the barriers and warp collectives that completed.
+   Returns 1 while the block runs, 0 once every thread exited, -1 on an error (c->err says which). */
 static int block_step(Blk *b) {
-    uint32_t nt = b->nt, n[5] = {0, 0, 0, 0, 0};      /* threads in each state after the round */
+    uint32_t nt = b->nt;
     int ran = 0;
-    for (uint32_t t = 0; t < nt; t++) {
-        int s = b->state[t];
-        if (s == ST_RUN) {
-            s = thread_fn(b, t);
+    for (uint32_t t = 0; t < nt;) {
+        if (b->state[t] != ST_RUN) { t++; continue; }
+        uint32_t p = (uint32_t)b->pc[t];
+        ran = 1;
+        if (p <= NSYNC && REGIONS[p]) {
+            if (REGIONS[p](b, t) == ST_ERR) return -1;
+            t = b->next_t;
+        } else {
+            int s = thread_fn(b, t);
             if (s == ST_ERR) return -1;
-            b->state[t] = s; ran = 1;
+            b->state[t] = s; b->n[ST_RUN]--; b->n[s]++;
+            t++;
         }
-        n[s]++;
     }
     if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
-    if (n[ST_EXIT] == nt) return 0;
+    if (b->n[ST_EXIT] == nt) return 0;
     int woke = 0;
-    if (n[ST_WARP])
+    if (b->n[ST_WARP])
         for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
-    if (n[ST_BAR]) woke |= bar_release(b, nt - n[ST_EXIT]);
+    if (b->n[ST_BAR]) woke |= bar_release(b, nt - b->n[ST_EXIT]);
     if (woke || ran) return 1;
-    if (n[ST_EXIT] == nt) return 0;
-    fault(b, E_DEADLOCK, nt - n[ST_EXIT], 0, 0); return -1;
+    fault(b, E_DEADLOCK, nt - b->n[ST_EXIT], 0, 0); return -1;
 }
 
 static int block_open(Blk *b, Ctx *c) {
@@ -458,6 +477,7 @@ static void block_start(Blk *b, int64_t g) {
     b->ctaid[2] = g / ((int64_t)c->grid[0] * c->grid[1]);
     if (c->shbytes) memset(b->shm, 0, (c->shbytes + 15) / 16 * 16);
     for (uint32_t t = 0; t < b->nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
+    b->n[ST_RUN] = b->nt; b->n[ST_BAR] = b->n[ST_WARP] = b->n[ST_EXIT] = 0;
     b->epoch = 0;
     memset(b->bar, 0, sizeof b->bar);
 }
