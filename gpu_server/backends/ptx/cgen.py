@@ -86,8 +86,8 @@ def convert(e, frm, to):
     return f"(({CT[to]})({e}))"
 
 
-def ident(name):
-    return 'r_' + re.sub(r'[^A-Za-z0-9_]', lambda m: f'_{ord(m.group()):x}_', name)
+def escape(name):
+    return re.sub(r'[^A-Za-z0-9_]', lambda m: f'_{ord(m.group()):x}_', name)
 
 
 class KernelSource:
@@ -98,6 +98,7 @@ class KernelSource:
         self.K, self.tree = K, mod.tree
         self.globals = list(K.used_globals)
         self.order = self.callees(mod, K.name)
+        self.fidx, self.idents = {f: i for i, f in enumerate(self.order)}, {}
         self.regs = {}                  # 'function|register' -> type, over every function linked in
         self.frame, self.frame_bytes = {}, 0    # 'function|name' of a .param variable -> (offset, size)
         self.stmts, self.owner, self.labels, self.entry = [], [], {}, {}
@@ -207,6 +208,21 @@ class KernelSource:
         visit(name)
         return order
 
+    def ident(self, key):
+        """The C name of register key ('function|register', or one of IT, PATH, CC, rs()): its
+        function by number, as a kernel's mangled name is long and every use would repeat it."""
+        name = self.idents.get(key)
+        if name is None:
+            fn, sep, reg = key.partition('|')
+            if fn == '@rs':
+                name = f"rs_{self.fidx[reg]}"
+            elif sep:
+                name = f"r{self.fidx[fn]}_{escape(reg)}"
+            else:
+                name = 'r_' + escape(key)
+            self.idents[key] = name
+        return name
+
     def enter(self, name):
         """Translate the statements of function `name` from here on."""
         fn = self.tree.funcs[name]
@@ -231,7 +247,7 @@ class KernelSource:
             if o.name in self.fn.regs:
                 key = self.pre + o.name
                 self.reads.add(key)
-                e = convert(ident(key), self.rtype(key), t)
+                e = convert(self.ident(key), self.rtype(key), t)
             elif o.name in SPECIAL:
                 e = convert(SPECIAL[o.name], SPECIAL_TYPE.get(o.name, 'u32'), t)
             elif re.fullmatch(r'%envreg([0-9]|[12][0-9]|3[01])', o.name):
@@ -291,7 +307,7 @@ class KernelSource:
             raise Refused("destination")
         key = self.pre + o.name
         self.writes.add(key)
-        return f"{ident(key)} = {convert(e, t, self.rtype(key))};"
+        return f"{self.ident(key)} = {convert(e, t, self.rtype(key))};"
 
     def ptr(self, o, space, w, line):
         """C statements setting p_ to the host address of [o] (w bytes), returning on a fault."""
@@ -486,7 +502,7 @@ class KernelSource:
             _, p = self.mul([mul], t, xs[0], xs[1])
             xs = [p, xs[2]]
         self.regs[CC] = 'u32'
-        c = ident(CC)
+        c = self.ident(CC)
         cin_e = f"({u}){c}" if cin else f"({u})0"
         if cin:
             self.reads.add(CC)
@@ -1185,7 +1201,7 @@ class KernelSource:
         count = ""
         if self.counting:
             self.reads |= {IT, PATH}
-            count = f"{ident(IT)}++; "
+            count = f"{self.ident(IT)}++; "
         return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_RUN); }} {go}"
 
     def op_brx(self, k, st, mods):
@@ -1212,7 +1228,7 @@ class KernelSource:
         key = self.rs(self.fn.name)
         self.reads.add(key)
         self.jumps = [('ret', self.fn.name)]
-        return f"RETURN_{ident(self.fn.name)}"
+        return f"RETURN_{self.fidx[self.fn.name]}"
 
     def op_exit(self, k, st, mods):
         self.falls = False
@@ -1246,11 +1262,11 @@ class KernelSource:
         self.writes.add(key)
         if self.counting:
             self.reads.add(PATH)
-            path = ident(PATH)
+            path = self.ident(PATH)
             copy_in += f" {path} = ({path} << 16) | {(k + 1) & 0xFFFF};"
             copy_out += f" {path} >>= 16;"
         self.jumps, self.falls = [self.entry[callee]], False
-        return (f"{copy_in} {ident(key)} = {k}; goto {self.func_label(callee)}; "
+        return (f"{copy_in} {self.ident(key)} = {k}; goto {self.func_label(callee)}; "
                 f"{self.ret_label(k)}:; {copy_out}")
 
     def param_var(self, o):
@@ -1277,8 +1293,8 @@ class KernelSource:
             if len(akeys) != 2:
                 raise Refused("vprintf arguments")
             self.reads |= {IT, PATH}
-            site = f"({ident(PATH)} << 16) | {(k + 1) & 0xFFFF}"
-            when = f"((uint64_t)b->epoch << 32) | {ident(IT)}"
+            site = f"({self.ident(PATH)} << 16) | {(k + 1) & 0xFFFF}"
+            when = f"((uint64_t)b->epoch << 32) | {self.ident(IT)}"
             code = (f"{{ int64_t _n = HOST_CALL(0, {word(akeys[0])}, {word(akeys[1])}, {site}, {when}); "
                     f"if (_n < -1) {{ fault(b, E_HOST, 0, 0, {st.line}); return ST_ERR; }} ")
             for r in rkeys:
@@ -1290,7 +1306,7 @@ class KernelSource:
                 f"fault(b, E_ASSERT, 0, 0, {st.line}); return ST_ERR;")
 
     def func_label(self, name):
-        return 'F' + ident(name)
+        return f'F{self.fidx[name]}'
 
     @staticmethod
     def ret_label(k):
@@ -1322,7 +1338,7 @@ class KernelSource:
                 f"{self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_BAR); {self.resume(rid)}:;")
         if self.counting:
             self.writes.add(IT)
-            code += f" {ident(IT)} = 0;"
+            code += f" {self.ident(IT)} = 0;"
         if rop:
             code += " " + self.dst(out, 'u32' if rop == 'popc' else 'pred',
                                    "(uint32_t)b->x[t].r" if rop == 'popc' else "(uint8_t)b->x[t].r")
@@ -1407,7 +1423,7 @@ class KernelSource:
         return f"R{rid}"
 
     def label(self, name):
-        return 'L' + ident(self.pre + name)
+        return 'L' + self.ident(self.pre + name)
 
     def successors(self):
         """Each statement's successors, calls and returns resolved: a function's `ret` goes on after
@@ -1445,11 +1461,11 @@ class KernelSource:
 
         def slot(r):
             return f"SV({plan.slot[bit[r]]}).{member.get(self.regs[r], 'u')}"
-        saves = {rid: " ".join(f"{slot(r)} = {ident(r)};" for r in regs_of(m)) for rid, m in plan.save.items()}
+        saves = {rid: " ".join(f"{slot(r)} = {self.ident(r)};" for r in regs_of(m)) for rid, m in plan.save.items()}
         targets = {rid: self.resume(rid) if where[0] == 'after' else where[1] for rid, where in enumerate(self.syncs, 1)}
-        restores = {rid: " ".join(f"{ident(r)} = ({CT[self.regs[r]]}){slot(r)};" for r in regs_of(m))
+        restores = {rid: " ".join(f"{self.ident(r)} = ({CT[self.regs[r]]}){slot(r)};" for r in regs_of(m))
                     for rid, m in plan.restore.items()}
-        returns = {f"RETURN_{ident(f)}": "switch (" + ident(self.rs(f)) + ") { " + " ".join(
+        returns = {f"RETURN_{self.fidx[f]}": "switch (" + self.ident(self.rs(f)) + ") { " + " ".join(
             f"case {c}: goto {self.ret_label(c)};" for c in self.sites[f]) + " } return ST_ERR;"
             for f in self.order[1:]}
 
@@ -1495,7 +1511,7 @@ class KernelSource:
         return self._labels_at.get((f, k), [])
 
     def declare(self, regs):
-        return "\n".join(f"    {CT[self.rtype(r)]} {ident(r)} = 0;" for r in regs)
+        return "\n".join(f"    {CT[self.rtype(r)]} {self.ident(r)} = 0;" for r in regs)
 
     def regions(self, plan, code, restores, targets):
         """rid -> (rid, C function) of each region crt.py's scheduler runs as a loop over the block's
@@ -1504,6 +1520,7 @@ class KernelSource:
         if len(self.order) > 1:
             return {}
         out, budget = {}, REGION_BUDGET * max(len(self.stmts), 1)
+        idents = {r: self.ident(r) for r in self.regs}
         n = len(self.stmts)
         for rid, stmts in sorted(plan.regions.items()):
             budget -= len(stmts)
@@ -1520,8 +1537,8 @@ class KernelSource:
                 body.append("    return ST_ERR;")
             enter = "" if rid == 0 else f"{restores[rid]} goto {targets[rid]};"
             text = enter + "\n".join(body)
-            used = set(re.findall(r'\br_\w+', text))       # the code a region holds names registers it never runs
-            out[rid] = (rid, REGION_FN % dict(rid=rid, decl=self.declare([r for r in self.regs if ident(r) in used]),
+            used = set(re.findall(r'\br[s0-9_]\w*', text))       # the code a region holds names registers it never runs
+            out[rid] = (rid, REGION_FN % dict(rid=rid, decl=self.declare([r for r, i in idents.items() if i in used]),
                                              enter=enter, body="\n".join(body)))
         return out
 
