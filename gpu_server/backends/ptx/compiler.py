@@ -26,6 +26,7 @@ import numpy as np
 
 from phos.gpu_server.backends.ptx.cgen import KernelSource, Refused
 from phos.gpu_server.backends.ptx.decode import TRAP_STATUS, err
+from phos.gpu_server.backends.ptx.parser import gc_paused
 from phos.schema.cuda_types import CUresult
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class Compiled:
     def __init__(self, K):
         self.fn, self.why, self.globals, self.frame_bytes = None, None, [], 0
         try:
-            src = KernelSource(K)
+            with gc_paused():
+                src = KernelSource(K)
             self.globals, self.frame_bytes = src.globals, src.frame_bytes
             self.fn = build(src.text)
         except Refused as e:

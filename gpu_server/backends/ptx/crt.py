@@ -318,45 +318,38 @@ static inline double atom_add_f64(uint8_t *p, double v) {
     return u2d(o);
 }
 
-/* A warp collective: lanes wait (ST_WARP) until every live lane their member mask names waits
-   too; then the lanes at each site complete together, as the interpreter's group does. */
-static int warp_resolve(Blk *b, uint32_t w) {
-    uint32_t t0 = w * 32, n = b->nt - t0 < 32 ? b->nt - t0 : 32, waiting = 0, live = 0, running = 0, done = 0;
-    for (uint32_t l = 0; l < n; l++) {
-        uint8_t s = b->state[t0 + l];
-        if (s == ST_WARP) waiting |= 1u << l;
-        if (s != ST_EXIT) live |= 1u << l;
-        if (s == ST_RUN) running |= 1u << l;
-    }
-    if (!waiting) return 0;
-    for (uint32_t l = 0; l < n; l++)     /* kind 18 (lanes in step) waits for every lane that runs */
-        if (((waiting >> l) & 1) && ((b->x[t0 + l].mask & live & ~waiting) || (b->x[t0 + l].kind == 18 && running)))
-            waiting &= ~(1u << l);
-    for (uint32_t l = 0; l < n; l++) {
-        if (!((waiting >> l) & 1)) continue;
-        int32_t site = b->x[t0 + l].site;
-        uint32_t grp = 0;
-        for (uint32_t k = l; k < n; k++)
-            if (((waiting >> k) & 1) && b->x[t0 + k].site == site) grp |= 1u << k;
-        waiting &= ~grp;
-        int kind = b->x[t0 + l].kind;          /* one site, one instruction */
-        uint32_t yes = 0, acc = b->x[t0 + l].a;
-        if (kind >= 4 && kind <= 8) {          /* ballot, all, any, uni, activemask: the lanes voting yes */
-            for (uint32_t q = l; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a) yes |= 1u << q;
-        } else if (kind >= 9 && kind <= 14) {  /* redux add, min, max (signed by c), and, or, xor */
-            int sg = (int)b->x[t0 + l].c;
-            for (uint32_t q = l + 1; q < n; q++) {
-                if (!((grp >> q) & 1)) continue;
-                uint32_t v = b->x[t0 + q].a;
-                if (kind == 9) acc += v;
-                else if (kind == 10) acc = sg ? ((int32_t)v < (int32_t)acc ? v : acc) : (v < acc ? v : acc);
-                else if (kind == 11) acc = sg ? ((int32_t)v > (int32_t)acc ? v : acc) : (v > acc ? v : acc);
-                else if (kind == 12) acc &= v; else if (kind == 13) acc |= v; else acc ^= v;
-            }
+/* The lanes of warp w (from thread t0, n of them) in grp, waiting at one site, complete its collective
+   together, as the interpreter's group does. */
+static void warp_group(Blk *b, uint32_t t0, uint32_t n, uint32_t grp) {
+    Xchg *xs = b->x + t0;
+    uint32_t l = __builtin_ctz(grp);
+    int kind = xs[l].kind;                 /* one site, one instruction */
+    uint32_t yes = 0, acc = xs[l].a;
+    if (kind >= 4 && kind <= 8) {          /* ballot, all, any, uni, activemask: the lanes voting yes */
+        for (uint32_t q = l; q < n; q++) yes |= (uint32_t)(((grp >> q) & 1) && xs[q].a) << q;
+    } else if (kind >= 9 && kind <= 14) {  /* redux add, min, max (signed by c), and, or, xor */
+        int sg = (int)xs[l].c;
+        for (uint32_t q = l + 1; q < n; q++) {
+            if (!((grp >> q) & 1)) continue;
+            uint32_t v = xs[q].a;
+            if (kind == 9) acc += v;
+            else if (kind == 10) acc = sg ? ((int32_t)v < (int32_t)acc ? v : acc) : (v < acc ? v : acc);
+            else if (kind == 11) acc = sg ? ((int32_t)v > (int32_t)acc ? v : acc) : (v > acc ? v : acc);
+            else if (kind == 12) acc &= v; else if (kind == 13) acc |= v; else acc ^= v;
         }
+    }
+    if (kind >= 4 && kind <= 8) {
+        uint64_t r = kind == 4 ? yes : kind == 8 ? grp : 0;
+        uint8_t p = kind == 5 ? yes == grp : kind == 6 ? yes != 0 : kind == 7 ? (yes == grp || !yes) : 0;
+        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) { xs[k].r = r; xs[k].p = p; }
+    } else if (kind >= 9 && kind <= 14) {
+        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) xs[k].r = acc;
+    } else if (kind > 3 && kind != 16 && kind != 17) {   /* bar.warp.sync, lanes in step */
+        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) xs[k].r = 0;
+    } else {
         for (uint32_t k = l; k < n; k++) {
             if (!((grp >> k) & 1)) continue;
-            Xchg *x = &b->x[t0 + k];
+            Xchg *x = &xs[k];
             if (kind <= 3) {            /* shfl up, down, bfly, idx */
                 int64_t bv = x->b & 31, cv = x->c & 31, seg = (x->c >> 8) & 31, j;
                 int64_t maxl = (k & seg) | (cv & ~seg), minl = k & seg; int ok;
@@ -365,22 +358,48 @@ static int warp_resolve(Blk *b, uint32_t w) {
                 else if (kind == 2) { j = k ^ bv; ok = j <= maxl; }
                 else { j = minl | (bv & ~seg); ok = j <= maxl; }
                 if (!(ok && j < (int64_t)n)) j = k;
-                x->r = ((grp >> j) & 1) ? b->x[t0 + j].a : x->a; x->p = ok;
-            } else if (kind >= 4 && kind <= 8) {
-                x->r = kind == 4 ? yes : kind == 8 ? grp : 0;
-                x->p = kind == 5 ? yes == grp : kind == 6 ? yes != 0 : kind == 7 ? (yes == grp || !yes) : 0;
-            } else if (kind >= 9 && kind <= 14) {
-                x->r = acc;
-            } else if (kind == 16 || kind == 17) {   /* match.any, match.all */
+                x->r = ((grp >> j) & 1) ? xs[j].a : x->a; x->p = ok;
+            } else {                    /* match.any, match.all */
                 uint32_t same = 0;
-                for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a == x->a) same |= 1u << q;
+                for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && xs[q].a == x->a) same |= 1u << q;
                 x->r = kind == 16 ? same : same == grp ? grp : 0; x->p = same == grp;
-            } else {                          /* bar.warp.sync, lanes in step */
-                x->r = 0;
             }
         }
-        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) b->state[t0 + k] = ST_RUN;
-        b->n[ST_WARP] -= __builtin_popcount(grp); b->n[ST_RUN] += __builtin_popcount(grp);
+    }
+    for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) b->state[t0 + k] = ST_RUN;
+    b->n[ST_WARP] -= __builtin_popcount(grp); b->n[ST_RUN] += __builtin_popcount(grp);
+}
+
+/* A warp collective: lanes wait (ST_WARP) until every live lane their member mask names waits
+   too; then the lanes at each site complete together. */
+static int warp_resolve(Blk *b, uint32_t w) {
+    uint32_t t0 = w * 32, n = b->nt - t0 < 32 ? b->nt - t0 : 32, waiting = 0, exited = 0;
+    const uint8_t *st = b->state + t0;
+    const Xchg *xs = b->x + t0;
+    for (uint32_t l = 0; l < n; l++) {
+        waiting |= (uint32_t)(st[l] == ST_WARP) << l;
+        exited |= (uint32_t)(st[l] == ST_EXIT) << l;
+    }
+    if (!waiting) return 0;
+    uint32_t live = (n == 32 ? ~0u : (1u << n) - 1) & ~exited;
+    if (waiting == live) {                 /* the common case: every live lane waits, all at one site */
+        int32_t site = xs[__builtin_ctz(waiting)].site;
+        uint32_t same = 0;
+        for (uint32_t l = 0; l < n; l++) same |= (uint32_t)(xs[l].site == site) << l;
+        if ((same & waiting) == waiting) { warp_group(b, t0, n, waiting); return 1; }
+    }
+    uint32_t running = 0, done = 0;
+    for (uint32_t l = 0; l < n; l++) running |= (uint32_t)(st[l] == ST_RUN) << l;
+    for (uint32_t l = 0; l < n; l++)     /* kind 18 (lanes in step) waits for every lane that runs */
+        if (((waiting >> l) & 1) && ((xs[l].mask & live & ~waiting) || (xs[l].kind == 18 && running)))
+            waiting &= ~(1u << l);
+    while (waiting) {
+        uint32_t l = __builtin_ctz(waiting), grp = 0;
+        int32_t site = xs[l].site;
+        for (uint32_t k = l; k < n; k++)
+            if (((waiting >> k) & 1) && xs[k].site == site) grp |= 1u << k;
+        waiting &= ~grp;
+        warp_group(b, t0, n, grp);
         done = 1;
     }
     return done;

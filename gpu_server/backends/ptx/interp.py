@@ -860,4 +860,5 @@ def parse_module(text, deadline=math.inf):
     (a time.monotonic())."""
     if isinstance(text, (bytes, bytearray)):
         text = bytes(text).decode('utf-8', 'replace')
-    return PtxModule(P.parse(text.rstrip('\0'), deadline))
+    with P.gc_paused():
+        return PtxModule(P.parse(text.rstrip('\0'), deadline))
