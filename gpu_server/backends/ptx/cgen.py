@@ -139,6 +139,7 @@ class KernelSource:
         self.in_step = self.unordered_volatile()
         self.nsites = 0                 # global accesses, each with its allocation cache (crt.py GPTR)
         self.bar_red = False            # a bar.red: barriers have results to give
+        self.bar_simple = True          # every barrier a bar.sync 0 of all threads: a waiting thread is an arrival
         self.body = []
         for k, st in enumerate(self.stmts):
             self.enter(self.owner[k])
@@ -1015,7 +1016,7 @@ class KernelSource:
             # of the warp reaches its next such access (or a barrier, or its end) before any makes it
             rid = self.sync(('label', f"VS{k}", k), Y.BEFORE)       # resumes at the access: its operands live
             code = (f"{{ Xchg *x_ = &b->x[t]; x_->mask = 0u; x_->site = {k}; x_->kind = {LOCKSTEP}; }} "
-                    f"{self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_WARP); VS{k}:; " + code)
+                    f"{self.save_marker(rid)} LEAVE_AT(ST_WARP, {rid}); VS{k}:; " + code)
         return code
 
     def op_ld(self, k, st, mods):
@@ -1093,7 +1094,7 @@ class KernelSource:
             raise Refused("operand count")
         rid = self.sync(('label', f"BX{k}", k), Y.RETRY)
         return (f"BX{k}:; {{ {self.ptr(a[1], 'shared', 8, st.line)} uint8_t _d = mb_done(p_, {self.src(a[2], 'u64')}, "
-                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_RUN); }} "
+                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid)} LEAVE_AT(ST_RUN, {rid}); }} "
                 + self.dst(a[0], 'pred', "_d") + " }")
 
     def op_cp(self, k, st, mods):
@@ -1202,7 +1203,7 @@ class KernelSource:
         if self.counting:
             self.reads |= {IT, PATH}
             count = f"{self.ident(IT)}++; "
-        return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_RUN); }} {go}"
+        return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} LEAVE_AT(ST_RUN, {rid}); }} {go}"
 
     def op_brx(self, k, st, mods):
         self.mods(mods, {'idx', 'uni'})
@@ -1218,7 +1219,7 @@ class KernelSource:
         if min(to) > k:
             return code
         rid = self.sync(('label', f"BX{k}", k), Y.RETRY)        # a loop through the table: yield as bra does
-        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_RUN); }} {code}"
+        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid)} LEAVE_AT(ST_RUN, {rid}); }} {code}"
 
     def op_ret(self, k, st, mods):
         self.falls = False
@@ -1330,12 +1331,14 @@ class KernelSource:
         count = self.src(args[1], 'u32') if len(args) == 2 else '0u'
         arrive = f"bar_arrive(b, {bid}, {count});"
         if kind == 'arrive':
+            self.bar_simple = False
             return arrive
         rid = self.sync(('after', k), Y.AFTER)
         self.bar_red |= rop is not None
+        self.bar_simple &= kind == 'sync' and len(args) == 1 and isinstance(args[0], P.Imm) and args[0].value == 0
         red = f"x_->a = {pv}; x_->c = {('popc', 'and', 'or').index(rop) + 1};" if rop else "x_->c = 0;"
-        code = (f"{{ Xchg *x_ = &b->x[t]; x_->b = ({bid}) & 15; {red} }} {arrive} "
-                f"{self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_BAR); {self.resume(rid)}:;")
+        code = (f"if (!BAR_SIMPLE) {{ Xchg *x_ = &b->x[t]; x_->b = ({bid}) & 15; {red} {arrive} }} "
+                f"{self.save_marker(rid)} LEAVE_AT(ST_BAR, {rid}); {self.resume(rid)}:;")
         if self.counting:
             self.writes.add(IT)
             code += f" {self.ident(IT)} = 0;"
@@ -1350,7 +1353,7 @@ class KernelSource:
         rid = self.sync(('after', k), Y.AFTER)
         code = (f"{{ Xchg *x_ = &b->x[t]; x_->a = (uint64_t)({a}); x_->b = {bb}; x_->c = {cc}; "
                 f"x_->mask = {mask}; x_->site = {k}; x_->kind = {kind}; }} "
-                f"{self.save_marker(rid)} b->pc[t] = {rid}; LEAVE(ST_WARP); {self.resume(rid)}:; ")
+                f"{self.save_marker(rid)} LEAVE_AT(ST_WARP, {rid}); {self.resume(rid)}:; ")
         if dst is not None:
             code += self.dst(dst, dtype, f"({CT[dtype]})b->x[t].{'p' if dtype == 'pred' else 'r'}")
         if pdst is not None:
@@ -1490,13 +1493,18 @@ class KernelSource:
             f"#define NSITES {self.nsites}",
             f"#define NSYNC {len(self.syncs)}",
             f"#define BAR_RED {int(self.bar_red)}",
+            f"#define BAR_SIMPLE {int(self.bar_simple)}",
             "#define SV(i) sv[(size_t)(i) * nt_]      /* the thread's home slot i: slot i of every thread in a row */",
             "#define LEAVE(s) return (s)",
+            "#define LEAVE_AT(s, p) do { pc_[t] = (p); return (s); } while (0)",
             THREAD_FN % dict(decl=self.declare(self.regs), cases=cases, body="\n".join(lines)),
             "#undef LEAVE",
+            "#undef LEAVE_AT",
             "#define LEAVE(s) do { state_[t] = (s); left_[s]++; goto next_t; } while (0)",
+            "#define LEAVE_AT(s, p) do { pc_[t] = (p); only_ = only_ == -2 || only_ == (p) ? (p) : -1; LEAVE(s); } while (0)",
             *(text for _, text in regions.values()),
             "#undef LEAVE",
+            "#undef LEAVE_AT",
             f"static int (*const REGIONS[NSYNC + 1])(Blk *, uint32_t) = {{ {table} }};",
             SCHEDULER])
 
@@ -1548,7 +1556,7 @@ REGION_BUDGET = 4       # region statements, over the kernel's: each region repe
 THREAD_FN = r"""
 /* One thread from where it waits (b->pc[t]) to its next sync point; returns its state there. */
 static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
-    Ctx *c = b->c; const uint32_t nt_ = b->nt; (void)nt_;
+    Ctx *c = b->c; const uint32_t nt_ = b->nt; (void)nt_; int32_t *const pc_ = b->pc;
     const uint32_t tid_ = b->tid[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
     (void)tid_x; (void)tid_y; (void)tid_z;
     Slot *sv = b->save + t; (void)sv;
@@ -1569,13 +1577,14 @@ static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
 """
 
 REGION_FN = r"""
-/* Every thread of the block that waits at sync point %(rid)d (from thread t0 on), each to its next one;
-   b->next_t: the first of them that waits elsewhere. */
+/* Every thread of the block from t0 on that runs, each from sync point %(rid)d (where crt.py's
+   block_step saw them all wait) to its next one. */
 static int region_%(rid)d(Blk *b, uint32_t t0) {
     Ctx *c = b->c; const uint32_t nt_ = b->nt;
     uint8_t *const state_ = b->state; int32_t *const pc_ = b->pc; Slot *const save_ = b->save;
     const uint32_t *const tids_ = b->tid; uint8_t *const loc_ = b->loc;
-    uint32_t left_[4] = {0, 0, 0, 0}, next_ = nt_;
+    uint32_t left_[4] = {0, 0, 0, 0};
+    int32_t only_ = -2;                    /* the sync point every thread left at (-1: several) */
     uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
     uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
     const uint64_t lsz = c->local_size;
@@ -1583,7 +1592,6 @@ static int region_%(rid)d(Blk *b, uint32_t t0) {
     (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)prm; (void)psz;
     for (uint32_t t = t0; t < nt_; t++) {
         if (state_[t] != ST_RUN) continue;
-        if (pc_[t] != %(rid)d) { if (next_ == nt_) next_ = t; continue; }
         const uint32_t tid_ = tids_[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
         (void)tid_x; (void)tid_y; (void)tid_z;
         Slot *sv = save_ + t; (void)sv;
@@ -1596,7 +1604,7 @@ static int region_%(rid)d(Blk *b, uint32_t t0) {
     }
     b->n[ST_RUN] -= left_[ST_BAR] + left_[ST_WARP] + left_[ST_EXIT];
     b->n[ST_BAR] += left_[ST_BAR]; b->n[ST_WARP] += left_[ST_WARP]; b->n[ST_EXIT] += left_[ST_EXIT];
-    b->next_t = next_;
+    b->left_at = only_;
     return 0;
 }
 """

@@ -52,7 +52,8 @@ typedef struct {
     GCache *site;                                   /* each global access's allocation hit last */
     struct { uint32_t arrived, expect; } bar[16];   /* named barriers: arrivals, thread count (0: all) */
     uint32_t n[4];                                  /* threads in each state (ST_RUN .. ST_EXIT) */
-    uint32_t next_t;                                /* a region's first thread left waiting elsewhere */
+    int32_t upc;                                    /* the sync point every thread not exited waits at, or -1 */
+    int32_t left_at;                                /* a region's: the one its threads left at, -1 several, -2 none */
 } Blk;
 
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -412,7 +413,7 @@ SCHEDULER = r'''
    its arrivals reach its thread count, or every thread not exited when it names none. */
 static int bar_release(Blk *b, uint32_t alive) {
     uint32_t nt = b->nt; int woke = 0;
-    if (!BAR_RED && b->n[ST_BAR] == alive && b->bar[0].arrived == alive && !b->bar[0].expect) {
+    if (BAR_SIMPLE ? b->n[ST_BAR] == alive : !BAR_RED && b->n[ST_BAR] == alive && b->bar[0].arrived == alive && !b->bar[0].expect) {
         /* every thread waits at barrier 0 (the common case): no bar.red result to give, all go on */
         if (b->n[ST_EXIT]) { for (uint32_t t = 0; t < nt; t++) b->state[t] = b->state[t] == ST_BAR ? ST_RUN : b->state[t]; }
         else memset(b->state, ST_RUN, nt);
@@ -420,6 +421,7 @@ static int bar_release(Blk *b, uint32_t alive) {
         b->bar[0].arrived = 0; b->epoch++;
         return 1;
     }
+    if (BAR_SIMPLE) return 0;                  /* (its arrivals are its waiting threads, not counted) */
     for (uint32_t id = 0; id < 16; id++) {
         uint32_t arr = b->bar[id].arrived, need = b->bar[id].expect ? b->bar[id].expect : alive;
         if (!arr || arr < need) continue;
@@ -439,26 +441,39 @@ static int bar_release(Blk *b, uint32_t alive) {
     return woke;
 }
 
+/* Whether every thread from t on that runs waits at sync point p (a region runs them all). */
+static int same_pc(Blk *b, uint32_t t, uint32_t p) {
+    const uint8_t *st = b->state; const int32_t *pc = b->pc;
+    uint32_t other = 0;
+    for (uint32_t u = t + 1; u < b->nt; u++) other |= (st[u] == ST_RUN) & (pc[u] != (int32_t)p);
+    return !other;
+}
+
 /* One round of a block: each runnable thread to its next sync point (all those waiting at a sync
    point that has a region at once: REGIONS), then the barriers and warp collectives that completed.
    Returns 1 while the block runs, 0 once every thread exited, -1 on an error (c->err says which). */
 static int block_step(Blk *b) {
     uint32_t nt = b->nt;
-    int ran = 0;
+    int ran = 0, all_ran = b->n[ST_RUN] + b->n[ST_EXIT] == nt;
+    int32_t upc = b->upc, left_at = -1;
+    b->upc = -1;
     for (uint32_t t = 0; t < nt;) {
         if (b->state[t] != ST_RUN) { t++; continue; }
         uint32_t p = (uint32_t)b->pc[t];
-        ran = 1;
-        if (p <= NSYNC && REGIONS[p]) {
+        if (p <= NSYNC && REGIONS[p] && ((int32_t)p == upc || same_pc(b, t, p))) {
             if (REGIONS[p](b, t) == ST_ERR) return -1;
-            t = b->next_t;
+            left_at = ran ? -1 : b->left_at;
+            t = nt;
         } else {
             int s = thread_fn(b, t);
             if (s == ST_ERR) return -1;
             b->state[t] = s; b->n[ST_RUN]--; b->n[s]++;
+            left_at = -1;
             t++;
         }
+        ran = 1;
     }
+    if (all_ran && left_at >= 0) b->upc = left_at;     /* every thread went to one sync point */
     if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
     if (b->n[ST_EXIT] == nt) return 0;
     int woke = 0;
@@ -497,6 +512,7 @@ static void block_start(Blk *b, int64_t g) {
     if (c->shbytes) memset(b->shm, 0, (c->shbytes + 15) / 16 * 16);
     for (uint32_t t = 0; t < b->nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
     b->n[ST_RUN] = b->nt; b->n[ST_BAR] = b->n[ST_WARP] = b->n[ST_EXIT] = 0;
+    b->upc = 0;
     b->epoch = 0;
     memset(b->bar, 0, sizeof b->bar);
 }
