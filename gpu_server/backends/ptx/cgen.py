@@ -1500,12 +1500,12 @@ class KernelSource:
             THREAD_FN % dict(decl=self.declare(self.regs), cases=cases, body="\n".join(lines)),
             "#undef LEAVE",
             "#undef LEAVE_AT",
-            "#define LEAVE(s) do { state_[t] = (s); left_[s]++; goto next_t; } while (0)",
-            "#define LEAVE_AT(s, p) do { pc_[t] = (p); only_ = only_ == -2 || only_ == (p) ? (p) : -1; LEAVE(s); } while (0)",
+            "#define LEAVE(s) do { state_[t] = (s); exits_++; goto next_t; } while (0)",    # (ST_EXIT only)
+            "#define LEAVE_AT(s, p) do { pc_[t] = (p); state_[t] = (s); at_##p++; goto next_t; } while (0)",
             *(text for _, text in regions.values()),
             "#undef LEAVE",
             "#undef LEAVE_AT",
-            f"static int (*const REGIONS[NSYNC + 1])(Blk *, uint32_t) = {{ {table} }};",
+            f"static int (*const REGIONS[NSYNC + 1])(Blk *, uint32_t, uint32_t) = {{ {table} }};",
             SCHEDULER])
 
     def labels_at(self, f, k):
@@ -1545,9 +1545,13 @@ class KernelSource:
                 body.append("    return ST_ERR;")
             enter = "" if rid == 0 else f"{restores[rid]} goto {targets[rid]};"
             text = enter + "\n".join(body)
+            sites = sorted(set(re.findall(r'LEAVE_AT\((ST_\w+), (\d+)\)', text)), key=lambda x: int(x[1]))
             used = set(re.findall(r'\br[s0-9_]\w*', text))       # the code a region holds names registers it never runs
+            counters = " ".join(f"uint32_t at_{p} = 0;" for _, p in sites)
+            tally = "\n".join(f"    if (at_{p}) {{ b->n[{st}] += at_{p}; gone_ += {int(st != 'ST_RUN')} * at_{p}; "
+                              f"only_ = only_ == -2 ? {p} : -1; }}" for st, p in sites)
             out[rid] = (rid, REGION_FN % dict(rid=rid, decl=self.declare([r for r, i in idents.items() if i in used]),
-                                             enter=enter, body="\n".join(body)))
+                                             enter=enter, body="\n".join(body), counters=counters, tally=tally))
         return out
 
 
@@ -1577,21 +1581,19 @@ static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
 """
 
 REGION_FN = r"""
-/* Every thread of the block from t0 on that runs, each from sync point %(rid)d (where crt.py's
-   block_step saw them all wait) to its next one. */
-static int region_%(rid)d(Blk *b, uint32_t t0) {
-    Ctx *c = b->c; const uint32_t nt_ = b->nt;
+/* Threads t0..t1-1 of the block, all running and all waiting at sync point %(rid)d (crt.py's block_step
+   saw to it), each to its next one; b->left_at: the sync point they all left at (-1 several, -2 none). */
+static int region_%(rid)d(Blk *b, uint32_t t0, uint32_t t1) {
+    Ctx *c = b->c; const uint32_t nt_ = b->nt; (void)nt_;
     uint8_t *const state_ = b->state; int32_t *const pc_ = b->pc; Slot *const save_ = b->save;
     const uint32_t *const tids_ = b->tid; uint8_t *const loc_ = b->loc;
-    uint32_t left_[4] = {0, 0, 0, 0};
-    int32_t only_ = -2;                    /* the sync point every thread left at (-1: several) */
+    uint32_t exits_ = 0; %(counters)s
     uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
     uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
     const uint64_t lsz = c->local_size;
     uint8_t *const prm = c->params; const uint64_t psz = c->psize;
-    (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)prm; (void)psz;
-    for (uint32_t t = t0; t < nt_; t++) {
-        if (state_[t] != ST_RUN) continue;
+    (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)prm; (void)psz; (void)state_; (void)pc_;
+    for (uint32_t t = t0; t < t1; t++) {
         const uint32_t tid_ = tids_[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
         (void)tid_x; (void)tid_y; (void)tid_z;
         Slot *sv = save_ + t; (void)sv;
@@ -1602,8 +1604,10 @@ static int region_%(rid)d(Blk *b, uint32_t t0) {
 %(body)s
     next_t:;
     }
-    b->n[ST_RUN] -= left_[ST_BAR] + left_[ST_WARP] + left_[ST_EXIT];
-    b->n[ST_BAR] += left_[ST_BAR]; b->n[ST_WARP] += left_[ST_WARP]; b->n[ST_EXIT] += left_[ST_EXIT];
+    uint32_t gone_ = exits_; int32_t only_ = -2;
+    b->n[ST_EXIT] += exits_;
+%(tally)s
+    b->n[ST_RUN] -= gone_;
     b->left_at = only_;
     return 0;
 }

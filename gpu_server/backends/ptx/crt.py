@@ -461,9 +461,14 @@ static int block_step(Blk *b) {
         if (b->state[t] != ST_RUN) { t++; continue; }
         uint32_t p = (uint32_t)b->pc[t];
         if (p <= NSYNC && REGIONS[p] && ((int32_t)p == upc || same_pc(b, t, p))) {
-            if (REGIONS[p](b, t) == ST_ERR) return -1;
-            left_at = ran ? -1 : b->left_at;
-            t = nt;
+            upc = p;                             /* (every thread from t on that runs waits at p) */
+            uint32_t u = t + 1;                  /* a stretch of running threads */
+            if (b->n[ST_RUN] == nt) u = nt;
+            else while (u < nt && b->state[u] == ST_RUN) u++;
+            if (REGIONS[p](b, t, u) == ST_ERR) return -1;
+            int32_t at = b->left_at;
+            left_at = !ran || left_at == -2 ? at : at == -2 || at == left_at ? left_at : -1;
+            t = u;
         } else {
             int s = thread_fn(b, t);
             if (s == ST_ERR) return -1;
