@@ -140,6 +140,7 @@ class KernelSource:
         self.nsites = 0                 # global accesses, each with its allocation cache (crt.py GPTR)
         self.bar_red = False            # a bar.red: barriers have results to give
         self.bar_simple = True          # every barrier a bar.sync 0 of all threads: a waiting thread is an arrival
+        self.no_result = set()          # warp sync points that only wait (lockstep, bar.warp.sync): crt.py's SYNC_FREE
         self.body = []
         for k, st in enumerate(self.stmts):
             self.enter(self.owner[k])
@@ -1015,6 +1016,7 @@ class KernelSource:
             # loads) needs the lanes of a warp in step, as the interpreter runs them: every lane
             # of the warp reaches its next such access (or a barrier, or its end) before any makes it
             rid = self.sync(('label', f"VS{k}", k), Y.BEFORE)       # resumes at the access: its operands live
+            self.no_result.add(rid)
             code = (f"{{ Xchg *x_ = &b->x[t]; x_->mask = 0u; x_->site = {k}; x_->kind = {LOCKSTEP}; }} "
                     f"{self.save_marker(rid)} LEAVE_AT(ST_WARP, {rid}); VS{k}:; " + code)
         return code
@@ -1351,6 +1353,8 @@ class KernelSource:
 
     def warp_op(self, k, st, kind, dst, a, bb, cc, mask, pdst=None, dtype='u32'):
         rid = self.sync(('after', k), Y.AFTER)
+        if kind == WARPSYNC:
+            self.no_result.add(rid)
         code = (f"{{ Xchg *x_ = &b->x[t]; x_->a = (uint64_t)({a}); x_->b = {bb}; x_->c = {cc}; "
                 f"x_->mask = {mask}; x_->site = {k}; x_->kind = {kind}; }} "
                 f"{self.save_marker(rid)} LEAVE_AT(ST_WARP, {rid}); {self.resume(rid)}:; ")
@@ -1506,6 +1510,8 @@ class KernelSource:
             "#undef LEAVE",
             "#undef LEAVE_AT",
             f"static int (*const REGIONS[NSYNC + 1])(Blk *, uint32_t, uint32_t) = {{ {table} }};",
+            "static const uint8_t SYNC_FREE[NSYNC + 1] = { " +
+            ", ".join("1" if rid in self.no_result else "0" for rid in range(len(self.syncs) + 1)) + " };",
             SCHEDULER])
 
     def labels_at(self, f, k):

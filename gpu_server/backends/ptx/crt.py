@@ -482,7 +482,19 @@ static int block_step(Blk *b) {
     if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
     if (b->n[ST_EXIT] == nt) return 0;
     int woke = 0;
-    if (b->n[ST_WARP])
+    if (b->n[ST_WARP] && all_ran && left_at >= 0 && b->n[ST_WARP] == nt - b->n[ST_EXIT]) {
+        /* every thread not exited waits at one warp sync point: each warp completes it */
+        if (SYNC_FREE[left_at] && !b->n[ST_EXIT]) {
+            memset(b->state, ST_RUN, nt);
+            b->n[ST_RUN] = nt; b->n[ST_WARP] = 0;
+        } else
+            for (uint32_t t0 = 0; t0 < nt; t0 += 32) {
+                uint32_t n = nt - t0 < 32 ? nt - t0 : 32, live = 0;
+                for (uint32_t l = 0; l < n; l++) live |= (uint32_t)(b->state[t0 + l] == ST_WARP) << l;
+                if (live) warp_group(b, t0, n, live);
+            }
+        woke = 1;
+    } else if (b->n[ST_WARP])
         for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
     if (b->n[ST_BAR]) woke |= bar_release(b, nt - b->n[ST_EXIT]);
     if (woke || ran) return 1;
