@@ -1566,13 +1566,13 @@ REGION_BUDGET = 4       # region statements, over the kernel's: each region repe
 THREAD_FN = r"""
 /* One thread from where it waits (b->pc[t]) to its next sync point; returns its state there. */
 static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
-    Ctx *c = b->c; const uint32_t nt_ = b->nt; (void)nt_; int32_t *const pc_ = b->pc;
+    Ctx *c = b->c; const uint32_t nt_ = THREADS(b); (void)nt_; int32_t *const pc_ = b->pc;
     const uint32_t tid_ = b->tid[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
     (void)tid_x; (void)tid_y; (void)tid_z;
     Slot *sv = b->save + t; (void)sv;
     int yc = YIELD_EVERY; (void)yc;
     uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
-    uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
+    uint8_t *const shm = b->shm; const uint64_t shlim = SHBYTES(c);
     const uint64_t lsz = c->local_size; uint8_t *const lbase = b->loc + (uint64_t)t * lsz;
     uint8_t *const prm = c->params; const uint64_t psz = c->psize;
     (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)lsz; (void)lbase; (void)prm; (void)psz;
@@ -1590,12 +1590,12 @@ REGION_FN = r"""
 /* Threads t0..t1-1 of the block, all running and all waiting at sync point %(rid)d (crt.py's block_step
    saw to it), each to its next one; b->left_at: the sync point they all left at (-1 several, -2 none). */
 static int region_%(rid)d(Blk *b, uint32_t t0, uint32_t t1) {
-    Ctx *c = b->c; const uint32_t nt_ = b->nt; (void)nt_;
+    Ctx *c = b->c; const uint32_t nt_ = THREADS(b); (void)nt_;
     uint8_t *const state_ = b->state; int32_t *const pc_ = b->pc; Slot *const save_ = b->save;
     const uint32_t *const tids_ = b->tid; uint8_t *const loc_ = b->loc;
     uint32_t exits_ = 0; %(counters)s
     uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
-    uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
+    uint8_t *const shm = b->shm; const uint64_t shlim = SHBYTES(c);
     const uint64_t lsz = c->local_size;
     uint8_t *const prm = c->params; const uint64_t psz = c->psize;
     (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)prm; (void)psz; (void)state_; (void)pc_;

@@ -23,6 +23,13 @@ enum { E_GLOBAL = 1, E_SHARED = 2, E_LOCAL = 3, E_PARAM = 4, E_ALIGN = 5, E_DEAD
 #define PARAM_WIN %(param_win)dULL
 #define WIN_SIZE %(win)dULL
 #define YIELD_EVERY 16384
+#ifndef BLOCK_THREADS               /* compiler.py builds a kernel for the launch shape it runs with, */
+#define BLOCK_THREADS 0             /* or for any (0: the launch's, b->nt and c->shbytes) */
+#define SHARED_FIXED 0
+#define SHARED_BYTES 0ULL
+#endif
+#define THREADS(b) (BLOCK_THREADS ? (uint32_t)BLOCK_THREADS : (b)->nt)
+#define SHBYTES(c) (SHARED_FIXED ? SHARED_BYTES : (c)->shbytes)
 
 typedef struct {                     /* filled by compiler.py (ctypes mirror: Ctx there) */
     uint8_t *arena; uint64_t base;
