@@ -22,7 +22,7 @@ IT, PATH = '@it', '@path'
 CC = '@cc'                  # the carry flag of add.cc, addc, ... (one a thread, as the interpreter's %cc)
 
 
-Line = namedtuple('Line', 'code reads writes kills succ guarded sync')   # a translated statement (statement())
+Line = namedtuple('Line', 'code reads writes kills succ guarded sync jump')   # a translated statement (statement())
 
 
 class Refused(Exception):
@@ -346,7 +346,7 @@ class KernelSource:
     def statement(self, k, st):
         """Statement k as a Line; an emitter sets self.jumps to where it goes besides (or, with
         self.falls off, instead of) k + 1, and self.sync_at its sync point."""
-        self.reads, self.writes, self.jumps, self.falls, self.sync_at = set(), set(), [], True, None
+        self.reads, self.writes, self.jumps, self.falls, self.sync_at, self.jump = set(), set(), [], True, None, None
         parts = st.op.split('.')
         name, mods = parts[0], parts[1:]
         emit = getattr(self, 'op_' + name, None)
@@ -364,7 +364,7 @@ class KernelSource:
             code = f"if ({g}) {{ {code} }}"
         succ = self.jumps + ([k + 1] if self.falls or st.guard is not None else [])
         return Line(code, frozenset(self.reads), frozenset(self.writes), frozenset(kills), succ,
-                    st.guard is not None, self.sync_at)
+                    st.guard is not None, self.sync_at, self.jump)
 
     @staticmethod
     def mods(mods, known):
@@ -1195,10 +1195,11 @@ class KernelSource:
         if not isinstance(a[0], P.Sym) or a[0].name not in labels:
             raise Refused("branch target")
         lab, to = a[0].name, labels[a[0].name]
-        self.jumps, self.falls = [to], False
-        go = f"goto {self.label(lab)};"
-        if to > k:
-            return go
+        self.jumps, self.falls, self.jump = [to], False, to
+        go = f"@GO{k}:{self.label(lab)}@"         # assemble(): the goto, or where it leaves at to's sync point
+        target = self.body[to] if to < k else None
+        if to > k or target.sync and target.sync[1] in Y.HARD and not target.guarded:
+            return go                             # (no yield before a barrier: the thread stops there anyway)
         # a loop: yield now and then, so that a thread spinning on another one lets it run
         rid = self.sync(('label', self.label(lab), to), Y.LOOP)
         count = ""
@@ -1461,8 +1462,8 @@ class KernelSource:
                 out.append(names[low.bit_length() - 1])
                 m ^= low
             return sorted(out)
-        flows = [Y.Flow(mask(line.reads), mask(line.writes), mask(line.kills), succ, line.guarded, line.sync)
-                 for line, succ in zip(self.body, self.successors())]
+        flows = [Y.Flow(mask(line.reads), mask(line.writes), mask(line.kills), succ, line.guarded, line.sync,
+                        line.jump) for line, succ in zip(self.body, self.successors())]
         plan = Y.plan(flows, (1 << len(names)) - 1)
         member = {'f32': 'f', 'f64': 'd'}
 
@@ -1476,8 +1477,26 @@ class KernelSource:
             f"case {c}: goto {self.ret_label(c)};" for c in self.sites[f]) + " } return ST_ERR;"
             for f in self.order[1:]}
 
+        def saved(m):
+            return " ".join(f"{slot(r)} = {self.ident(r)};" for r in regs_of(m))
+
+        def go(m):
+            j, label = int(m.group(1)), m.group(2)
+            if j not in plan.jump_save:
+                into = plan.entry_save.get((j, self.body[j].jump))
+                return f"goto {label};" if into is None else f"{{ {saved(into)} goto {label}; }}"
+            # leave at the target's sync point from here: its code up to the save, this way's save
+            target = self.body[self.body[j].jump]
+            pre, rest = target.code.split("@SAVE", 1)
+            rid = int(rest.split("@", 1)[0])
+            leave = rest.split("@", 1)[1].split(";", 1)[0] + ";"        # LEAVE_AT(ST_.., rid);
+            return f"{{ {pre} {saved(plan.jump_save[j])} {leave} }}"
+
         def code(k):
-            c = re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], self.body[k].code)
+            c = re.sub(r'@GO(\d+):(\w+)@', go, self.body[k].code)
+            c = re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], c)
+            if (k, k + 1) in plan.entry_save and self.body[k].jump != k + 1:    # falling into a loop
+                c += " " + saved(plan.entry_save[k, k + 1])
             return "    " + re.sub(r'RETURN_\w+', lambda m: returns[m.group()], c)
         lines = []
         for i, f in enumerate(self.order):
