@@ -1525,7 +1525,10 @@ class KernelSource:
             "#undef LEAVE_AT",
             "#define LEAVE(s) do { state_[t] = (s); exits_++; goto next_t; } while (0)",    # (ST_EXIT only)
             "#define LEAVE_AT(s, p) do { pc_[t] = (p); state_[t] = (s); at_##p++; goto next_t; } while (0)",
+            "#undef GPTR",
+            "#define GPTR GPTR_SITE",
             *(text for _, text in regions.values()),
+            "#undef GPTR",
             "#undef LEAVE",
             "#undef LEAVE_AT",
             f"static int (*const REGIONS[NSYNC + 1])(Blk *, uint32_t, uint32_t) = {{ {table} }};",
@@ -1573,8 +1576,11 @@ class KernelSource:
             sites = sorted(set(re.findall(r'LEAVE_AT\((ST_\w+), (\d+)\)', text)), key=lambda x: int(x[1]))
             used = set(re.findall(r'\br[s0-9_]\w*', text))       # the code a region holds names registers it never runs
             counters = " ".join(f"uint32_t at_{p} = 0;" for _, p in sites)
-            tally = "\n".join(f"    if (at_{p}) {{ b->n[{st}] += at_{p}; gone_ += {int(st != 'ST_RUN')} * at_{p}; "
-                              f"only_ = only_ == -2 ? {p} : -1; }}" for st, p in sites)
+            gsites = sorted({int(k) for k in re.findall(r'GPTR\([^;]*?, (\d+)\);', text)})
+            counters += "".join(f" GCache g_{k} = b->site[{k}];" for k in gsites)
+            tally = "".join(f" b->site[{k}] = g_{k};" for k in gsites) + "\n"
+            tally += "\n".join(f"    if (at_{p}) {{ b->n[{st}] += at_{p}; gone_ += {int(st != 'ST_RUN')} * at_{p}; "
+                               f"only_ = only_ == -2 ? {p} : -1; }}" for st, p in sites)
             out[rid] = (rid, REGION_FN % dict(rid=rid, decl=self.declare([r for r, i in idents.items() if i in used]),
                                              enter=enter, body="\n".join(body), counters=counters, tally=tally))
         return out

@@ -285,21 +285,27 @@ static inline int64_t dp_part(uint32_t x, int k, int bits, int sgn) {
    gcc reload them, as it must reload b->... fields under -fno-strict-aliasing. */
 #define HOST_CALL(kind, x0, x1, x2, x3) c->host_call(kind, x0, x1, x2, x3, lbase, shm, b->lin, t)
 #define LIKELY(x) __builtin_expect(!!(x), 1)
+/* w bytes at a inside [0, n), aligned (al): one test, no overflow past 2^64 (bitwise &: one branch) */
+#define IN(a, w, n, al) (((a) <= (n) - (w)) & ((n) >= (w)) & !((a) & ((al) - 1)))
 /* Past the last allocation hit, the one this access (site) hit last: threads reading a, b and
    writing c in turn hit each array at its own access. */
 #define GPTR(p, a, w, line, slow, k) do { uint64_t a_ = (a); \
-    if (LIKELY(a_ >= glo && a_ + (w) <= ghi && !(a_ & ((w) - 1)))) p = gh + (a_ - glo); \
+    if (LIKELY(IN(a_ - glo, w, ghi - glo, w))) p = gh + (a_ - glo); \
     else { GCache *s_ = &b->site[k]; \
-        if (a_ >= s_->lo && a_ + (w) <= s_->hi && !(a_ & ((w) - 1))) { b->g = *s_; p = s_->host + (a_ - s_->lo); } \
+        if (IN(a_ - s_->lo, w, s_->hi - s_->lo, w)) { b->g = *s_; p = s_->host + (a_ - s_->lo); } \
         else { p = slow; if (!p) return ST_ERR; *s_ = b->g; } \
         glo = b->g.lo; ghi = b->g.hi; gh = b->g.host; } } while (0)
+/* A region's: each access's own allocation cache, in locals (g_k) for all its threads */
+#define GPTR_SITE(p, a, w, line, slow, k) do { uint64_t a_ = (a); \
+    if (LIKELY(IN(a_ - g_##k.lo, w, g_##k.hi - g_##k.lo, w))) p = g_##k.host + (a_ - g_##k.lo); \
+    else { p = slow; if (!p) return ST_ERR; g_##k = b->g; } } while (0)
 #define SPTR(p, a, w, line) do { uint64_t a_ = (a); \
-    if (LIKELY(a_ + (w) <= shlim && a_ + (w) >= a_ && !(a_ & ((w) - 1)))) p = shm + a_; \
+    if (LIKELY(IN(a_, w, shlim, w))) p = shm + a_; \
     else { sptr(b, a_, w, line); return ST_ERR; } } while (0)
 #define PPTR(p, a, w, line) do { uint64_t a_ = (a); \
-    if (LIKELY(a_ + (w) <= psz && a_ + (w) >= a_)) p = prm + a_; else { pptr(b, a_, w, line); return ST_ERR; } } while (0)
+    if (LIKELY(IN(a_, w, psz, 1))) p = prm + a_; else { pptr(b, a_, w, line); return ST_ERR; } } while (0)
 #define LPTR(p, a, w, line) do { uint64_t a_ = (a); \
-    if (LIKELY(a_ + (w) <= lsz && a_ + (w) >= a_ && !(a_ & ((w) - 1)))) p = lbase + a_; \
+    if (LIKELY(IN(a_, w, lsz, w))) p = lbase + a_; \
     else { lptr(b, t, a_, w, line); return ST_ERR; } } while (0)
 
 static inline void bar_arrive(Blk *b, uint32_t id, uint32_t count) {
