@@ -7,10 +7,12 @@ scheduler (crt.py); calling the function again restores them and jumps back in. 
 translator does not know raises Refused, and the interpreter runs that kernel instead.
 """
 import re
+from collections import namedtuple
 
 import numpy as np
 
 from phos.gpu_server.backends.ptx import parser as P
+from phos.gpu_server.backends.ptx import syncs as Y
 from phos.gpu_server.backends.ptx.crt import PRELUDE, SCHEDULER
 from phos.gpu_server.backends.ptx.decode import LOCAL_WIN, MEM_IGNORED, PARAM_WIN, SHARED_WIN, WIN, imm
 from phos.gpu_server.backends.ptx.ops import DT
@@ -18,6 +20,9 @@ from phos.gpu_server.backends.ptx.ops import DT
 
 IT, PATH = '@it', '@path'
 CC = '@cc'                  # the carry flag of add.cc, addc, ... (one a thread, as the interpreter's %cc)
+
+
+Line = namedtuple('Line', 'code reads writes kills succ guarded sync jump')   # a translated statement (statement())
 
 
 class Refused(Exception):
@@ -81,8 +86,8 @@ def convert(e, frm, to):
     return f"(({CT[to]})({e}))"
 
 
-def ident(name):
-    return 'r_' + re.sub(r'[^A-Za-z0-9_]', lambda m: f'_{ord(m.group()):x}_', name)
+def escape(name):
+    return re.sub(r'[^A-Za-z0-9_]', lambda m: f'_{ord(m.group()):x}_', name)
 
 
 class KernelSource:
@@ -93,6 +98,7 @@ class KernelSource:
         self.K, self.tree = K, mod.tree
         self.globals = list(K.used_globals)
         self.order = self.callees(mod, K.name)
+        self.fidx, self.idents = {f: i for i, f in enumerate(self.order)}, {}
         self.regs = {}                  # 'function|register' -> type, over every function linked in
         self.frame, self.frame_bytes = {}, 0    # 'function|name' of a .param variable -> (offset, size)
         self.stmts, self.owner, self.labels, self.entry = [], [], {}, {}
@@ -132,6 +138,9 @@ class KernelSource:
         self.sites = {name: [] for name in self.order}     # call statements of each function
         self.in_step = self.unordered_volatile()
         self.nsites = 0                 # global accesses, each with its allocation cache (crt.py GPTR)
+        self.bar_red = False            # a bar.red: barriers have results to give
+        self.bar_simple = True          # every barrier a bar.sync 0 of all threads: a waiting thread is an arrival
+        self.no_result = set()          # warp sync points that only wait (lockstep, bar.warp.sync): crt.py's SYNC_FREE
         self.body = []
         for k, st in enumerate(self.stmts):
             self.enter(self.owner[k])
@@ -201,6 +210,21 @@ class KernelSource:
         visit(name)
         return order
 
+    def ident(self, key):
+        """The C name of register key ('function|register', or one of IT, PATH, CC, rs()): its
+        function by number, as a kernel's mangled name is long and every use would repeat it."""
+        name = self.idents.get(key)
+        if name is None:
+            fn, sep, reg = key.partition('|')
+            if fn == '@rs':
+                name = f"rs_{self.fidx[reg]}"
+            elif sep:
+                name = f"r{self.fidx[fn]}_{escape(reg)}"
+            else:
+                name = 'r_' + escape(key)
+            self.idents[key] = name
+        return name
+
     def enter(self, name):
         """Translate the statements of function `name` from here on."""
         fn = self.tree.funcs[name]
@@ -225,7 +249,7 @@ class KernelSource:
             if o.name in self.fn.regs:
                 key = self.pre + o.name
                 self.reads.add(key)
-                e = convert(ident(key), self.rtype(key), t)
+                e = convert(self.ident(key), self.rtype(key), t)
             elif o.name in SPECIAL:
                 e = convert(SPECIAL[o.name], SPECIAL_TYPE.get(o.name, 'u32'), t)
             elif re.fullmatch(r'%envreg([0-9]|[12][0-9]|3[01])', o.name):
@@ -285,7 +309,7 @@ class KernelSource:
             raise Refused("destination")
         key = self.pre + o.name
         self.writes.add(key)
-        return f"{ident(key)} = {convert(e, t, self.rtype(key))};"
+        return f"{self.ident(key)} = {convert(e, t, self.rtype(key))};"
 
     def ptr(self, o, space, w, line):
         """C statements setting p_ to the host address of [o] (w bytes), returning on a fault."""
@@ -320,9 +344,9 @@ class KernelSource:
 
     # -- statements --
     def statement(self, k, st):
-        """(C code, registers read, registers surely written, opcode, successors) of statement k;
-        an emitter sets self.jumps to where it goes besides (or, with self.falls off, instead of) k + 1."""
-        self.reads, self.writes, self.jumps, self.falls = set(), set(), [], True
+        """Statement k as a Line; an emitter sets self.jumps to where it goes besides (or, with
+        self.falls off, instead of) k + 1, and self.sync_at its sync point."""
+        self.reads, self.writes, self.jumps, self.falls, self.sync_at, self.jump = set(), set(), [], True, None, None
         parts = st.op.split('.')
         name, mods = parts[0], parts[1:]
         emit = getattr(self, 'op_' + name, None)
@@ -339,7 +363,8 @@ class KernelSource:
             g = self.src(st.guard, 'pred')
             code = f"if ({g}) {{ {code} }}"
         succ = self.jumps + ([k + 1] if self.falls or st.guard is not None else [])
-        return code, frozenset(self.reads), frozenset(kills), name, succ
+        return Line(code, frozenset(self.reads), frozenset(self.writes), frozenset(kills), succ,
+                    st.guard is not None, self.sync_at, self.jump)
 
     @staticmethod
     def mods(mods, known):
@@ -479,7 +504,7 @@ class KernelSource:
             _, p = self.mul([mul], t, xs[0], xs[1])
             xs = [p, xs[2]]
         self.regs[CC] = 'u32'
-        c = ident(CC)
+        c = self.ident(CC)
         cin_e = f"({u}){c}" if cin else f"({u})0"
         if cin:
             self.reads.add(CC)
@@ -990,9 +1015,10 @@ class KernelSource:
             # warp-synchronous code (volatile shared memory, no barrier between lanes' stores and
             # loads) needs the lanes of a warp in step, as the interpreter runs them: every lane
             # of the warp reaches its next such access (or a barrier, or its end) before any makes it
-            rid = self.sync(('label', f"VS{k}", k))       # resumes at the access: its operands live
+            rid = self.sync(('label', f"VS{k}", k), Y.BEFORE)       # resumes at the access: its operands live
+            self.no_result.add(rid)
             code = (f"{{ Xchg *x_ = &b->x[t]; x_->mask = 0u; x_->site = {k}; x_->kind = {LOCKSTEP}; }} "
-                    f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_WARP; VS{k}:; " + code)
+                    f"{self.save_marker(rid)} LEAVE_AT(ST_WARP, {rid}); VS{k}:; " + code)
         return code
 
     def op_ld(self, k, st, mods):
@@ -1068,9 +1094,9 @@ class KernelSource:
                     + self.dst(a[0], 'u64', "_s") + " }")
         if len(a) not in (3, 4):
             raise Refused("operand count")
-        rid = self.sync(('label', f"BX{k}", k))
+        rid = self.sync(('label', f"BX{k}", k), Y.RETRY)
         return (f"BX{k}:; {{ {self.ptr(a[1], 'shared', 8, st.line)} uint8_t _d = mb_done(p_, {self.src(a[2], 'u64')}, "
-                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} "
+                f"{int('parity' in mods)}); if (!_d) {{ {self.save_marker(rid)} LEAVE_AT(ST_RUN, {rid}); }} "
                 + self.dst(a[0], 'pred', "_d") + " }")
 
     def op_cp(self, k, st, mods):
@@ -1169,17 +1195,18 @@ class KernelSource:
         if not isinstance(a[0], P.Sym) or a[0].name not in labels:
             raise Refused("branch target")
         lab, to = a[0].name, labels[a[0].name]
-        self.jumps, self.falls = [to], False
-        go = f"goto {self.label(lab)};"
-        if to > k:
-            return go
+        self.jumps, self.falls, self.jump = [to], False, to
+        go = f"@GO{k}:{self.label(lab)}@"         # assemble(): the goto, or where it leaves at to's sync point
+        target = self.body[to] if to < k else None
+        if to > k or target.sync and target.sync[1] in Y.HARD and not target.guarded:
+            return go                             # (no yield before a barrier: the thread stops there anyway)
         # a loop: yield now and then, so that a thread spinning on another one lets it run
-        rid = self.sync(('label', self.label(lab), to))
+        rid = self.sync(('label', self.label(lab), to), Y.LOOP)
         count = ""
         if self.counting:
             self.reads |= {IT, PATH}
-            count = f"{ident(IT)}++; "
-        return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {go}"
+            count = f"{self.ident(IT)}++; "
+        return f"{count}if (--yc == 0) {{ {self.save_marker(rid)} LEAVE_AT(ST_RUN, {rid}); }} {go}"
 
     def op_brx(self, k, st, mods):
         self.mods(mods, {'idx', 'uni'})
@@ -1194,22 +1221,22 @@ class KernelSource:
             f" default: fault(b, E_BRX, 0, 0, {st.line}); return ST_ERR; }}"
         if min(to) > k:
             return code
-        rid = self.sync(('label', f"BX{k}", k))        # a loop through the table: yield as bra does
-        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid)} b->pc[t] = {rid}; return ST_RUN; }} {code}"
+        rid = self.sync(('label', f"BX{k}", k), Y.RETRY)        # a loop through the table: yield as bra does
+        return f"BX{k}:; if (--yc == 0) {{ {self.save_marker(rid)} LEAVE_AT(ST_RUN, {rid}); }} {code}"
 
     def op_ret(self, k, st, mods):
         self.falls = False
         if self.fn.entry:
-            return "return ST_EXIT;"
+            return "LEAVE(ST_EXIT);"
         # back to the statement after the call that entered this frame (resolved in liveness())
         key = self.rs(self.fn.name)
         self.reads.add(key)
         self.jumps = [('ret', self.fn.name)]
-        return f"RETURN_{ident(self.fn.name)}"
+        return f"RETURN_{self.fidx[self.fn.name]}"
 
     def op_exit(self, k, st, mods):
         self.falls = False
-        return "return ST_EXIT;"
+        return "LEAVE(ST_EXIT);"
 
     def op_call(self, k, st, mods):
         """A call to a device function: .param arguments copied into its frame, a jump to its body,
@@ -1239,11 +1266,11 @@ class KernelSource:
         self.writes.add(key)
         if self.counting:
             self.reads.add(PATH)
-            path = ident(PATH)
+            path = self.ident(PATH)
             copy_in += f" {path} = ({path} << 16) | {(k + 1) & 0xFFFF};"
             copy_out += f" {path} >>= 16;"
         self.jumps, self.falls = [self.entry[callee]], False
-        return (f"{copy_in} {ident(key)} = {k}; goto {self.func_label(callee)}; "
+        return (f"{copy_in} {self.ident(key)} = {k}; goto {self.func_label(callee)}; "
                 f"{self.ret_label(k)}:; {copy_out}")
 
     def param_var(self, o):
@@ -1270,8 +1297,8 @@ class KernelSource:
             if len(akeys) != 2:
                 raise Refused("vprintf arguments")
             self.reads |= {IT, PATH}
-            site = f"({ident(PATH)} << 16) | {(k + 1) & 0xFFFF}"
-            when = f"((uint64_t)b->epoch << 32) | {ident(IT)}"
+            site = f"({self.ident(PATH)} << 16) | {(k + 1) & 0xFFFF}"
+            when = f"((uint64_t)b->epoch << 32) | {self.ident(IT)}"
             code = (f"{{ int64_t _n = HOST_CALL(0, {word(akeys[0])}, {word(akeys[1])}, {site}, {when}); "
                     f"if (_n < -1) {{ fault(b, E_HOST, 0, 0, {st.line}); return ST_ERR; }} ")
             for r in rkeys:
@@ -1283,7 +1310,7 @@ class KernelSource:
                 f"fault(b, E_ASSERT, 0, 0, {st.line}); return ST_ERR;")
 
     def func_label(self, name):
-        return 'F' + ident(name)
+        return f'F{self.fidx[name]}'
 
     @staticmethod
     def ret_label(k):
@@ -1307,14 +1334,17 @@ class KernelSource:
         count = self.src(args[1], 'u32') if len(args) == 2 else '0u'
         arrive = f"bar_arrive(b, {bid}, {count});"
         if kind == 'arrive':
+            self.bar_simple = False
             return arrive
-        rid = self.sync(('after', k))
+        rid = self.sync(('after', k), Y.AFTER)
+        self.bar_red |= rop is not None
+        self.bar_simple &= kind == 'sync' and len(args) == 1 and isinstance(args[0], P.Imm) and args[0].value == 0
         red = f"x_->a = {pv}; x_->c = {('popc', 'and', 'or').index(rop) + 1};" if rop else "x_->c = 0;"
-        code = (f"{{ Xchg *x_ = &b->x[t]; x_->b = ({bid}) & 15; {red} }} {arrive} "
-                f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_BAR; {self.resume(rid)}:;")
+        code = (f"if (!BAR_SIMPLE) {{ Xchg *x_ = &b->x[t]; x_->b = ({bid}) & 15; {red} {arrive} }} "
+                f"{self.save_marker(rid)} LEAVE_AT(ST_BAR, {rid}); {self.resume(rid)}:;")
         if self.counting:
             self.writes.add(IT)
-            code += f" {ident(IT)} = 0;"
+            code += f" {self.ident(IT)} = 0;"
         if rop:
             code += " " + self.dst(out, 'u32' if rop == 'popc' else 'pred',
                                    "(uint32_t)b->x[t].r" if rop == 'popc' else "(uint8_t)b->x[t].r")
@@ -1323,10 +1353,12 @@ class KernelSource:
     op_barrier = op_bar
 
     def warp_op(self, k, st, kind, dst, a, bb, cc, mask, pdst=None, dtype='u32'):
-        rid = self.sync(('after', k))
+        rid = self.sync(('after', k), Y.AFTER)
+        if kind == WARPSYNC:
+            self.no_result.add(rid)
         code = (f"{{ Xchg *x_ = &b->x[t]; x_->a = (uint64_t)({a}); x_->b = {bb}; x_->c = {cc}; "
                 f"x_->mask = {mask}; x_->site = {k}; x_->kind = {kind}; }} "
-                f"{self.save_marker(rid)} b->pc[t] = {rid}; return ST_WARP; {self.resume(rid)}:; ")
+                f"{self.save_marker(rid)} LEAVE_AT(ST_WARP, {rid}); {self.resume(rid)}:; ")
         if dst is not None:
             code += self.dst(dst, dtype, f"({CT[dtype]})b->x[t].{'p' if dtype == 'pred' else 'r'}")
         if pdst is not None:
@@ -1382,9 +1414,13 @@ class KernelSource:
                             self.src(a[2], 'u32'), dtype=t)
 
     # -- assembly --
-    def sync(self, where):
+    def sync(self, where, mode):
+        """A sync point of the statement being translated: its rid (pc value), resuming at `where`:
+        ('after', k) the resume label after it, or ('label', C label, statement it starts)."""
         self.syncs.append(where)
-        return len(self.syncs)
+        rid = len(self.syncs)
+        self.sync_at = (rid, mode, where[-1])
+        return rid
 
     @staticmethod
     def save_marker(rid):
@@ -1395,93 +1431,217 @@ class KernelSource:
         return f"R{rid}"
 
     def label(self, name):
-        return 'L' + ident(self.pre + name)
+        return 'L' + self.ident(self.pre + name)
 
-    def liveness(self):
-        """Registers live into each statement (backward dataflow over the statements' graph, calls
-        and returns included: a function's `ret` goes on after every call to it)."""
+    def successors(self):
+        """Each statement's successors, calls and returns resolved: a function's `ret` goes on after
+        every call to it; past its function's last statement, the kernel's end (callees end in ret)."""
         n = len(self.stmts)
-        succ = []
+        out = []
         for k in range(n):
             s = []
-            for j in self.body[k][4]:
+            for j in self.body[k].succ:
                 s += [c + 1 for c in self.sites[j[1]]] if isinstance(j, tuple) else [j]
-            # past its function's last statement: the kernel's end (callees end in ret: __init__)
-            succ.append([x for x in s if x < n and (x != k + 1 or self.owner[x] == self.owner[k])])
-        live = [frozenset()] * (n + 1)
-        changed = True
-        while changed:
-            changed = False
-            for k in range(n - 1, -1, -1):
-                _, reads, kills, _, _ = self.body[k]
-                out = frozenset().union(*(live[j] for j in succ[k]))
-                new = reads | (out - kills)
-                if new != live[k]:
-                    live[k], changed = new, True
-        return live
+            out.append([x for x in s if x < n and (x != k + 1 or self.owner[x] == self.owner[k])])
+        return out
 
     def assemble(self):
-        live = self.liveness()
-        regs = self.regs
-        saves, restores, nsave = {}, [], 0
-        for rid, where in enumerate(self.syncs, 1):
-            if where[0] == 'after':
-                k = where[1]
-                kills = self.body[k][2]
-                keep = sorted(live[k + 1] - kills) if k + 1 < len(self.stmts) else []
-                target = self.resume(rid)
-            else:
-                keep = sorted(live[where[2]])
-                target = where[1]
-            nsave = max(nsave, len(keep))
-            slot = {'f32': 'f', 'f64': 'd'}
-            saves[rid] = " ".join(f"sv[{i}].{slot.get(regs[r], 'u')} = {ident(r)};" for i, r in enumerate(keep))
-            restores.append(f"case {rid}: " + " ".join(
-                f"{ident(r)} = ({CT[regs[r]]})sv[{i}].{slot.get(regs[r], 'u')};" for i, r in enumerate(keep))
-                + f" goto {target};")
-        decl = "\n".join(f"    {CT[self.rtype(r)]} {ident(r)} = 0;" for r in regs)
-        returns = {f"RETURN_{ident(f)}": "switch (" + ident(self.rs(f)) + ") { " + " ".join(
+        names = list(self.regs)
+        bit = {r: 1 << i for i, r in enumerate(names)}
+
+        def mask(rs):
+            m = 0
+            for r in rs:
+                m |= bit[r]
+            return m
+
+        def regs_of(m):
+            out = []
+            while m:
+                low = m & -m
+                out.append(names[low.bit_length() - 1])
+                m ^= low
+            return sorted(out)
+        flows = [Y.Flow(mask(line.reads), mask(line.writes), mask(line.kills), succ, line.guarded, line.sync,
+                        line.jump) for line, succ in zip(self.body, self.successors())]
+        plan = Y.plan(flows, (1 << len(names)) - 1)
+        member = {'f32': 'f', 'f64': 'd'}
+
+        def slot(r):
+            return f"SV({plan.slot[bit[r]]}).{member.get(self.regs[r], 'u')}"
+        saves = {rid: " ".join(f"{slot(r)} = {self.ident(r)};" for r in regs_of(m)) for rid, m in plan.save.items()}
+        targets = {rid: self.resume(rid) if where[0] == 'after' else where[1] for rid, where in enumerate(self.syncs, 1)}
+        restores = {rid: " ".join(f"{self.ident(r)} = ({CT[self.regs[r]]}){slot(r)};" for r in regs_of(m))
+                    for rid, m in plan.restore.items()}
+        returns = {f"RETURN_{self.fidx[f]}": "switch (" + self.ident(self.rs(f)) + ") { " + " ".join(
             f"case {c}: goto {self.ret_label(c)};" for c in self.sites[f]) + " } return ST_ERR;"
             for f in self.order[1:]}
+
+        def saved(m):
+            return " ".join(f"{slot(r)} = {self.ident(r)};" for r in regs_of(m))
+
+        def go(m):
+            j, label = int(m.group(1)), m.group(2)
+            if j not in plan.jump_save:
+                into = plan.entry_save.get((j, self.body[j].jump))
+                return f"goto {label};" if into is None else f"{{ {saved(into)} goto {label}; }}"
+            # leave at the target's sync point from here: its code up to the save, this way's save
+            target = self.body[self.body[j].jump]
+            pre, rest = target.code.split("@SAVE", 1)
+            rid = int(rest.split("@", 1)[0])
+            leave = rest.split("@", 1)[1].split(";", 1)[0] + ";"        # LEAVE_AT(ST_.., rid);
+            return f"{{ {pre} {saved(plan.jump_save[j])} {leave} }}"
+
+        def code(k):
+            c = re.sub(r'@GO(\d+):(\w+)@', go, self.body[k].code)
+            c = re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], c)
+            if (k, k + 1) in plan.entry_save and self.body[k].jump != k + 1:    # falling into a loop
+                c += " " + saved(plan.entry_save[k, k + 1])
+            return "    " + re.sub(r'RETURN_\w+', lambda m: returns[m.group()], c)
         lines = []
         for i, f in enumerate(self.order):
-            self.enter(f)
             end = self.entry[self.order[i + 1]] if i + 1 < len(self.order) else len(self.stmts)
-            at = {}
-            for name, k in self.labels[f].items():
-                at.setdefault(k, []).append(self.label(name))
             lines.append(f"{self.func_label(f)}:;")
-            for k in range(self.entry[f], end + 1):
-                lines += [f"{lab}:;" for lab in at.get(k, [])]
-                if k < end:
-                    code = re.sub(r'@SAVE(\d+)@', lambda m: saves[int(m.group(1))], self.body[k][0])
-                    lines.append("    " + re.sub(r'RETURN_\w+', lambda m: returns[m.group()], code))
-            lines.append("    return ST_EXIT;" if i == 0 else "    return ST_ERR;")
+            for k in range(self.entry[f], end):
+                lines += [f"{lab}:;" for lab in self.labels_at(f, k)] + [code(k)]
+            lines += [f"{lab}:;" for lab in self.labels_at(f, end)]
+            lines.append("    LEAVE(ST_EXIT);" if i == 0 else "    return ST_ERR;")
+        cases = "\n".join(f"    case {rid}: {restores[rid]} goto {targets[rid]};" for rid in targets)
+        regions = self.regions(plan, code, restores, targets)
+        table = ", ".join(f"region_{regions[rid][0]}" if rid in regions else "0" for rid in range(len(self.syncs) + 1))
         prelude = PRELUDE % dict(shared_win=SHARED_WIN, local_win=LOCAL_WIN, param_win=PARAM_WIN, win=WIN)
-        return f"""{prelude}
-#define NSAVE {nsave}
-#define NSITES {self.nsites}
-static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {{
-    Ctx *c = b->c;
+        return "\n".join([
+            prelude,
+            f"#define NSAVE {plan.nslots}",
+            f"#define NSITES {self.nsites}",
+            f"#define NSYNC {len(self.syncs)}",
+            f"#define BAR_RED {int(self.bar_red)}",
+            f"#define BAR_SIMPLE {int(self.bar_simple)}",
+            "#define SV(i) sv[(size_t)(i) * nt_]      /* the thread's home slot i: slot i of every thread in a row */",
+            "#define LEAVE(s) return (s)",
+            "#define LEAVE_AT(s, p) do { pc_[t] = (p); return (s); } while (0)",
+            THREAD_FN % dict(decl=self.declare(self.regs), cases=cases, body="\n".join(lines)),
+            "#undef LEAVE",
+            "#undef LEAVE_AT",
+            "#define LEAVE(s) do { state_[t] = (s); exits_++; goto next_t; } while (0)",    # (ST_EXIT only)
+            "#define LEAVE_AT(s, p) do { pc_[t] = (p); state_[t] = (s); at_##p++; goto next_t; } while (0)",
+            "#undef GPTR",
+            "#define GPTR GPTR_SITE",
+            *(text for _, text in regions.values()),
+            "#undef GPTR",
+            "#undef LEAVE",
+            "#undef LEAVE_AT",
+            f"static int (*const REGIONS[NSYNC + 1])(Blk *, uint32_t, uint32_t) = {{ {table} }};",
+            "static const uint8_t SYNC_FREE[NSYNC + 1] = { " +
+            ", ".join("1" if rid in self.no_result else "0" for rid in range(len(self.syncs) + 1)) + " };",
+            SCHEDULER])
+
+    def labels_at(self, f, k):
+        """C labels of function f's PTX labels at its statement k."""
+        if not hasattr(self, '_labels_at'):
+            self._labels_at = {}
+            for g in self.order:
+                self.enter(g)
+                for name, j in self.labels[g].items():
+                    self._labels_at.setdefault((g, j), []).append(self.label(name))
+        return self._labels_at.get((f, k), [])
+
+    def declare(self, regs):
+        return "\n".join(f"    {CT[self.rtype(r)]} {self.ident(r)} = 0;" for r in regs)
+
+    def regions(self, plan, code, restores, targets):
+        """rid -> (rid, C function) of each region crt.py's scheduler runs as a loop over the block's
+        threads (syncs.py), while their statements together stay within REGION_BUDGET times the
+        kernel's; none in a kernel that calls functions (their returns jump between call sites)."""
+        if len(self.order) > 1:
+            return {}
+        out, budget = {}, REGION_BUDGET * max(len(self.stmts), 1)
+        idents = {r: self.ident(r) for r in self.regs}
+        n = len(self.stmts)
+        for rid, stmts in sorted(plan.regions.items()):
+            budget -= len(stmts)
+            if budget < 0:
+                break
+            body, inside = [], set(stmts)
+            for k in stmts:
+                if k - 1 not in inside and body:
+                    body.append("    return ST_ERR;")        # no path of this region comes here
+                body += [f"{lab}:;" for lab in self.labels_at(self.K.name, k)] + [code(k)]
+            if stmts and stmts[-1] == n - 1:
+                body += [f"{lab}:;" for lab in self.labels_at(self.K.name, n)] + ["    LEAVE(ST_EXIT);"]
+            else:
+                body.append("    return ST_ERR;")
+            enter = "" if rid == 0 else f"{restores[rid]} goto {targets[rid]};"
+            text = enter + "\n".join(body)
+            sites = sorted(set(re.findall(r'LEAVE_AT\((ST_\w+), (\d+)\)', text)), key=lambda x: int(x[1]))
+            used = set(re.findall(r'\br[s0-9_]\w*', text))       # the code a region holds names registers it never runs
+            counters = " ".join(f"uint32_t at_{p} = 0;" for _, p in sites)
+            gsites = sorted({int(k) for k in re.findall(r'GPTR\([^;]*?, (\d+)\);', text)})
+            counters += "".join(f" GCache g_{k} = b->site[{k}];" for k in gsites)
+            tally = "".join(f" b->site[{k}] = g_{k};" for k in gsites) + "\n"
+            tally += "\n".join(f"    if (at_{p}) {{ b->n[{st}] += at_{p}; gone_ += {int(st != 'ST_RUN')} * at_{p}; "
+                               f"only_ = only_ == -2 ? {p} : -1; }}" for st, p in sites)
+            out[rid] = (rid, REGION_FN % dict(rid=rid, decl=self.declare([r for r, i in idents.items() if i in used]),
+                                             enter=enter, body="\n".join(body), counters=counters, tally=tally))
+        return out
+
+
+REGION_BUDGET = 4       # region statements, over the kernel's: each region repeats the code it runs
+
+THREAD_FN = r"""
+/* One thread from where it waits (b->pc[t]) to its next sync point; returns its state there. */
+static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
+    Ctx *c = b->c; const uint32_t nt_ = THREADS(b); (void)nt_; int32_t *const pc_ = b->pc;
     const uint32_t tid_ = b->tid[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
     (void)tid_x; (void)tid_y; (void)tid_z;
-    Slot *sv = b->save + (size_t)t * (NSAVE ? NSAVE : 1); (void)sv;
+    Slot *sv = b->save + t; (void)sv;
     int yc = YIELD_EVERY; (void)yc;
     uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
-    uint8_t *const shm = b->shm; const uint64_t shlim = c->shbytes;
+    uint8_t *const shm = b->shm; const uint64_t shlim = SHBYTES(c);
     const uint64_t lsz = c->local_size; uint8_t *const lbase = b->loc + (uint64_t)t * lsz;
     uint8_t *const prm = c->params; const uint64_t psz = c->psize;
     (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)lsz; (void)lbase; (void)prm; (void)psz;
-{decl}
-    switch (b->pc[t]) {{
+%(decl)s
+    switch (b->pc[t]) {
     case 0: break;
-    {chr(10).join('    ' + r for r in restores)}
+%(cases)s
     default: return ST_ERR;
-    }}
-{chr(10).join(lines)}
-    return ST_EXIT;
-}}
-{SCHEDULER}
+    }
+%(body)s
+}
+"""
+
+REGION_FN = r"""
+/* Threads t0..t1-1 of the block, all running and all waiting at sync point %(rid)d (crt.py's block_step
+   saw to it), each to its next one; b->left_at: the sync point they all left at (-1 several, -2 none). */
+static int region_%(rid)d(Blk *b, uint32_t t0, uint32_t t1) {
+    Ctx *c = b->c; const uint32_t nt_ = THREADS(b); (void)nt_;
+    uint8_t *const state_ = b->state; int32_t *const pc_ = b->pc; Slot *const save_ = b->save;
+    const uint32_t *const tids_ = b->tid; uint8_t *const loc_ = b->loc;
+    uint32_t exits_ = 0; %(counters)s
+    uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
+    uint8_t *const shm = b->shm; const uint64_t shlim = SHBYTES(c);
+    const uint64_t lsz = c->local_size;
+    uint8_t *const prm = c->params; const uint64_t psz = c->psize;
+    (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)prm; (void)psz; (void)state_; (void)pc_;
+    for (uint32_t t = t0; t < t1; t++) {
+        const uint32_t tid_ = tids_[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
+        (void)tid_x; (void)tid_y; (void)tid_z;
+        Slot *sv = save_ + t; (void)sv;
+        int yc = YIELD_EVERY; (void)yc;
+        uint8_t *const lbase = loc_ + (uint64_t)t * lsz; (void)lbase;
+%(decl)s
+        %(enter)s
+%(body)s
+    next_t:;
+    }
+    uint32_t gone_ = exits_; int32_t only_ = -2;
+    b->n[ST_EXIT] += exits_;
+%(tally)s
+    b->n[ST_RUN] -= gone_;
+    b->left_at = only_;
+    return 0;
+}
 """
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from phos.gpu_server.backends.ptx.cgen import KernelSource, Refused
 from phos.gpu_server.backends.ptx.decode import TRAP_STATUS, err
+from phos.gpu_server.backends.ptx.parser import gc_paused
 from phos.schema.cuda_types import CUresult
 
 log = logging.getLogger(__name__)
@@ -115,19 +116,47 @@ def build(source):
         return lib
 
 
+SHAPES = 4                  # launch shapes (block size, shared bytes) a kernel is built for; past them, one build for all
+
+
 class Compiled:
-    """A kernel's native code, or None in .fn where it is refused (.why says why)."""
+    """A kernel's C source, and its native code for each launch shape (built on first use): the
+    block's thread count and shared memory size as constants let gcc address the threads' save
+    slots and check shared accesses with immediates. .fn: the last one built; None, and .why,
+    where the kernel is refused."""
 
     def __init__(self, K):
-        self.fn, self.why, self.globals, self.frame_bytes = None, None, [], 0
+        self.K, self.fn, self.why, self.globals, self.frame_bytes = K, None, None, [], 0
+        self.text, self.libs = None, {}
         try:
-            src = KernelSource(K)
-            self.globals, self.frame_bytes = src.globals, src.frame_bytes
-            self.fn = build(src.text)
+            with gc_paused():
+                src = KernelSource(K)
+            self.globals, self.frame_bytes, self.text = src.globals, src.frame_bytes, src.text
         except Refused as e:
-            self.why = str(e)
-            log.warning("emu: kernel '%s' runs in the PTX interpreter: the compiler %s", K.name,
-                        self.why if self.why.startswith("gcc") else f"refused {self.why}")
+            self.refuse(e)
+
+    def refuse(self, e):
+        self.why, self.fn, self.text = str(e), None, None
+        log.warning("emu: kernel '%s' runs in the PTX interpreter: the compiler %s", self.K.name,
+                    self.why if self.why.startswith("gcc") else f"refused {self.why}")
+
+    def library(self, threads, shared_bytes):
+        """The native code for blocks of `threads` threads with `shared_bytes` of shared memory, or
+        None where the kernel is refused (the interpreter runs it)."""
+        if self.text is None:
+            return None
+        shape = (threads, shared_bytes) if len(self.libs) < SHAPES or (threads, shared_bytes) in self.libs else None
+        lib = self.libs.get(shape)
+        if lib is None:
+            fixed = "" if shape is None else f"#define BLOCK_THREADS {threads}\n#define SHARED_FIXED 1\n" \
+                                              f"#define SHARED_BYTES {shared_bytes}ULL\n"
+            try:
+                lib = self.libs[shape] = build(fixed + self.text)
+            except Refused as e:
+                self.refuse(e)
+                return None
+        self.fn = lib
+        return lib
 
 
 def compiled(K):
@@ -239,8 +268,10 @@ class Host:
             printf(text)
 
 
-def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, deadline, envreg=None, cooperative=False):
-    """Run the whole grid of K's compiled code C; raises CudaError as the interpreter does."""
+def launch(C, lib, K, mem, symbols, grid, block, dyn, params, printf, per_batch, deadline, envreg=None,
+           cooperative=False):
+    """Run the whole grid of K's compiled code C (lib: its build for this launch's shape); raises
+    CudaError as the interpreter does."""
     lo, hi, host = allocations(mem)
     pbuf = np.frombuffer(bytes(params) + bytes(8), np.uint8)
     gsym = np.array([symbols[g] for g in C.globals] or [0], np.uint64)
@@ -265,10 +296,10 @@ def launch(C, K, mem, symbols, grid, block, dyn, params, printf, per_batch, dead
             with lock:
                 first = taken[0]
                 taken[0] += chunk
-            if first >= nblocks or C.fn.run_blocks(ref, first, min(first + chunk, nblocks)):
+            if first >= nblocks or lib.run_blocks(ref, first, min(first + chunk, nblocks)):
                 return
     if cooperative:
-        futures = [workers().submit(C.fn.run_grid, ref, nblocks)]
+        futures = [workers().submit(lib.run_grid, ref, nblocks)]
     else:
         futures = [workers().submit(worker) for _ in range(min(n, -(-nblocks // chunk)))]
     try:

@@ -23,6 +23,13 @@ enum { E_GLOBAL = 1, E_SHARED = 2, E_LOCAL = 3, E_PARAM = 4, E_ALIGN = 5, E_DEAD
 #define PARAM_WIN %(param_win)dULL
 #define WIN_SIZE %(win)dULL
 #define YIELD_EVERY 16384
+#ifndef BLOCK_THREADS               /* compiler.py builds a kernel for the launch shape it runs with, */
+#define BLOCK_THREADS 0             /* or for any (0: the launch's, b->nt and c->shbytes) */
+#define SHARED_FIXED 0
+#define SHARED_BYTES 0ULL
+#endif
+#define THREADS(b) (BLOCK_THREADS ? (uint32_t)BLOCK_THREADS : (b)->nt)
+#define SHBYTES(c) (SHARED_FIXED ? SHARED_BYTES : (c)->shbytes)
 
 typedef struct {                     /* filled by compiler.py (ctypes mirror: Ctx there) */
     uint8_t *arena; uint64_t base;
@@ -51,6 +58,9 @@ typedef struct {
     uint32_t *tid;                                  /* each thread's %%tid: x | y << 10 | z << 20 */
     GCache *site;                                   /* each global access's allocation hit last */
     struct { uint32_t arrived, expect; } bar[16];   /* named barriers: arrivals, thread count (0: all) */
+    uint32_t n[4];                                  /* threads in each state (ST_RUN .. ST_EXIT) */
+    int32_t upc;                                    /* the sync point every thread not exited waits at, or -1 */
+    int32_t left_at;                                /* a region's: the one its threads left at, -1 several, -2 none */
 } Blk;
 
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -275,21 +285,27 @@ static inline int64_t dp_part(uint32_t x, int k, int bits, int sgn) {
    gcc reload them, as it must reload b->... fields under -fno-strict-aliasing. */
 #define HOST_CALL(kind, x0, x1, x2, x3) c->host_call(kind, x0, x1, x2, x3, lbase, shm, b->lin, t)
 #define LIKELY(x) __builtin_expect(!!(x), 1)
+/* w bytes at a inside [0, n), aligned (al): one test, no overflow past 2^64 (bitwise &: one branch) */
+#define IN(a, w, n, al) (((a) <= (n) - (w)) & ((n) >= (w)) & !((a) & ((al) - 1)))
 /* Past the last allocation hit, the one this access (site) hit last: threads reading a, b and
    writing c in turn hit each array at its own access. */
 #define GPTR(p, a, w, line, slow, k) do { uint64_t a_ = (a); \
-    if (LIKELY(a_ >= glo && a_ + (w) <= ghi && !(a_ & ((w) - 1)))) p = gh + (a_ - glo); \
+    if (LIKELY(IN(a_ - glo, w, ghi - glo, w))) p = gh + (a_ - glo); \
     else { GCache *s_ = &b->site[k]; \
-        if (a_ >= s_->lo && a_ + (w) <= s_->hi && !(a_ & ((w) - 1))) { b->g = *s_; p = s_->host + (a_ - s_->lo); } \
+        if (IN(a_ - s_->lo, w, s_->hi - s_->lo, w)) { b->g = *s_; p = s_->host + (a_ - s_->lo); } \
         else { p = slow; if (!p) return ST_ERR; *s_ = b->g; } \
         glo = b->g.lo; ghi = b->g.hi; gh = b->g.host; } } while (0)
+/* A region's: each access's own allocation cache, in locals (g_k) for all its threads */
+#define GPTR_SITE(p, a, w, line, slow, k) do { uint64_t a_ = (a); \
+    if (LIKELY(IN(a_ - g_##k.lo, w, g_##k.hi - g_##k.lo, w))) p = g_##k.host + (a_ - g_##k.lo); \
+    else { p = slow; if (!p) return ST_ERR; g_##k = b->g; } } while (0)
 #define SPTR(p, a, w, line) do { uint64_t a_ = (a); \
-    if (LIKELY(a_ + (w) <= shlim && a_ + (w) >= a_ && !(a_ & ((w) - 1)))) p = shm + a_; \
+    if (LIKELY(IN(a_, w, shlim, w))) p = shm + a_; \
     else { sptr(b, a_, w, line); return ST_ERR; } } while (0)
 #define PPTR(p, a, w, line) do { uint64_t a_ = (a); \
-    if (LIKELY(a_ + (w) <= psz && a_ + (w) >= a_)) p = prm + a_; else { pptr(b, a_, w, line); return ST_ERR; } } while (0)
+    if (LIKELY(IN(a_, w, psz, 1))) p = prm + a_; else { pptr(b, a_, w, line); return ST_ERR; } } while (0)
 #define LPTR(p, a, w, line) do { uint64_t a_ = (a); \
-    if (LIKELY(a_ + (w) <= lsz && a_ + (w) >= a_ && !(a_ & ((w) - 1)))) p = lbase + a_; \
+    if (LIKELY(IN(a_, w, lsz, w))) p = lbase + a_; \
     else { lptr(b, t, a_, w, line); return ST_ERR; } } while (0)
 
 static inline void bar_arrive(Blk *b, uint32_t id, uint32_t count) {
@@ -316,31 +332,38 @@ static inline double atom_add_f64(uint8_t *p, double v) {
     return u2d(o);
 }
 
-/* A warp collective: lanes wait (ST_WARP) until every live lane their member mask names waits
-   too; then the lanes at each site complete together, as the interpreter's group does. */
-static int warp_resolve(Blk *b, uint32_t w) {
-    uint32_t t0 = w * 32, n = b->nt - t0 < 32 ? b->nt - t0 : 32, waiting = 0, live = 0, running = 0, done = 0;
-    for (uint32_t l = 0; l < n; l++) {
-        uint8_t s = b->state[t0 + l];
-        if (s == ST_WARP) waiting |= 1u << l;
-        if (s != ST_EXIT) live |= 1u << l;
-        if (s == ST_RUN) running |= 1u << l;
+/* The lanes of warp w (from thread t0, n of them) in grp, waiting at one site, complete its collective
+   together, as the interpreter's group does. */
+static void warp_group(Blk *b, uint32_t t0, uint32_t n, uint32_t grp) {
+    Xchg *xs = b->x + t0;
+    uint32_t l = __builtin_ctz(grp);
+    int kind = xs[l].kind;                 /* one site, one instruction */
+    uint32_t yes = 0, acc = xs[l].a;
+    if (kind >= 4 && kind <= 8) {          /* ballot, all, any, uni, activemask: the lanes voting yes */
+        for (uint32_t q = l; q < n; q++) yes |= (uint32_t)(((grp >> q) & 1) && xs[q].a) << q;
+    } else if (kind >= 9 && kind <= 14) {  /* redux add, min, max (signed by c), and, or, xor */
+        int sg = (int)xs[l].c;
+        for (uint32_t q = l + 1; q < n; q++) {
+            if (!((grp >> q) & 1)) continue;
+            uint32_t v = xs[q].a;
+            if (kind == 9) acc += v;
+            else if (kind == 10) acc = sg ? ((int32_t)v < (int32_t)acc ? v : acc) : (v < acc ? v : acc);
+            else if (kind == 11) acc = sg ? ((int32_t)v > (int32_t)acc ? v : acc) : (v > acc ? v : acc);
+            else if (kind == 12) acc &= v; else if (kind == 13) acc |= v; else acc ^= v;
+        }
     }
-    if (!waiting) return 0;
-    for (uint32_t l = 0; l < n; l++)     /* kind 18 (lanes in step) waits for every lane that runs */
-        if (((waiting >> l) & 1) && ((b->x[t0 + l].mask & live & ~waiting) || (b->x[t0 + l].kind == 18 && running)))
-            waiting &= ~(1u << l);
-    for (uint32_t l = 0; l < n; l++) {
-        if (!((waiting >> l) & 1)) continue;
-        int32_t site = b->x[t0 + l].site;
-        uint32_t grp = 0;
-        for (uint32_t k = l; k < n; k++)
-            if (((waiting >> k) & 1) && b->x[t0 + k].site == site) grp |= 1u << k;
-        waiting &= ~grp;
+    if (kind >= 4 && kind <= 8) {
+        uint64_t r = kind == 4 ? yes : kind == 8 ? grp : 0;
+        uint8_t p = kind == 5 ? yes == grp : kind == 6 ? yes != 0 : kind == 7 ? (yes == grp || !yes) : 0;
+        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) { xs[k].r = r; xs[k].p = p; }
+    } else if (kind >= 9 && kind <= 14) {
+        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) xs[k].r = acc;
+    } else if (kind > 3 && kind != 16 && kind != 17) {   /* bar.warp.sync, lanes in step */
+        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) xs[k].r = 0;
+    } else {
         for (uint32_t k = l; k < n; k++) {
             if (!((grp >> k) & 1)) continue;
-            Xchg *x = &b->x[t0 + k];
-            int kind = x->kind;
+            Xchg *x = &xs[k];
             if (kind <= 3) {            /* shfl up, down, bfly, idx */
                 int64_t bv = x->b & 31, cv = x->c & 31, seg = (x->c >> 8) & 31, j;
                 int64_t maxl = (k & seg) | (cv & ~seg), minl = k & seg; int ok;
@@ -349,32 +372,48 @@ static int warp_resolve(Blk *b, uint32_t w) {
                 else if (kind == 2) { j = k ^ bv; ok = j <= maxl; }
                 else { j = minl | (bv & ~seg); ok = j <= maxl; }
                 if (!(ok && j < (int64_t)n)) j = k;
-                x->r = ((grp >> j) & 1) ? b->x[t0 + j].a : x->a; x->p = ok;
-            } else if (kind >= 4 && kind <= 8) {   /* ballot, all, any, uni, activemask */
-                uint32_t yes = 0;
-                for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a) yes |= 1u << q;
-                x->r = kind == 4 ? yes : kind == 8 ? grp : 0;
-                x->p = kind == 5 ? yes == grp : kind == 6 ? yes != 0 : kind == 7 ? (yes == grp || !yes) : 0;
-            } else if (kind >= 9 && kind <= 14) {  /* redux add, min, max (signed by c), and, or, xor */
-                uint32_t acc = b->x[t0 + l].a; int sg = (int)x->c;
-                for (uint32_t q = l + 1; q < n; q++) {
-                    if (!((grp >> q) & 1)) continue;
-                    uint32_t v = b->x[t0 + q].a;
-                    if (kind == 9) acc += v;
-                    else if (kind == 10) acc = sg ? ((int32_t)v < (int32_t)acc ? v : acc) : (v < acc ? v : acc);
-                    else if (kind == 11) acc = sg ? ((int32_t)v > (int32_t)acc ? v : acc) : (v > acc ? v : acc);
-                    else if (kind == 12) acc &= v; else if (kind == 13) acc |= v; else acc ^= v;
-                }
-                x->r = acc;
-            } else if (kind == 16 || kind == 17) {   /* match.any, match.all */
+                x->r = ((grp >> j) & 1) ? xs[j].a : x->a; x->p = ok;
+            } else {                    /* match.any, match.all */
                 uint32_t same = 0;
-                for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && b->x[t0 + q].a == x->a) same |= 1u << q;
+                for (uint32_t q = 0; q < n; q++) if (((grp >> q) & 1) && xs[q].a == x->a) same |= 1u << q;
                 x->r = kind == 16 ? same : same == grp ? grp : 0; x->p = same == grp;
-            } else {                          /* bar.warp.sync, lanes in step */
-                x->r = 0;
             }
         }
-        for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) b->state[t0 + k] = ST_RUN;
+    }
+    for (uint32_t k = l; k < n; k++) if ((grp >> k) & 1) b->state[t0 + k] = ST_RUN;
+    b->n[ST_WARP] -= __builtin_popcount(grp); b->n[ST_RUN] += __builtin_popcount(grp);
+}
+
+/* A warp collective: lanes wait (ST_WARP) until every live lane their member mask names waits
+   too; then the lanes at each site complete together. */
+static int warp_resolve(Blk *b, uint32_t w) {
+    uint32_t t0 = w * 32, n = b->nt - t0 < 32 ? b->nt - t0 : 32, waiting = 0, exited = 0;
+    const uint8_t *st = b->state + t0;
+    const Xchg *xs = b->x + t0;
+    for (uint32_t l = 0; l < n; l++) {
+        waiting |= (uint32_t)(st[l] == ST_WARP) << l;
+        exited |= (uint32_t)(st[l] == ST_EXIT) << l;
+    }
+    if (!waiting) return 0;
+    uint32_t live = (n == 32 ? ~0u : (1u << n) - 1) & ~exited;
+    if (waiting == live) {                 /* the common case: every live lane waits, all at one site */
+        int32_t site = xs[__builtin_ctz(waiting)].site;
+        uint32_t same = 0;
+        for (uint32_t l = 0; l < n; l++) same |= (uint32_t)(xs[l].site == site) << l;
+        if ((same & waiting) == waiting) { warp_group(b, t0, n, waiting); return 1; }
+    }
+    uint32_t running = 0, done = 0;
+    for (uint32_t l = 0; l < n; l++) running |= (uint32_t)(st[l] == ST_RUN) << l;
+    for (uint32_t l = 0; l < n; l++)     /* kind 18 (lanes in step) waits for every lane that runs */
+        if (((waiting >> l) & 1) && ((xs[l].mask & live & ~waiting) || (xs[l].kind == 18 && running)))
+            waiting &= ~(1u << l);
+    while (waiting) {
+        uint32_t l = __builtin_ctz(waiting), grp = 0;
+        int32_t site = xs[l].site;
+        for (uint32_t k = l; k < n; k++)
+            if (((waiting >> k) & 1) && xs[k].site == site) grp |= 1u << k;
+        waiting &= ~grp;
+        warp_group(b, t0, n, grp);
         done = 1;
     }
     return done;
@@ -387,17 +426,27 @@ SCHEDULER = r'''
    its arrivals reach its thread count, or every thread not exited when it names none. */
 static int bar_release(Blk *b, uint32_t alive) {
     uint32_t nt = b->nt; int woke = 0;
+    if (BAR_SIMPLE ? b->n[ST_BAR] == alive : !BAR_RED && b->n[ST_BAR] == alive && b->bar[0].arrived == alive && !b->bar[0].expect) {
+        /* every thread waits at barrier 0 (the common case): no bar.red result to give, all go on */
+        if (b->n[ST_EXIT]) { for (uint32_t t = 0; t < nt; t++) b->state[t] = b->state[t] == ST_BAR ? ST_RUN : b->state[t]; }
+        else memset(b->state, ST_RUN, nt);
+        b->n[ST_RUN] += alive; b->n[ST_BAR] = 0;
+        b->bar[0].arrived = 0; b->epoch++;
+        return 1;
+    }
+    if (BAR_SIMPLE) return 0;                  /* (its arrivals are its waiting threads, not counted) */
     for (uint32_t id = 0; id < 16; id++) {
         uint32_t arr = b->bar[id].arrived, need = b->bar[id].expect ? b->bar[id].expect : alive;
         if (!arr || arr < need) continue;
         uint32_t cnt = 0, tot = 0;
-        for (uint32_t t = 0; t < nt; t++)
-            if (b->state[t] == ST_BAR && b->x[t].b == id) { tot++; cnt += b->x[t].a != 0; }
+        if (BAR_RED)
+            for (uint32_t t = 0; t < nt; t++)
+                if (b->state[t] == ST_BAR && b->x[t].b == id) { tot++; cnt += b->x[t].a != 0; }
         for (uint32_t t = 0; t < nt; t++) {
             Xchg *x = &b->x[t];
             if (b->state[t] != ST_BAR || x->b != id) continue;
             x->r = x->c == 1 ? cnt : x->c == 2 ? cnt == tot : cnt > 0;
-            b->state[t] = ST_RUN;
+            b->state[t] = ST_RUN; b->n[ST_BAR]--; b->n[ST_RUN]++;
         }
         b->bar[id].arrived = b->bar[id].expect = 0;
         b->epoch++; woke = 1;
@@ -405,30 +454,64 @@ static int bar_release(Blk *b, uint32_t alive) {
     return woke;
 }
 
-/* One round of a block: each runnable thread to its next sync point, then the barriers and warp
-   collectives that completed. Returns 1 while the block runs, 0 once every thread exited, -1 on an
-   error (c->err says which). */
+/* Whether every thread from t on that runs waits at sync point p (a region runs them all). */
+static int same_pc(Blk *b, uint32_t t, uint32_t p) {
+    const uint8_t *st = b->state; const int32_t *pc = b->pc;
+    uint32_t other = 0;
+    for (uint32_t u = t + 1; u < b->nt; u++) other |= (st[u] == ST_RUN) & (pc[u] != (int32_t)p);
+    return !other;
+}
+
+/* One round of a block: each runnable thread to its next sync point (all those waiting at a sync
+   point that has a region at once: REGIONS), then the barriers and warp collectives that completed.
+   Returns 1 while the block runs, 0 once every thread exited, -1 on an error (c->err says which). */
 static int block_step(Blk *b) {
-    uint32_t nt = b->nt, n[5] = {0, 0, 0, 0, 0};      /* threads in each state after the round */
-    int ran = 0;
-    for (uint32_t t = 0; t < nt; t++) {
-        int s = b->state[t];
-        if (s == ST_RUN) {
-            s = thread_fn(b, t);
+    uint32_t nt = b->nt;
+    int ran = 0, all_ran = b->n[ST_RUN] + b->n[ST_EXIT] == nt;
+    int32_t upc = b->upc, left_at = -1;
+    b->upc = -1;
+    for (uint32_t t = 0; t < nt;) {
+        if (b->state[t] != ST_RUN) { t++; continue; }
+        uint32_t p = (uint32_t)b->pc[t];
+        if (p <= NSYNC && REGIONS[p] && ((int32_t)p == upc || same_pc(b, t, p))) {
+            upc = p;                             /* (every thread from t on that runs waits at p) */
+            uint32_t u = t + 1;                  /* a stretch of running threads */
+            if (b->n[ST_RUN] == nt) u = nt;
+            else while (u < nt && b->state[u] == ST_RUN) u++;
+            if (REGIONS[p](b, t, u) == ST_ERR) return -1;
+            int32_t at = b->left_at;
+            left_at = !ran || left_at == -2 ? at : at == -2 || at == left_at ? left_at : -1;
+            t = u;
+        } else {
+            int s = thread_fn(b, t);
             if (s == ST_ERR) return -1;
-            b->state[t] = s; ran = 1;
+            b->state[t] = s; b->n[ST_RUN]--; b->n[s]++;
+            left_at = -1;
+            t++;
         }
-        n[s]++;
+        ran = 1;
     }
+    if (all_ran && left_at >= 0) b->upc = left_at;     /* every thread went to one sync point */
     if (b->c->stop) { fault(b, E_STOP, 0, 0, 0); return -1; }
-    if (n[ST_EXIT] == nt) return 0;
+    if (b->n[ST_EXIT] == nt) return 0;
     int woke = 0;
-    if (n[ST_WARP])
+    if (b->n[ST_WARP] && all_ran && left_at >= 0 && b->n[ST_WARP] == nt - b->n[ST_EXIT]) {
+        /* every thread not exited waits at one warp sync point: each warp completes it */
+        if (SYNC_FREE[left_at] && !b->n[ST_EXIT]) {
+            memset(b->state, ST_RUN, nt);
+            b->n[ST_RUN] = nt; b->n[ST_WARP] = 0;
+        } else
+            for (uint32_t t0 = 0; t0 < nt; t0 += 32) {
+                uint32_t n = nt - t0 < 32 ? nt - t0 : 32, live = 0;
+                for (uint32_t l = 0; l < n; l++) live |= (uint32_t)(b->state[t0 + l] == ST_WARP) << l;
+                if (live) warp_group(b, t0, n, live);
+            }
+        woke = 1;
+    } else if (b->n[ST_WARP])
         for (uint32_t w = 0; w * 32 < nt; w++) woke |= warp_resolve(b, w);
-    if (n[ST_BAR]) woke |= bar_release(b, nt - n[ST_EXIT]);
+    if (b->n[ST_BAR]) woke |= bar_release(b, nt - b->n[ST_EXIT]);
     if (woke || ran) return 1;
-    if (n[ST_EXIT] == nt) return 0;
-    fault(b, E_DEADLOCK, nt - n[ST_EXIT], 0, 0); return -1;
+    fault(b, E_DEADLOCK, nt - b->n[ST_EXIT], 0, 0); return -1;
 }
 
 static int block_open(Blk *b, Ctx *c) {
@@ -458,6 +541,8 @@ static void block_start(Blk *b, int64_t g) {
     b->ctaid[2] = g / ((int64_t)c->grid[0] * c->grid[1]);
     if (c->shbytes) memset(b->shm, 0, (c->shbytes + 15) / 16 * 16);
     for (uint32_t t = 0; t < b->nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
+    b->n[ST_RUN] = b->nt; b->n[ST_BAR] = b->n[ST_WARP] = b->n[ST_EXIT] = 0;
+    b->upc = 0;
     b->epoch = 0;
     memset(b->bar, 0, sizeof b->bar);
 }

@@ -826,9 +826,10 @@ class PtxModule:
         if settings.emu_compiler():
             from phos.gpu_server.backends.ptx import compiler
             native = compiler.compiled(K)
-            if native.fn is not None:
-                compiler.launch(native, K, mem, symbols, grid, block, shared_bytes, params, printf, nb, deadline,
-                                envreg, cooperative)
+            lib = native.library(block[0] * block[1] * block[2], K.shared_static + shared_bytes)
+            if lib is not None:
+                compiler.launch(native, lib, K, mem, symbols, grid, block, shared_bytes, params, printf, nb,
+                                deadline, envreg, cooperative)
                 return
         with np.errstate(all='ignore'):
             for b0 in range(0, nblocks, nb):
@@ -860,4 +861,5 @@ def parse_module(text, deadline=math.inf):
     (a time.monotonic())."""
     if isinstance(text, (bytes, bytearray)):
         text = bytes(text).decode('utf-8', 'replace')
-    return PtxModule(P.parse(text.rstrip('\0'), deadline))
+    with P.gc_paused():
+        return PtxModule(P.parse(text.rstrip('\0'), deadline))

@@ -6,10 +6,12 @@ Registers and variables declared in nested `{ }` scopes are renamed `name#k` so 
 every name in a function is unique (inline asm re-declares `%tmp` with other types).
 What a module declares is held to the caps below as it is read, before anything is expanded.
 """
+import gc
 import math
 import re
 import struct
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from phos.schema.cuda_types import CudaError, CUresult
@@ -695,6 +697,20 @@ class Parser:
                 a.off = self.intval()
             return a
         raise syntax_error(line, f"bad operand {tok or 'end of file'!r}")
+
+
+@contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off meanwhile: a module's parse, decode and C source make
+    millions of objects that live on, and the collections their allocation sets off found nothing
+    to free yet took as long as the work itself."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def parse(text, deadline=math.inf):
