@@ -78,6 +78,19 @@ extern "C" __global__ void misc_fallback(int *out, int a, int b) {
     out[threadIdx.x] = (int)__half2float(__ll2half_rn((long long)a * b + threadIdx.x));
 }
 
+extern "C" __global__ void yields_before_a_barrier(int *out, int n) {
+    int t = threadIdx.x, x = t;
+    if (t < 32) {                           // a long loop (it yields) with warp syncs in it, while warp 1 waits
+#pragma unroll 1
+        for (int i = 0; i < n; i++) {
+            if (i % 20000 == 0) __syncwarp();
+            x += (i & 7) + 1;
+        }
+    }
+    __syncthreads();
+    out[blockIdx.x * blockDim.x + t] = x;
+}
+
 extern "C" __global__ void lockstep_reduce(const int *in, int *out) {
     volatile __shared__ int s[64];      // warp-synchronous: the lanes of a warp in step, no sync
     int t = threadIdx.x;
@@ -146,6 +159,22 @@ def test_barriers_in_loops_under_divergent_branches(ptx, kernel_cache, monkeypat
             acc = [acc[t] + s[(t + 1) % nt] if t & 1 else acc[t] - s[(t + 3) % nt] for t in range(nt)]
         ref += acc
     np.testing.assert_array_equal(native, np.array(ref, np.int32))
+    np.testing.assert_array_equal(native, interp)
+
+
+def test_threads_that_yield_while_others_wait(ptx, kernel_cache, monkeypatch):
+    # warp 0 yields in its loop (and comes back to warp syncs) while warp 1 waits at the barrier: a
+    # region must run just the threads that run, however often they yielded
+    nb, nt, n = 2, 64, 40000
+
+    def fn(dev, mod):
+        p = dev.zeros(nb * nt, np.int32)
+        dev.launch(mod, "yields_before_a_barrier", nb, nt, p, n)
+        return dev.read(p, nb * nt, np.int32)
+    interp, native = run_both(ptx, monkeypatch, fn)
+    t = np.arange(nt)
+    want = np.where(t < 32, t + sum((i & 7) + 1 for i in range(n)), t)
+    np.testing.assert_array_equal(native, np.tile(want, nb).astype(np.int32))
     np.testing.assert_array_equal(native, interp)
 
 

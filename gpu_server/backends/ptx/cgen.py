@@ -1579,8 +1579,9 @@ class KernelSource:
             gsites = sorted({int(k) for k in re.findall(r'GPTR\([^;]*?, (\d+)\);', text)})
             counters += "".join(f" GCache g_{k} = b->site[{k}];" for k in gsites)
             tally = "".join(f" b->site[{k}] = g_{k};" for k in gsites) + "\n"
-            tally += "\n".join(f"    if (at_{p}) {{ b->n[{st}] += at_{p}; gone_ += {int(st != 'ST_RUN')} * at_{p}; "
-                               f"only_ = only_ == -2 ? {p} : -1; }}" for st, p in sites)
+            # (a thread that yields still runs: the counts stay)
+            tally += "\n".join(f"    if (at_{p}) {{ " + ("" if st == 'ST_RUN' else f"b->n[{st}] += at_{p}; gone_ += at_{p}; ")
+                               + f"only_ = only_ == -2 ? {p} : -1; }}" for st, p in sites)
             out[rid] = (rid, REGION_FN % dict(rid=rid, decl=self.declare([r for r, i in idents.items() if i in used]),
                                              enter=enter, body="\n".join(body), counters=counters, tally=tally))
         return out
