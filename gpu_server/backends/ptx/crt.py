@@ -559,7 +559,7 @@ static void block_start(Blk *b, int64_t g) {
     b->ctaid[0] = g % c->grid[0]; b->ctaid[1] = (g / c->grid[0]) % c->grid[1];
     b->ctaid[2] = g / ((int64_t)c->grid[0] * c->grid[1]);
     if (c->shbytes) memset(b->shm, 0, (c->shbytes + 15) / 16 * 16);
-    for (uint32_t t = 0; t < b->nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
+    memset(b->state, ST_RUN, b->nt); memset(b->pc, 0, b->nt * sizeof(int32_t));
     b->n[ST_RUN] = b->nt; b->n[ST_BAR] = b->n[ST_WARP] = b->n[ST_EXIT] = 0;
     b->upc = 0;
     b->epoch = 0;
