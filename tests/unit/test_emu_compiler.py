@@ -78,6 +78,19 @@ extern "C" __global__ void misc_fallback(int *out, int a, int b) {
     out[threadIdx.x] = (int)__half2float(__ll2half_rn((long long)a * b + threadIdx.x));
 }
 
+extern "C" __global__ void yields_before_a_barrier(int *out, int n) {
+    int t = threadIdx.x, x = t;
+    if (t < 32) {                           // a long loop (it yields) with warp syncs in it, while warp 1 waits
+#pragma unroll 1
+        for (int i = 0; i < n; i++) {
+            if (i % 20000 == 0) __syncwarp();
+            x += (i & 7) + 1;
+        }
+    }
+    __syncthreads();
+    out[blockIdx.x * blockDim.x + t] = x;
+}
+
 extern "C" __global__ void lockstep_reduce(const int *in, int *out) {
     volatile __shared__ int s[64];      // warp-synchronous: the lanes of a warp in step, no sync
     int t = threadIdx.x;
@@ -128,14 +141,18 @@ def run_both(ptx, monkeypatch, fn):
     return out
 
 
-def test_barriers_in_loops_under_divergent_branches(ptx, kernel_cache, monkeypatch):
-    nb, nt, rounds = 3, 96, 5
-
+def outputs_of_both(ptx, monkeypatch, kernel, nb, nt, *args):
+    """The int32 a thread that `kernel(out, *args)` writes to out[its global index], on each engine."""
     def fn(dev, mod):
         p = dev.zeros(nb * nt, np.int32)
-        dev.launch(mod, "bar_loops", nb, nt, p, rounds)
+        dev.launch(mod, kernel, nb, nt, p, *args)
         return dev.read(p, nb * nt, np.int32)
-    interp, native = run_both(ptx, monkeypatch, fn)
+    return run_both(ptx, monkeypatch, fn)
+
+
+def test_barriers_in_loops_under_divergent_branches(ptx, kernel_cache, monkeypatch):
+    nb, nt, rounds = 3, 96, 5
+    interp, native = outputs_of_both(ptx, monkeypatch, "bar_loops", nb, nt, rounds)
     ref = []
     for blk in range(nb):
         acc = [t + blk for t in range(nt)]
@@ -146,6 +163,17 @@ def test_barriers_in_loops_under_divergent_branches(ptx, kernel_cache, monkeypat
             acc = [acc[t] + s[(t + 1) % nt] if t & 1 else acc[t] - s[(t + 3) % nt] for t in range(nt)]
         ref += acc
     np.testing.assert_array_equal(native, np.array(ref, np.int32))
+    np.testing.assert_array_equal(native, interp)
+
+
+def test_threads_that_yield_while_others_wait(ptx, kernel_cache, monkeypatch):
+    # warp 0 yields in its loop (and comes back to warp syncs) while warp 1 waits at the barrier: a
+    # region must run just the threads that run, however often they yielded
+    nb, nt, n = 2, 64, 40000
+    interp, native = outputs_of_both(ptx, monkeypatch, "yields_before_a_barrier", nb, nt, n)
+    t = np.arange(nt)
+    want = np.where(t < 32, t + sum((i & 7) + 1 for i in range(n)), t)
+    np.testing.assert_array_equal(native, np.tile(want, nb).astype(np.int32))
     np.testing.assert_array_equal(native, interp)
 
 

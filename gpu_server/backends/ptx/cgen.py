@@ -62,9 +62,9 @@ SPECIAL = {'%laneid': '(t & 31)', '%warpid': '(t >> 5)', '%nwarpid': '64u', '%ns
            '%globaltimer_hi': '(uint32_t)(now_ns() >> 32)'}
 for _i, _c in enumerate('xyz'):
     SPECIAL[f'%tid.{_c}'] = f'tid_{_c}'
-    SPECIAL[f'%ntid.{_c}'] = f'c->block[{_i}]'
-    SPECIAL[f'%ctaid.{_c}'] = f'b->ctaid[{_i}]'
-    SPECIAL[f'%nctaid.{_c}'] = f'c->grid[{_i}]'
+    SPECIAL[f'%ntid.{_c}'] = f'ntid_{_c}'           # (a thread function's locals: THREAD_VARS)
+    SPECIAL[f'%ctaid.{_c}'] = f'ctaid_{_c}'
+    SPECIAL[f'%nctaid.{_c}'] = f'nctaid_{_c}'
 SPECIAL_TYPE = {'%clock64': 'u64', '%globaltimer': 'u64', '%gridid': 'u64'}
 
 
@@ -335,6 +335,12 @@ class KernelSource:
             elif ss != space:
                 raise Refused(f"{o.base.name} is not in .{space}")
         if space == 'param':
+            at = off if o.base is None else \
+                self.K.static_symbols[self.pre + o.base.name] + off if o.base.name in self.fparams else None
+            if at is not None and at + w <= self.K.param_size:
+                # a kernel parameter: in the launch's buffer (interp checks its size), read from a
+                # region's copy, which gcc may load once for all the threads
+                return f"uint8_t *p_ = PRM_AT({at}ull);"
             return f"uint8_t *p_; PPTR(p_, {a}, {w}, {line});"
         if space in ('global', 'generic'):
             slow = f"gslow(b, a_, {w}, {line})" if space == 'global' else f"genslow(b, t, a_, {w}, {line})"
@@ -1518,6 +1524,7 @@ class KernelSource:
             f"#define BAR_RED {int(self.bar_red)}",
             f"#define BAR_SIMPLE {int(self.bar_simple)}",
             "#define SV(i) sv[(size_t)(i) * nt_]      /* the thread's home slot i: slot i of every thread in a row */",
+            "#define PRM_AT(o) (prm + (o))",
             "#define LEAVE(s) return (s)",
             "#define LEAVE_AT(s, p) do { pc_[t] = (p); return (s); } while (0)",
             THREAD_FN % dict(decl=self.declare(self.regs), cases=cases, body="\n".join(lines)),
@@ -1527,6 +1534,8 @@ class KernelSource:
             "#define LEAVE_AT(s, p) do { pc_[t] = (p); state_[t] = (s); at_##p++; goto next_t; } while (0)",
             "#undef GPTR",
             "#define GPTR GPTR_SITE",
+            "#undef PRM_AT",
+            "#define PRM_AT(o) ((uint8_t *)prmc_ + (o))",
             *(text for _, text in regions.values()),
             "#undef GPTR",
             "#undef LEAVE",
@@ -1556,6 +1565,9 @@ class KernelSource:
         if len(self.order) > 1:
             return {}
         out, budget = {}, REGION_BUDGET * max(len(self.stmts), 1)
+        n = self.K.param_size
+        params = f"uint8_t prmc_[{n}] __attribute__((aligned(16))); memcpy(prmc_, c->params, {n});" \
+            if 0 < n <= PARAM_COPY else "const uint8_t *const prmc_ = c->params;"
         idents = {r: self.ident(r) for r in self.regs}
         n = len(self.stmts)
         for rid, stmts in sorted(plan.regions.items()):
@@ -1579,21 +1591,25 @@ class KernelSource:
             gsites = sorted({int(k) for k in re.findall(r'GPTR\([^;]*?, (\d+)\);', text)})
             counters += "".join(f" GCache g_{k} = b->site[{k}];" for k in gsites)
             tally = "".join(f" b->site[{k}] = g_{k};" for k in gsites) + "\n"
-            tally += "\n".join(f"    if (at_{p}) {{ b->n[{st}] += at_{p}; gone_ += {int(st != 'ST_RUN')} * at_{p}; "
-                               f"only_ = only_ == -2 ? {p} : -1; }}" for st, p in sites)
+            # (a thread that yields still runs: the counts stay)
+            tally += "\n".join(f"    if (at_{p}) {{ " + ("" if st == 'ST_RUN' else f"b->n[{st}] += at_{p}; gone_ += at_{p}; ")
+                               + f"only_ = only_ == -2 ? {p} : -1; }}" for st, p in sites)
             out[rid] = (rid, REGION_FN % dict(rid=rid, decl=self.declare([r for r, i in idents.items() if i in used]),
-                                             enter=enter, body="\n".join(body), counters=counters, tally=tally))
+                                             enter=enter, body="\n".join(body), counters=counters, tally=tally,
+                                             params=params))
         return out
 
 
 REGION_BUDGET = 4       # region statements, over the kernel's: each region repeats the code it runs
+PARAM_COPY = 512        # parameter bytes a region copies to a local array (so that gcc hoists their loads)
 
 THREAD_FN = r"""
 /* One thread from where it waits (b->pc[t]) to its next sync point; returns its state there. */
 static inline __attribute__((always_inline)) int thread_fn(Blk *b, uint32_t t) {
     Ctx *c = b->c; const uint32_t nt_ = THREADS(b); (void)nt_; int32_t *const pc_ = b->pc;
-    const uint32_t tid_ = b->tid[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
-    (void)tid_x; (void)tid_y; (void)tid_z;
+    BLOCK_VARS
+    const uint32_t *const tids_ = b->tid;
+    THREAD_VARS
     Slot *sv = b->save + t; (void)sv;
     int yc = YIELD_EVERY; (void)yc;
     uint64_t glo = b->g.lo, ghi = b->g.hi; uint8_t *gh = b->g.host;
@@ -1624,9 +1640,10 @@ static int region_%(rid)d(Blk *b, uint32_t t0, uint32_t t1) {
     const uint64_t lsz = c->local_size;
     uint8_t *const prm = c->params; const uint64_t psz = c->psize;
     (void)glo; (void)ghi; (void)gh; (void)shm; (void)shlim; (void)prm; (void)psz; (void)state_; (void)pc_;
+    BLOCK_VARS
+    %(params)s
     for (uint32_t t = t0; t < t1; t++) {
-        const uint32_t tid_ = tids_[t], tid_x = tid_ & 1023, tid_y = (tid_ >> 10) & 1023, tid_z = tid_ >> 20;
-        (void)tid_x; (void)tid_y; (void)tid_z;
+        THREAD_VARS
         Slot *sv = save_ + t; (void)sv;
         int yc = YIELD_EVERY; (void)yc;
         uint8_t *const lbase = loc_ + (uint64_t)t * lsz; (void)lbase;

@@ -140,16 +140,19 @@ class Compiled:
         log.warning("emu: kernel '%s' runs in the PTX interpreter: the compiler %s", self.K.name,
                     self.why if self.why.startswith("gcc") else f"refused {self.why}")
 
-    def library(self, threads, shared_bytes):
-        """The native code for blocks of `threads` threads with `shared_bytes` of shared memory, or
-        None where the kernel is refused (the interpreter runs it)."""
+    def library(self, block, shared_bytes):
+        """The native code for blocks of shape `block` (x, y, z) with `shared_bytes` of shared memory,
+        or None where the kernel is refused (the interpreter runs it)."""
         if self.text is None:
             return None
-        shape = (threads, shared_bytes) if len(self.libs) < SHAPES or (threads, shared_bytes) in self.libs else None
+        shape = (tuple(block), shared_bytes)
+        shape = shape if len(self.libs) < SHAPES or shape in self.libs else None
         lib = self.libs.get(shape)
         if lib is None:
-            fixed = "" if shape is None else f"#define BLOCK_THREADS {threads}\n#define SHARED_FIXED 1\n" \
-                                              f"#define SHARED_BYTES {shared_bytes}ULL\n"
+            x, y, z = block
+            fixed = "" if shape is None else (
+                f"#define BLOCK_THREADS {x * y * z}\n#define BLOCK_X {x}\n#define BLOCK_Y {y}\n#define BLOCK_Z {z}\n"
+                f"#define SHARED_FIXED 1\n#define SHARED_BYTES {shared_bytes}ULL\n")
             try:
                 lib = self.libs[shape] = build(fixed + self.text)
             except Refused as e:

@@ -25,9 +25,28 @@ enum { E_GLOBAL = 1, E_SHARED = 2, E_LOCAL = 3, E_PARAM = 4, E_ALIGN = 5, E_DEAD
 #define YIELD_EVERY 16384
 #ifndef BLOCK_THREADS               /* compiler.py builds a kernel for the launch shape it runs with, */
 #define BLOCK_THREADS 0             /* or for any (0: the launch's, b->nt and c->shbytes) */
+#define BLOCK_X 0
+#define BLOCK_Y 0
+#define BLOCK_Z 0
 #define SHARED_FIXED 0
 #define SHARED_BYTES 0ULL
 #endif
+#define BLOCK_X_ (BLOCK_X ? BLOCK_X : 1)
+#define BLOCK_Y_ (BLOCK_X ? BLOCK_Y : 1)
+/* a thread function's block constants (%%ntid, %%ctaid, %%nctaid), once, and a thread's %%tid */
+#define BLOCK_VARS \
+    const uint32_t ntid_x = BLOCK_X ? BLOCK_X : c->block[0], ntid_y = BLOCK_X ? BLOCK_Y : c->block[1], \
+                   ntid_z = BLOCK_X ? BLOCK_Z : c->block[2]; \
+    const uint32_t ctaid_x = b->ctaid[0], ctaid_y = b->ctaid[1], ctaid_z = b->ctaid[2]; \
+    const uint32_t nctaid_x = c->grid[0], nctaid_y = c->grid[1], nctaid_z = c->grid[2]; \
+    (void)ntid_x; (void)ntid_y; (void)ntid_z; (void)ctaid_x; (void)ctaid_y; (void)ctaid_z; \
+    (void)nctaid_x; (void)nctaid_y; (void)nctaid_z;
+#define THREAD_VARS \
+    const uint32_t tid_ = BLOCK_X ? 0 : tids_[t]; \
+    const uint32_t tid_x = BLOCK_X ? t %% BLOCK_X_ : tid_ & 1023, \
+                   tid_y = BLOCK_X ? t / BLOCK_X_ %% BLOCK_Y_ : (tid_ >> 10) & 1023, \
+                   tid_z = BLOCK_X ? t / (BLOCK_X_ * BLOCK_Y_) : tid_ >> 20; \
+    (void)tid_x; (void)tid_y; (void)tid_z;
 #define THREADS(b) (BLOCK_THREADS ? (uint32_t)BLOCK_THREADS : (b)->nt)
 #define SHBYTES(c) (SHARED_FIXED ? SHARED_BYTES : (c)->shbytes)
 
@@ -540,7 +559,7 @@ static void block_start(Blk *b, int64_t g) {
     b->ctaid[0] = g % c->grid[0]; b->ctaid[1] = (g / c->grid[0]) % c->grid[1];
     b->ctaid[2] = g / ((int64_t)c->grid[0] * c->grid[1]);
     if (c->shbytes) memset(b->shm, 0, (c->shbytes + 15) / 16 * 16);
-    for (uint32_t t = 0; t < b->nt; t++) { b->state[t] = ST_RUN; b->pc[t] = 0; }
+    memset(b->state, ST_RUN, b->nt); memset(b->pc, 0, b->nt * sizeof(int32_t));
     b->n[ST_RUN] = b->nt; b->n[ST_BAR] = b->n[ST_WARP] = b->n[ST_EXIT] = 0;
     b->upc = 0;
     b->epoch = 0;

@@ -826,7 +826,7 @@ class PtxModule:
         if settings.emu_compiler():
             from phos.gpu_server.backends.ptx import compiler
             native = compiler.compiled(K)
-            lib = native.library(block[0] * block[1] * block[2], K.shared_static + shared_bytes)
+            lib = native.library(block, K.shared_static + shared_bytes)
             if lib is not None:
                 compiler.launch(native, lib, K, mem, symbols, grid, block, shared_bytes, params, printf, nb,
                                 deadline, envreg, cooperative)
