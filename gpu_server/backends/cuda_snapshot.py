@@ -6,6 +6,7 @@ from concurrent.futures import Future
 import itertools
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -371,23 +372,33 @@ class CudaSnapshotOps:
         only within one registration. A pre-started worker does it before any application uses
         it: pinning a fresh store's pages is slow (perf/probe_host_arena.py). Small pieces, a
         moment apart: pinning and unpinning hold a driver lock that all processes on the GPU
-        share (see CudaBackend.close). Returns False (logged) if it could not."""
+        share (see CudaBackend.close). Returns False (logged) if it could not, or if the backend
+        began to close meanwhile.
+        On a thread of its own (a worker that pins behind its client's calls), it is one of the
+        threads close() waits for, as the staging areas' pinning is: appended before its first
+        check of closing, so that close() either joins it or it sees closing and stops."""
+        if threading.current_thread() is not threading.main_thread():
+            self.backend.pinning.append(threading.current_thread())
         ok(cu.cuCtxSetCurrent(self.backend.ctx), "cuCtxSetCurrent")
         piece = slot_bytes * max(1, STORE_PIN_PIECE // slot_bytes)
         start, done = memory.ctypes.data, []
         for off in range(0, memory.nbytes, piece):
+            if self.backend.closing:
+                break
             n = min(piece, memory.nbytes - off)
             err = cu.cuMemHostRegister(start + off, n, DEVICEMAP)[0]
             if int(err):
                 log.warning("pinning %d MiB of host store memory failed (%s): copies go through buffers", n >> 20, err)
-                for at in done:
-                    cu.cuMemHostUnregister(at)
-                return False
+                break
             done.append(start + off)
             time.sleep(PIN_PAUSE)
-        self.pinned.append((start, start + memory.nbytes))
-        self.pieces = sorted(self.pieces + done)     # sorted: join_runs breaks copies at them
-        return True
+        else:
+            self.pinned.append((start, start + memory.nbytes))
+            self.pieces = sorted(self.pieces + done)     # sorted: join_runs breaks copies at them
+            return True
+        for at in done:
+            cu.cuMemHostUnregister(at)
+        return False
 
     def threads_at_work(self):
         return self.mapper.at_work

@@ -375,7 +375,7 @@ class DeviceTarget:
     CTX --to-device N`): the warm copy is a worker on device N, kept out of the front end's table
     of contexts (where the live context stays, under the same id) until it adopts the last round
     and takes its place. The restore puts the context's allocations at their addresses, in its
-    range (worker.py take_base), so the application's pointers stay valid on the new device."""
+    range (session.py Session.take_base), so the application's pointers stay valid on the new device."""
     same_server = True
     remote = False
     DROP_WAIT = 3.0             # seconds drop_warm waits for the copy's worker to be gone

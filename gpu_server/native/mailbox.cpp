@@ -10,7 +10,7 @@
 // else going on (no checkpoint, restore or recovery image, no result or error waiting to be
 // told), and for a slice of time, after which the worker's loop looks at its sockets. Every
 // request this code does not answer is left in the box, untouched, for the Python path
-// (worker.py serve_box): another call, a synchronize that calls sent before it by socket must
+// (worker/loop.py serve_box): another call, a synchronize that calls sent before it by socket must
 // run first, a client that sleeps (it is answered over the socket), a failed synchronize (run
 // again there, and told as Python tells it).
 //
