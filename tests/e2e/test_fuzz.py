@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings, strategies 
 from conftest import ServerProc, wait_until
 from phos.gpu_server.address_space import BASE
 from phos.gpu_server.client_keys import pid_alive
+from phos.gpu_server.worker.strangers import REFUSALS
 from phos.schema import wire
 from phos.schema.cuda_types import STICKY, CUresult
 from ptx_helpers import compile_ptx
@@ -295,7 +296,7 @@ class Fuzzer:
         self.seq = 1 << 40                 # our pings' seqs, far from the generated ones
         self.cases = 0
         self.sessions = []                 # every context id the fuzzer opened
-        self.s = self.q = None
+        self.s = self.q = self.stranger = None
         self.tally = collections.Counter()  # (case kind or call, status) of what the server answered
         self.renew_s()
         self.renew_q()
@@ -317,12 +318,19 @@ class Fuzzer:
 
     def renew_s(self):
         """s, a stranger on its worker, and a staging area whose mailbox the fuzzer scribbles on."""
-        if self.s is not None:
-            self.stranger.close()
         self.s, self.s_pid = self.open(self.s)
-        self.stranger = dealer(self.s.endpoint)
+        self.new_stranger()
         size = wire.SLOTS_OFFSET + (1 << 20)
         assert self.attach_staging(size, size, True)
+
+    def new_stranger(self):
+        """A fresh unattached connection to s's worker. The worker cuts off a peer after REFUSALS
+        refusals (gpu_server/worker/strangers.py): each case sends the stranger's socket two
+        messages at most, so it is renewed before a ping could be one the worker ignores."""
+        if self.stranger is not None:
+            self.stranger.close(linger=0)
+        self.stranger = dealer(self.s.endpoint)
+        self.stranger_sent = 0
 
     def attach_staging(self, size, file_size, right_cookie):
         """Offer s's worker a staging file of file_size bytes as one of size; True if it mapped it."""
@@ -397,6 +405,10 @@ class Fuzzer:
         kind = case[0]
         if kind == "frames":
             _, target, frames = case
+            if target == "stranger":
+                if self.stranger_sent + 2 > REFUSALS:
+                    self.new_stranger()
+                self.stranger_sent += 2
             sock = {"front": self.front, "worker": self.s.sock, "stranger": self.stranger}[target]
             sock.send_multipart(frames)
             seen = self.ping(target)
