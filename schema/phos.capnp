@@ -71,7 +71,7 @@
 # device on the call's stream. With `wait` (a synchronous copy) it answers once the bytes are
 # there; without, the copy is queued and done by the stream's next synchronization, and a
 # failure is an asynchronous call's. hostUnmap{id} waits for the device's work, then unmaps.
-# Memory the device reads and writes in place (cuMemAllocManaged, cuMemHostAlloc with DEVICEMAP):
+# Memory the device reads and writes in place (cuMemAllocManaged, cuMemHostAlloc and cuMemHostRegister with DEVICEMAP):
 # hostMap with `address`, the client's own address of the range's bytes, asks the worker to map
 # them at that same address (so that pointers stored in data structures mean the same in both
 # processes) and make them the device's to address: the cuda backend registers them with

@@ -80,7 +80,7 @@ static const SharedHost* mapped_range(CUctx_st* ctx, const void* host, size_t n,
     const HostRange* r = find_host_range(host, &base);
     const uintptr_t at = reinterpret_cast<uintptr_t>(host);
     if (!r || !r->shared || at + n < at || at + n > base + r->size || !ctx->conn->shares_host(*r->shared)) return nullptr;
-    *offset = at - base;
+    *offset = at - reinterpret_cast<uintptr_t>(r->shared->data());   // a registered range's file starts at its first page
     return r->shared.get();
 }
 
@@ -367,6 +367,56 @@ static CUresult host_alloc(void** pp, size_t n, unsigned flags) {
     return CUDA_SUCCESS;
 }
 
+// A shared range goes: every worker that maps it is told so.
+static void forget_everywhere(const SharedHost& h) {
+    for (CUctx_st* ctx : state().contexts)
+        if (ctx->live && ctx->conn) ctx->conn->forget_host(h);
+}
+
+// True where a shared range (its whole pages) meets the pages [start, end).
+static bool shares_pages(uintptr_t start, uintptr_t end) {
+    for (const auto& [at, range] : state().host) {
+        if (at >= end + static_cast<uintptr_t>(sysconf(_SC_PAGESIZE))) break;
+        const SharedHost* h = range.shared.get();
+        const uintptr_t lo = h ? reinterpret_cast<uintptr_t>(h->data()) : 0;
+        if (h && lo < end && start < lo + h->size()) return true;
+    }
+    return false;
+}
+
+// cuMemHostRegister with DEVICEMAP: the device is in another process, so the application's
+// pages are made shared where they are (SharedHost::adopt) and the current context's worker maps
+// them at the same address, as memory allocated for the device in place is (in_place_alloc).
+// Where the worker does not share our host, or cannot map that address, the call fails saying
+// why, and the pages are left as they were.
+static CUresult register_in_place(void* p, size_t n, unsigned flags) {
+    CUctx_st* ctx;
+    CUresult err = current_context(&ctx);
+    if (err != CUDA_SUCCESS) return err;
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE)), a = reinterpret_cast<uintptr_t>(p);
+    if (shares_pages(a / page * page, (a + n + page - 1) / page * page)) {
+        log_error("cuMemHostRegister(DEVICEMAP) of %zu bytes at %p: its pages hold memory the device uses in place "
+                  "already; the device shares whole pages with this process, so one page cannot be registered twice",
+                  n, p);
+        return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    }
+    std::string why;
+    std::shared_ptr<SharedHost> h = SharedHost::adopt(p, n, why);
+    if (h && !ctx->conn->map_in_place(*h, why)) {
+        ctx->conn->forget_host(*h);
+        h.reset();    // the pages private again, bytes kept
+    }
+    if (!h) {
+        log_error("cuMemHostRegister(DEVICEMAP) of %zu bytes at %p: the device cannot use this memory in place: %s",
+                  n, p, why.c_str());
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    HostRange range{n, flags, false, std::move(h)};
+    range.in_place = true;
+    state().host[a] = std::move(range);
+    return CUDA_SUCCESS;
+}
+
 }  // namespace phos::driver
 
 using namespace phos;
@@ -535,12 +585,8 @@ PHOS_EXPORT CUresult cuMemFreeHost(void* p) {
     auto it = s.host.find(reinterpret_cast<uintptr_t>(p));
     if (it == s.host.end() || !it->second.allocated) return CUDA_ERROR_INVALID_VALUE;
     synchronize_busy_contexts();   // copies may still read or write these bytes
-    if (const std::shared_ptr<SharedHost>& shared = it->second.shared) {
-        for (CUctx_st* ctx : s.contexts)
-            if (ctx->live && ctx->conn) ctx->conn->forget_host(*shared);
-    } else {
-        free(p);
-    }
+    if (const std::shared_ptr<SharedHost>& shared = it->second.shared) forget_everywhere(*shared);
+    else free(p);
     s.host.erase(it);              // a shared range: its mapping and its file's name go with it
     return CUDA_SUCCESS;
 }
@@ -548,18 +594,13 @@ PHOS_EXPORT CUresult cuMemFreeHost(void* p) {
 PHOS_EXPORT CUresult cuMemHostRegister_v2(void* p, size_t bytesize, unsigned int flags) {
     State& s = state();
     Guard g(s.lock);
-    if (!p || bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
-    if (flags & CU_MEMHOSTREGISTER_DEVICEMAP) {
-        // The device is in another process: it can use in place only memory made shared with it
-        // (cuMemHostAlloc with DEVICEMAP, cuMemAllocManaged), not memory the application has.
-        log_error("cuMemHostRegister with DEVICEMAP: phos's device lives in the server's process and can use in "
-                  "place only memory allocated for it; allocate with cuMemHostAlloc(DEVICEMAP) instead");
-        return CUDA_ERROR_NOT_SUPPORTED;
-    }
+    if (!p || bytesize == 0 || reinterpret_cast<uintptr_t>(p) + bytesize < reinterpret_cast<uintptr_t>(p))
+        return CUDA_ERROR_INVALID_VALUE;
     uintptr_t a = reinterpret_cast<uintptr_t>(p);
     auto next = s.host.lower_bound(a);
     if (find_host_range(p) || (next != s.host.end() && next->first < a + bytesize))
         return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    if (flags & CU_MEMHOSTREGISTER_DEVICEMAP) return register_in_place(p, bytesize, flags);
     s.host[a] = HostRange{bytesize, flags, false, nullptr};
     return CUDA_SUCCESS;
 }
@@ -569,8 +610,9 @@ PHOS_EXPORT CUresult cuMemHostUnregister(void* p) {
     Guard g(s.lock);
     auto it = s.host.find(reinterpret_cast<uintptr_t>(p));
     if (it == s.host.end() || it->second.allocated) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
-    synchronize_busy_contexts();
-    s.host.erase(it);
+    synchronize_busy_contexts();   // kernels may still use a range registered with DEVICEMAP
+    if (const std::shared_ptr<SharedHost>& shared = it->second.shared) forget_everywhere(*shared);
+    s.host.erase(it);              // a shared range: its pages private again (SharedHost's destructor)
     return CUDA_SUCCESS;
 }
 

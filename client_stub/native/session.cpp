@@ -690,8 +690,13 @@ static void* map_in_place_area(int fd, size_t n) {
     return MAP_FAILED;
 }
 
+// hostMap's id of a new shared range: unique in the process, never 0.
+static uint64_t next_host_id() {
+    static uint64_t next = 1;   // under the driver's lock, as every call
+    return next++;
+}
+
 std::unique_ptr<SharedHost> SharedHost::make(size_t n, bool in_place) {
-    static uint64_t next_id = 1;   // under the driver's lock, as every call
     std::unique_ptr<SharedHost> h(new SharedHost());
     h->fd_ = create_shared_file(kPinnedHeader + n, true, h->path_, h->cookie_);
     void* data = MAP_FAILED;
@@ -706,12 +711,56 @@ std::unique_ptr<SharedHost> SharedHost::make(size_t n, bool in_place) {
     }
     h->data_ = static_cast<char*>(data);
     h->size_ = n;
-    h->id_ = next_id++;
+    h->id_ = next_host_id();
+    return h;
+}
+
+std::unique_ptr<SharedHost> SharedHost::adopt(void* p, size_t n, std::string& why) {
+    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+    const uintptr_t start = reinterpret_cast<uintptr_t>(p) / page * page;
+    const size_t size = (reinterpret_cast<uintptr_t>(p) + n + page - 1) / page * page - start;
+    std::unique_ptr<SharedHost> h(new SharedHost());
+    h->fd_ = create_shared_file(kPinnedHeader + size, true, h->path_, h->cookie_);
+    if (h->fd_ < 0) {
+        why = std::string("cannot make a shared file of ") + std::to_string(size) + " bytes: " + strerror(errno);
+        return nullptr;
+    }
+    // The bytes, then the file's mapping over them: a write another thread makes to these pages
+    // in between is lost, as CUDA's registration is made before the memory's use, not during it.
+    char* at = reinterpret_cast<char*>(start);
+    for (size_t done = 0; done < size;) {
+        const ssize_t wrote = pwrite(h->fd_, at + done, size - done, static_cast<off_t>(kPinnedHeader + done));
+        if (wrote <= 0) {
+            why = std::string("cannot read the pages of ") + std::to_string(n) + " bytes at " +
+                  std::to_string(reinterpret_cast<uintptr_t>(p)) + ": " + strerror(wrote < 0 ? errno : EIO);
+            return nullptr;
+        }
+        done += static_cast<size_t>(wrote);
+    }
+    void* got = mmap(at, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, h->fd_, static_cast<off_t>(kPinnedHeader));
+    if (got != at) {
+        why = std::string("cannot map a shared file over the pages: ") + strerror(errno);
+        return nullptr;
+    }
+    h->data_ = at;
+    h->size_ = size;
+    h->id_ = next_host_id();
+    h->adopted_ = true;
     return h;
 }
 
 SharedHost::~SharedHost() {
-    if (data_) munmap(data_, size_);
+    if (data_ && adopted_) {
+        // Private pages again, holding the bytes: the application still owns this memory (it
+        // frees it as it allocated it), and a child it forks must get a copy, not a share.
+        void* copy = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (copy != MAP_FAILED) {
+            memcpy(copy, data_, size_);
+            if (mremap(copy, size_, size_, MREMAP_MAYMOVE | MREMAP_FIXED, data_) == MAP_FAILED) munmap(copy, size_);
+        }   // else the pages stay the file's: still the application's bytes
+    } else if (data_) {
+        munmap(data_, size_);
+    }
     if (fd_ >= 0) close(fd_);
 }
 

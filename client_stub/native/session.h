@@ -34,6 +34,10 @@ public:
     // `n` bytes of it, or null (saying why with PHOS_VERBOSE) if memory cannot hold them.
     // in_place: placed where the same address is likely free in a worker too (session.cpp).
     static std::unique_ptr<SharedHost> make(size_t n, bool in_place = false);
+    // The application's own pages [p, p + n), made shared where they are (cuMemHostRegister with
+    // DEVICEMAP): their bytes go into a new file, mapped over them at the same address; until
+    // then null, saying why (why). Its destruction gives the pages back private, bytes kept.
+    static std::unique_ptr<SharedHost> adopt(void* p, size_t n, std::string& why);
     ~SharedHost();
     SharedHost(const SharedHost&) = delete;
     SharedHost& operator=(const SharedHost&) = delete;
@@ -52,6 +56,7 @@ private:
     char* data_ = nullptr;    // the application's bytes, after the header
     size_t size_ = 0;
     int fd_ = -1;             // its memfd, open while it lives: path_ names it to every worker of ours
+    bool adopted_ = false;    // the application's own pages (adopt): never unmapped, made private again
 };
 
 // Where the bytes of a device->host copy go once its Result arrives.

@@ -2,8 +2,14 @@
 // memory (cudaMallocManaged) written on the host, updated by kernels, read back on the host
 // after a synchronisation; a linked list built in it on the host (pointers stored in the data
 // mean the same to the device); mapped pinned memory (cudaHostAlloc with cudaHostAllocMapped)
-// that a kernel writes through cudaHostGetDevicePointer's pointer. Prints one line per check,
+// that a kernel writes through cudaHostGetDevicePointer's pointer; the application's own
+// memory (malloc'd, at an address not page-aligned, with bytes of its own around it on the same
+// pages) registered with cudaHostRegisterMapped, which kernels read and write in place and which
+// keeps its bytes, and its neighbours', after cudaHostUnregister. Prints one line per check,
 // then PASS.
+#include <cstdlib>
+#include <cstring>
+
 #include "common.h"
 
 struct Node {
@@ -87,6 +93,38 @@ int main() {
     for (int i = 0; i < 1000; i++) bad += out[i] != (i - 500) * (i - 500);
     printf("mapped host memory: wrong=%d same address=%d\n", bad, d_in == in);
     wrong += bad;
+
+    // The application's own memory, registered mapped: the runtime's device pointer, and the
+    // host pointer itself (the same address, as a GPU with unified addressing has it).
+    const int m = 3000;
+    char* block = static_cast<char*>(malloc(m * sizeof(int) + 64));
+    int* reg = reinterpret_cast<int*>(block + 32);          // a page's middle, not its start
+    memset(block, 0x5a, 32);
+    memset(block + 32 + m * sizeof(int), 0xa5, 32);
+    for (int i = 0; i < m; i++) reg[i] = i;
+    CHECK(cudaHostRegister(reg, m * sizeof(int), cudaHostRegisterMapped));
+    int* d_reg;
+    CHECK(cudaHostGetDevicePointer(&d_reg, reg, 0));
+    add_index<<<(m + 255) / 256, 256>>>(d_reg, m);          // reg[i] = 2i
+    CHECK(cudaDeviceSynchronize());
+    bad = 0;
+    for (int i = 0; i < m; i++) bad += reg[i] != 2 * i;
+    for (int i = 0; i < m; i++) reg[i] = i - 1000;          // the host writes, the device reads
+    square<<<(m + 255) / 256, 256>>>(reg, d, m);
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(x, d, m * sizeof(int), cudaMemcpyDeviceToHost));
+    for (int i = 0; i < m; i++) bad += x[i] != (i - 1000) * (i - 1000);
+    unsigned int reg_flags = 0;
+    CHECK(cudaHostGetFlags(&reg_flags, reg));
+    CHECK(cudaHostUnregister(reg));
+    for (int i = 0; i < m; i++) bad += reg[i] != i - 1000;  // its bytes stay the application's
+    for (int i = 0; i < 32; i++) bad += block[i] != 0x5a || block[32 + m * sizeof(int) + i] != static_cast<char>(0xa5);
+    reg[0] = 7;                                             // and writable, as before
+    bad += reg[0] != 7;
+    free(block);
+    printf("registered mapped memory: wrong=%d same address=%d mapped flag=%d\n", bad, d_reg == reg,
+           (reg_flags & cudaHostRegisterMapped) != 0);
+    wrong += bad + (d_reg != reg);
 
     CHECK(cudaFreeHost(in));
     CHECK(cudaFreeHost(out));

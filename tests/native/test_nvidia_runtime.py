@@ -92,7 +92,8 @@ def test_managed_and_mapped_memory_are_used_in_place(pinned_apps, server):
     host sees it after a synchronisation."""
     r = run_pinned(pinned_apps, server, "managed_memory")
     for line in ("managed memory attribute: 1", "managed: wrong=0 type managed=1", "linked list: sum=55",
-                 "managed copies: wrong=0", "mapped host memory: wrong=0 same address=1"):
+                 "managed copies: wrong=0", "mapped host memory: wrong=0 same address=1",
+                 "registered mapped memory: wrong=0 same address=1 mapped flag=1"):
         assert line in r.stdout, f"{r.stdout}\n{r.stderr}"
     assert "for the device to use in place" in r.stderr
 

@@ -231,6 +231,87 @@ def test_a_replay_sends_pinned_copies_with_their_bytes(stub, servers, tmp_path):
     assert err.count("the worker mapped pinned host memory") == 5, err     # 3, then 2 again as they are used
 
 
+# -- the application's own memory, registered with DEVICEMAP (cudaHostRegisterMapped) --------
+
+REGISTER = r"""
+import ctypes, mmap, sys
+import numpy as np
+cuda = ctypes.CDLL(sys.argv[1])
+P, U64, SZ = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+DEVICEMAP = 0x02
+N = 3 * mmap.PAGESIZE
+
+def ok(status, what):
+    if status != 0:
+        sys.exit(f"{what} failed: {status}")
+
+def shared(addr):
+    for line in open("/proc/self/maps"):
+        fields = line.split(None, 5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= addr < hi:
+            return len(fields) > 5 and fields[5].startswith("/memfd:phos")
+    return False
+
+dev, ctx, d = ctypes.c_int(), P(), U64()
+ok(cuda.cuInit(0), "cuInit")
+ok(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+ok(cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate")
+ok(cuda.cuMemAlloc_v2(ctypes.byref(d), SZ(N)), "cuMemAlloc")
+pages = mmap.mmap(-1, N + 2 * mmap.PAGESIZE)                  # the application's own memory
+whole = np.frombuffer(pages, np.uint8)
+whole[:] = np.arange(whole.size) % 251
+before = whole.copy()
+at = ctypes.addressof(ctypes.c_char.from_buffer(pages)) + mmap.PAGESIZE + 100   # inside a page
+mine = whole[mmap.PAGESIZE + 100:mmap.PAGESIZE + 100 + N]
+print("register:", cuda.cuMemHostRegister_v2(P(at), SZ(N), DEVICEMAP))
+print("shared:", shared(at), "bytes kept:", bool((whole == before).all()))
+dptr = U64()
+print("device pointer:", cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), P(at), 0), dptr.value == at)
+print("same page again:", cuda.cuMemHostRegister_v2(P(at + N + 8), SZ(16), DEVICEMAP))
+if shared(at):
+    # copies to and from it travel as references, at offsets into its first page
+    ok(cuda.cuMemcpyHtoD_v2(U64(d.value), P(at), SZ(N)), "cuMemcpyHtoD")
+    mine[:] = 0
+    ok(cuda.cuMemcpyDtoH_v2(P(at), U64(d.value), SZ(N)), "cuMemcpyDtoH")
+    print("copies wrong:", int((mine != before[mmap.PAGESIZE + 100:mmap.PAGESIZE + 100 + N]).sum()))
+    mine[:7] = 9
+    print("unregister:", cuda.cuMemHostUnregister(P(at)))
+    print("after: shared:", shared(at), "bytes kept:", bool((mine[:7] == 9).all() and (mine[7:] == before[mmap.PAGESIZE + 107:mmap.PAGESIZE + 100 + N]).all()),
+          "neighbours kept:", bool((whole[:mmap.PAGESIZE + 100] == before[:mmap.PAGESIZE + 100]).all()))
+    print("unregister again:", cuda.cuMemHostUnregister(P(at)))
+"""
+
+
+def register(address, **env):
+    r = subprocess.run([sys.executable, "-c", REGISTER, LIBCUDA], capture_output=True, text=True, timeout=120,
+                       env=stub_env(address, PHOS_VERBOSE="1", **env))
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    return r.stdout.splitlines(), r.stderr
+
+
+def test_registered_memory_is_shared_with_the_worker_where_it_lies(stub, server):
+    """cuMemHostRegister with DEVICEMAP: the application's pages become a shared file mapped over
+    them, bytes kept, which the worker maps at the same address; the device pointer is the
+    address; copies use it in place; unregistered, the pages are private again, bytes kept."""
+    out, err = register(server.address)
+    assert out == ["register: 0", "shared: True bytes kept: True", "device pointer: 0 True",
+                   f"same page again: {int(CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)}", "copies wrong: 0",
+                   "unregister: 0", "after: shared: False bytes kept: True neighbours kept: True",
+                   f"unregister again: {int(CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)}"], err
+    assert "for the device to use in place" in err and "one page cannot be registered twice" in err, err
+    _, in_place = stats(err)
+    assert in_place == 2 * 3 * mmap.PAGESIZE, err
+
+
+def test_registered_memory_on_a_host_the_worker_does_not_share_is_refused_saying_why(stub, server):
+    out, err = register(server.address, PHOS_STAGING="0")
+    assert out == [f"register: {int(CUresult.CUDA_ERROR_NOT_SUPPORTED)}", "shared: False bytes kept: True",
+                   f"device pointer: {int(CUresult.CUDA_ERROR_INVALID_VALUE)} False",
+                   f"same page again: {int(CUresult.CUDA_ERROR_NOT_SUPPORTED)}"], err
+    assert "cuMemHostRegister(DEVICEMAP)" in err and "does not share this host" in err, err
+
+
 # -- the worker's side, from a client that bypasses the stub ----------------------------------
 
 def pinned_file(size, **how):
