@@ -10,6 +10,7 @@ import bisect
 import numpy as np
 
 from phos.schema.cuda_types import CudaError, CUresult
+from phos.snapshot.relocations import Relocations
 
 # Far below where Linux places mmap()s (top-down from 0x7fff...): a base inside that area,
 # such as 0x7f0000000000, collides with the worker's own libraries on the H200, and
@@ -46,9 +47,11 @@ class AddressSpace:
         self.free = [(base, size)]  # sorted (start, length) holes
         self.external = set()       # bases of ranges the device placed outside (module globals)
         # A restored module global the device put elsewhere: the application keeps its old
-        # address (app), calls reach the new one (device). Few: one per moved global.
+        # address (app), calls reach the new one (device). One per global of every module the
+        # context loaded: a PyTorch context has thousands.
         self.moved = {}             # app base -> device base
         self.app_of = {}            # device base -> app base
+        self._moves = None          # Relocations of moved, made as a launch first needs them
         # Ranges cuMemAddressReserve took: out of the holes, and only cuMemMap places
         # allocations in them (alloc with `at` there); an allocation's leaving gives nothing back.
         self.reserved = {}          # base -> length
@@ -96,6 +99,7 @@ class AddressSpace:
         app = self.app_of.pop(ptr, None)
         if app is not None:
             del self.moved[app]
+            self._moves = None
             self.forget(app)
         self.external.discard(ptr)
         self.sizes.pop(ptr, None)
@@ -111,6 +115,7 @@ class AddressSpace:
             return False
         self.adopt(app, nbytes)
         self.moved[app], self.app_of[device] = device, app
+        self._moves = None
         return True
 
     def to_device(self, ptr):
@@ -128,21 +133,11 @@ class AddressSpace:
     def translate_words(self, blob):
         """A launch's parameters with every word that points into a moved global pointed at
         where it lies now (pointer arguments, and pointers inside by-value structs)."""
+        if self._moves is None:
+            self._moves = Relocations((app, app + max(self.sizes[app], 1), device) for app, device in self.moved.items())
         words = np.frombuffer(blob, np.uint64, len(blob) // 8).copy()
-        self.move_words(words, [(app, app + max(self.sizes[app], 1), device) for app, device in self.moved.items()])
+        self._moves.apply(words)
         return words.tobytes() + bytes(blob[len(words) * 8:])
-
-    @staticmethod
-    def move_words(words, ranges):
-        """Point each word of `words` (uint64, changed in place) that lies in one of the ranges
-        (start, end, new start) at the same place in the new one; returns whether any did."""
-        moved = False
-        for lo, hi, new in ranges:
-            hit = (words >= np.uint64(lo)) & (words < np.uint64(hi))
-            if hit.any():
-                words[hit] = words[hit] - np.uint64(lo) + np.uint64(new)
-                moved = True
-        return moved
 
     def release(self, ptr):
         """Forget the allocation at ptr; returns its size."""
@@ -277,3 +272,4 @@ class AddressSpace:
 
     def allocations(self):
         return [(b, self.sizes[b]) for b in self.bases if b not in self.external]
+

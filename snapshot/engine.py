@@ -30,6 +30,7 @@ Both sign and check images with this server's image key (snapshot/image_key.py) 
 another.
 """
 import bisect
+import collections
 import contextlib
 # The executor's module is imported lazily by concurrent.futures: here, not on a worker's first
 # checkpoint, with the application held by the cut.
@@ -52,6 +53,7 @@ from phos.snapshot.image import (DEFAULT_CHUNK_SIZE, MAX_CHUNK_BYTES, ImageError
                                  read_latest_image)
 from phos.snapshot.image_key import image_key
 from phos.snapshot.ops import BATCH_BYTES, DIRECT_BATCH_BYTES, URGENT_BATCH_BYTES, WorkThreads
+from phos.snapshot.relocations import Relocations
 from phos.snapshot.store import keys_of
 
 log = logging.getLogger("phos.snapshot")
@@ -934,7 +936,7 @@ class Restore(ChunkJob):
         self.name = self.manifest.name
         self.thread = None           # the background loader
         self.first_touch = None      # bytes loaded when a call first touched memory (on demand)
-        self.relocations = []        # (old start, old end, new start) of the module globals that moved
+        self.relocations = Relocations(())   # where the module globals that moved went (recreate)
         self.global_chunks = set()   # chunks of module globals: the ones look_into_globals() reads
         self.followed = set()        # addresses in allocations that module globals hold (touch_kernel)
         self.stopping = False        # advance() holds the background loader
@@ -1011,6 +1013,10 @@ class Restore(ChunkJob):
             self.refuse("it names no session (ctx, token, next_id)")
         t = self.step("device", t)
         placed = {}              # (module id, global name) -> where the device put it, when the old address is taken
+        moved = []               # (old start, old end, new start) of the module globals the device put elsewhere
+        globals_of = collections.defaultdict(list)
+        for g in m.globals:
+            globals_of[g["module"]].append(g)
         for e in m.modules:
             try:
                 image = read_chunk(self.store, e["image"], expected_len=e["size"])
@@ -1018,14 +1024,15 @@ class Restore(ChunkJob):
                 raise CudaError(CUresult.CUDA_ERROR_INVALID_IMAGE, str(err)) from None
             module = s.load_module(image)     # charged to its tenant, as its first load was
             s.place(e["id"], "module", module, {"image": image, "name": e["name"], "kind": e["kind"], "image_fp": bytes.fromhex(e["image"])})
-            for g in (g for g in m.globals if g["module"] == e["id"]):
+            for g in globals_of[e["id"]]:
                 ptr, size = backend.get_global(module, g["name"])
                 if size != g["size"]:
                     self.refuse(f"global {g['name']} holds {size} bytes, the image {g['size']}")
                 for old in {g["address"], g["device"] or ptr} - {ptr}:
-                    self.relocations.append((old, old + size, ptr))
+                    moved.append((old, old + size, ptr))
                 if not s.reach_global(g["address"], ptr, size, g["name"]):
                     placed[g["module"], g["name"]] = ptr
+        self.relocations = Relocations(moved)
         for f in m.functions:
             fn = backend.get_function(s.lookup("module", f["module"]), f["name"])
             if [list(p) for p in fn.params] != f["params"]:
@@ -1179,7 +1186,7 @@ class Restore(ChunkJob):
             buf = np.empty(n, np.uint8)
             backend.dtoh(addr, buf, None)
             words = buf[:n // 8 * 8].view(np.uint64)
-            if self.session.space.move_words(words, self.relocations):
+            if self.relocations.apply(words):
                 backend.htod(addr, buf, None)
             self.followed.update(kernel_pointers(self.session, words.tobytes()))
 

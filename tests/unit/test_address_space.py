@@ -5,6 +5,7 @@ import pytest
 
 from phos.gpu_server.address_space import BASE, AddressSpace
 from phos.schema.cuda_types import CudaError
+from phos.snapshot.relocations import Relocations
 
 OLD, NEW = 0x7E0000000100, 0x7F0000000100     # a 16-byte global: where it was, where it is now
 
@@ -46,6 +47,62 @@ def test_a_launchs_words_into_a_moved_global_are_moved_and_nothing_else():
     out = space.translate_words(words.tobytes() + tail)
     assert np.frombuffer(out[:40], np.uint64).tolist() == [NEW, NEW + 8, OLD + 16, 5, space.base]
     assert out[40:] == tail
+
+
+def test_a_launch_after_more_globals_moved_or_went_sees_the_change():
+    space = space_with_moved_global()
+    space.alias(OLD, NEW, 16)
+    assert space.translate_words(np.array([OLD], np.uint64).tobytes()) == np.array([NEW], np.uint64).tobytes()
+    space.adopt(NEW + 0x1000, 8)
+    space.alias(OLD + 0x1000, NEW + 0x1000, 8)
+    assert space.translate_words(np.array([OLD + 0x1004], np.uint64).tobytes()) == \
+        np.array([NEW + 0x1004], np.uint64).tobytes()
+    space.forget(NEW)
+    assert space.translate_words(np.array([OLD], np.uint64).tobytes()) == np.array([OLD], np.uint64).tobytes()
+
+
+# -- Relocations: thousands of moved globals, many words at once ----------------------------
+
+def moved_one_by_one(words, ranges):
+    """What Relocations must give: each word moved by the first range holding it, once."""
+    out = []
+    for w in words:
+        hit = next(((lo, new) for lo, hi, new in ranges if lo <= w < hi), None)
+        out.append(w - hit[0] + hit[1] if hit else w)
+    return out
+
+
+def test_relocations_move_each_word_by_its_range_among_thousands():
+    rng = np.random.default_rng(7)
+    starts = np.sort(rng.choice(1 << 30, 3000, replace=False)) * 64 + OLD
+    ranges = [(int(lo), int(lo) + int(rng.integers(1, 64)), int(NEW + i * 4096)) for i, lo in enumerate(starts)]
+    inside = [lo + (hi - lo) // 2 for lo, hi, _ in ranges[::7]]
+    edges = [x for lo, hi, _ in ranges[::11] for x in (lo - 1, lo, hi - 1, hi)]
+    words = inside + edges + [0, 5, 2**64 - 1, OLD - 1]
+    rng.shuffle(words)
+    have = np.array(words, np.uint64)
+    assert Relocations(reversed(ranges)).apply(have)          # the order they come in does not matter
+    assert have.tolist() == moved_one_by_one(words, ranges)
+
+
+def test_a_word_moved_into_another_range_moves_once():
+    r = Relocations([(100, 110, 200), (200, 210, 300)])
+    words = np.array([105, 205, 99], np.uint64)
+    assert r.apply(words) and words.tolist() == [205, 305, 99]
+
+
+def test_overlapping_ranges_the_earlier_one_wins():
+    ranges = [(100, 120, 1000), (110, 140, 2000), (90, 105, 3000), (95, 150, 4000)]
+    words = list(range(85, 155))
+    have = np.array(words, np.uint64)
+    Relocations(ranges).apply(have)
+    assert have.tolist() == moved_one_by_one(words, ranges)
+
+
+def test_no_ranges_or_no_words_move_nothing():
+    assert not Relocations(()).apply(np.array([1, 2], np.uint64))
+    assert not Relocations([(1, 3, 10)]).apply(np.array([], np.uint64))
+    assert not Relocations([(1, 3, 10)]).apply(np.array([3, 0], np.uint64))
 
 
 # -- reserved ranges: what cuMemAddressReserve takes and cuMemMap places allocations in -----
