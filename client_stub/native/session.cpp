@@ -715,10 +715,45 @@ std::unique_ptr<SharedHost> SharedHost::make(size_t n, bool in_place) {
     return h;
 }
 
+// Whether every page of [start, end) is private anonymous memory we may write (heap, stack,
+// an anonymous mmap): only such pages keep their meaning when a shared file is mapped over them.
+// A file's pages or a shared mapping would be cut from their file and their other processes.
+static bool private_anonymous(uintptr_t start, uintptr_t end, std::string& why) {
+    FILE* maps = fopen("/proc/self/maps", "r");
+    if (!maps) {
+        why = std::string("cannot read /proc/self/maps: ") + strerror(errno);
+        return false;
+    }
+    char line[512];
+    uintptr_t covered = start;
+    while (covered < end && fgets(line, sizeof line, maps)) {
+        line[strcspn(line, "\n")] = 0;
+        unsigned long lo, hi, inode;
+        char perms[8] = {}, path[256] = {};
+        if (sscanf(line, "%lx-%lx %7s %*s %*s %lu %255[^\n]", &lo, &hi, perms, &inode, path) < 4) continue;
+        if (hi <= covered || lo > covered) continue;      // mappings are listed in address order
+        const char* name = path + strspn(path, " ");
+        const bool anonymous = inode == 0 && (!*name || !strcmp(name, "[heap]") || !strcmp(name, "[stack]") ||
+                                              !strncmp(name, "[anon:", 6));
+        if (strncmp(perms, "rw", 2) != 0 || perms[3] != 'p' || !anonymous) {
+            why = std::string("its pages are ") +
+                  (perms[3] != 'p' ? "a shared mapping" : !anonymous ? "a file's" : "not writable") + " (" + line +
+                  "): only private anonymous memory (malloc, new, an anonymous mmap) can be shared with the device's process";
+            fclose(maps);
+            return false;
+        }
+        covered = hi;
+    }
+    fclose(maps);
+    if (covered < end) why = "part of its pages is not mapped";
+    return covered >= end;
+}
+
 std::unique_ptr<SharedHost> SharedHost::adopt(void* p, size_t n, std::string& why) {
     const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     const uintptr_t start = reinterpret_cast<uintptr_t>(p) / page * page;
     const size_t size = (reinterpret_cast<uintptr_t>(p) + n + page - 1) / page * page - start;
+    if (!private_anonymous(start, start + size, why)) return nullptr;
     std::unique_ptr<SharedHost> h(new SharedHost());
     h->fd_ = create_shared_file(kPinnedHeader + size, true, h->path_, h->cookie_);
     if (h->fd_ < 0) {

@@ -258,7 +258,7 @@ ok(cuda.cuInit(0), "cuInit")
 ok(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
 ok(cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev), "cuCtxCreate")
 ok(cuda.cuMemAlloc_v2(ctypes.byref(d), SZ(N)), "cuMemAlloc")
-pages = mmap.mmap(-1, N + 2 * mmap.PAGESIZE)                  # the application's own memory
+pages = mmap.mmap(-1, N + 2 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)   # the application's own memory
 whole = np.frombuffer(pages, np.uint8)
 whole[:] = np.arange(whole.size) % 251
 before = whole.copy()
@@ -269,6 +269,10 @@ print("shared:", shared(at), "bytes kept:", bool((whole == before).all()))
 dptr = U64()
 print("device pointer:", cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), P(at), 0), dptr.value == at)
 print("same page again:", cuda.cuMemHostRegister_v2(P(at + N + 8), SZ(16), DEVICEMAP))
+others = mmap.mmap(-1, mmap.PAGESIZE)                         # shared with whoever else maps it
+others[:3] = b"abc"
+print("a shared mapping:", cuda.cuMemHostRegister_v2(P(ctypes.addressof(ctypes.c_char.from_buffer(others))),
+                                                     SZ(mmap.PAGESIZE), DEVICEMAP), others[:3] == b"abc")
 if shared(at):
     # copies to and from it travel as references, at offsets into its first page
     ok(cuda.cuMemcpyHtoD_v2(U64(d.value), P(at), SZ(N)), "cuMemcpyHtoD")
@@ -296,10 +300,12 @@ def test_registered_memory_is_shared_with_the_worker_where_it_lies(stub, server)
     address; copies use it in place; unregistered, the pages are private again, bytes kept."""
     out, err = register(server.address)
     assert out == ["register: 0", "shared: True bytes kept: True", "device pointer: 0 True",
-                   f"same page again: {int(CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)}", "copies wrong: 0",
+                   f"same page again: {int(CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)}",
+                   f"a shared mapping: {int(CUresult.CUDA_ERROR_NOT_SUPPORTED)} True", "copies wrong: 0",
                    "unregister: 0", "after: shared: False bytes kept: True neighbours kept: True",
                    f"unregister again: {int(CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)}"], err
     assert "for the device to use in place" in err and "one page cannot be registered twice" in err, err
+    assert "its pages are a shared mapping" in err and "only private anonymous memory" in err, err
     _, in_place = stats(err)
     assert in_place == 2 * 3 * mmap.PAGESIZE, err
 
@@ -308,7 +314,8 @@ def test_registered_memory_on_a_host_the_worker_does_not_share_is_refused_saying
     out, err = register(server.address, PHOS_STAGING="0")
     assert out == [f"register: {int(CUresult.CUDA_ERROR_NOT_SUPPORTED)}", "shared: False bytes kept: True",
                    f"device pointer: {int(CUresult.CUDA_ERROR_INVALID_VALUE)} False",
-                   f"same page again: {int(CUresult.CUDA_ERROR_NOT_SUPPORTED)}"], err
+                   f"same page again: {int(CUresult.CUDA_ERROR_NOT_SUPPORTED)}",
+                   f"a shared mapping: {int(CUresult.CUDA_ERROR_NOT_SUPPORTED)} True"], err
     assert "cuMemHostRegister(DEVICEMAP)" in err and "does not share this host" in err, err
 
 
