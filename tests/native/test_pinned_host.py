@@ -26,12 +26,11 @@ from wire_client import RawSession, client_file, decode_reply
 
 pytestmark = pytest.mark.gpu     # perf/device/run.sh runs this file with --backend cuda
 
-PROGRAM = r"""
-import ctypes, os, sys
+# What the programs below start with: the stub loaded (argv[1]), and their checks.
+PRELUDE = r"""
+import ctypes, mmap, os, sys
 import numpy as np
 cuda = ctypes.CDLL(sys.argv[1])
-mode = sys.argv[2]
-N = (4 << 20) + 123                  # above the stub's smallest shared allocation (256 KiB), and odd
 P, U64, SZ = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
 
 def ok(status, what):
@@ -46,6 +45,11 @@ def shared(addr):
         if lo <= addr < hi:
             return len(fields) > 5 and fields[5].startswith("/memfd:phos")
     return False
+"""
+
+PROGRAM = PRELUDE + r"""
+mode = sys.argv[2]
+N = (4 << 20) + 123                  # above the stub's smallest shared allocation (256 KiB), and odd
 
 def memfds_open():
     return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:phos") for fd in os.listdir("/proc/self/fd")
@@ -233,25 +237,9 @@ def test_a_replay_sends_pinned_copies_with_their_bytes(stub, servers, tmp_path):
 
 # -- the application's own memory, registered with DEVICEMAP (cudaHostRegisterMapped) --------
 
-REGISTER = r"""
-import ctypes, mmap, sys
-import numpy as np
-cuda = ctypes.CDLL(sys.argv[1])
-P, U64, SZ = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+REGISTER = PRELUDE + r"""
 DEVICEMAP = 0x02
 N = 3 * mmap.PAGESIZE
-
-def ok(status, what):
-    if status != 0:
-        sys.exit(f"{what} failed: {status}")
-
-def shared(addr):
-    for line in open("/proc/self/maps"):
-        fields = line.split(None, 5)
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo <= addr < hi:
-            return len(fields) > 5 and fields[5].startswith("/memfd:phos")
-    return False
 
 dev, ctx, d = ctypes.c_int(), P(), U64()
 ok(cuda.cuInit(0), "cuInit")
