@@ -272,4 +272,3 @@ class AddressSpace:
 
     def allocations(self):
         return [(b, self.sizes[b]) for b in self.bases if b not in self.external]
-
