@@ -9,6 +9,7 @@ when nvcc or the CUDA 13 headers are missing. On the H200 the same tests run aga
 import ctypes
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -649,3 +650,39 @@ def test_setting_a_function_attribute_to_its_value_again_costs_no_round_trip(stu
     assert r.returncode == 0 and "attributes ok" in r.stdout, r.stdout + r.stderr
     stats = stub_stats(r.stderr)
     assert stats["mailbox"] + stats["socket"] < 50, stats      # not 200 round trips
+
+
+@pytest.mark.parametrize("hidden", [["system"], ["system", "own"]])
+def test_curve_keys_need_no_installed_libsodium(stub, backend, tmp_path, hidden):
+    """phos/stub carries its own libsodium.so.23 for CURVE, as GPU machines and GPU-less
+    clients often have none installed. With the system's hidden (in a mount namespace of the
+    program's own, /dev/null bound over it) a program still reaches a CURVE-keyed server; with
+    the stub's copy hidden too, cuInit fails and says what is missing."""
+    from conftest import ServerProc
+    from share_nothing import keygen, unshare_permitted
+    from phos.stub_run import free_port_pair
+    why = unshare_permitted()
+    if why:
+        pytest.skip(f"cannot make a mount namespace: {why}")
+    keys = keygen(tmp_path / "keys")
+    srv = ServerProc(backend, tmp_path, listen=f"tcp://127.0.0.1:{free_port_pair()}", extra=["--auth-dir", str(keys)])
+    try:
+        system = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True).stdout
+        paths = {"system": [line.split("=> ")[-1] for line in system.splitlines() if "libsodium.so.23 " in line],
+                 "own": [os.path.join(STUB, "libsodium.so.23")]}
+        hide = [f"mount --bind /dev/null {shlex.quote(p)}" for name in hidden for p in paths[name] if os.path.exists(p)]
+        program = "import ctypes, sys; print(ctypes.CDLL(sys.argv[1]).cuInit(0))"
+        script = "\n".join(["set -e", *hide, 'exec "$@"'])
+        # loaded by its path, as a program whose RPATH names the stub: no LD_LIBRARY_PATH leads to the copy
+        env = dict(os.environ, PHOS_SERVER=srv.address, PHOS_SERVER_KEY=str(keys / "server.key"),
+                   PHOS_CLIENT_KEY=str(keys / "client.key_secret"), PHOS_CONNECT_TIMEOUT="5")
+        env.pop("LD_LIBRARY_PATH", None)
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+                            sys.executable, "-c", program, LIBCUDA], capture_output=True, text=True, timeout=60, env=env)
+        if hidden == ["system"]:
+            assert r.returncode == 0 and r.stdout.split() == ["0"], r.stdout + r.stderr
+        else:
+            assert r.stdout.split() == ["100"], r.stdout + r.stderr      # CUDA_ERROR_NO_DEVICE
+            assert "CURVE needs libsodium" in r.stderr, r.stderr
+    finally:
+        srv.stop()

@@ -1,8 +1,10 @@
-// libsodium for libzmq's CURVE, loaded at run time from the system's libsodium.so.23.
+// libsodium for libzmq's CURVE, loaded at run time: the copy beside the stub (the build puts
+// one there, so that phos/stub stands alone on a machine without libsodium, as GPU machines
+// and GPU-less clients often are), else the system's libsodium.so.23.
 //
 // libsodium.a cannot be linked into a shared object (local-exec TLS), and linking the shared
 // libsodium would make every program that loads the stub need it. So the stub defines the
-// libsodium functions libzmq.a calls as forwarders to the system library, which it opens
+// libsodium functions libzmq.a calls as forwarders to that library, which it opens
 // only when CURVE keys are configured (load_sodium, before the first socket): a program
 // that uses no keys never loads it. zmq_ctx_new calls sodium_init and its end
 // randombytes_close: answered here too (libsodium's own answers) while nothing is loaded.
@@ -11,10 +13,21 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 namespace {
 
 void* library = nullptr;
+constexpr const char* kSoname = "libsodium.so.23";
+
+// The copy in the directory this library was loaded from, if there is one.
+std::string beside_the_stub() {
+    Dl_info info{};
+    if (!dladdr(reinterpret_cast<void*>(&beside_the_stub), &info) || !info.dli_fname) return {};
+    std::string path = info.dli_fname;
+    size_t slash = path.rfind('/');
+    return slash == std::string::npos ? std::string() : path.substr(0, slash + 1) + kSoname;
+}
 
 void* symbol(const char* name) {
     void* f = library ? dlsym(library, name) : nullptr;
@@ -34,9 +47,16 @@ extern "C" {
 // cannot be. Called once by the stub, on its own thread, before any socket exists.
 __attribute__((visibility("hidden"))) bool phos_load_sodium(const char** why) {
     if (library) return true;
-    void* lib = dlopen("libsodium.so.23", RTLD_NOW | RTLD_LOCAL);
+    static std::string reason;
+    std::string own = beside_the_stub();
+    void* lib = own.empty() ? nullptr : dlopen(own.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
-        *why = dlerror();
+        reason = own.empty() ? std::string() : std::string(dlerror()) + "; ";
+        lib = dlopen(kSoname, RTLD_NOW | RTLD_LOCAL);
+    }
+    if (!lib) {
+        reason += dlerror();
+        *why = reason.c_str();
         return false;
     }
     auto init = reinterpret_cast<int (*)()>(dlsym(lib, "sodium_init"));
