@@ -45,6 +45,7 @@ step() {   # step NAME COMMAND...: run it, log it, remember a failure
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/log.txt"
+ldconfig -p | grep -c libsodium | sed 's/^/libsodium libraries installed: /' | tee -a "$OUT/log.txt"
 # CRIU for whole-process checkpoints travels in .criu/ (perf/device/pack_criu.sh)
 [ -x .criu/criu ] && export PHOS_CRIU=$PWD/.criu/criu
 # core, stub and snap run the test files marked `gpu` (pyproject): pytest -m 'gpu and not fuzz'
@@ -95,6 +96,8 @@ fi
 if want process; then
     step torch-process python3 perf/torch_process.py --backend cuda --steps 200 --at 100 --json "$OUT/torch_process.json"
     step process-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/e2e/test_process.py
+    # the tests' server logs (the servers in namespaces of their own print nothing else)
+    find /tmp/pytest-of-root -name server.log 2>/dev/null | tar -czf "$OUT/process-test-logs.tar.gz" -T - 2>/dev/null
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
