@@ -9,6 +9,7 @@
 # Steps: core (cuda-backend tests), stub (tests/apps native vs stub), stub-ab (perf/bench_stub.sh before and after a change: carry .before, made by perf/device/pack_before.sh), process (whole processes with
 # CRIU: carry .criu, made by perf/device/pack_criu.sh), snap (snapshot tests and
 # perf/bench_snapshot.py; snap-bench: the benchmark alone), probe (perf/probe_driver_stalls.py),
+# probe-decode (perf/probe_decode.py: an LLM's token natively and through phos, and the driver calls it makes),
 # kernels (perf/probe_fingerprint_kernels.py: the cut's hash pass written several ways; needs nvcc),
 # arena (perf/probe_host_arena.py: can images live in pinned shared memory?),
 # interference (perf/probe_copy_interference.py: does copying slow the application's kernels?),
@@ -98,6 +99,9 @@ if want process; then
     step process-tests python3 -m pytest -q -p no:cacheprovider --backend cuda tests/e2e/test_process.py
     # the tests' server logs (the servers in namespaces of their own print nothing else)
     find /tmp/pytest-of-root -name server.log 2>/dev/null | tar -czf "$OUT/process-test-logs.tar.gz" -T - 2>/dev/null
+fi
+if want probe-decode; then
+    step probe-decode python3 perf/probe_decode.py --layers "${PHOS_DECODE_LAYERS:-4}" --json "$OUT/probe_decode.json"
 fi
 if want probe; then
     step probe-driver-stalls python3 perf/probe_driver_stalls.py
