@@ -130,13 +130,21 @@ class AddressSpace:
         """The address the application knows for a range's base the device reports."""
         return self.app_of.get(ptr, ptr)
 
+    def relocations(self):
+        """The moved globals as one Relocations (None if none moved), the same object until a
+        global moves or goes: the compiled launch path keeps a copy while it is."""
+        if not self.moved:
+            return None
+        if self._moves is None:
+            self._moves = Relocations((app, app + max(self.sizes[app], 1), device) for app, device in self.moved.items())
+        return self._moves
+
     def translate_words(self, blob):
         """A launch's parameters with every word that points into a moved global pointed at
         where it lies now (pointer arguments, and pointers inside by-value structs)."""
-        if self._moves is None:
-            self._moves = Relocations((app, app + max(self.sizes[app], 1), device) for app, device in self.moved.items())
         words = np.frombuffer(blob, np.uint64, len(blob) // 8).copy()
-        self._moves.apply(words)
+        if self.moved:
+            self.relocations().apply(words)
         return words.tobytes() + bytes(blob[len(words) * 8:])
 
     def release(self, ptr):

@@ -3,13 +3,16 @@ library), for a backend whose launches go to a driver's cuLaunchKernelEx.
 
 calls.launch_batch offers each batch here first. run() answers False where the Python path
 must take the batch, with nothing launched: a checkpoint or restore watching the launches
-(Session.touch_kernel), an address space that moved (the parameters' words are translated), or
-a record the native code refuses (malformed, a failed check, an id that is not a function or
-stream of the context). calls.run_launch then gives those records the meaning and the errors it
+(Session.touch_kernel), or a record the native code refuses (malformed, a failed check, an id
+that is not a function or stream of the context). A restored context whose module globals moved
+stays here: the native side gets its moved ranges and translates the parameters' words as
+AddressSpace.translate_words does. calls.run_launch then gives those records the meaning and the errors it
 always has. The functions and streams batches name are registered here on first use and
 forgotten when the context drops or replaces their ids (Session.drop, Session.place).
 """
 import ctypes
+
+import numpy as np
 
 from phos.base import native
 from phos.schema.cuda_types import STICKY, CudaError
@@ -32,6 +35,8 @@ def load(path=None):
     lib.phos_launcher_function.restype = ctypes.c_int
     lib.phos_launcher_stream.argtypes, lib.phos_launcher_stream.restype = [ctypes.c_void_p, _U64, ctypes.c_void_p], None
     lib.phos_launcher_forget.argtypes, lib.phos_launcher_forget.restype = [ctypes.c_void_p, _U64], None
+    lib.phos_launcher_moves.argtypes = [ctypes.c_void_p, *[ctypes.POINTER(_U64)] * 3, _U64]
+    lib.phos_launcher_moves.restype = ctypes.c_int
     lib.phos_launcher_run.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, _U64,
                                       ctypes.POINTER(_U64), ctypes.POINTER(_U64), ctypes.POINTER(_U64)]
     lib.phos_launcher_run.restype = ctypes.c_int
@@ -50,6 +55,7 @@ class NativeLauncher:
         self.lib, self.failure = lib, failure
         self.handle = lib.phos_launcher_new(launch_kernel_ex)
         self.functions = {}          # registered function id -> its backend Function (names errors)
+        self.moves = None            # the address space's Relocations the native side has
         self.count, self.at, self.value = _U64(), _U64(), _U64()
         self.out = (ctypes.byref(self.count), ctypes.byref(self.at), ctypes.byref(self.value))
         for sid in default_streams:
@@ -68,7 +74,10 @@ class NativeLauncher:
         """Launch every record of blob (bytes) as calls.launch_batch would. False: nothing ran,
         the Python path must take it. A failed launch does not stop the later ones: the first
         failure is raised at the end; a sticky one is raised at once."""
-        if s.watches_launches or s.space.moved:
+        if s.watches_launches:
+            return False
+        moves = s.space.relocations()
+        if moves is not self.moves and not self._send_moves(moves):
             return False
         blob = blob if isinstance(blob, bytes) else bytes(blob)      # ctypes passes bytes without a copy
         first, failed = 0, None
@@ -91,6 +100,15 @@ class NativeLauncher:
             first = at + 1
         if failed is not None:
             raise failed
+        return True
+
+    def _send_moves(self, moves):
+        """Give the native side the address space's moved ranges (None: there are none)."""
+        arrays = [np.ascontiguousarray(a, np.uint64) for a in (moves.starts, moves.ends, moves.shifts)] if moves else [np.zeros(0, np.uint64)] * 3
+        pointers = [a.ctypes.data_as(ctypes.POINTER(_U64)) for a in arrays]
+        if self.lib.phos_launcher_moves(self.handle, *pointers, len(arrays[0])):
+            return False
+        self.moves = moves
         return True
 
     def _register(self, s, hid, kind):

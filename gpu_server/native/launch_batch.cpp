@@ -4,12 +4,13 @@
 // Why native: a launch through the worker's Python (decode, check, ctypes into the driver) costs
 // more than NVIDIA's runtime's own launch (perf/RESULTS.md, bench_launch_decode).
 // gpu_server/backends/native_launch.py owns the policy: it registers the context's functions and streams
-// here as batches name them, and keeps every other case (a checkpoint or restore watching the
-// launches, a moved address space, a record this code refuses) on the Python path, which
-// decides what such records mean and how their errors read.
+// here as batches name them, hands over a restored context's moved ranges, and keeps every other
+// case (a checkpoint or restore watching the launches, a record this code refuses) on the Python
+// path, which decides what such records mean and how their errors read.
 //
 // No CUDA header or library: the driver's cuLaunchKernelEx comes as a function pointer, so CI
-// (no GPU) tests this file with a stand-in driver (tests/unit/test_native_launch.py).
+// (no GPU) tests this file with a stand-in driver (tests/native/test_native_launch.py).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <unordered_map>
@@ -59,7 +60,20 @@ struct Launcher {
     std::vector<Record> records;                     // the batch being run, reused
     std::vector<uint64_t> params;                    // a record's parameters, 8-byte aligned
     std::vector<void*> pointers;                     // the driver's kernelParams
+    // A restored context's moved ranges (snapshot/relocations.py: disjoint, sorted by start)
+    std::vector<uint64_t> move_starts, move_ends, move_shifts;
 };
+
+// Each 8-byte word of a launch's parameters that lies in a moved range, pointed at the same
+// place in its new one (Relocations.apply's rule, so that both paths launch the same bytes).
+void relocate(const Launcher& l, uint64_t* words, size_t count) {
+    for (size_t w = 0; w < count; w++) {
+        auto it = std::upper_bound(l.move_starts.begin(), l.move_starts.end(), words[w]);
+        if (it == l.move_starts.begin()) continue;
+        const size_t i = size_t(it - l.move_starts.begin()) - 1;
+        if (words[w] < l.move_ends[i]) words[w] += l.move_shifts[i];
+    }
+}
 
 template <typename T>
 T read(const unsigned char* at) {
@@ -138,6 +152,7 @@ int run(Launcher& l, uint64_t first, uint64_t* at, uint64_t* value) {
         }
         l.params.resize(r.param_bytes / 8 + 1);
         std::memcpy(l.params.data(), r.params, r.param_bytes);
+        if (!l.move_starts.empty()) relocate(l, l.params.data(), r.param_bytes / 8);
         l.pointers.resize(fn.offsets.size() + 1);
         for (size_t p = 0; p < fn.offsets.size(); p++)
             l.pointers[p] = reinterpret_cast<unsigned char*>(l.params.data()) + fn.offsets[p];
@@ -156,7 +171,7 @@ int run(Launcher& l, uint64_t first, uint64_t* at, uint64_t* value) {
 extern "C" {
 
 __attribute__((visibility("default"))) void* phos_launcher_new(void* launch_kernel_ex) {
-    return new Launcher{reinterpret_cast<LaunchEx>(launch_kernel_ex), {}, {}, {}, {}, {}};
+    return new Launcher{reinterpret_cast<LaunchEx>(launch_kernel_ex), {}, {}, {}, {}, {}, {}, {}, {}};
 }
 
 __attribute__((visibility("default"))) void phos_launcher_free(void* launcher) { delete static_cast<Launcher*>(launcher); }
@@ -174,6 +189,19 @@ __attribute__((visibility("default"))) int phos_launcher_function(void* launcher
 // A stream the batches may name (handle nullptr: an alias of the default stream).
 __attribute__((visibility("default"))) void phos_launcher_stream(void* launcher, uint64_t id, void* handle) {
     static_cast<Launcher*>(launcher)->streams[id] = handle;
+}
+
+// The context's moved ranges, replacing the last ones (count 0: none). Starts must be sorted
+// and the ranges disjoint, as Relocations makes them; refused otherwise (returns 1).
+__attribute__((visibility("default"))) int phos_launcher_moves(void* launcher, const uint64_t* starts, const uint64_t* ends,
+                                                               const uint64_t* shifts, uint64_t count) {
+    for (uint64_t i = 0; i < count; i++)
+        if (starts[i] >= ends[i] || (i && starts[i] < ends[i - 1])) return 1;
+    auto& l = *static_cast<Launcher*>(launcher);
+    l.move_starts.assign(starts, starts + count);
+    l.move_ends.assign(ends, ends + count);
+    l.move_shifts.assign(shifts, shifts + count);
+    return 0;
 }
 
 // An id the context dropped or replaced: later batches naming it go back to asking.

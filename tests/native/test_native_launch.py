@@ -11,6 +11,7 @@ import os
 import struct
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -172,8 +173,7 @@ def test_batches_the_native_path_must_not_judge_go_to_python_whole(session):
     assert s.driver.launches == [] and len(s.python_launches) == 2      # of the earlier case; none of these
 
 
-@pytest.mark.parametrize("state", ["checkpoint by copy-on-write", "restore on demand", "moved global",
-                                   "checkpoint from its device copy"])
+@pytest.mark.parametrize("state", ["checkpoint by copy-on-write", "restore on demand", "checkpoint from its device copy"])
 def test_launches_that_must_say_what_they_touch_take_the_python_path(session, state):
     """The Python path tells a snapshot what a launch may write (touch_kernel); a checkpoint
     saving from the cut's device copy needs nothing of it, and launches stay compiled."""
@@ -185,8 +185,6 @@ def test_launches_that_must_say_what_they_touch_take_the_python_path(session, st
         s.checkpoint = SimpleNamespace(watches_writes=True)
     elif state == "restore on demand":
         s.restoring = SimpleNamespace()
-    elif state == "moved global":
-        s.space.moved[0x7000_0000], s.space.sizes[0x7000_0000] = 0x7100_0000, 64
     else:
         s.checkpoint = SimpleNamespace(watches_writes=False)
     s.snapshotting = s.checkpoint is not None or s.restoring is not None
@@ -196,10 +194,52 @@ def test_launches_that_must_say_what_they_touch_take_the_python_path(session, st
     assert touched == (["k"] if state in ("checkpoint by copy-on-write", "restore on demand") else [])
     s.checkpoint = s.restoring = None
     s.snapshotting = False
-    s.space.moved.clear()
-    s.space.sizes.pop(0x7000_0000, None)
     assert batch(s, record(k, bytes(12))) == (0, "")
     assert (len(s.python_launches), len(s.driver.launches)) == ((1, 1) if python else (0, 2))
+
+
+def test_a_restored_context_whose_globals_moved_launches_here_with_its_words_moved(session):
+    """A restore's module globals lie where the driver put them: the compiled path moves each
+    parameter word that points into one (pointer arguments, pointers in by-value structs) by the
+    rule the Python path applies (Relocations), and follows the moves as globals come and go."""
+    from phos.snapshot.relocations import Relocations
+    s = session
+    k = add_function(s, 0x1000, "k", [(0, 8), (8, 4)])
+    wide = add_function(s, 0x3000, "wide", [(0, 40)])
+    s.driver.sizes[0x3000] = (40,)
+    globals_ = {0x7000_0000: (0x9100_0000, 64), 0x7000_1000: (0x6000_0000, 4096), 0x7100_0000: (0x5000_0000, 256)}
+    for app, (device, size) in globals_.items():
+        s.space.adopt(device, size)             # as the restore's module load places them
+        assert s.space.alias(app, device, size)
+    words = [0x7000_0000, 0x7000_003F, 0x7000_0040, 0x7000_1FFF, 0x7100_0010, 0x6FFF_FFFF, 0]
+    cases = [struct.pack("<5Q", *words[:5]), struct.pack("<5Q", *words[2:])]
+    for params in cases:
+        assert batch(s, record(wide, params)) == (0, "")
+    reference = [np.frombuffer(p, np.uint64).copy() for p in cases]
+    rel = Relocations((app, app + size, device) for app, (device, size) in globals_.items())
+    for r in reference:
+        rel.apply(r)
+    assert [launch[6][0] for launch in s.driver.launches] == [r.tobytes() for r in reference]
+    assert struct.unpack("<5Q", s.driver.launches[0][6][0])[:2] == (0x9100_0000, 0x9100_003F)
+    assert s.python_launches == []
+    # a word of 4 bytes is not a pointer: the parameter bytes past the last whole word stay
+    assert batch(s, record(k, struct.pack("<QI", 0x7000_0008, 0x7000))) == (0, "")
+    assert s.driver.launches[-1][6] == [struct.pack("<Q", 0x9100_0008), struct.pack("<I", 0x7000)]
+    # a global that goes takes its move with it
+    s.space.forget(0x9100_0000)
+    assert batch(s, record(k, struct.pack("<QI", 0x7000_0008, 1))) == (0, "")
+    assert s.driver.launches[-1][6][0] == struct.pack("<Q", 0x7000_0008)
+    assert s.python_launches == []
+
+
+def test_moved_ranges_out_of_order_are_refused(native):
+    driver = StandInDriver({})
+    launcher = native_launch.NativeLauncher(native, ctypes.cast(driver.pointer, ctypes.c_void_p).value, failure, ())
+    u64 = ctypes.c_uint64 * 2
+    assert native.phos_launcher_moves(launcher.handle, u64(0x2000, 0x1000), u64(0x2100, 0x1100), u64(1, 1), 2) == 1
+    assert native.phos_launcher_moves(launcher.handle, u64(0x1000, 0x1080), u64(0x1100, 0x1100), u64(1, 1), 2) == 1
+    assert native.phos_launcher_moves(launcher.handle, u64(0x1000, 0x1100), u64(0x1100, 0x1200), u64(1, 1), 2) == 0
+    launcher.close()
 
 
 def test_dropped_and_replaced_ids_are_forgotten(session):
