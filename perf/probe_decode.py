@@ -4,7 +4,9 @@ perf/bench_process.py's model (Llama-3.1-8B-shaped, fewer layers here) decodes g
 token at a time with its KV cache, natively and then on phos's libcuda.so.1 against a cuda server;
 then once more through phos with PHOS_VERBOSE=2, which names every driver call: the calls made
 between two tokens, counted by name, say what a token asks of the driver (and of the server).
-Each of the model's matrix-vector products is also timed alone, on the GPU, both ways.
+Each of the model's matrix-vector products is also timed alone, on the GPU, both ways, and the
+decode again with cuDNN's attention put last; the stub's verbose line names the synchronous calls
+the program waited for longest.
 
     python3 perf/probe_decode.py [--layers 4] [--tokens 30] [--json OUT]      # on a GPU: run.sh probe-decode
 """
@@ -141,6 +143,11 @@ def main():
         report["phos_ms"] = phos["ms"]
         report["same_tokens"] = phos["tokens"] == native["tokens"]
         report["pieces_phos"], _ = run(args.layers, 0, env, "--pieces")
+        # PyTorch puts cuDNN's attention first on sm90 (a graph built for each new key length, so
+        # for every decoded token); these variables put it last (the names of 2.11 and of later releases)
+        no_cudnn = {"TORCH_CUDNN_SDPA_PREFERRED": "0", "TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}
+        report["native_ms_without_cudnn_attention"] = run(args.layers, args.tokens, dict(os.environ, **no_cudnn))[0]["ms"]
+        report["phos_ms_without_cudnn_attention"] = run(args.layers, args.tokens, dict(env, **no_cudnn))[0]["ms"]
         report["stub_counters"] = [line for line in err.splitlines() if "requests through the mailbox" in line]
         _, err = run(args.layers, 4, dict(env, PHOS_VERBOSE="2"))
         report["calls_per_token"] = calls_per_token(err, WARMUP, WARMUP + 3)
@@ -153,6 +160,8 @@ def main():
     n, f = median(report["native_ms"]), median(report["phos_ms"])
     print(f"{args.layers} layers: a token takes {n:.2f} ms natively, {f:.2f} ms through phos ({f / n:.1f}x); "
           f"tokens {'equal' if report['same_tokens'] else 'DIFFER'}")
+    n2, f2 = median(report["native_ms_without_cudnn_attention"]), median(report["phos_ms_without_cudnn_attention"])
+    print(f"without cuDNN's attention first: {n2:.2f} ms natively, {f2:.2f} ms through phos ({f2 / n2:.1f}x)")
     print("driver calls per token through phos:", json.dumps(report["calls_per_token"]))
     for shape, n in report["pieces_native"].items():
         f = report["pieces_phos"][shape]

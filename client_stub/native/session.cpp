@@ -78,7 +78,15 @@ std::string Connection::stats() const {
              "%llu bytes copied in place (pinned)",
              (unsigned long long)box_requests_, (unsigned long long)socket_requests_, (unsigned long long)doorbells_,
              (unsigned long long)staged_bytes_, (unsigned long long)pinned_bytes_);
-    return text;
+    std::vector<std::pair<int, std::pair<uint64_t, double>>> waits(waits_.begin(), waits_.end());
+    std::sort(waits.begin(), waits.end(), [](const auto& a, const auto& b) { return a.second.second > b.second.second; });
+    std::string out = text;
+    for (size_t i = 0; i < waits.size() && i < 5; i++) {
+        snprintf(text, sizeof text, "%s %s %llu in %.1f ms", i ? "," : "; waited for", wire::kind_name(static_cast<wire::Kind>(waits[i].first)),
+                 (unsigned long long)waits[i].second.first, waits[i].second.second * 1e3);
+        out += text;
+    }
+    return out;
 }
 
 void Connection::post(wire::Call call, const HostDestination* write_back) {
@@ -546,6 +554,14 @@ void Connection::collect_all() {
 }
 
 wire::Result Connection::call(wire::Call call, const HostDestination* out, double timeout) {
+    struct Waited {     // counted however the call ends
+        std::pair<uint64_t, double>& into;
+        Clock::time_point since = Clock::now();
+        ~Waited() {
+            into.first++;
+            into.second += seconds_since(since);
+        }
+    } waited{waits_[static_cast<int>(call.kind)]};
     if (!dead_.empty()) return failure(kContextIsDestroyed, dead_);
     if (!socket_.ok()) return failure(kNoDevice, socket_.error());
     if (recovery_) bound_log();   // the recovery log grows with synchronous calls too

@@ -237,6 +237,9 @@ private:
     bool box_waiting_ = false;                          // ... whose Reply has not come yet
     std::string bell_;                                  // the doorbell Request, encoded once
     uint64_t box_requests_ = 0, socket_requests_ = 0, doorbells_ = 0, staged_bytes_ = 0;
+    // The synchronous calls by kind: how many, and the seconds the application waited for
+    // them (stats() names those that cost most: where a slow program waits on the server).
+    std::unordered_map<int, std::pair<uint64_t, double>> waits_;
 
     // Pinned ranges this worker was asked about (shares_host): id -> whether it maps them.
     std::unordered_map<uint64_t, bool> host_ranges_;

@@ -686,3 +686,27 @@ def test_curve_keys_need_no_installed_libsodium(stub, backend, tmp_path, hidden)
             assert "CURVE needs libsodium" in r.stderr, r.stderr
     finally:
         srv.stop()
+
+
+def test_verbose_statistics_name_the_calls_the_program_waited_for(stub, server):
+    """PHOS_VERBOSE's per-context line names the synchronous calls that cost the program most,
+    with their count and the time it waited: where a slow program waits on the server."""
+    r = _python(f"""
+        import ctypes
+        drv = ctypes.CDLL({LIBCUDA!r})
+        ctx, module = ctypes.c_void_p(), ctypes.c_void_p()
+        ptx = b".version 8.0\\n.target sm_90\\n.address_size 64\\n.visible .entry nothing() {{ ret; }}\\n"
+        assert drv.cuInit(0) == 0
+        assert drv.cuCtxCreate_v2(ctypes.byref(ctx), 0, 0) == 0
+        assert drv.cuModuleLoadData(ctypes.byref(module), ptx) == 0
+        for _ in range(3):
+            assert drv.cuCtxSynchronize() == 0
+        assert drv.cuCtxDestroy_v2(ctx) == 0
+        print("ok")
+    """, env=stub_env(server.address, PHOS_VERBOSE="1"))
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+    line = next((x for x in r.stderr.splitlines() if "requests through the mailbox" in x), "")
+    waits = dict((m[0], (int(m[1]), float(m[2]))) for m in re.findall(r"[,;](?: waited for)? (\w+) (\d+) in ([\d.]+) ms", line))
+    assert waits.get("ctxSynchronize", (0,))[0] == 3, line
+    assert waits.get("moduleLoad", (0,))[0] == 1, line
+    assert all(ms >= 0 for _, ms in waits.values()), line
