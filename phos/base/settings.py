@@ -152,8 +152,8 @@ standby = _declare("PHOS_STANDBY", str, "", f"{CLIENT}, {STUB}",
                    shown="unset")
 server_key = _declare("PHOS_SERVER_KEY", str, None, f"{CLIENT}, {STUB}, {CLI}",
                       "CURVE: the server's public key file (`phos keygen`); the `phos` admin commands use it "
-                      "for a tcp:// server's admin API; the native stub loads the system's libsodium.so.23 "
-                      "for CURVE")
+                      "for a tcp:// server's admin API; the native stub loads libsodium.so.23 for CURVE, its own "
+                      "copy in phos/stub first")
 client_key = _declare("PHOS_CLIENT_KEY", str, None, f"{CLIENT}, {STUB}, {CLI}",
                       "CURVE: the client's secret key file, needed with PHOS_SERVER_KEY (for the admin API, "
                       "its public key must be in the server's admins/)")
@@ -176,7 +176,8 @@ staging = _declare("PHOS_STAGING", tristate, None, f"{CLIENT}, {STUB}",
                    "unset: when it is reached over ipc:// or tcp://127.x", shown="unset (automatic)")
 verbose = _declare("PHOS_VERBOSE", present, False, f"{CLIENT}, {STUB}",
                    "say why calls fail (client: any value; stub: a non-zero number, which also reports "
-                   "connections and staging statistics; `2`: the stub also names every driver call that "
+                   "connections and staging statistics and, per context, the synchronous calls the program "
+                   "waited for longest; `2`: the stub also names every driver call that "
                    "NVIDIA's runtime and libraries resolve through cuGetProcAddress, as it is made, and any "
                    "call of an export-table slot phos does not know)", shown="unset")
 
