@@ -26,8 +26,11 @@ sys.path.insert(0, HERE)
 from torch_recovery import Server, wait_for  # noqa: E402  (perf/ is not a package)
 
 
-def generate(path, layers, tokens):
-    """The application: build the model on the device, then greedy decoding, a line per token."""
+PROMPT = [[128000, 791, 6864, 315]]
+
+
+def llama(layers):
+    """Llama-3.1-8B's shape with `layers` layers and random bf16 weights, on the device."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -35,9 +38,15 @@ def generate(path, layers, tokens):
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).eval()
+        return LlamaForCausalLM(config).eval()
+
+
+def generate(path, layers, tokens):
+    """The application: build the model on the device, then greedy decoding, a line per token."""
+    import torch
+    model = llama(layers)
     params = sum(p.numel() for p in model.parameters())
-    ids = torch.tensor([[128000, 791, 6864, 315]], device="cuda")
+    ids = torch.tensor(PROMPT, device="cuda")
     past = None
     with open(path, "a", buffering=1) as out:
         out.write(f"model {params} parameters, {torch.cuda.memory_allocated() / 2**30:.2f} GiB\n")

@@ -25,7 +25,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from torch_recovery import Server  # noqa: E402  (perf/ is not a package)
+from bench_process import PROMPT, llama  # noqa: E402  (perf/ is not a package)
+from torch_recovery import Server  # noqa: E402
 
 WARMUP = 5
 
@@ -34,14 +35,8 @@ def decode(layers, tokens):
     """The application: the model on the device, then `tokens` greedy steps; each step's end is
     marked on stderr, where the stub names its calls, and the step times are printed as JSON."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).eval()
-    ids = torch.tensor([[128000, 791, 6864, 315]], device="cuda")
+    model = llama(layers)
+    ids = torch.tensor(PROMPT, device="cuda")
     past, times, out = None, [], []
     profile = cProfile.Profile() if os.environ.get("PHOS_PROBE_PROFILE") else None
     with torch.no_grad():
