@@ -143,8 +143,9 @@ class AddressSpace:
         """A launch's parameters with every word that points into a moved global pointed at
         where it lies now (pointer arguments, and pointers inside by-value structs)."""
         words = np.frombuffer(blob, np.uint64, len(blob) // 8).copy()
-        if self.moved:
-            self.relocations().apply(words)
+        moves = self.relocations()
+        if moves is not None:
+            moves.apply(words)
         return words.tobytes() + bytes(blob[len(words) * 8:])
 
     def release(self, ptr):

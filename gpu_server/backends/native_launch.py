@@ -104,7 +104,8 @@ class NativeLauncher:
 
     def _send_moves(self, moves):
         """Give the native side the address space's moved ranges (None: there are none)."""
-        arrays = [np.ascontiguousarray(a, np.uint64) for a in (moves.starts, moves.ends, moves.shifts)] if moves else [np.zeros(0, np.uint64)] * 3
+        ranges = (moves.starts, moves.ends, moves.shifts) if moves is not None else (np.zeros(0, np.uint64),) * 3
+        arrays = [np.ascontiguousarray(a, np.uint64) for a in ranges]       # kept alive through the call
         pointers = [a.ctypes.data_as(ctypes.POINTER(_U64)) for a in arrays]
         if self.lib.phos_launcher_moves(self.handle, *pointers, len(arrays[0])):
             return False
